@@ -1,0 +1,106 @@
+"""The ``"hopper"`` backend: TileLang kernels for SM90 behind ``chunk_gated_delta_rule``.
+
+Forward: the kernels of ``forward.py``. Backward: until the fused Hopper backward lands, gradients are
+computed by recomputing the forward with the PyTorch reference (float32) under autograd; they are exact but
+slow. The L2 norm of q/k is applied as differentiable PyTorch ops in front of the kernels.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from ...api.backend import Backend, register_backend
+from ...api.problem import GDNProblem
+
+SUPPORTED_HEAD_DIMS = (128,)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class _HopperGDN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                state_v_first):
+        from .forward import hopper_forward
+
+        o, ht = hopper_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               state_v_first)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.cu_seqlens_cpu = cu_seqlens_cpu
+        ctx.scale = scale
+        ctx.output_final_state = output_final_state
+        ctx.state_v_first = state_v_first
+        ctx.has_initial_state = initial_state is not None
+        if ht is None:
+            return o
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht=None):
+        from ...reference.chunked import chunk_gated_delta_rule_reference
+
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        xs = [x.detach().requires_grad_(True) if x is not None else None for x in (q, k, v, g, beta, initial_state)]
+        with torch.enable_grad():
+            o, ht = chunk_gated_delta_rule_reference(
+                xs[0], xs[1], xs[2], xs[3], xs[4], scale=ctx.scale, initial_state=xs[5],
+                output_final_state=ctx.output_final_state, cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=ctx.cu_seqlens_cpu, state_v_first=ctx.state_v_first,
+                compute_dtype=torch.float32,
+            )
+            outs, grads = [o], [do]
+            if ht is not None and dht is not None:
+                outs.append(ht)
+                grads.append(dht)
+            leaves = [x for x in xs if x is not None]
+            gs = torch.autograd.grad(outs, leaves, [gr.to(ou.dtype) for ou, gr in zip(outs, grads)],
+                                     allow_unused=True)
+        it = iter(gs)
+        res = []
+        for x, orig in zip(xs, (q, k, v, g, beta, initial_state)):
+            if x is None:
+                res.append(None)
+                continue
+            gr = next(it)
+            res.append(None if gr is None else gr.to(orig.dtype))
+        return (*res, None, None, None, None, None)
+
+
+class HopperBackend(Backend):
+    name = "hopper"
+
+    def available(self) -> Tuple[bool, str]:
+        try:
+            import tilelang  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means the backend cannot run
+            return False, f"TileLang does not import ({type(e).__name__}: {e}); pip install flashgdn[hopper]"
+        if not torch.cuda.is_available():
+            return False, "torch sees no CUDA device"
+        return True, ""
+
+    def check(self, p: GDNProblem) -> None:
+        if p.device.type != "cuda":
+            raise NotImplementedError(f"backend='hopper' needs CUDA tensors (got {p.device}); "
+                                      "backend='reference' runs on any device")
+        if torch.cuda.get_device_capability(p.device) != (9, 0):
+            raise NotImplementedError("backend='hopper' needs an SM90 GPU (H100/H200); backend='reference' runs anywhere")
+        if p.K not in SUPPORTED_HEAD_DIMS or p.V not in SUPPORTED_HEAD_DIMS:
+            raise NotImplementedError(
+                f"backend='hopper' supports head dims K = V in {SUPPORTED_HEAD_DIMS}, got K={p.K}, V={p.V}; "
+                "backend='reference' runs any head dim")
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise NotImplementedError(
+                f"backend='hopper' takes bfloat16 or float16 q/k/v, got {p.dtype}; backend='reference' runs float32/float64")
+
+    def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        q, k = p.q, p.k
+        if p.use_qk_l2norm_in_kernel:
+            from .forward import l2_normalise
+
+            q, k = l2_normalise(q), l2_normalise(k)
+        out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
+                               p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first)
+        if p.output_final_state:
+            return out[0], out[1]
+        return out, None
+
+
+register_backend("hopper", HopperBackend)

@@ -1,0 +1,274 @@
+"""Stage 2 of the Hopper forward, warp-specialised: the same math as ``chunk_forward.py``, split over roles.
+
+Math (DESIGN.md §2), per chunk with S the state at its start:
+
+    Ag = Gam ⊙ A ⊙ (1 beta^T)          W = V - diag(gamma) K S          Vn = Ag W
+    O  = scale (diag(gamma) Q S + (Gam ⊙ Q K^T) Vn)
+    S' = gamma_C S + K^T diag(exp(g~_last - g~)) Vn
+
+PyTorch counterparts: ``flashgdn.reference.chunked.gated_inverse``, ``new_values``, ``chunk_states``,
+``chunk_outputs``.
+
+Roles (one CTA = one sequence x one value head, 512 threads):
+
+* warpgroups 0 and 1, the **state path**: each owns half of the state's V columns (S is [K, 64] fp32 in its
+  registers) and runs the dependent chain K S -> W -> Ag W -> K^T Vn. Splitting V between two warpgroups halves
+  the width of every GEMM on the chain, which is what bounds a long sequence.
+* warpgroup 2, the **output path**: Q K^T, the gates, Ag (handed to the state path), then Q S and (Gam ⊙ Q K^T) Vn
+  for the output. None of it is on the chain, so it overlaps the next chunk's state work.
+* warpgroup 3, the **producer**: TMA loads of q, k, v, A into a two-stage ring (masked plain loads for the last,
+  partial chunk of a sequence, so rows of the next sequence never enter).
+
+Hand-offs are mbarriers; the state reaches the output path as bf16 in shared memory, double-buffered so the
+state path can write S' while the output path still reads S.
+"""
+import functools
+
+from .common import CHUNK, LOG2E, TARGET, pass_configs
+
+
+@functools.lru_cache(maxsize=None)
+def build_chunk_forward_ws(
+    Hqk: int,
+    Hv: int,
+    K: int,
+    V: int,
+    io_dtype: str,
+    has_initial_state: bool,
+    store_final_state: bool,
+    state_v_first: bool,
+):
+    """Compile (or load) the warp-specialised chunk loop. Same arguments as ``build_chunk_forward``'s kernel."""
+    import tilelang
+    import tilelang.language as T
+
+    C = CHUNK
+    group = Hv // Hqk
+    HV2 = V // 2  # V columns per state warpgroup
+    num_tokens = T.dynamic("num_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    n_h0 = T.dynamic("n_h0")
+    n_ht = T.dynamic("n_ht")
+    acc = "float32"
+    state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
+    state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
+
+    @T.macro
+    def state_path(w, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, ag_s, s_half, vn_half, w_half,
+                   full, empty, ag_ready, ag_free, s_ready, s_free, vn_ready, vn_free):
+        # S[:, w*HV2 : (w+1)*HV2] in registers, fp32
+        s_f = T.alloc_fragment((K, HV2), acc)
+        u_f = T.alloc_fragment((C, HV2), acc)
+        c0 = w * HV2
+        if has_initial_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, HV2):
+                    s_f[i, j] = h0[n, h, c0 + j, i]
+            else:
+                for i, j in T.Parallel(K, HV2):
+                    s_f[i, j] = h0[n, h, i, c0 + j]
+        else:
+            T.clear(s_f)
+        T.copy(s_f, s_half[0, :, :])
+        T.fence_proxy_async()
+        T.barrier_arrive(s_ready[0])
+
+        for c in T.serial(n_chunks):
+            st = c % 2
+            T.barrier_wait(full[st], (c // 2) % 2)
+            # W = V - diag(gamma) K S
+            T.gemm(k_s[st, :, :], s_half[st, :, :], u_f, clear_accum=True)
+            for i, j in T.Parallel(C, HV2):
+                u_f[i, j] = v_s[st, i, c0 + j] - T.exp2(gc_s[st, i] * LOG2E) * u_f[i, j]
+            T.copy(u_f, w_half)
+            T.fence_proxy_async()
+            # Vn = Ag W
+            T.barrier_wait(ag_ready[st], (c // 2) % 2)
+            T.gemm(ag_s[st, :, :], w_half, u_f, clear_accum=True)
+            T.barrier_arrive(ag_free[st])
+            T.barrier_wait(vn_free, (c + 1) % 2)
+            T.copy(u_f, vn_half)
+            T.fence_proxy_async()
+            T.barrier_arrive(vn_ready)
+            # S' = gamma_C S + K^T diag(exp(g~_last - g~)) Vn ; rows past the end have factor 0
+            for i, j in T.Parallel(C, HV2):
+                u_f[i, j] = u_f[i, j] * T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E)
+            T.copy(u_f, w_half)
+            T.fence_proxy_async()
+            for i, j in T.Parallel(K, HV2):
+                s_f[i, j] = s_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+            T.gemm(k_s[st, :, :], w_half, s_f, transpose_A=True)
+            T.barrier_arrive(empty[st])
+            # hand S' to the output path once it is done reading the buffer two chunks back
+            T.barrier_wait(s_free[1 - st], ((c + 1) // 2 + 1) % 2)
+            T.copy(s_f, s_half[1 - st, :, :])
+            T.fence_proxy_async()
+            T.barrier_arrive(s_ready[1 - st])
+
+        if store_final_state:
+            if state_v_first:
+                for i, j in T.Parallel(K, HV2):
+                    ht[n, h, c0 + j, i] = s_f[i, j]
+            else:
+                for i, j in T.Parallel(K, HV2):
+                    ht[n, h, i, c0 + j] = s_f[i, j]
+
+    @T.prim_func
+    def chunk_forward_ws_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((1, num_tokens, Hv), "float32"),
+        beta: T.Tensor((1, num_tokens, Hv), "float32"),
+        A: T.Tensor((1, num_tokens, Hv, C), io_dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        h0: T.Tensor(state_shape_h0, "float32"),
+        scale: T.float32,
+        o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        ht: T.Tensor(state_shape_ht, "float32"),
+    ):
+        with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
+            hq = h // group
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            n_chunks = T.ceildiv(eos - bos, C)
+
+            # two-stage input ring
+            q_s = T.alloc_shared((2, C, K), io_dtype)
+            k_s = T.alloc_shared((2, C, K), io_dtype)
+            v_s = T.alloc_shared((2, C, V), io_dtype)
+            a_s = T.alloc_shared((2, C, C), io_dtype)
+            gc_s = T.alloc_shared((2, C), acc)
+            b_s = T.alloc_shared((2, C), acc)
+            # hand-offs
+            ag_s = T.alloc_shared((2, C, C), io_dtype)  # Ag: output path -> state path
+            s0_s = T.alloc_shared((2, K, HV2), io_dtype)  # S halves (bf16): state path -> output path
+            s1_s = T.alloc_shared((2, K, HV2), io_dtype)
+            vn0_s = T.alloc_shared((C, HV2), io_dtype)  # Vn halves: state path -> output path
+            vn1_s = T.alloc_shared((C, HV2), io_dtype)
+            w0_s = T.alloc_shared((C, HV2), io_dtype)  # W, then the decayed Vn (state path, private)
+            w1_s = T.alloc_shared((C, HV2), io_dtype)
+            p_s = T.alloc_shared((C, C), io_dtype)  # scale Gam ⊙ Q K^T (output path, private)
+            o_s = T.alloc_shared((C, V), io_dtype)
+
+            full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
+            empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
+            ag_ready = T.alloc_barrier(arrive_count=[128] * 2)
+            ag_free = T.alloc_barrier(arrive_count=[256] * 2)
+            s_ready = T.alloc_barrier(arrive_count=[256] * 2)
+            s_free = T.alloc_barrier(arrive_count=[128] * 2)
+            vn_ready = T.alloc_barrier(arrive_count=256)
+            vn_free = T.alloc_barrier(arrive_count=128)
+
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                T.set_max_nreg(160, 1)
+                state_path(0, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, ag_s, s0_s, vn0_s, w0_s,
+                           full, empty, ag_ready, ag_free, s_ready, s_free, vn_ready, vn_free)
+            elif tx < 256:
+                T.set_max_nreg(160, 1)
+                state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, ag_s, s1_s, vn1_s, w1_s,
+                           full, empty, ag_ready, ag_free, s_ready, s_free, vn_ready, vn_free)
+            elif tx < 384:
+                # ---------------- output path
+                T.set_max_nreg(152, 1)
+                p_f = T.alloc_fragment((C, C), acc)
+                ag_f = T.alloc_fragment((C, C), acc)
+                o0_f = T.alloc_fragment((C, HV2), acc)
+                o1_f = T.alloc_fragment((C, HV2), acc)
+                for c in T.serial(n_chunks):
+                    st = c % 2
+                    t0 = bos + c * C
+                    n_rows = T.min(eos - t0, C)
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        p_f[i, j] = T.if_then_else(
+                            i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
+                        )
+                    T.copy(p_f, p_s)
+                    for i, j in T.Parallel(C, C):
+                        ag_f[i, j] = T.if_then_else(
+                            i >= j,
+                            a_s[st, i, j] * b_s[st, j] * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E),
+                            0.0,
+                        )
+                    T.barrier_wait(ag_free[st], (c // 2 + 1) % 2)
+                    T.copy(ag_f, ag_s[st, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ag_ready[st])
+                    # O = scale diag(gamma) Q S
+                    T.barrier_wait(s_ready[st], (c // 2) % 2)
+                    T.gemm(q_s[st, :, :], s0_s[st, :, :], o0_f, clear_accum=True)
+                    T.gemm(q_s[st, :, :], s1_s[st, :, :], o1_f, clear_accum=True)
+                    T.barrier_arrive(s_free[st])
+                    for i, j in T.Parallel(C, HV2):
+                        o0_f[i, j] = o0_f[i, j] * scale * T.exp2(gc_s[st, i] * LOG2E)
+                        o1_f[i, j] = o1_f[i, j] * scale * T.exp2(gc_s[st, i] * LOG2E)
+                    # O += (scale Gam ⊙ Q K^T) Vn
+                    T.fence_proxy_async()
+                    T.barrier_wait(vn_ready, c % 2)
+                    T.gemm(p_s, vn0_s, o0_f)
+                    T.gemm(p_s, vn1_s, o1_f)
+                    T.barrier_arrive(vn_free)
+                    T.barrier_arrive(empty[st])
+                    for i, j in T.Parallel(C, HV2):
+                        o_s[i, j] = o0_f[i, j]
+                        o_s[i, HV2 + j] = o1_f[i, j]
+                    for i, j in T.Parallel(C, V):
+                        if i < n_rows:
+                            o[0, t0 + i, h, j] = o_s[i, j]
+                # padded tail after the last sequence: zeros
+                if n == num_seqs - 1:
+                    for c in T.serial(T.ceildiv(num_tokens - eos, C)):
+                        for i, j in T.Parallel(C, V):
+                            if eos + c * C + i < num_tokens:
+                                o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
+            else:
+                # ---------------- producer
+                T.set_max_nreg(40, 0)
+                for c in T.serial(n_chunks):
+                    st = c % 2
+                    t0 = bos + c * C
+                    n_rows = T.min(eos - t0, C)
+                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)
+                    if tx < 384 + 32:
+                        if n_rows == C:
+                            T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_s[st, :, :], barrier=full[st])
+                        else:
+                            # a row at a time keeps the producer within its small register budget
+                            for i in T.serial(C):
+                                for j in T.Parallel(K):
+                                    q_s[st, i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                                    k_s[st, i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                            T.fence_proxy_async()
+                        T.barrier_arrive(full[st])
+                    elif tx < 384 + 64:
+                        if n_rows == C:
+                            T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s[st, :, :], barrier=full[st])
+                        else:
+                            for i in T.serial(C):
+                                for j in T.Parallel(V):
+                                    v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
+                            T.fence_proxy_async()
+                        for i in T.Parallel(C):
+                            b_s[st, i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
+                        T.barrier_arrive(full[st])
+                    elif tx < 384 + 96:
+                        if n_rows == C:
+                            T.tma_copy(A[0, t0:t0 + C, h, 0:C], a_s[st, :, :], barrier=full[st])
+                        else:
+                            for i in T.serial(C):
+                                for j in T.Parallel(C):
+                                    a_s[st, i, j] = T.if_then_else(i < n_rows, A[0, t0 + i, h, j], T.cast(0, io_dtype))
+                            T.fence_proxy_async()
+                        # past the end the cumsum stays at its last real value: no decay, no update
+                        for i in T.Parallel(C):
+                            gc_s[st, i] = gcum[0, t0 + T.min(i, n_rows - 1), h]
+                        T.barrier_arrive(full[st])
+
+    return tilelang.compile(
+        chunk_forward_ws_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()
+    )

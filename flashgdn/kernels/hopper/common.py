@@ -1,0 +1,79 @@
+"""Shared settings of the Hopper kernels: the compile target, dtype names and the compile entry point.
+
+Every kernel is a TileLang program built by a factory whose arguments are the *configuration* (head counts,
+head dims, dtypes, flags). Token counts, sequence counts and offsets are ``T.dynamic`` or runtime data, so one
+compile serves every sequence mix. Compiled kernels are cached in memory per configuration and on disk by
+TileLang (``TILELANG_CACHE_DIR``), so a cache compiled ahead of time on a GPU-less machine is reused.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: Always explicit: "auto" needs a GPU at compile time, plain "cuda" falls back to sm_50.
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+CHUNK = 64
+LOG2E = 1.4426950408889634
+
+TORCH_TO_TL = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    try:
+        return TORCH_TO_TL[dtype]
+    except KeyError as e:  # pragma: no cover - guarded by backend.check
+        raise NotImplementedError(f"the Hopper kernels have no {dtype} variant") from e
+
+
+def pass_configs():
+    import tilelang
+
+    return {
+        tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    }
+
+
+def quiet_tilelang() -> None:
+    os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+
+
+def resource_usage(kernel) -> dict:
+    """Registers, spills and stack of a compiled kernel, read from ``ptxas -v`` on its PTX for sm_90a.
+
+    Returns ``{"registers": int, "spill_stores": int, "spill_loads": int, "stack": int}``; raises
+    RuntimeError when ptxas is not on the PATH (it ships with the CUDA toolkit TileLang compiles with).
+    """
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        raise RuntimeError("ptxas is not on the PATH; install the CUDA toolkit (nvcc) to read register usage")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel._get_ptx())
+        path = f.name
+    try:
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, path],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(path)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    if regs is None or spill is None:
+        raise RuntimeError(f"could not read ptxas output:\n{out}")
+    return {
+        "registers": int(regs.group(1)),
+        "stack": int(spill.group(1)),
+        "spill_stores": int(spill.group(2)),
+        "spill_loads": int(spill.group(3)),
+    }

@@ -1,0 +1,159 @@
+"""Host side of the Hopper forward: plan the launch without touching the host, run the stages in order.
+
+Pipeline (each stage one file, one compile per configuration):
+  1. ``kkt_inverse``   per (chunk, value head): chunk-local cumsum g~ and the gate-free inverse A
+  2. ``chunk_forward`` per (sequence, value head, V block): the chunk loop with the state in registers
+
+Dense input ``[B, T, ...]`` is run as B packed sequences of length T (a free view), so both layouts share
+the same kernels. Everything here is device-side tensor work with shapes known on the host (T, N, heads),
+so the call path never synchronises with the GPU and can be captured in a CUDA graph on its first call.
+"""
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .common import CHUNK, tl_dtype
+
+#: Tests set this to fill every output with NaN before the kernels run, so an element no kernel wrote fails.
+POISON_OUTPUTS = False
+
+#: Which chunk-loop kernel runs: "ws" (warp-specialised, ``chunk_forward_ws.py``) or "simple"
+#: (one role, ``chunk_forward.py``; kept as the A/B baseline). FLASHGDN_HOPPER_CHUNK_LOOP overrides.
+CHUNK_LOOPS = ("ws", "simple")
+DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "ws")
+
+#: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
+DEFAULT_BV = 128
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Everything a compile depends on; sequence lengths and counts are not part of it."""
+
+    Hqk: int
+    Hv: int
+    K: int
+    V: int
+    io_dtype: str
+    has_initial_state: bool
+    store_final_state: bool
+    state_v_first: bool
+    BV: int = DEFAULT_BV
+
+
+def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> torch.Tensor:
+    """(first token, length) of every chunk, as int32 ``[S, 2]``, computed on the device.
+
+    ``S = ceil((T + 63 N) / 64)`` bounds the number of chunks from host-known sizes alone (each sequence
+    adds at most one partial chunk), so no value of ``cu_seqlens`` is read on the host. Slots past the
+    real chunk count get length 0 and their CTAs exit at once.
+    """
+    dev = cu_seqlens.device
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    n_chunks = (lens + CHUNK - 1) // CHUNK
+    last = torch.cumsum(n_chunks, 0)  # one past each sequence's last chunk
+    n_slots = max(1, (num_tokens + (CHUNK - 1) * num_seqs + CHUNK - 1) // CHUNK)
+    slots = torch.arange(n_slots, device=dev, dtype=torch.int64)
+    seq = torch.searchsorted(last, slots, right=True)
+    idle = seq >= num_seqs
+    seq = seq.clamp(max=num_seqs - 1)
+    first_chunk = last[seq] - n_chunks[seq]
+    start = cu[seq] + CHUNK * (slots - first_chunk)
+    length = (cu[seq + 1] - start).clamp(min=0, max=CHUNK)
+    length = torch.where(idle, torch.zeros_like(length), length)
+    start = torch.where(idle, torch.zeros_like(start), start)
+    return torch.stack([start, length], dim=1).to(torch.int32).contiguous()
+
+
+def _output(shape, dtype, device) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def hopper_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    output_final_state: bool,
+    cu_seqlens: Optional[torch.Tensor],
+    state_v_first: bool,
+    return_intermediates: bool = False,
+    chunk_loop: Optional[str] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run the forward kernels. q, k, v contiguous bf16/fp16 on an SM90 device; L2 norm already applied.
+
+    Returns ``(o, final_state or None)``; with ``return_intermediates`` also a dict of the stage outputs
+    (``gcum``, ``A``) for stage-by-stage checks against the reference.
+    """
+    from .chunk_forward import build_chunk_forward
+    from .chunk_forward_ws import build_chunk_forward_ws
+    from .kkt_inverse import build_kkt_inverse
+
+    chunk_loop = chunk_loop or DEFAULT_CHUNK_LOOP
+    if chunk_loop not in CHUNK_LOOPS:
+        raise ValueError(f"chunk_loop must be one of {CHUNK_LOOPS}, got {chunk_loop!r}")
+
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    dev = q.device
+    if cu_seqlens is None:
+        N = B
+        cu = torch.arange(0, (B + 1) * T, T, device=dev, dtype=torch.int32)
+    else:
+        N = cu_seqlens.shape[0] - 1
+        cu = cu_seqlens.to(torch.int32)
+    TT = B * T
+    qf = q.reshape(1, TT, Hqk, K)
+    kf = k.reshape(1, TT, Hqk, K)
+    vf = v.reshape(1, TT, Hv, V)
+    gf = g.reshape(1, TT, Hv).to(torch.float32).contiguous()
+    bf = beta.reshape(1, TT, Hv).to(torch.float32).contiguous()
+
+    cfg = ForwardConfig(
+        Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=tl_dtype(q.dtype),
+        has_initial_state=initial_state is not None,
+        store_final_state=output_final_state,
+        state_v_first=state_v_first,
+    )
+    prep = build_kkt_inverse(Hqk, Hv, K, cfg.io_dtype, cfg.io_dtype)
+    if chunk_loop == "ws":
+        main = build_chunk_forward_ws(
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
+        )
+    else:
+        main = build_chunk_forward(
+            Hqk, Hv, K, V, cfg.BV, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
+        )
+
+    bounds = chunk_bounds(cu, TT, N)
+    gcum = _output((1, TT, Hv), torch.float32, dev)
+    A = _output((1, TT, Hv, CHUNK), q.dtype, dev)
+    prep(kf, gf, bf, bounds, gcum, A)
+
+    state_shape = (Hv, V, K) if state_v_first else (Hv, K, V)
+    if initial_state is not None:
+        h0 = initial_state.to(torch.float32).contiguous()
+    else:
+        h0 = torch.empty((1,) + state_shape, device=dev, dtype=torch.float32)
+    ht = _output(((N if output_final_state else 1),) + state_shape, torch.float32, dev)
+    o = _output((1, TT, Hv, V), q.dtype, dev)
+    main(qf, kf, vf, gcum, bf, A, cu, h0, float(scale), o, ht)
+
+    o = o.reshape(B, T, Hv, V)
+    final = ht if output_final_state else None
+    if return_intermediates:
+        return o, final, {"gcum": gcum.reshape(B, T, Hv), "A": A.reshape(B, T, Hv, CHUNK)}
+    return o, final

@@ -1,0 +1,44 @@
+"""Every kernel configuration the Hopper forward can ask for, for a head configuration and dtype.
+
+Used by ``python -m flashgdn.precompile`` (fill the kernel cache ahead of time) and by the compile tests.
+"""
+import itertools
+from typing import Iterator, Tuple
+
+from .forward import DEFAULT_BV
+
+# (name, builder name, keyword arguments)
+Variant = Tuple[str, str, dict]
+
+
+def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
+                     flags: str = "all") -> Iterator[Variant]:
+    """The stage-1 kernel and both chunk-loop kernels (simple and warp-specialised) for every flag combination (``flags="all"``), or only
+    the one a training/benchmark call uses (initial state in, final state out, K-major state: ``"common"``)."""
+    yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype))
+    combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
+    for has_h0, store_ht, v_first in combos:
+        name = f"chunk_forward[{Hqk}/{Hv},{dtype},h0={int(has_h0)},ht={int(store_ht)},v_first={int(v_first)}]"
+        yield (name, "chunk_forward",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, BV=DEFAULT_BV, io_dtype=dtype, has_initial_state=has_h0,
+                    store_final_state=store_ht, state_v_first=v_first))
+        yield (name.replace("chunk_forward", "chunk_forward_ws"), "chunk_forward_ws",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                    store_final_state=store_ht, state_v_first=v_first))
+
+
+def build(builder: str, kwargs: dict):
+    if builder == "kkt_inverse":
+        from .kkt_inverse import build_kkt_inverse
+
+        return build_kkt_inverse(**kwargs)
+    if builder == "chunk_forward_ws":
+        from .chunk_forward_ws import build_chunk_forward_ws
+
+        return build_chunk_forward_ws(**kwargs)
+    if builder == "chunk_forward":
+        from .chunk_forward import build_chunk_forward
+
+        return build_chunk_forward(**kwargs)
+    raise ValueError(f"unknown kernel builder {builder!r}")

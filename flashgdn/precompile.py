@@ -1,0 +1,74 @@
+"""Fill the kernel cache ahead of time, so a server's first request does not wait for compiles.
+
+    python -m flashgdn.precompile --heads 16/32,16/64 [--dtypes bfloat16,float16] [--flags all|common]
+
+Kernels are compiled for sm_90a whether or not a GPU is present, into TileLang's cache
+(``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``); a cache built on a GPU-less machine loads on an H100/H200.
+Sequence lengths and counts are dynamic in every kernel, so head configuration, dtype and flags are all a
+cache entry depends on.
+"""
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _parse_heads(text: str):
+    out = []
+    for item in text.split(","):
+        try:
+            hqk, hv = (int(x) for x in item.split("/"))
+        except ValueError:
+            raise SystemExit(f"--heads: expected HQK/HV[,HQK/HV...], got {item!r}")
+        if hqk <= 0 or hv <= 0 or hv % hqk:
+            raise SystemExit(f"--heads: {item!r} needs positive counts with HV a multiple of HQK")
+        out.append((hqk, hv))
+    return out
+
+
+def _compile_one(job):
+    name, builder, kwargs, report = job
+    os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+    from flashgdn.kernels.hopper.common import resource_usage
+    from flashgdn.kernels.hopper.variants import build
+
+    t = time.time()
+    kernel = build(builder, kwargs)
+    res = resource_usage(kernel) if report else None
+    return name, time.time() - t, res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashgdn.precompile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", required=True, help="head configurations HQK/HV, comma separated, e.g. 16/32,16/64")
+    ap.add_argument("--dtypes", default="bfloat16", help="q/k/v dtypes: bfloat16,float16")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--flags", choices=("all", "common"), default="all",
+                    help="all flag combinations, or only initial state in / final state out / K-major state")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
+    ap.add_argument("--report", action="store_true", help="print registers and spills (needs ptxas)")
+    args = ap.parse_args(argv)
+
+    from flashgdn.kernels.hopper.variants import forward_variants
+
+    jobs = []
+    for hqk, hv in _parse_heads(args.heads):
+        for dt in args.dtypes.split(","):
+            if dt not in ("bfloat16", "float16"):
+                raise SystemExit(f"--dtypes: expected bfloat16 or float16, got {dt!r}")
+            for name, builder, kw in forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags):
+                jobs.append((name, builder, kw, args.report))
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for name, secs, res in pool.map(_compile_one, jobs):
+            extra = "" if res is None else (f"  regs {res['registers']}, spills {res['spill_stores']}/"
+                                            f"{res['spill_loads']} B, stack {res['stack']} B")
+            print(f"{secs:6.1f}s  {name}{extra}", flush=True)
+    print(f"{len(jobs)} kernels ready in {time.time() - t0:.0f}s "
+          f"(cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
