@@ -76,6 +76,11 @@ def _short(e: BaseException, limit: int = 300) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    """x to a few significant digits (for the JSON; tiny CPU-test values must not round to 0)."""
+    return float(f"{x:.{digits}g}")
+
+
 def _device_ok(device: torch.device) -> None:
     if device.type != "cuda":
         return
@@ -133,7 +138,7 @@ def run_one(impl: Impl, inp: Inputs, mode: str, checker: Optional[Checker], devi
 
         phase = "first call"
         (out, grads), first_s = timed_call(call, device)
-        rec["first_call_s"] = round(first_s, 4)
+        rec["first_call_s"] = _sig(first_s)
         if checker is not None:
             phase = "check"
             o, ht = prep.canonical(out)
@@ -152,7 +157,7 @@ def run_one(impl: Impl, inp: Inputs, mode: str, checker: Optional[Checker], devi
         phase = "memory"
         _, steady_s, peak = peak_extra_mb(bench, device)
         if peak is not None:
-            rec["peak_mem_mb"] = round(peak, 1)
+            rec["peak_mem_mb"] = _sig(peak)
         phase = "timing"
         t = measure(bench, device, steady_s)
         rec["ms"] = t.ms
@@ -160,9 +165,10 @@ def run_one(impl: Impl, inp: Inputs, mode: str, checker: Optional[Checker], devi
         if t.note:
             notes.append(t.note)
         K, V = inp.K, inp.V
-        rec["tflops"] = round(cost.nominal_tflops(shape, K, V, mode, t.ms), 2)
-        rec["floor_ms"] = round(cost.floor_ms(shape, K, V, mode), 5)
-        rec["floor_pct"] = round(100 * rec["floor_ms"] / t.ms, 1)
+        floor = cost.floor_ms(shape, K, V, mode)
+        rec["tflops"] = _sig(cost.nominal_tflops(shape, K, V, mode, t.ms))
+        rec["floor_ms"] = _sig(floor)
+        rec["floor_pct"] = _sig(100 * floor / t.ms)
         return finish()
     except KeyboardInterrupt:
         raise
