@@ -1,0 +1,108 @@
+"""Time each stage of the Hopper forward on its own (GPU only), to see where the time goes.
+
+    python benchmarks/stage_timing.py [--out FILE.json]
+
+For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk table, the ``kkt_inverse``
+stage, each chunk-loop kernel ("simple" and "ws") and the whole op, and prints them beside the DESIGN.md floor.
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+SHAPES = [
+    # (Hqk, Hv, seqlens)
+    (16, 64, [4096] * 8),
+    (16, 32, [32768]),
+    (2, 8, [1024] * 8),
+    (16, 32, [4096] * 8),
+    (32, 32, [8192]),
+]
+
+
+def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
+    T = sum(seqlens)
+    q = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, device=dev), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, device=dev), dim=-1).bfloat16()
+    v = torch.randn(1, T, Hv, V, device=dev).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, device=dev)) / 16
+    beta = torch.sigmoid(torch.randn(1, T, Hv, device=dev))
+    h0 = torch.randn(len(seqlens), Hv, K, V, device=dev)
+    cu = torch.tensor([0] + list(seqlens), device=dev).cumsum(0).to(torch.int32)
+    return q, k, v, g, beta, h0, cu
+
+
+def floor_ms(Hqk, Hv, T, K=128, V=128, C=64):
+    flop = T * Hv * 2 * (3 * K * V + 2 * C * V) + T * Hqk * 4 * C * K
+    byts = T * (2 * Hqk * K * 2 + Hv * V * 2 * 2 + Hv * 8)
+    return max(flop / 687e12, byts / 4.25e12) * 1e3
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--loops", default="simple,ws", help="chunk-loop kernels to time: simple,ws")
+    args = ap.parse_args(argv)
+    from triton.testing import do_bench_cudagraph
+
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.kernels.hopper import forward as fw
+    from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
+    from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
+    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+
+    rows = []
+    for Hqk, Hv, seqlens in SHAPES:
+        q, k, v, g, beta, h0, cu = make(Hqk, Hv, seqlens)
+        T, N = q.shape[1], len(seqlens)
+        prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
+        simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False)
+        ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
+        bounds = fw.chunk_bounds(cu, T, N)
+        gcum = torch.empty(1, T, Hv, device="cuda")
+        A = torch.empty(1, T, Hv, 64, device="cuda", dtype=torch.bfloat16)
+        o = torch.empty(1, T, Hv, 128, device="cuda", dtype=torch.bfloat16)
+        ht = torch.empty(N, Hv, 128, 128, device="cuda")
+        scale = 128 ** -0.5
+        prep(k, g, beta, bounds, gcum, A)
+        cu_cpu = cu.cpu()
+        loops = args.loops.split(",")
+        times = {
+            "chunk_bounds": lambda: fw.chunk_bounds(cu, T, N),
+            "kkt_inverse": lambda: prep(k, g, beta, bounds, gcum, A),
+            "loop_simple": (lambda: simple(q, k, v, gcum, beta, A, cu, h0, scale, o, ht)) if "simple" in loops else None,
+            "loop_ws": (lambda: ws(q, k, v, gcum, beta, A, cu, h0, scale, o, ht)) if "ws" in loops else None,
+            "op": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
+        }
+        row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor_ms(Hqk, Hv, T)}
+        with torch.no_grad():
+            for name, fn in times.items():
+                if fn is None:
+                    row[name] = None
+                    continue
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    row[name] = do_bench_cudagraph(fn, rep=50, return_mode="median")
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    row[name] = None
+                    row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| Hqk/Hv | seqlens | floor | chunk_bounds | kkt_inverse | loop simple | loop ws | op |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        f = lambda x: "-" if r.get(x) is None else f"{r[x]:.3f}"  # noqa: E731
+        mix = f"{r['seqlens'][0]}x{len(r['seqlens'])}"
+        print(f"| {r['h_qk']}/{r['h_v']} | {mix} | {r['floor_ms']:.3f} | {f('chunk_bounds')} | {f('kkt_inverse')} "
+              f"| {f('loop_simple')} | {f('loop_ws')} | {f('op')} |")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
