@@ -19,17 +19,21 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .reference.metrics import BARS_16BIT, rel_rms
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-# DESIGN.md §3 bars for 16-bit inputs; tighter ones where the inputs are exact in fp32/fp64
+# DESIGN.md §3 bars for 16-bit inputs; tighter ones where q, k, v are exact in fp32/fp64
 BARS = {
-    torch.bfloat16: dict(o=5e-3, ht=5e-3, q=8e-3, k=8e-3, v=8e-3, h0=8e-3, g=2e-2, beta=2e-2),
-    torch.float16: dict(o=5e-3, ht=5e-3, q=8e-3, k=8e-3, v=8e-3, h0=8e-3, g=2e-2, beta=2e-2),
-    torch.float32: dict(o=1e-4, ht=1e-4, q=1e-4, k=1e-4, v=1e-4, h0=1e-4, g=1e-3, beta=1e-3),
-    torch.float64: dict(o=1e-10, ht=1e-10, q=1e-9, k=1e-9, v=1e-9, h0=1e-9, g=1e-9, beta=1e-9),
+    torch.bfloat16: BARS_16BIT,
+    torch.float16: BARS_16BIT,
+    torch.float32: dict(BARS_16BIT, **dict.fromkeys(("o", "final_state", "q", "k", "v", "initial_state"), 1e-4),
+                        g=1e-3, beta=1e-3),
+    torch.float64: dict.fromkeys(BARS_16BIT, 1e-9),
 }
 CPU_DEFAULTS = dict(heads="4/8", seqlens="500,1500,1000")
 GPU_DEFAULTS = dict(heads="16/32", seqlens="8192,4096,2048,1024,1000")
-INPUT_NAMES = ("q", "k", "v", "g", "beta", "h0")
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+LABELS = dict(o="o", final_state="ht", q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0")
 
 
 def _heads(text: str):
@@ -92,7 +96,7 @@ def make_problem(args) -> Dict[str, torch.Tensor]:
         v=randn(1, T, hv, D).to(dt),
         g=(F.logsigmoid(randn(1, T, hv)) / 16).to(side),
         beta=torch.sigmoid(randn(1, T, hv)).to(side),
-        h0=randn(N, hv, D, D).to(side),
+        initial_state=randn(N, hv, D, D).to(side),
     )
     t = {n: x.to(dev) for n, x in t.items()}
     t["cu_seqlens"], t["cu_seqlens_cpu"] = cu.to(dev), cu
@@ -103,7 +107,7 @@ def run_op(t, backend: str):
     from . import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(
-        t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0"], output_final_state=True,
+        t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["initial_state"], output_final_state=True,
         cu_seqlens=t["cu_seqlens"], cu_seqlens_cpu=t["cu_seqlens_cpu"], backend=backend,
     )
 
@@ -129,13 +133,6 @@ def timed(fn, device: torch.device, repeat: int) -> float:
     return statistics.median(times)
 
 
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    den = float(ref.pow(2).mean().sqrt())
-    num = float((x - ref).pow(2).mean().sqrt())
-    return num / den if den > 0 else num
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import flashgdn
     from .api.dispatch import known_backends, select_backend
@@ -146,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     t = make_problem(args)
     (hqk, hv), group = args.heads, args.heads[1] // args.heads[0]
-    p = validate(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0"], output_final_state=True,
+    p = validate(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["initial_state"], output_final_state=True,
                  cu_seqlens=t["cu_seqlens"], cu_seqlens_cpu=t["cu_seqlens_cpu"], backend=args.backend,
                  known_backends=known_backends())
     chosen = select_backend(p, args.backend).name
@@ -155,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"backend: {chosen} (asked: {args.backend})")
     T, N, D = sum(args.seqlens), len(args.seqlens), args.dim
     print(f"shapes: q, k [1, {T}, {hqk}, {D}] v [1, {T}, {hv}, {D}] {args.dtype}; g, beta {_dt(t['g'].dtype)}; "
-          f"{N} sequences {','.join(map(str, args.seqlens))}; initial state [{N}, {hv}, {D}, {D}] {_dt(t['h0'].dtype)}")
+          f"{N} sequences {','.join(map(str, args.seqlens))}; initial state [{N}, {hv}, {D}, {D}] {_dt(t['initial_state'].dtype)}")
 
     def forward():
         with torch.no_grad():
@@ -190,19 +187,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def cut(name, x):
         if name in ("q", "k"):
             return x[:, lo:hi, sl_qk]
-        if name == "h0":
+        if name == "initial_state":
             return x[n : n + 1, sl_v]
         return x[:, lo:hi, sl_v]
 
     sub = {name: cut(name, t[name]).detach().double() for name in INPUT_NAMES}
     with torch.no_grad():
         o_ref, ht_ref = recurrent_gated_delta_rule(sub["q"], sub["k"], sub["v"], sub["g"], sub["beta"],
-                                                   initial_state=sub["h0"], output_final_state=True)
-    errs = {"o": rel_rms(o[:, lo:hi, sl_v], o_ref), "ht": rel_rms(ht[n : n + 1, sl_v], ht_ref)}
+                                                   initial_state=sub["initial_state"], output_final_state=True)
+    errs = {"o": rel_rms(o[:, lo:hi, sl_v], o_ref), "final_state": rel_rms(ht[n : n + 1, sl_v], ht_ref)}
     if grads is not None:
         leaves = {name: x.requires_grad_() for name, x in sub.items()}
         o64, ht64 = chunk_gated_delta_rule_reference(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
-                                                     leaves["beta"], initial_state=leaves["h0"],
+                                                     leaves["beta"], initial_state=leaves["initial_state"],
                                                      output_final_state=True)
         loss = (o64 * do[:, lo:hi, sl_v].double()).sum() + (ht64 * dht[n : n + 1, sl_v].double()).sum()
         refs = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
@@ -211,8 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed = [name for name, e in errs.items() if not e <= bars[name]]
     print(f"check vs float64 oracle (sequence {n}: {hi - lo} tokens; qk heads 0..{m - 1}, "
           f"value heads 0..{m * group - 1}), relative RMS:")
-    print("  " + "  ".join(f"{'d' if name not in ('o', 'ht') else ''}{name} {e:.1e}" for name, e in errs.items()))
-    print("result: " + ("OK" if not failed else "FAILED: " + ", ".join(f"{x} > {bars[x]:.0e}" for x in failed)))
+    print("  " + "  ".join(f"{LABELS[name]} {e:.1e}" for name, e in errs.items()))
+    print("result: " + ("OK" if not failed else "FAILED: " + ", ".join(f"{LABELS[x]} > {bars[x]:.0e}" for x in failed)))
     return 1 if failed else 0
 
 

@@ -7,17 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from flashgdn.reference.chunked import chunk_gated_delta_rule_reference
+from flashgdn.reference.metrics import BARS_16BIT, rel_rms  # noqa: F401 (shared with the test files)
 from flashgdn.reference.recurrent import recurrent_gated_delta_rule
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """``rms(x - ref) / rms(ref)`` in float64 (the error metric of DESIGN.md §3); ``rms(x)`` when ref is all 0."""
-    x, ref = x.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
-    den = ref.pow(2).mean().sqrt()
-    num = (x - ref).pow(2).mean().sqrt()
-    return float(num / den) if float(den) > 0 else float(num)
 
 
 def make_inputs(

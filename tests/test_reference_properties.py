@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from flashgdn import chunk_gated_delta_rule
 from flashgdn.reference.recurrent import l2norm, recurrent_gated_delta_rule
-from helpers import copy_inputs, grads_of, leaves, make_inputs, oracle, rel_rms
+from helpers import BARS_16BIT, copy_inputs, grads_of, leaves, make_inputs, oracle, rel_rms
 
 F64 = torch.float64
 
@@ -123,12 +123,11 @@ def test_short_and_odd_lengths(seqlens):
 
 def test_zero_length_sequences_keep_their_state():
     inp = make_inputs(seqlens=(0, 20, 0), dtype=F64, requires_grad=True)
-    _, h, grads = grads_of(ref_op, inp)
+    o, h = ref_op(**inp, output_final_state=True)
     torch.testing.assert_close(h[[0, 2]], inp["initial_state"][[0, 2]])
-    gen = torch.Generator().manual_seed(1)  # grads_of's cotangents: dh0 of an empty sequence is dht itself
-    torch.randn(inp["q"].shape[:2] + (inp["v"].shape[2], inp["v"].shape[3]), generator=gen, dtype=F64)
-    dht = torch.randn(h.shape, generator=gen, dtype=F64)
-    torch.testing.assert_close(grads["initial_state"][[0, 2]], dht[[0, 2]])
+    dht = torch.randn_like(h)
+    (dh0,) = torch.autograd.grad((o.sum() + (h * dht).sum()), [inp["initial_state"]])
+    torch.testing.assert_close(dh0[[0, 2]], dht[[0, 2]])  # an empty sequence passes its state through
     # all sequences empty: no chunk at all
     empty = make_inputs(seqlens=(0, 0), pad=3, dtype=F64)
     o, h = ref_op(**empty, output_final_state=True)
@@ -146,10 +145,6 @@ def test_strong_decay_and_no_decay_stay_finite(gate):
     assert rel_rms(o, o_ref) < 1e-5 and rel_rms(h, h_ref) < 1e-5
 
 
-# DESIGN.md §3 bars for low-precision inputs (fp32 g/beta/state), against the float64 oracle on the same inputs
-BARS = dict(o=5e-3, ht=5e-3, q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_near_oracle(dtype):
     inp = make_inputs(seqlens=(300, 100, 37), Hqk=2, Hv=4, K=64, V=64, dtype=dtype, gate="mixed",
@@ -161,10 +156,10 @@ def test_low_precision_near_oracle(dtype):
     o_ref, h_ref = oracle(inp)
     # gradient oracle: the chunked form in float64 (equal to the recurrence's to ~1e-10, test_reference_chunked)
     _, _, g_ref = grads_of(ref_op, copy_inputs(inp, dtype=F64, requires_grad=True))
-    errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(h, h_ref)}
+    errs = {"o": rel_rms(o, o_ref), "final_state": rel_rms(h, h_ref)}
     errs.update({n: rel_rms(grads[n], g_ref[n]) for n in grads})
     for n, e in errs.items():
-        assert e <= BARS[n], f"{n}: rel RMS {e:.2e} > {BARS[n]:.0e}"
+        assert e <= BARS_16BIT[n], f"{n}: rel RMS {e:.2e} > {BARS_16BIT[n]:.0e}"
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
