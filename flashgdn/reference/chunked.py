@@ -120,9 +120,9 @@ def _chunk_states_chunks(M, b, initial_state, table: ChunkTable):
     dev = M.device
     counts = table.seq_num_chunks
     order = torch.argsort(counts, descending=True, stable=True)
-    sorted_counts = counts[order].tolist()
     first = table.seq_first_chunk[order]
-    active = [sum(1 for c in sorted_counts if c > j) for j in range((sorted_counts[0] if N else 0) + 1)]
+    steps = int(counts.max()) if N else 0
+    active = (counts[None, :] > torch.arange(steps + 1)[:, None]).sum(1).tolist()  # still running at step j
 
     S = initial_state.index_select(0, order.to(dev))
     h_parts, h_ids, final_parts = [], [], []
