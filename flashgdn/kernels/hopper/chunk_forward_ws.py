@@ -14,8 +14,8 @@ Roles (one CTA = one sequence x one value head, 512 threads):
 * warpgroups 0 and 1, the **state path**: each owns half of the state's V columns (S is [K, 64] fp32 in its
   registers) and runs the dependent chain K S -> W -> Ag W -> K^T Vn. Splitting V between two warpgroups halves
   the width of every GEMM on the chain, which is what bounds a long sequence.
-* warpgroup 2, the **output path**: Q K^T, the gates, Ag (handed to the state path), then Q S and (Gam ⊙ Q K^T) Vn
-  for the output. None of it is on the chain, so it overlaps the next chunk's state work.
+* warpgroup 2, the **output path**: Q K^T, the gates, Ag (written over A in its stage buffer, for the state path),
+  then Q S and (Gam ⊙ Q K^T) Vn for the output, stored straight from registers. None of it is on the chain, so it overlaps the next chunk's state work.
 * warpgroup 3, the **producer**: TMA loads of q, k, v, A into a two-stage ring (masked plain loads for the last,
   partial chunk of a sequence, so rows of the next sequence never enter).
 
@@ -54,8 +54,8 @@ def build_chunk_forward_ws(
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
 
     @T.macro
-    def state_path(w, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, ag_s, s_half, vn_half, w_half,
-                   full, empty, ag_ready, ag_free, s_ready, s_free, vn_ready, vn_free):
+    def state_path(w, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, s_half, vn_half, w_half,
+                   full, empty, ag_ready, s_ready, s_free, vn_ready, vn_free):
         # S[:, w*HV2 : (w+1)*HV2] in registers, fp32
         s_f = T.alloc_fragment((K, HV2), acc)
         u_f = T.alloc_fragment((C, HV2), acc)
@@ -82,10 +82,9 @@ def build_chunk_forward_ws(
                 u_f[i, j] = v_s[st, i, c0 + j] - T.exp2(gc_s[st, i] * LOG2E) * u_f[i, j]
             T.copy(u_f, w_half)
             T.fence_proxy_async()
-            # Vn = Ag W
+            # Vn = Ag W (the output path overwrote A with Ag in place)
             T.barrier_wait(ag_ready[st], (c // 2) % 2)
-            T.gemm(ag_s[st, :, :], w_half, u_f, clear_accum=True)
-            T.barrier_arrive(ag_free[st])
+            T.gemm(a_s[st, :, :], w_half, u_f, clear_accum=True)
             T.barrier_wait(vn_free, (c + 1) % 2)
             T.copy(u_f, vn_half)
             T.fence_proxy_async()
@@ -141,7 +140,6 @@ def build_chunk_forward_ws(
             gc_s = T.alloc_shared((2, C), acc)
             b_s = T.alloc_shared((2, C), acc)
             # hand-offs
-            ag_s = T.alloc_shared((2, C, C), io_dtype)  # Ag: output path -> state path
             s0_s = T.alloc_shared((2, K, HV2), io_dtype)  # S halves (bf16): state path -> output path
             s1_s = T.alloc_shared((2, K, HV2), io_dtype)
             vn0_s = T.alloc_shared((C, HV2), io_dtype)  # Vn halves: state path -> output path
@@ -149,12 +147,10 @@ def build_chunk_forward_ws(
             w0_s = T.alloc_shared((C, HV2), io_dtype)  # W, then the decayed Vn (state path, private)
             w1_s = T.alloc_shared((C, HV2), io_dtype)
             p_s = T.alloc_shared((C, C), io_dtype)  # scale Gam ⊙ Q K^T (output path, private)
-            o_s = T.alloc_shared((C, V), io_dtype)
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
             ag_ready = T.alloc_barrier(arrive_count=[128] * 2)
-            ag_free = T.alloc_barrier(arrive_count=[256] * 2)
             s_ready = T.alloc_barrier(arrive_count=[256] * 2)
             s_free = T.alloc_barrier(arrive_count=[128] * 2)
             vn_ready = T.alloc_barrier(arrive_count=256)
@@ -164,15 +160,15 @@ def build_chunk_forward_ws(
 
             if tx < 128:
                 T.set_max_nreg(160, 1)
-                state_path(0, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, ag_s, s0_s, vn0_s, w0_s,
-                           full, empty, ag_ready, ag_free, s_ready, s_free, vn_ready, vn_free)
+                state_path(0, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, s0_s, vn0_s, w0_s,
+                           full, empty, ag_ready, s_ready, s_free, vn_ready, vn_free)
             elif tx < 256:
                 T.set_max_nreg(160, 1)
-                state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, ag_s, s1_s, vn1_s, w1_s,
-                           full, empty, ag_ready, ag_free, s_ready, s_free, vn_ready, vn_free)
+                state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, s1_s, vn1_s, w1_s,
+                           full, empty, ag_ready, s_ready, s_free, vn_ready, vn_free)
             elif tx < 384:
                 # ---------------- output path
-                T.set_max_nreg(152, 1)
+                T.set_max_nreg(144, 1)
                 p_f = T.alloc_fragment((C, C), acc)
                 ag_f = T.alloc_fragment((C, C), acc)
                 o0_f = T.alloc_fragment((C, HV2), acc)
@@ -194,8 +190,9 @@ def build_chunk_forward_ws(
                             a_s[st, i, j] * b_s[st, j] * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E),
                             0.0,
                         )
-                    T.barrier_wait(ag_free[st], (c // 2 + 1) % 2)
-                    T.copy(ag_f, ag_s[st, :, :])
+                    # Ag replaces A in its stage buffer: the state path needs only Ag, and the stage is
+                    # refilled only after every consumer released it
+                    T.copy(ag_f, a_s[st, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(ag_ready[st])
                     # O = scale diag(gamma) Q S
@@ -214,11 +211,9 @@ def build_chunk_forward_ws(
                     T.barrier_arrive(vn_free)
                     T.barrier_arrive(empty[st])
                     for i, j in T.Parallel(C, HV2):
-                        o_s[i, j] = o0_f[i, j]
-                        o_s[i, HV2 + j] = o1_f[i, j]
-                    for i, j in T.Parallel(C, V):
                         if i < n_rows:
-                            o[0, t0 + i, h, j] = o_s[i, j]
+                            o[0, t0 + i, h, j] = o0_f[i, j]
+                            o[0, t0 + i, h, HV2 + j] = o1_f[i, j]
                 # padded tail after the last sequence: zeros
                 if n == num_seqs - 1:
                     for c in T.serial(T.ceildiv(num_tokens - eos, C)):
@@ -227,7 +222,7 @@ def build_chunk_forward_ws(
                                 o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
             else:
                 # ---------------- producer
-                T.set_max_nreg(40, 0)
+                T.set_max_nreg(48, 0)
                 for c in T.serial(n_chunks):
                     st = c % 2
                     t0 = bos + c * C

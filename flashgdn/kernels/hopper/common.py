@@ -15,6 +15,8 @@ import torch
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 CHUNK = 64
+#: Largest dynamic shared memory one CTA may ask for on SM90 (227 KB).
+MAX_SMEM_SM90 = 232448
 LOG2E = 1.4426950408889634
 
 TORCH_TO_TL = {
@@ -48,7 +50,8 @@ def quiet_tilelang() -> None:
 def resource_usage(kernel) -> dict:
     """Registers, spills and stack of a compiled kernel, read from ``ptxas -v`` on its PTX for sm_90a.
 
-    Returns ``{"registers": int, "spill_stores": int, "spill_loads": int, "stack": int}``; raises
+    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "dynamic_smem"}`` (bytes; the shared
+    memory size is read from the host launch code, None if it cannot be found); raises
     RuntimeError when ptxas is not on the PATH (it ships with the CUDA toolkit TileLang compiles with).
     """
     import re
@@ -71,7 +74,11 @@ def resource_usage(kernel) -> dict:
     spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out)
     if regs is None or spill is None:
         raise RuntimeError(f"could not read ptxas output:\n{out}")
+    # the launch packs its dynamic shared memory size as the last integer before the argument list's end
+    smem = re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*\)stack_ffi_any\)\[\d+\]\.type_index\) = 0;",
+                      kernel.get_host_source() or "")
     return {
+        "dynamic_smem": int(smem[-1]) if smem else None,
         "registers": int(regs.group(1)),
         "stack": int(spill.group(1)),
         "spill_stores": int(spill.group(2)),
