@@ -1,4 +1,5 @@
-"""Every Hopper kernel variant compiles for sm_90a on this machine (no GPU needed), without local-memory spills.
+"""Every Hopper kernel variant compiles for sm_90a on this machine (no GPU needed), without local-memory spills
+and within the shared memory an SM90 CTA may have.
 
 Registers and spills come from ``ptxas -v`` on each kernel's PTX and are printed in the summary
 (``pytest -rA`` or ``-s``). A spill is a failure unless it is listed in ``EXPLAINED_SPILLS`` with its reason.
@@ -15,7 +16,7 @@ if shutil.which("nvcc") is None:  # TileLang compiles with nvcc; the CI image ha
 
 os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 
-from flashgdn.kernels.hopper.common import resource_usage  # noqa: E402
+from flashgdn.kernels.hopper.common import MAX_SMEM_SM90, resource_usage  # noqa: E402
 from flashgdn.kernels.hopper.variants import build, forward_variants  # noqa: E402
 
 #: kernel-name prefix -> why a spill there is accepted (none today)
@@ -33,8 +34,11 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     res = resource_usage(kernel)
     with capsys.disabled():
         print(f"\n  {name}: {res['registers']} registers, spill stores {res['spill_stores']} B, "
-              f"spill loads {res['spill_loads']} B, stack {res['stack']} B")
+              f"spill loads {res['spill_loads']} B, stack {res['stack']} B, shared memory {res['dynamic_smem']} B")
     spilled = res["spill_stores"] or res["spill_loads"]
     if spilled and not any(name.startswith(p) for p in EXPLAINED_SPILLS):
         pytest.fail(f"{name} spills to local memory: {res}")
     assert res["registers"] <= 255
+    # a launch asking for more than an SM90 CTA may have fails at run time, not at compile time
+    assert res["dynamic_smem"] is not None, f"{name}: shared memory size not found in the launch code"
+    assert res["dynamic_smem"] <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} B of shared memory > {MAX_SMEM_SM90}"
