@@ -222,7 +222,9 @@ def main_run(argv: List[str]) -> int:
     sets = list(dict.fromkeys(s.set for s in shapes))
     stem = a.name or ("bench-" + "+".join(sets) + (f"-part{a.part.replace('/', 'of')}" if a.part else ""))
     json_path = os.path.join(a.out_dir, stem + ".json")
-    command = "python -m flashgdn.bench " + shlex.join(argv)
+    # settings that change what flashgdn runs travel with the command, so a results file says what was measured
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("FLASHGDN_"))
+    command = (env + " " if env else "") + "python -m flashgdn.bench " + shlex.join(argv)
     cfg = RunConfig(
         shapes=shapes, impls=impls, device=device, json_path=json_path, command=command, modes=modes,
         head_dim=a.head_dim, seed=a.seed, check=not a.no_check, check_tokens=a.check_tokens,

@@ -112,6 +112,26 @@ def build_chunk_forward_ws(
                 for i, j in T.Parallel(K, HV2):
                     ht[n, h, i, c0 + j] = s_f[i, j]
 
+    @T.macro
+    def output_prepare(cc, q_s, k_s, a_s, gc_s, b_s, p_s, p_f, full, ag_ready, scale):
+        # P = scale Gam ⊙ Q K^T (kept for the output) and Ag = Gam ⊙ A ⊙ beta^T, written over A for the state path
+        sc = cc % 2
+        T.barrier_wait(full[sc], (cc // 2) % 2)
+        T.gemm(q_s[sc, :, :], k_s[sc, :, :], p_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            p_f[i, j] = T.if_then_else(
+                i >= j, p_f[i, j] * scale * T.exp2((gc_s[sc, i] - gc_s[sc, j]) * LOG2E), 0.0
+            )
+        T.copy(p_f, p_s[sc, :, :])
+        for i, j in T.Parallel(C, C):
+            p_f[i, j] = T.if_then_else(
+                i >= j, a_s[sc, i, j] * b_s[sc, j] * T.exp2((gc_s[sc, i] - gc_s[sc, j]) * LOG2E), 0.0
+            )
+        # the stage is refilled only after every consumer released it, so A can be overwritten here
+        T.copy(p_f, a_s[sc, :, :])
+        T.fence_proxy_async()
+        T.barrier_arrive(ag_ready[sc])
+
     @T.prim_func
     def chunk_forward_ws_kernel(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
@@ -146,7 +166,7 @@ def build_chunk_forward_ws(
             vn1_s = T.alloc_shared((C, HV2), io_dtype)
             w0_s = T.alloc_shared((C, HV2), io_dtype)  # W, then the decayed Vn (state path, private)
             w1_s = T.alloc_shared((C, HV2), io_dtype)
-            p_s = T.alloc_shared((C, C), io_dtype)  # scale Gam ⊙ Q K^T (output path, private)
+            p_s = T.alloc_shared((2, C, C), io_dtype)  # scale Gam ⊙ Q K^T (output path, private, 2 chunks)
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
@@ -168,33 +188,18 @@ def build_chunk_forward_ws(
                            full, empty, ag_ready, s_ready, s_free, vn_ready, vn_free)
             elif tx < 384:
                 # ---------------- output path
+                # Software-pipelined one chunk ahead: P and Ag of chunk c + 1 are made while the state path
+                # finishes chunk c, so Ag is never on the state path's critical chain.
                 T.set_max_nreg(144, 1)
                 p_f = T.alloc_fragment((C, C), acc)
-                ag_f = T.alloc_fragment((C, C), acc)
                 o0_f = T.alloc_fragment((C, HV2), acc)
                 o1_f = T.alloc_fragment((C, HV2), acc)
+                if n_chunks > 0:
+                    output_prepare(0, q_s, k_s, a_s, gc_s, b_s, p_s, p_f, full, ag_ready, scale)
                 for c in T.serial(n_chunks):
                     st = c % 2
                     t0 = bos + c * C
                     n_rows = T.min(eos - t0, C)
-                    T.barrier_wait(full[st], (c // 2) % 2)
-                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        p_f[i, j] = T.if_then_else(
-                            i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
-                        )
-                    T.copy(p_f, p_s)
-                    for i, j in T.Parallel(C, C):
-                        ag_f[i, j] = T.if_then_else(
-                            i >= j,
-                            a_s[st, i, j] * b_s[st, j] * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E),
-                            0.0,
-                        )
-                    # Ag replaces A in its stage buffer: the state path needs only Ag, and the stage is
-                    # refilled only after every consumer released it
-                    T.copy(ag_f, a_s[st, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(ag_ready[st])
                     # O = scale diag(gamma) Q S
                     T.barrier_wait(s_ready[st], (c // 2) % 2)
                     T.gemm(q_s[st, :, :], s0_s[st, :, :], o0_f, clear_accum=True)
@@ -203,11 +208,12 @@ def build_chunk_forward_ws(
                     for i, j in T.Parallel(C, HV2):
                         o0_f[i, j] = o0_f[i, j] * scale * T.exp2(gc_s[st, i] * LOG2E)
                         o1_f[i, j] = o1_f[i, j] * scale * T.exp2(gc_s[st, i] * LOG2E)
+                    if c + 1 < n_chunks:
+                        output_prepare(c + 1, q_s, k_s, a_s, gc_s, b_s, p_s, p_f, full, ag_ready, scale)
                     # O += (scale Gam ⊙ Q K^T) Vn
-                    T.fence_proxy_async()
                     T.barrier_wait(vn_ready, c % 2)
-                    T.gemm(p_s, vn0_s, o0_f)
-                    T.gemm(p_s, vn1_s, o1_f)
+                    T.gemm(p_s[st, :, :], vn0_s, o0_f)
+                    T.gemm(p_s[st, :, :], vn1_s, o1_f)
                     T.barrier_arrive(vn_free)
                     T.barrier_arrive(empty[st])
                     for i, j in T.Parallel(C, HV2):

@@ -71,6 +71,9 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
             a_s = T.alloc_shared((C, C + 1), acc)
             l_s = T.alloc_shared((C, C + 1), acc)
             t32_s = T.alloc_shared((32, 32), acc)
+            l21_s = T.alloc_shared((32, 32), acc)
+            a00_s = T.alloc_shared((32, 32), acc)
+            a11_s = T.alloc_shared((32, 32), acc)
             d_f = T.alloc_fragment((4, 16), acc)
             m16_f = T.alloc_fragment((2, 16, 16), acc)
             m32_f = T.alloc_fragment((32, 32), acc)
@@ -92,11 +95,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
                     # diagonal 16x16 blocks start as the identity; everything else is filled below
                     a_s[i, j] = T.if_then_else(i == j, 1.0, 0.0)
 
-                # 1) diagonal blocks by forward substitution: row r of block b, all 16 columns at once
-                for r in T.serial(1, 16):
+                # 1) diagonal blocks by forward substitution: row r of block b, all 16 columns at once.
+                #    Fully unrolled: every index is a constant and the loads of one row overlap.
+                for r in T.unroll(1, 16):
                     T.clear(d_f)
                     for b, c in T.Parallel(4, 16):
-                        for j in T.serial(r):
+                        for j in T.unroll(r):
                             d_f[b, c] += l_s[16 * b + r, 16 * b + j] * a_s[16 * b + j, 16 * b + c]
                     for b, c in T.Parallel(4, 16):
                         if c < r:
@@ -105,29 +109,27 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
                 # 2) 16 -> 32: A10 = -A11 L10 A00 for the pairs of blocks (0, 1) and (2, 3)
                 T.clear(m16_f)
                 for p, r, c in T.Parallel(2, 16, 16):
-                    for j in T.serial(16):
+                    for j in T.unroll(16):
                         m16_f[p, r, c] += l_s[32 * p + 16 + r, 32 * p + j] * a_s[32 * p + j, 32 * p + c]
                 for p, r, c in T.Parallel(2, 16, 16):
                     l_s[32 * p + 16 + r, 32 * p + c] = m16_f[p, r, c]
                 T.clear(m16_f)
                 for p, r, c in T.Parallel(2, 16, 16):
-                    for j in T.serial(16):
+                    for j in T.unroll(16):
                         m16_f[p, r, c] -= a_s[32 * p + 16 + r, 32 * p + 16 + j] * l_s[32 * p + 16 + j, 32 * p + c]
                 for p, r, c in T.Parallel(2, 16, 16):
                     a_s[32 * p + 16 + r, 32 * p + c] = m16_f[p, r, c]
 
-                # 3) 32 -> 64: A[32:, :32] = -A[32:, 32:] L[32:, :32] A[:32, :32]
-                T.clear(m32_f)
+                # 3) 32 -> 64 on the tensor cores (tf32): A[32:, :32] = -A[32:, 32:] (L[32:, :32] A[:32, :32])
                 for r, c in T.Parallel(32, 32):
-                    for j in T.serial(32):
-                        m32_f[r, c] += l_s[32 + r, j] * a_s[j, c]
+                    l21_s[r, c] = l_s[32 + r, c]
+                    a00_s[r, c] = a_s[r, c]
+                    a11_s[r, c] = a_s[32 + r, 32 + c]
+                T.gemm(l21_s, a00_s, m32_f, clear_accum=True)
                 T.copy(m32_f, t32_s)
-                T.clear(m32_f)
+                T.gemm(a11_s, t32_s, m32_f, clear_accum=True)
                 for r, c in T.Parallel(32, 32):
-                    for j in T.serial(32):
-                        m32_f[r, c] -= a_s[32 + r, 32 + j] * t32_s[j, c]
-                for r, c in T.Parallel(32, 32):
-                    a_s[32 + r, c] = m32_f[r, c]
+                    a_s[32 + r, c] = -m32_f[r, c]
 
                 for i, j in T.Parallel(C, C):
                     if i < n_rows:
