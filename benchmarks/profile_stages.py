@@ -1,0 +1,51 @@
+"""Run each Hopper forward stage once on one shape, for a profiler to attach to (GPU only).
+
+    ncu --clock-control none -k regex:"kkt_inverse|chunk_forward" --section SpeedOfLight ... \
+        python benchmarks/profile_stages.py --heads 16/32 --seqlens 32768
+
+Runs the stages twice (the first call loads the kernels) with a synchronisation in between.
+"""
+import argparse
+import sys
+
+import torch
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="16/32")
+    ap.add_argument("--seqlens", default="32768", help="comma-separated lengths")
+    ap.add_argument("--loops", default="ws,simple")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, "benchmarks")
+    from stage_timing import make
+
+    from flashgdn.kernels.hopper import forward as fw
+    from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
+    from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
+    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+
+    Hqk, Hv = (int(x) for x in args.heads.split("/"))
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    q, k, v, g, beta, h0, cu = make(Hqk, Hv, seqlens)
+    T, N = q.shape[1], len(seqlens)
+    prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
+    loops = {
+        "simple": build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False),
+        "ws": build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+    }
+    bounds = fw.chunk_bounds(cu, T, N)
+    gcum = torch.empty(1, T, Hv, device="cuda")
+    A = torch.empty(1, T, Hv, 64, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty(1, T, Hv, 128, device="cuda", dtype=torch.bfloat16)
+    ht = torch.empty(N, Hv, 128, 128, device="cuda")
+    for _ in range(2):
+        prep(k, g, beta, bounds, gcum, A)
+        for name in args.loops.split(","):
+            loops[name](q, k, v, gcum, beta, A, cu, h0, 128 ** -0.5, o, ht)
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
