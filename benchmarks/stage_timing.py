@@ -33,12 +33,6 @@ def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
     return q, k, v, g, beta, h0, cu
 
 
-def floor_ms(Hqk, Hv, T, K=128, V=128, C=64):
-    flop = T * Hv * 2 * (3 * K * V + 2 * C * V) + T * Hqk * 4 * C * K
-    byts = T * (2 * Hqk * K * 2 + Hv * V * 2 * 2 + Hv * 8)
-    return max(flop / 687e12, byts / 4.25e12) * 1e3
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -47,6 +41,8 @@ def main(argv=None):
     from triton.testing import do_bench_cudagraph
 
     from flashgdn import chunk_gated_delta_rule
+    from flashgdn.bench.inputs import floor_ms
+    from flashgdn.bench.shapes import Shape
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
@@ -76,7 +72,8 @@ def main(argv=None):
             "op": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                  cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
         }
-        row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor_ms(Hqk, Hv, T)}
+        floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
+        row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor}
         with torch.no_grad():
             for name, fn in times.items():
                 if fn is None:

@@ -10,6 +10,7 @@ import torch
 
 from ...api.backend import Backend, register_backend
 from ...api.problem import GDNProblem
+from ...reference.recurrent import l2norm
 
 SUPPORTED_HEAD_DIMS = (128,)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -93,9 +94,8 @@ class HopperBackend(Backend):
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         q, k = p.q, p.k
         if p.use_qk_l2norm_in_kernel:
-            from .forward import l2_normalise
-
-            q, k = l2_normalise(q), l2_normalise(k)
+            # in float32 whatever the input dtype, then back: the kernels take bf16/fp16 q and k
+            q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
                                p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first)
         if p.output_final_state:
