@@ -15,13 +15,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="16/32")
     ap.add_argument("--seqlens", default="32768", help="comma-separated lengths")
-    ap.add_argument("--loops", default="ws,simple")
+    ap.add_argument("--loops", default="rs,ws,simple")
     args = ap.parse_args(argv)
     sys.path.insert(0, "benchmarks")
     from stage_timing import make
 
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
+    from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
@@ -33,16 +34,18 @@ def main(argv=None):
     loops = {
         "simple": build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False),
         "ws": build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+        "rs": build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
     }
-    bounds = fw.chunk_bounds(cu, T, N)
-    gcum = torch.empty(1, T, Hv, device="cuda")
-    A = torch.empty(1, T, Hv, 64, device="cuda", dtype=torch.bfloat16)
+    bounds, first_slot = fw.chunk_plan(cu, T, N)
+    S = bounds.shape[0]
+    gcum = torch.empty(Hv, S * 64, device="cuda")
+    Ag = torch.empty(S, Hv, 64, 64, device="cuda", dtype=torch.bfloat16)
     o = torch.empty(1, T, Hv, 128, device="cuda", dtype=torch.bfloat16)
     ht = torch.empty(N, Hv, 128, 128, device="cuda")
     for _ in range(2):
-        prep(k, g, beta, bounds, gcum, A)
+        prep(k, g, beta, bounds, gcum, Ag)
         for name in args.loops.split(","):
-            loops[name](q, k, v, gcum, beta, A, cu, h0, 128 ** -0.5, o, ht)
+            loops[name](q, k, v, gcum, Ag, cu, first_slot, h0, 128 ** -0.5, o, ht)
         torch.cuda.synchronize()
     return 0
 

@@ -36,7 +36,7 @@ def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--loops", default="simple,ws", help="chunk-loop kernels to time: simple,ws")
+    ap.add_argument("--loops", default="simple,ws,rs", help="chunk-loop kernels to time: simple,ws,rs")
     args = ap.parse_args(argv)
     from triton.testing import do_bench_cudagraph
 
@@ -45,6 +45,7 @@ def main(argv=None):
     from flashgdn.bench.shapes import Shape
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
+    from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
@@ -55,20 +56,23 @@ def main(argv=None):
         prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
         simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False)
         ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
-        bounds = fw.chunk_bounds(cu, T, N)
-        gcum = torch.empty(1, T, Hv, device="cuda")
-        A = torch.empty(1, T, Hv, 64, device="cuda", dtype=torch.bfloat16)
+        rs = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
+        bounds, first_slot = fw.chunk_plan(cu, T, N)
+        S = bounds.shape[0]
+        gcum = torch.empty(Hv, S * 64, device="cuda")
+        Ag = torch.empty(S, Hv, 64, 64, device="cuda", dtype=torch.bfloat16)
         o = torch.empty(1, T, Hv, 128, device="cuda", dtype=torch.bfloat16)
         ht = torch.empty(N, Hv, 128, 128, device="cuda")
         scale = 128 ** -0.5
-        prep(k, g, beta, bounds, gcum, A)
+        prep(k, g, beta, bounds, gcum, Ag)
         cu_cpu = cu.cpu()
         loops = args.loops.split(",")
         times = {
-            "chunk_bounds": lambda: fw.chunk_bounds(cu, T, N),
-            "kkt_inverse": lambda: prep(k, g, beta, bounds, gcum, A),
-            "loop_simple": (lambda: simple(q, k, v, gcum, beta, A, cu, h0, scale, o, ht)) if "simple" in loops else None,
-            "loop_ws": (lambda: ws(q, k, v, gcum, beta, A, cu, h0, scale, o, ht)) if "ws" in loops else None,
+            "chunk_bounds": lambda: fw.chunk_plan(cu, T, N),
+            "kkt_inverse": lambda: prep(k, g, beta, bounds, gcum, Ag),
+            "loop_simple": (lambda: simple(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "simple" in loops else None,
+            "loop_ws": (lambda: ws(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "ws" in loops else None,
+            "loop_rs": (lambda: rs(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rs" in loops else None,
             "op": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                  cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
         }
@@ -88,13 +92,13 @@ def main(argv=None):
                     row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| Hqk/Hv | seqlens | floor | chunk_bounds | kkt_inverse | loop simple | loop ws | op |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| Hqk/Hv | seqlens | floor | chunk_bounds | kkt_inverse | loop simple | loop ws | loop rs | op |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f = lambda x: "-" if r.get(x) is None else f"{r[x]:.3f}"  # noqa: E731
         mix = f"{r['seqlens'][0]}x{len(r['seqlens'])}"
         print(f"| {r['h_qk']}/{r['h_v']} | {mix} | {r['floor_ms']:.3f} | {f('chunk_bounds')} | {f('kkt_inverse')} "
-              f"| {f('loop_simple')} | {f('loop_ws')} | {f('op')} |")
+              f"| {f('loop_simple')} | {f('loop_ws')} | {f('loop_rs')} | {f('op')} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)

@@ -20,7 +20,7 @@ O_BAR = 5e-3
 STATE_BAR = 5e-3
 
 
-@pytest.fixture(autouse=True, params=["ws", "simple"])
+@pytest.fixture(autouse=True, params=["rs", "ws", "simple"])
 def chunk_loop(request, monkeypatch, cuda):
     """Every test runs on both chunk-loop kernels, with every output poisoned with NaN first."""
     from flashgdn.kernels.hopper import forward
@@ -60,22 +60,24 @@ def inputs(seqlens, Hqk=2, Hv=4, **kw):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# stage 1 alone: chunk-local cumsum and the gate-free inverse
+# stage 1 alone: chunk-local cumsum and the gated inverse
 
 
+@pytest.mark.parametrize("heads", [(2, 8), (2, 6), (3, 3)])  # value heads inverted two at a time, or one
 @pytest.mark.parametrize("seqlens", [[64], [1], [63, 65, 200], [1000, 3, 130]])
-def test_kkt_inverse_stage(seqlens):
+def test_kkt_inverse_stage(seqlens, heads):
     from flashgdn.kernels.hopper.forward import hopper_forward
 
-    inp = inputs(seqlens, Hqk=2, Hv=8, gate="mixed")
+    inp = inputs(seqlens, Hqk=heads[0], Hv=heads[1], gate="mixed")
     _, _, mid = hopper_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128 ** -0.5,
                                inp["initial_state"], True, inp["cu_seqlens"], False, return_intermediates=True)
     cu = inp["cu_seqlens"]
     n = int(cu[-1])
     gc_ref = ref.chunk_local_cumsum(inp["g"].double(), cu)
     A_ref = ref.kkt_inverse(inp["k"].double(), inp["beta"].double(), cu)
+    Ag_ref = ref.gated_inverse(A_ref, gc_ref, inp["beta"].double(), cu)
     assert rel_rms(mid["gcum"][:, :n], gc_ref[:, :n]) < 1e-6
-    assert rel_rms(mid["A"][:, :n], A_ref[:, :n]) < 5e-3
+    assert rel_rms(mid["Ag"][:, :n], Ag_ref[:, :n]) < 5e-3
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -32,3 +32,33 @@ def test_chunk_bounds_match_the_reference_table(seqlens, pad):
     idle = bounds[bounds[:, 1] == 0]
     assert (idle[:, 0] == 0).all(), "idle slots point at token 0 and have length 0"
     assert bounds.shape[0] >= len(real)
+
+
+@pytest.mark.parametrize("seqlens", MIXES)
+def test_first_slot_is_each_sequences_first_chunk(seqlens):
+    from flashgdn.kernels.hopper.forward import chunk_plan
+
+    cu = torch.tensor([0] + list(seqlens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    bounds, first = chunk_plan(cu, int(cu[-1]) + 3, len(seqlens))
+    assert first.dtype == torch.int32 and first.shape == (len(seqlens),)
+    chunks_before = 0
+    for n, length in enumerate(seqlens):
+        assert int(first[n]) == chunks_before
+        for c in range((length + 63) // 64):
+            start, rows = bounds[first[n] + c].tolist()
+            assert (start, rows) == (int(cu[n]) + 64 * c, min(64, length - 64 * c))
+        chunks_before += (length + 63) // 64
+
+
+@pytest.mark.parametrize("seqlens", [[1], [130, 64, 5], [0, 70, 0, 3]])
+def test_slots_to_tokens_inverts_the_slot_layout(seqlens):
+    from flashgdn.kernels.hopper.forward import chunk_plan, slots_to_tokens
+
+    cu = torch.tensor([0] + list(seqlens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    T = int(cu[-1]) + 5
+    bounds, _ = chunk_plan(cu, T, len(seqlens))
+    per_slot = bounds[:, :1].long() + torch.arange(64)[None, :]  # token id of row r of each slot
+    tokens = slots_to_tokens(per_slot.unsqueeze(-1), bounds, T).squeeze(-1)
+    n = int(cu[-1])
+    assert torch.equal(tokens[:n], torch.arange(n))
+    assert (tokens[n:] == 0).all()

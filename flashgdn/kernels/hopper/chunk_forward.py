@@ -1,10 +1,10 @@
 """Stage 2 of the Hopper forward: the chunk loop of one (sequence, value head, V block), state in registers.
 
 Math (DESIGN.md §2), for each chunk of C = 64 rows with S the state [K, BV] at its start, g~ the chunk-local
-cumsum and A the gate-free inverse from stage 1 (``kkt_inverse``):
+cumsum and Ag the gated inverse from stage 1 (``kkt_inverse``):
 
     Gam_ij = exp(g~_i - g~_j)  (i >= j, else 0)        gamma_i = exp(g~_i)       gamma_C = exp(g~_last)
-    Ag     = Gam ⊙ A ⊙ (1 beta^T)
+    Ag     = Gam ⊙ A ⊙ (1 beta^T)                         (stage 1)
     W      = V - diag(gamma) K S                          (one GEMM, K S)
     Vn     = Ag W                                         ("new values")
     O      = scale * (diag(gamma) Q S + (Gam ⊙ Q K^T) Vn)
@@ -14,7 +14,7 @@ Every gate factor is the exp of a difference <= 0, so nothing overflows under st
 partial last chunk are zero-filled on load and their decay factor is 0, so they leave the state alone;
 ``g~_last`` is the cumsum at the chunk's last *real* row.
 
-PyTorch counterparts: ``flashgdn.reference.chunked.gated_inverse`` (Ag), ``new_values`` (Vn),
+PyTorch counterparts: ``flashgdn.reference.chunked.new_values`` (Vn),
 ``chunk_states`` (S at chunk starts and the final state) and ``chunk_outputs`` (O).
 
 One CTA walks one sequence for one value head and one block of V columns; sequence bounds are read on
@@ -44,10 +44,10 @@ def build_chunk_forward(
     Arguments of the returned kernel, in order:
       q, k       [1, T, Hqk, K]  io dtype
       v          [1, T, Hv, V]   io dtype
-      gcum       [1, T, Hv]      float32 (stage 1)
-      beta       [1, T, Hv]      float32
-      A          [1, T, Hv, 64]  io dtype (stage 1)
+      gcum       [Hv, 64 S]      float32 (stage 1, per chunk slot)
+      Ag         [S, Hv, 64, 64] io dtype (stage 1, per chunk slot)
       cu_seqlens [N + 1]         int32
+      first_slot [N]             int32: chunk slot of each sequence's first chunk
       h0         [N0, Hv, K, V]  float32 ([N0, Hv, V, K] when state_v_first); N0 = N, or 1 when unused
       scale      float32 scalar
       o          [1, T, Hv, V]   io dtype, written (zeros after cu_seqlens[-1])
@@ -62,6 +62,8 @@ def build_chunk_forward(
     n_vblocks = V // BV
     num_tokens = T.dynamic("num_tokens")
     num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")
     n_h0 = T.dynamic("n_h0")
     n_ht = T.dynamic("n_ht")
     acc = "float32"
@@ -73,10 +75,10 @@ def build_chunk_forward(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
         k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
         v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        gcum: T.Tensor((1, num_tokens, Hv), "float32"),
-        beta: T.Tensor((1, num_tokens, Hv), "float32"),
-        A: T.Tensor((1, num_tokens, Hv, C), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
         h0: T.Tensor(state_shape_h0, "float32"),
         scale: T.float32,
         o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
@@ -93,7 +95,6 @@ def build_chunk_forward(
             q_s = T.alloc_shared((C, K), io_dtype)
             k_s = T.alloc_shared((C, K), io_dtype)
             v_s = T.alloc_shared((C, BV), io_dtype)
-            a_s = T.alloc_shared((C, C), io_dtype)
             s_s = T.alloc_shared((K, BV), io_dtype)
             p_s = T.alloc_shared((C, C), io_dtype)
             ag_s = T.alloc_shared((C, C), io_dtype)
@@ -101,13 +102,11 @@ def build_chunk_forward(
             vn_s = T.alloc_shared((C, BV), io_dtype)
             o_s = T.alloc_shared((C, BV), io_dtype)
             gc_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
 
             s_f = T.alloc_fragment((K, BV), acc)
             u_f = T.alloc_fragment((C, BV), acc)
             o_f = T.alloc_fragment((C, BV), acc)
             p_f = T.alloc_fragment((C, C), acc)
-            ag_f = T.alloc_fragment((C, C), acc)
             g_last = T.alloc_var(acc)
 
             if has_initial_state:
@@ -129,26 +128,22 @@ def build_chunk_forward(
                     k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
                 for i, j in T.Parallel(C, BV):
                     v_s[i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, v0 + j], T.cast(0, io_dtype))
+                # stage 1's tiles are zero (Ag) and flat (g~: no decay, no update) past the sequence's end
+                slot = first_slot[n] + c
                 for i, j in T.Parallel(C, C):
-                    a_s[i, j] = T.if_then_else(i < n_rows, A[0, t0 + i, h, j], T.cast(0, io_dtype))
+                    ag_s[i, j] = Ag[slot, h, i, j]
                 for i in T.Parallel(C):
-                    # past the end the cumsum stays at its last real value: no decay, no update
-                    gc_s[i] = gcum[0, t0 + T.min(i, n_rows - 1), h]
-                    b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
-                g_last = gcum[0, t0 + n_rows - 1, h]
+                    gc_s[i] = gcum[h, slot * C + i]
+                g_last = gcum[h, slot * C + C - 1]
                 T.fence_proxy_async()
 
-                # state-independent: masked, gated Q K^T and Ag
+                # state-independent: masked, gated Q K^T
                 T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     p_f[i, j] = T.if_then_else(
                         i >= j, p_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0
                     )
-                    ag_f[i, j] = T.if_then_else(
-                        i >= j, a_s[i, j] * b_s[j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0
-                    )
                 T.copy(p_f, p_s)
-                T.copy(ag_f, ag_s)
                 T.fence_proxy_async()
 
                 # W = V - diag(gamma) K S ;  O = scale diag(gamma) Q S

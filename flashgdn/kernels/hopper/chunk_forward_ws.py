@@ -2,22 +2,24 @@
 
 Math (DESIGN.md §2), per chunk with S the state at its start:
 
-    Ag = Gam ⊙ A ⊙ (1 beta^T)          W = V - diag(gamma) K S          Vn = Ag W
+    W = V - diag(gamma) K S          Vn = Ag W          (Ag = Gam ⊙ A ⊙ (1 beta^T) from stage 1)
     O  = scale (diag(gamma) Q S + (Gam ⊙ Q K^T) Vn)
     S' = gamma_C S + K^T diag(exp(g~_last - g~)) Vn
 
-PyTorch counterparts: ``flashgdn.reference.chunked.gated_inverse``, ``new_values``, ``chunk_states``,
-``chunk_outputs``.
+PyTorch counterparts: ``flashgdn.reference.chunked.new_values``, ``chunk_states``, ``chunk_outputs``.
 
 Roles (one CTA = one sequence x one value head, 512 threads):
 
 * warpgroups 0 and 1, the **state path**: each owns half of the state's V columns (S is [K, 64] fp32 in its
   registers) and runs the dependent chain K S -> W -> Ag W -> K^T Vn. Splitting V between two warpgroups halves
   the width of every GEMM on the chain, which is what bounds a long sequence.
-* warpgroup 2, the **output path**: Q K^T, the gates, Ag (written over A in its stage buffer, for the state path),
-  then Q S and (Gam ⊙ Q K^T) Vn for the output, stored straight from registers. None of it is on the chain, so it overlaps the next chunk's state work.
-* warpgroup 3, the **producer**: TMA loads of q, k, v, A into a two-stage ring (masked plain loads for the last,
-  partial chunk of a sequence, so rows of the next sequence never enter).
+* warpgroup 2, the **output path**: the gated, masked Q K^T one chunk ahead, then Q S and (Gam ⊙ Q K^T) Vn
+  for the output, stored straight from registers. None of it is on the chain, so it overlaps the next
+  chunk's state work.
+* warpgroup 3, the **producer**: TMA loads of q, k, v, Ag and g~ into a two-stage ring. Ag and g~ are stage 1's
+  per-chunk-slot tiles (zero / flat past a sequence's end), so they are always one TMA box each; q, k and v of
+  the last, partial chunk of a sequence are loaded by masked plain loads, so rows of the next sequence never
+  enter.
 
 Hand-offs are mbarriers; the state reaches the output path as bf16 in shared memory, double-buffered so the
 state path can write S' while the output path still reads S.
@@ -47,6 +49,8 @@ def build_chunk_forward_ws(
     HV2 = V // 2  # V columns per state warpgroup
     num_tokens = T.dynamic("num_tokens")
     num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")
     n_h0 = T.dynamic("n_h0")
     n_ht = T.dynamic("n_ht")
     acc = "float32"
@@ -55,7 +59,7 @@ def build_chunk_forward_ws(
 
     @T.macro
     def state_path(w, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, s_half, vn_half, w_half,
-                   full, empty, ag_ready, s_ready, s_free, vn_ready, vn_free):
+                   full, empty, s_ready, s_free, vn_ready, vn_free):
         # S[:, w*HV2 : (w+1)*HV2] in registers, fp32
         s_f = T.alloc_fragment((K, HV2), acc)
         u_f = T.alloc_fragment((C, HV2), acc)
@@ -82,8 +86,7 @@ def build_chunk_forward_ws(
                 u_f[i, j] = v_s[st, i, c0 + j] - T.exp2(gc_s[st, i] * LOG2E) * u_f[i, j]
             T.copy(u_f, w_half)
             T.fence_proxy_async()
-            # Vn = Ag W (the output path overwrote A with Ag in place)
-            T.barrier_wait(ag_ready[st], (c // 2) % 2)
+            # Vn = Ag W
             T.gemm(a_s[st, :, :], w_half, u_f, clear_accum=True)
             T.barrier_wait(vn_free, (c + 1) % 2)
             T.copy(u_f, vn_half)
@@ -113,8 +116,8 @@ def build_chunk_forward_ws(
                     ht[n, h, i, c0 + j] = s_f[i, j]
 
     @T.macro
-    def output_prepare(cc, q_s, k_s, a_s, gc_s, b_s, p_s, p_f, full, ag_ready, scale):
-        # P = scale Gam ⊙ Q K^T (kept for the output) and Ag = Gam ⊙ A ⊙ beta^T, written over A for the state path
+    def output_prepare(cc, q_s, k_s, gc_s, p_s, p_f, full, scale):
+        # P = scale Gam ⊙ Q K^T, masked, for the output of chunk cc
         sc = cc % 2
         T.barrier_wait(full[sc], (cc // 2) % 2)
         T.gemm(q_s[sc, :, :], k_s[sc, :, :], p_f, transpose_B=True, clear_accum=True)
@@ -123,24 +126,17 @@ def build_chunk_forward_ws(
                 i >= j, p_f[i, j] * scale * T.exp2((gc_s[sc, i] - gc_s[sc, j]) * LOG2E), 0.0
             )
         T.copy(p_f, p_s[sc, :, :])
-        for i, j in T.Parallel(C, C):
-            p_f[i, j] = T.if_then_else(
-                i >= j, a_s[sc, i, j] * b_s[sc, j] * T.exp2((gc_s[sc, i] - gc_s[sc, j]) * LOG2E), 0.0
-            )
-        # the stage is refilled only after every consumer released it, so A can be overwritten here
-        T.copy(p_f, a_s[sc, :, :])
         T.fence_proxy_async()
-        T.barrier_arrive(ag_ready[sc])
 
     @T.prim_func
     def chunk_forward_ws_kernel(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
         k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
         v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        gcum: T.Tensor((1, num_tokens, Hv), "float32"),
-        beta: T.Tensor((1, num_tokens, Hv), "float32"),
-        A: T.Tensor((1, num_tokens, Hv, C), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
         h0: T.Tensor(state_shape_h0, "float32"),
         scale: T.float32,
         o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
@@ -158,7 +154,6 @@ def build_chunk_forward_ws(
             v_s = T.alloc_shared((2, C, V), io_dtype)
             a_s = T.alloc_shared((2, C, C), io_dtype)
             gc_s = T.alloc_shared((2, C), acc)
-            b_s = T.alloc_shared((2, C), acc)
             # hand-offs
             s0_s = T.alloc_shared((2, K, HV2), io_dtype)  # S halves (bf16): state path -> output path
             s1_s = T.alloc_shared((2, K, HV2), io_dtype)
@@ -170,7 +165,6 @@ def build_chunk_forward_ws(
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
-            ag_ready = T.alloc_barrier(arrive_count=[128] * 2)
             s_ready = T.alloc_barrier(arrive_count=[256] * 2)
             s_free = T.alloc_barrier(arrive_count=[128] * 2)
             vn_ready = T.alloc_barrier(arrive_count=256)
@@ -181,21 +175,21 @@ def build_chunk_forward_ws(
             if tx < 128:
                 T.set_max_nreg(160, 1)
                 state_path(0, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, s0_s, vn0_s, w0_s,
-                           full, empty, ag_ready, s_ready, s_free, vn_ready, vn_free)
+                           full, empty, s_ready, s_free, vn_ready, vn_free)
             elif tx < 256:
                 T.set_max_nreg(160, 1)
                 state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, s1_s, vn1_s, w1_s,
-                           full, empty, ag_ready, s_ready, s_free, vn_ready, vn_free)
+                           full, empty, s_ready, s_free, vn_ready, vn_free)
             elif tx < 384:
                 # ---------------- output path
-                # Software-pipelined one chunk ahead: P and Ag of chunk c + 1 are made while the state path
-                # finishes chunk c, so Ag is never on the state path's critical chain.
-                T.set_max_nreg(144, 1)
+                # Software-pipelined one chunk ahead: P of chunk c + 1 is made while the state path finishes
+                # chunk c.
+                T.set_max_nreg(136, 1)
                 p_f = T.alloc_fragment((C, C), acc)
                 o0_f = T.alloc_fragment((C, HV2), acc)
                 o1_f = T.alloc_fragment((C, HV2), acc)
                 if n_chunks > 0:
-                    output_prepare(0, q_s, k_s, a_s, gc_s, b_s, p_s, p_f, full, ag_ready, scale)
+                    output_prepare(0, q_s, k_s, gc_s, p_s, p_f, full, scale)
                 for c in T.serial(n_chunks):
                     st = c % 2
                     t0 = bos + c * C
@@ -209,7 +203,7 @@ def build_chunk_forward_ws(
                         o0_f[i, j] = o0_f[i, j] * scale * T.exp2(gc_s[st, i] * LOG2E)
                         o1_f[i, j] = o1_f[i, j] * scale * T.exp2(gc_s[st, i] * LOG2E)
                     if c + 1 < n_chunks:
-                        output_prepare(c + 1, q_s, k_s, a_s, gc_s, b_s, p_s, p_f, full, ag_ready, scale)
+                        output_prepare(c + 1, q_s, k_s, gc_s, p_s, p_f, full, scale)
                     # O += (scale Gam ⊙ Q K^T) Vn
                     T.barrier_wait(vn_ready, c % 2)
                     T.gemm(p_s[st, :, :], vn0_s, o0_f)
@@ -228,7 +222,7 @@ def build_chunk_forward_ws(
                                 o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
             else:
                 # ---------------- producer
-                T.set_max_nreg(48, 0)
+                T.set_max_nreg(56, 0)
                 for c in T.serial(n_chunks):
                     st = c % 2
                     t0 = bos + c * C
@@ -254,20 +248,11 @@ def build_chunk_forward_ws(
                                 for j in T.Parallel(V):
                                     v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
                             T.fence_proxy_async()
-                        for i in T.Parallel(C):
-                            b_s[st, i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
                         T.barrier_arrive(full[st])
                     elif tx < 384 + 96:
-                        if n_rows == C:
-                            T.tma_copy(A[0, t0:t0 + C, h, 0:C], a_s[st, :, :], barrier=full[st])
-                        else:
-                            for i in T.serial(C):
-                                for j in T.Parallel(C):
-                                    a_s[st, i, j] = T.if_then_else(i < n_rows, A[0, t0 + i, h, j], T.cast(0, io_dtype))
-                            T.fence_proxy_async()
-                        # past the end the cumsum stays at its last real value: no decay, no update
-                        for i in T.Parallel(C):
-                            gc_s[st, i] = gcum[0, t0 + T.min(i, n_rows - 1), h]
+                        slot = first_slot[n] + c
+                        T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
+                        T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
                         T.barrier_arrive(full[st])
 
     return tilelang.compile(

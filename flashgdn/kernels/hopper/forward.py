@@ -1,7 +1,7 @@
 """Host side of the Hopper forward: plan the launch without touching the host, run the stages in order.
 
 Pipeline (each stage one file, one compile per configuration):
-  1. ``kkt_inverse``   per (chunk, value head): chunk-local cumsum g~ and the gate-free inverse A
+  1. ``kkt_inverse``   per (chunk, qk head): chunk-local cumsum g~ (head-major) and the gated inverse Ag
   2. ``chunk_forward`` per (sequence, value head, V block): the chunk loop with the state in registers
 
 Dense input ``[B, T, ...]`` is run as B packed sequences of length T (a free view), so both layouts share
@@ -19,9 +19,11 @@ from .common import CHUNK, tl_dtype
 #: Tests set this to fill every output with NaN before the kernels run, so an element no kernel wrote fails.
 POISON_OUTPUTS = False
 
-#: Which chunk-loop kernel runs: "ws" (warp-specialised, ``chunk_forward_ws.py``) or "simple"
-#: (one role, ``chunk_forward.py``; kept as the A/B baseline). FLASHGDN_HOPPER_CHUNK_LOOP overrides.
-CHUNK_LOOPS = ("ws", "simple")
+#: Which chunk-loop kernel runs: "rs" (warp-specialised, transposed state, register-operand GEMMs:
+#: ``chunk_forward_rs.py``), "ws" (warp-specialised, state halves through shared memory:
+#: ``chunk_forward_ws.py``) or "simple" (one role, ``chunk_forward.py``; the A/B baseline).
+#: FLASHGDN_HOPPER_CHUNK_LOOP overrides the default.
+CHUNK_LOOPS = ("rs", "ws", "simple")
 DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "ws")
 
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
@@ -43,19 +45,26 @@ class ForwardConfig:
     BV: int = DEFAULT_BV
 
 
-def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> torch.Tensor:
-    """(first token, length) of every chunk, as int32 ``[S, 2]``, computed on the device.
+def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
+    """``S = ceil((T + 63 N) / 64)``: a bound on the number of chunks from host-known sizes alone (each
+    sequence adds at most one partial chunk), so no value of ``cu_seqlens`` is read on the host."""
+    return max(1, (num_tokens + (CHUNK - 1) * num_seqs + CHUNK - 1) // CHUNK)
 
-    ``S = ceil((T + 63 N) / 64)`` bounds the number of chunks from host-known sizes alone (each sequence
-    adds at most one partial chunk), so no value of ``cu_seqlens`` is read on the host. Slots past the
-    real chunk count get length 0 and their CTAs exit at once.
+
+def chunk_plan(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk slots, computed on the device: ``(bounds, first_slot)``.
+
+    ``bounds`` is int32 ``[S, 2]``: (first token, length) of every chunk slot, sequences in order; slots past
+    the real chunk count get length 0 and their CTAs exit at once. ``first_slot`` is int32 ``[N]``: the slot
+    of each sequence's first chunk (its chunk c is slot ``first_slot[n] + c``), which is how the chunk loop
+    finds stage 1's per-slot outputs.
     """
     dev = cu_seqlens.device
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     n_chunks = (lens + CHUNK - 1) // CHUNK
     last = torch.cumsum(n_chunks, 0)  # one past each sequence's last chunk
-    n_slots = max(1, (num_tokens + (CHUNK - 1) * num_seqs + CHUNK - 1) // CHUNK)
+    n_slots = num_chunk_slots(num_tokens, num_seqs)
     slots = torch.arange(n_slots, device=dev, dtype=torch.int64)
     seq = torch.searchsorted(last, slots, right=True)
     idle = seq >= num_seqs
@@ -65,7 +74,28 @@ def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> to
     length = (cu[seq + 1] - start).clamp(min=0, max=CHUNK)
     length = torch.where(idle, torch.zeros_like(length), length)
     start = torch.where(idle, torch.zeros_like(start), start)
-    return torch.stack([start, length], dim=1).to(torch.int32).contiguous()
+    bounds = torch.stack([start, length], dim=1).to(torch.int32).contiguous()
+    return bounds, (last - n_chunks).to(torch.int32)
+
+
+def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> torch.Tensor:
+    """The ``bounds`` of :func:`chunk_plan` alone."""
+    return chunk_plan(cu_seqlens, num_tokens, num_seqs)[0]
+
+
+def slots_to_tokens(x: torch.Tensor, bounds: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Map a per-slot stage-1 output back to token order (for checks against the reference).
+
+    ``x`` is ``[S, 64, ...]`` (row r of slot s); returns ``[num_tokens, ...]`` with zeros where no chunk
+    lies (padded tail).
+    """
+    rows = torch.arange(CHUNK, device=x.device)
+    start, length = bounds[:, :1].long(), bounds[:, 1:].long()
+    valid = rows[None, :] < length
+    tok = (start + rows[None, :])[valid]
+    out = torch.zeros((num_tokens,) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    out[tok] = x[valid]
+    return out
 
 
 def _output(shape, dtype, device) -> torch.Tensor:
@@ -91,9 +121,10 @@ def hopper_forward(
     """Run the forward kernels. q, k, v contiguous bf16/fp16 on an SM90 device; L2 norm already applied.
 
     Returns ``(o, final_state or None)``; with ``return_intermediates`` also a dict of the stage outputs
-    (``gcum``, ``A``) for stage-by-stage checks against the reference.
+    (``gcum``, ``Ag``, token-major like the reference's) for stage-by-stage checks.
     """
     from .chunk_forward import build_chunk_forward
+    from .chunk_forward_rs import build_chunk_forward_rs
     from .chunk_forward_ws import build_chunk_forward_ws
     from .kkt_inverse import build_kkt_inverse
 
@@ -124,7 +155,11 @@ def hopper_forward(
         state_v_first=state_v_first,
     )
     prep = build_kkt_inverse(Hqk, Hv, K, cfg.io_dtype, cfg.io_dtype)
-    if chunk_loop == "ws":
+    if chunk_loop == "rs":
+        main = build_chunk_forward_rs(
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
+        )
+    elif chunk_loop == "ws":
         main = build_chunk_forward_ws(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
         )
@@ -133,10 +168,11 @@ def hopper_forward(
             Hqk, Hv, K, V, cfg.BV, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
         )
 
-    bounds = chunk_bounds(cu, TT, N)
-    gcum = _output((1, TT, Hv), torch.float32, dev)
-    A = _output((1, TT, Hv, CHUNK), q.dtype, dev)
-    prep(kf, gf, bf, bounds, gcum, A)
+    bounds, first_slot = chunk_plan(cu, TT, N)
+    S = bounds.shape[0]
+    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
+    Ag = _output((S, Hv, CHUNK, CHUNK), q.dtype, dev)
+    prep(kf, gf, bf, bounds, gcum, Ag)
 
     state_shape = (Hv, V, K) if state_v_first else (Hv, K, V)
     if initial_state is not None:
@@ -145,10 +181,12 @@ def hopper_forward(
         h0 = torch.empty((1,) + state_shape, device=dev, dtype=torch.float32)
     ht = _output(((N if output_final_state else 1),) + state_shape, torch.float32, dev)
     o = _output((1, TT, Hv, V), q.dtype, dev)
-    main(qf, kf, vf, gcum, bf, A, cu, h0, float(scale), o, ht)
+    main(qf, kf, vf, gcum, Ag, cu, first_slot, h0, float(scale), o, ht)
 
     o = o.reshape(B, T, Hv, V)
     final = ht if output_final_state else None
     if return_intermediates:
-        return o, final, {"gcum": gcum.reshape(B, T, Hv), "A": A.reshape(B, T, Hv, CHUNK)}
+        gc_tok = slots_to_tokens(gcum.reshape(Hv, S, CHUNK).permute(1, 2, 0), bounds, TT)
+        ag_tok = slots_to_tokens(Ag.permute(0, 2, 1, 3), bounds, TT)
+        return o, final, {"gcum": gc_tok.reshape(B, T, Hv), "Ag": ag_tok.reshape(B, T, Hv, CHUNK)}
     return o, final

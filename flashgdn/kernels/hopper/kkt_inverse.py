@@ -1,30 +1,37 @@
-"""Stage 1 of the Hopper forward: chunk-local gate cumsum and the gate-free inverse, per (chunk, value head).
+"""Stage 1 of the Hopper forward: chunk-local gate cumsum and the gated inverse Ag, per (chunk, qk head).
 
 Math (DESIGN.md §2, chunk size C = 64, rows i, j of one chunk of one value head h, qk head h // group):
 
-    g~_i = sum_{s <= i} g_s                                         (chunk-local cumsum)
-    L    = StrictLower(diag(beta) K K^T)                            (L_ij = beta_i k_i.k_j for i > j)
-    A    = (I + L)^{-1}                                             (unit lower triangular, no gate in it)
+    g~_i  = sum_{s <= i} g_s                                        (chunk-local cumsum)
+    L     = StrictLower(diag(beta) K K^T)                           (L_ij = beta_i k_i.k_j for i > j)
+    A     = (I + L)^{-1}                                            (unit lower triangular, no gate in it)
+    Ag_ij = exp(g~_i - g~_j) A_ij beta_j   (j <= i, else 0)         (what the chunk loop multiplies by)
 
-The inverse is blocked: the four 16x16 diagonal blocks of (I + L) are inverted by forward substitution
-(one thread per column), then merged 16 -> 32 -> 64 with
+One CTA takes one chunk of one qk head: K K^T is formed once (wgmma) and kept in shared memory as fp32, then
+the value heads of the group are inverted two at a time. The inverse is blocked in two 32x32 diagonal blocks:
 
-    [[A11, 0], [L21, A22']]^{-1}  ->  A21 = -A22 L21 A11
+* each diagonal block by forward substitution, one thread per column with the column in registers
+  (x_r = -beta_r sum_{j<r} (K K^T)_rj x_j; every read of K K^T is a broadcast), so no partial result goes
+  through shared memory;
+* the off-diagonal block by ``A21 = -A22 (L21 A11)``, two 32x32 tf32 tensor-core products.
 
-so every step is an fp32 product on the CUDA cores or a small tensor-core product, and nothing depends on
-the gates (they enter later as Ag = Gam ⊙ A ⊙ beta^T, where every exponent is a difference <= 0).
+Ag is formed while it is written out, so the chunk loop needs neither A nor beta. Every gate factor is the
+exp of a difference <= 0 and Ag has A's magnitude; storing Ag (one rounding to the io dtype) is as accurate as
+storing A and gating it later.
 
-PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum`` and
-``flashgdn.reference.chunked.kkt_inverse`` (token-major layouts identical to the outputs here).
+Both outputs are laid out by chunk slot, not by token: ``Ag[slot, h]`` is one 64x64 tile and
+``gcum[h, 64 slot : 64 slot + 64]`` one run of 64 values, so every chunk writes whole tiles with plain vector
+stores and the chunk loop loads them with one TMA copy each, partial chunks included. Rows of a chunk past
+its sequence's end are loaded as zeros (k, g, beta): their rows and columns of Ag come out zero and the
+cumsum stays flat at its last real value, which is what the chunk loop wants there.
 
-Rows of a chunk past its sequence's end are loaded as zeros (k, g, beta), so they add nothing to L and the
-cumsum stays flat; outputs are written only for the chunk's own rows, so a chunk never writes into the next
-sequence's tokens.
+PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_inverse`` and
+``gated_inverse`` (token-major; ``forward.slots_to_tokens`` maps the slot layout back).
 """
 
 import functools
 
-from .common import CHUNK, TARGET, pass_configs, tl_dtype  # noqa: F401
+from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,16 +43,19 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
       g        [1, T, Hv]       float32 per-token log decay
       beta     [1, T, Hv]       float32
       bounds   [S, 2]           int32: (first token, length) of every chunk slot; length 0 = idle slot
-      gcum     [1, T, Hv]       float32, written
-      A        [1, T, Hv, 64]   a dtype, written (row t: row of t in its chunk)
+      gcum     [Hv, 64 S]       float32, written: head-major, 64 values per chunk slot
+      Ag       [S, Hv, 64, 64]  a dtype, written: one tile per chunk slot and value head
     """
     import tilelang
     import tilelang.language as T
 
     C = CHUNK
+    B = C // 2  # diagonal block of the inverse
     group = Hv // Hqk
+    pair = 2 if group % 2 == 0 else 1  # value heads inverted side by side (one per 64 threads)
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")  # 64 * num_slots
     acc = "float32"
 
     @T.prim_func
@@ -54,86 +64,86 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
         g: T.Tensor((1, num_tokens, Hv), "float32"),
         beta: T.Tensor((1, num_tokens, Hv), "float32"),
         bounds: T.Tensor((num_slots, 2), "int32"),
-        gcum: T.Tensor((1, num_tokens, Hv), "float32"),
-        A: T.Tensor((1, num_tokens, Hv, C), a_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
     ):
-        with T.Kernel(num_slots, Hv, threads=128) as (slot, h):
-            hq = h // group
+        with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
             t0 = bounds[slot, 0]
             n_rows = bounds[slot, 1]
 
             k_s = T.alloc_shared((C, K), qk_dtype)
-            g_s = T.alloc_shared((C,), acc)
-            gc_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
             kk_f = T.alloc_fragment((C, C), acc)
-            # (I + L) in, A out; one padded row so column walks do not hit one bank
-            a_s = T.alloc_shared((C, C + 1), acc)
-            l_s = T.alloc_shared((C, C + 1), acc)
-            t32_s = T.alloc_shared((32, 32), acc)
-            l21_s = T.alloc_shared((32, 32), acc)
-            a00_s = T.alloc_shared((32, 32), acc)
-            a11_s = T.alloc_shared((32, 32), acc)
-            d_f = T.alloc_fragment((4, 16), acc)
-            m16_f = T.alloc_fragment((2, 16, 16), acc)
-            m32_f = T.alloc_fragment((32, 32), acc)
+            kk_s = T.alloc_shared((C, C), acc)
+            g_s = T.alloc_shared((group, C), acc)
+            gc_s = T.alloc_shared((group, C), acc)
+            b_s = T.alloc_shared((group, C), acc)
+            a_s = T.alloc_shared((pair, C, C), acc)
+            ag_s = T.alloc_shared((pair, C, C), a_dtype)
+            l21_s = T.alloc_shared((B, B), acc)
+            a11_s = T.alloc_shared((B, B), acc)
+            a22_s = T.alloc_shared((B, B), acc)
+            t_s = T.alloc_shared((B, B), acc)
+            m_f = T.alloc_fragment((B, B), acc)
+            x = T.alloc_local((B,), acc)
+            part = T.alloc_local((2,), acc)
+
+            tx = T.get_thread_binding()
 
             if n_rows > 0:
                 for i, j in T.Parallel(C, K):
                     k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, qk_dtype))
-                for i in T.Parallel(C):
-                    g_s[i] = T.if_then_else(i < n_rows, g[0, t0 + i, h], 0.0)
-                    b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
-                T.cumsum(g_s, gc_s, dim=0)
-                for i in T.Parallel(C):
-                    if i < n_rows:
-                        gcum[0, t0 + i, h] = gc_s[i]
-
+                # the gates of the whole group at once (contiguous in g and beta)
+                for i, p in T.Parallel(C, group):
+                    g_s[p, i] = T.if_then_else(i < n_rows, g[0, t0 + i, hq * group + p], 0.0)
+                    b_s[p, i] = T.if_then_else(i < n_rows, beta[0, t0 + i, hq * group + p], 0.0)
                 T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    l_s[i, j] = T.if_then_else(i > j, b_s[i] * kk_f[i, j], 0.0)
-                    # diagonal 16x16 blocks start as the identity; everything else is filled below
-                    a_s[i, j] = T.if_then_else(i == j, 1.0, 0.0)
+                T.copy(kk_f, kk_s)
+                T.cumsum(g_s, gc_s, dim=1)
+                for p, i in T.Parallel(group, C):
+                    gcum[hq * group + p, slot * C + i] = gc_s[p, i]
 
-                # 1) diagonal blocks by forward substitution: row r of block b, all 16 columns at once.
-                #    Fully unrolled: every index is a constant and the loads of one row overlap.
-                for r in T.unroll(1, 16):
-                    T.clear(d_f)
-                    for b, c in T.Parallel(4, 16):
-                        for j in T.unroll(r):
-                            d_f[b, c] += l_s[16 * b + r, 16 * b + j] * a_s[16 * b + j, 16 * b + c]
-                    for b, c in T.Parallel(4, 16):
-                        if c < r:
-                            a_s[16 * b + r, 16 * b + c] = -d_f[b, c]
+                for u in T.serial(group // pair):
 
-                # 2) 16 -> 32: A10 = -A11 L10 A00 for the pairs of blocks (0, 1) and (2, 3)
-                T.clear(m16_f)
-                for p, r, c in T.Parallel(2, 16, 16):
-                    for j in T.unroll(16):
-                        m16_f[p, r, c] += l_s[32 * p + 16 + r, 32 * p + j] * a_s[32 * p + j, 32 * p + c]
-                for p, r, c in T.Parallel(2, 16, 16):
-                    l_s[32 * p + 16 + r, 32 * p + c] = m16_f[p, r, c]
-                T.clear(m16_f)
-                for p, r, c in T.Parallel(2, 16, 16):
-                    for j in T.unroll(16):
-                        m16_f[p, r, c] -= a_s[32 * p + 16 + r, 32 * p + 16 + j] * l_s[32 * p + 16 + j, 32 * p + c]
-                for p, r, c in T.Parallel(2, 16, 16):
-                    a_s[32 * p + 16 + r, 32 * p + c] = m16_f[p, r, c]
+                    # diagonal blocks: thread -> (head p, block d, column c); column c of the block in x
+                    T.sync_threads()
+                    if tx < 64 * pair:
+                        for r in T.unroll(B):
+                            x[r] = 0.0
+                        p = tx // 64
+                        r0 = ((tx // B) % 2) * B
+                        c = tx % B
+                        for r in T.unroll(B):
+                            part[0] = 0.0
+                            part[1] = 0.0
+                            for j in T.unroll(r):
+                                part[j % 2] += kk_s[r0 + r, r0 + j] * x[j]
+                            x[r] = T.if_then_else(
+                                r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[u * pair + p, r0 + r] * (part[0] + part[1]))
+                            )
+                        for r in T.unroll(B):
+                            a_s[p, r0 + r, r0 + c] = x[r]
+                    T.sync_threads()
 
-                # 3) 32 -> 64 on the tensor cores (tf32): A[32:, :32] = -A[32:, 32:] (L[32:, :32] A[:32, :32])
-                for r, c in T.Parallel(32, 32):
-                    l21_s[r, c] = l_s[32 + r, c]
-                    a00_s[r, c] = a_s[r, c]
-                    a11_s[r, c] = a_s[32 + r, 32 + c]
-                T.gemm(l21_s, a00_s, m32_f, clear_accum=True)
-                T.copy(m32_f, t32_s)
-                T.gemm(a11_s, t32_s, m32_f, clear_accum=True)
-                for r, c in T.Parallel(32, 32):
-                    a_s[32 + r, c] = -m32_f[r, c]
+                    # off-diagonal block: A21 = -A22 (L21 A11), tf32 tensor cores
+                    for p in T.serial(pair):
+                        for r, c2 in T.Parallel(B, B):
+                            l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, c2]
+                            a11_s[r, c2] = a_s[p, r, c2]
+                            a22_s[r, c2] = a_s[p, B + r, B + c2]
+                        T.gemm(l21_s, a11_s, m_f, clear_accum=True)
+                        T.copy(m_f, t_s)
+                        T.gemm(a22_s, t_s, m_f, clear_accum=True)
+                        for r, c2 in T.Parallel(B, B):
+                            a_s[p, B + r, c2] = -m_f[r, c2]
 
-                for i, j in T.Parallel(C, C):
-                    if i < n_rows:
-                        A[0, t0 + i, h, j] = a_s[i, j]
+                    for p, i, j in T.Parallel(pair, C, C):
+                        ag_s[p, i, j] = T.if_then_else(
+                            i >= j,
+                            a_s[p, i, j] * b_s[u * pair + p, j]
+                            * T.exp2((gc_s[u * pair + p, i] - gc_s[u * pair + p, j]) * LOG2E),
+                            0.0,
+                        )
+                    T.copy(ag_s, Ag[slot, hq * group + u * pair:hq * group + u * pair + pair, :, :])
 
     return tilelang.compile(
         kkt_inverse_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()

@@ -13,7 +13,7 @@ Variant = Tuple[str, str, dict]
 
 def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
                      flags: str = "all") -> Iterator[Variant]:
-    """The stage-1 kernel and both chunk-loop kernels (simple and warp-specialised) for every flag combination (``flags="all"``), or only
+    """The stage-1 kernel and every chunk-loop kernel (simple and the two warp-specialised ones) for every flag combination (``flags="all"``), or only
     the one a training/benchmark call uses (initial state in, final state out, K-major state: ``"common"``)."""
     yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype))
@@ -23,9 +23,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         yield (name, "chunk_forward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, BV=DEFAULT_BV, io_dtype=dtype, has_initial_state=has_h0,
                     store_final_state=store_ht, state_v_first=v_first))
-        yield (name.replace("chunk_forward", "chunk_forward_ws"), "chunk_forward_ws",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
-                    store_final_state=store_ht, state_v_first=v_first))
+        for loop in ("ws", "rs"):
+            yield (name.replace("chunk_forward", f"chunk_forward_{loop}"), f"chunk_forward_{loop}",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                        store_final_state=store_ht, state_v_first=v_first))
 
 
 def build(builder: str, kwargs: dict):
@@ -37,6 +38,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_ws import build_chunk_forward_ws
 
         return build_chunk_forward_ws(**kwargs)
+    if builder == "chunk_forward_rs":
+        from .chunk_forward_rs import build_chunk_forward_rs
+
+        return build_chunk_forward_rs(**kwargs)
     if builder == "chunk_forward":
         from .chunk_forward import build_chunk_forward
 

@@ -1,0 +1,231 @@
+"""Stage 2 of the Hopper forward, warp-specialised with the state transposed in registers ("rs" chunk loop).
+
+Same math as ``chunk_forward.py`` (DESIGN.md §2), written for the transposed state S^T [V, K], so that every
+GEMM on the state's chain takes its left operand from registers (wgmma with a register A operand) and its right
+operand straight from the TMA-filled input tiles:
+
+    W^T   = V^T - (S^T K^T) diag(gamma)                    S^T K^T      : A = S^T (regs),  B = K   (tile)
+    O^T   = scale (S^T Q^T) diag(gamma)                    S^T Q^T      : A = S^T (regs),  B = Q   (tile)
+    Vn^T  = W^T Ag^T                                       W^T Ag^T     : A = W^T (regs),  B = Ag  (tile)
+    O^T  += Vn^T P^T,    P = scale Gam ⊙ Q K^T             Vn^T P^T     : A = Vn^T (regs), B = P   (shared)
+    S'^T  = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K                : A = regs,        B = K   (tile)
+
+No intermediate (W, Vn, S) makes a round trip through shared memory: the accumulator of one GEMM, rounded to
+bf16, is the next GEMM's register operand (the accumulator and operand layouts of wgmma agree per thread, the
+observation FlashAttention-3 builds on). Ag and g~ come from stage 1 (``kkt_inverse``).
+
+PyTorch counterparts: ``flashgdn.reference.chunked.new_values``, ``chunk_states``, ``chunk_outputs``.
+
+Roles (one CTA = one sequence x one value head, 512 threads):
+
+* warpgroups 0 and 1, the **state paths**: each owns 64 rows of S^T (64 of the V columns of S) in registers and
+  runs the whole chunk for them, output included; the two are independent, so one's elementwise work overlaps the
+  other's tensor-core work.
+* warpgroup 2, the **gate path**: one chunk ahead, P = scale Gam ⊙ Q K^T (masked) and the per-token factors
+  gamma_j = exp(g~_j) and exp(g~_last - g~_j), into shared memory.
+* warpgroup 3, the **producer**: TMA loads of q, k, v, Ag and g~ into a two-stage ring. Ag and g~ are stage 1's
+  per-chunk-slot tiles (zero / flat past a sequence's end), always one TMA box each; q, k and v of the last,
+  partial chunk of a sequence are loaded by masked plain loads, so rows of the next sequence never enter.
+
+Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> state), empty (all -> producer).
+"""
+import functools
+
+from .common import CHUNK, LOG2E, TARGET, pass_configs
+
+
+@functools.lru_cache(maxsize=None)
+def build_chunk_forward_rs(
+    Hqk: int,
+    Hv: int,
+    K: int,
+    V: int,
+    io_dtype: str,
+    has_initial_state: bool,
+    store_final_state: bool,
+    state_v_first: bool,
+):
+    """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel."""
+    import tilelang
+    import tilelang.language as T
+
+    C = CHUNK
+    group = Hv // Hqk
+    HV2 = V // 2  # rows of S^T per state warpgroup
+    num_tokens = T.dynamic("num_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")
+    n_h0 = T.dynamic("n_h0")
+    n_ht = T.dynamic("n_ht")
+    acc = "float32"
+    state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
+    state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
+
+    @T.macro
+    def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
+                   full, empty, p_ready):
+        c0 = w * HV2
+        st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
+        sb_f = T.alloc_fragment((HV2, K), io_dtype)
+        u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
+        ub_f = T.alloc_fragment((HV2, C), io_dtype)
+        o_f = T.alloc_fragment((HV2, C), acc)  # O^T
+        if has_initial_state:
+            if state_v_first:
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = h0[n, h, c0 + i, j]
+            else:
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = h0[n, h, j, c0 + i]
+        else:
+            T.clear(st_f)
+
+        for c in T.serial(n_chunks):
+            st = c % 2
+            t0 = bos + c * C
+            n_rows = T.min(eos - t0, C)
+            T.barrier_wait(full[st], (c // 2) % 2)
+            T.copy(st_f, sb_f)
+            # S^T K^T and S^T Q^T, register A operand
+            T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            T.barrier_wait(p_ready[st], (c // 2) % 2)
+            # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma)
+            for i, j in T.Parallel(HV2, C):
+                u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
+                o_f[i, j] = o_f[i, j] * (scale * gam_s[st, j])
+            T.copy(u_f, ub_f)
+            # Vn^T = W^T Ag^T
+            T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            T.copy(u_f, ub_f)
+            # O^T += Vn^T P^T
+            T.gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
+            # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
+            for i, j in T.Parallel(HV2, C):
+                u_f[i, j] = u_f[i, j] * dec_s[st, j]
+            T.copy(u_f, ub_f)
+            for i, j in T.Parallel(HV2, K):
+                st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+            T.gemm(ub_f, k_s[st, :, :], st_f)
+            T.barrier_arrive(empty[st])
+            for i, j in T.Parallel(HV2, C):
+                if j < n_rows:
+                    o[0, t0 + j, h, c0 + i] = o_f[i, j]
+
+        if store_final_state:
+            if state_v_first:
+                for i, j in T.Parallel(HV2, K):
+                    ht[n, h, c0 + i, j] = st_f[i, j]
+            else:
+                for i, j in T.Parallel(HV2, K):
+                    ht[n, h, j, c0 + i] = st_f[i, j]
+
+    @T.prim_func
+    def chunk_forward_rs_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+        h0: T.Tensor(state_shape_h0, "float32"),
+        scale: T.float32,
+        o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        ht: T.Tensor(state_shape_ht, "float32"),
+    ):
+        with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
+            hq = h // group
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            n_chunks = T.ceildiv(eos - bos, C)
+
+            # two-stage input ring
+            q_s = T.alloc_shared((2, C, K), io_dtype)
+            k_s = T.alloc_shared((2, C, K), io_dtype)
+            v_s = T.alloc_shared((2, C, V), io_dtype)
+            a_s = T.alloc_shared((2, C, C), io_dtype)
+            gc_s = T.alloc_shared((2, C), acc)
+            # gate path -> state paths, per ring stage
+            p_s = T.alloc_shared((2, C, C), io_dtype)
+            gam_s = T.alloc_shared((2, C), acc)
+            dec_s = T.alloc_shared((2, C), acc)
+
+            full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
+            empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
+            p_ready = T.alloc_barrier(arrive_count=[128] * 2)
+
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                T.set_max_nreg(192, 1)
+                state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                           dec_s, full, empty, p_ready)
+            elif tx < 256:
+                T.set_max_nreg(192, 1)
+                state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                           dec_s, full, empty, p_ready)
+            elif tx < 384:
+                # ---------------- gate path
+                T.set_max_nreg(72, 0)
+                p_f = T.alloc_fragment((C, C), acc)
+                for c in T.serial(n_chunks):
+                    st = c % 2
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        p_f[i, j] = T.if_then_else(
+                            i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
+                        )
+                    T.copy(p_f, p_s[st, :, :])
+                    for i in T.Parallel(C):
+                        gam_s[st, i] = T.exp2(gc_s[st, i] * LOG2E)
+                        dec_s[st, i] = T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready[st])
+                    T.barrier_arrive(empty[st])
+                # padded tail after the last sequence: zeros
+                if n == num_seqs - 1:
+                    for c in T.serial(T.ceildiv(num_tokens - eos, C)):
+                        for i, j in T.Parallel(C, V):
+                            if eos + c * C + i < num_tokens:
+                                o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
+            else:
+                # ---------------- producer
+                T.set_max_nreg(56, 0)
+                for c in T.serial(n_chunks):
+                    st = c % 2
+                    t0 = bos + c * C
+                    n_rows = T.min(eos - t0, C)
+                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)
+                    if tx < 384 + 32:
+                        if n_rows == C:
+                            T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_s[st, :, :], barrier=full[st])
+                        else:
+                            # a row at a time keeps the producer within its small register budget
+                            for i in T.serial(C):
+                                for j in T.Parallel(K):
+                                    q_s[st, i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                                    k_s[st, i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                            T.fence_proxy_async()
+                        T.barrier_arrive(full[st])
+                    elif tx < 384 + 64:
+                        if n_rows == C:
+                            T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s[st, :, :], barrier=full[st])
+                        else:
+                            for i in T.serial(C):
+                                for j in T.Parallel(V):
+                                    v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
+                            T.fence_proxy_async()
+                        T.barrier_arrive(full[st])
+                    elif tx < 384 + 96:
+                        slot = first_slot[n] + c
+                        T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
+                        T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
+
+    return tilelang.compile(
+        chunk_forward_rs_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()
+    )

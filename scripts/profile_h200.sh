@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Check and time the Hopper forward on the GPU machine, and profile its stages, logging into OUTDIR:
+#   source .device/setup.sh && scripts/profile_h200.sh "$OUT" [HEADS SEQLENS]
+# 1. the Hopper forward's GPU tests (gpu-hopper.log)
+# 2. per-stage CUDA-graph timings (stages.json, stages.log)
+# 3. Nsight Compute on both stages of one shape (default 16/64, 8 x 4096), with per-instruction stall samples
+#    of the chunk loop named by $LOOP (default rs) (ncu.txt: speed of light, occupancy, warp states;
+#    ncu-sass.csv.xz, ncu-sass-kkt.csv.xz).
+# Steps 2 and 3 run even when a test fails, so one call gives the whole picture.
+set -uo pipefail
+out=${1:?usage: scripts/profile_h200.sh OUTDIR [HEADS SEQLENS]}
+heads=${2:-16/64}
+seqlens=${3:-4096,4096,4096,4096,4096,4096,4096,4096}
+mkdir -p "$out"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+loop=${LOOP:-rs}
+
+python3 -m pytest -m gpu -q -x tests/test_gpu_hopper_forward.py 2>&1 | tail -40 > "$out/gpu-hopper.log"
+echo "# exit status ${PIPESTATUS[0]}" >> "$out/gpu-hopper.log"
+
+python3 benchmarks/stage_timing.py --out "$out/stages.json" > "$out/stages.log" 2>&1
+
+if [ -x "$ncu" ]; then
+  "$ncu" --clock-control none -k regex:"kkt_inverse|chunk_forward_$loop" --launch-skip 2 --launch-count 2 \
+    --set full --import-source yes -f -o /tmp/prof \
+    python3 benchmarks/profile_stages.py --heads "$heads" --seqlens "$seqlens" --loops "$loop" > /tmp/ncu-run.log 2>&1
+  {
+    tail -5 /tmp/ncu-run.log
+    "$ncu" -i /tmp/prof.ncu-rep --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats
+  } > "$out/ncu.txt" 2>&1
+  "$ncu" -i /tmp/prof.ncu-rep --page source --csv --print-source sass -k regex:"chunk_forward_$loop" 2>&1 \
+    | xz -9 > "$out/ncu-sass.csv.xz"
+  "$ncu" -i /tmp/prof.ncu-rep --page source --csv --print-source sass -k regex:kkt_inverse 2>&1 \
+    | xz -9 > "$out/ncu-sass-kkt.csv.xz"
+else
+  echo "ncu not found" > "$out/ncu.txt"
+fi
