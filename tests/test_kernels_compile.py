@@ -30,7 +30,8 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     name, builder, kwargs = variant
     kernel = build(builder, kwargs)
     src = kernel.get_kernel_source()
-    assert "wgmma" in src, f"{name}: no wgmma in the generated source (tensor cores not used)"
+    if builder != "chunk_plan":  # the one kernel without a GEMM
+        assert "wgmma" in src, f"{name}: no wgmma in the generated source (tensor cores not used)"
     res = resource_usage(kernel)
     with capsys.disabled():
         print(f"\n  {name}: {res['registers']} registers, spill stores {res['spill_stores']} B, "

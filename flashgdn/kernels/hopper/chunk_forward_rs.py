@@ -19,8 +19,8 @@ PyTorch counterparts: ``flashgdn.reference.chunked.new_values``, ``chunk_states`
 Roles (one CTA = one sequence x one value head, 512 threads):
 
 * warpgroups 0 and 1, the **state paths**: each owns 64 rows of S^T (64 of the V columns of S) in registers and
-  runs the whole chunk for them, output included; the two are independent, so one's elementwise work overlaps the
-  other's tensor-core work.
+  runs the whole chunk for them, output included (O^T is transposed into shared memory and leaves by one TMA
+  store per chunk); the two are independent, so one's elementwise work overlaps the other's tensor-core work.
 * warpgroup 2, the **gate path**: one chunk ahead, P = scale Gam ⊙ Q K^T (masked) and the per-token factors
   gamma_j = exp(g~_j) and exp(g~_last - g~_j), into shared memory.
 * warpgroup 3, the **producer**: TMA loads of q, k, v, Ag and g~ into a two-stage ring. Ag and g~ are stage 1's
@@ -32,6 +32,11 @@ Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> sta
 import functools
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
+
+# Registers per thread of each warpgroup after setmaxnreg (2 x state + gate + producer = 512, the whole register
+# file at 512 threads). ptxas ignores every setmaxnreg when a role's code needs more than its share, and
+# serialises wgmma when a state path keeps too much live across one in flight (why the GEMMs here wait).
+STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +69,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
-                   full, empty, p_ready):
+                   o_s, full, empty, p_ready):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -109,9 +114,16 @@ def build_chunk_forward_rs(
                 st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.gemm(ub_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])
+            # O^T -> O through shared memory (transposed there), then one TMA store for a whole chunk
             for i, j in T.Parallel(HV2, C):
-                if j < n_rows:
-                    o[0, t0 + j, h, c0 + i] = o_f[i, j]
+                o_s[w, j, i] = o_f[i, j]
+            T.fence_proxy_async()
+            if n_rows == C:
+                T.copy(o_s[w, :, :], o[0, t0:t0 + C, h, c0:c0 + HV2])
+            else:
+                for j, i in T.Parallel(C, HV2):
+                    if j < n_rows:
+                        o[0, t0 + j, h, c0 + i] = o_s[w, j, i]
 
         if store_final_state:
             if state_v_first:
@@ -151,6 +163,7 @@ def build_chunk_forward_rs(
             p_s = T.alloc_shared((2, C, C), io_dtype)
             gam_s = T.alloc_shared((2, C), acc)
             dec_s = T.alloc_shared((2, C), acc)
+            o_s = T.alloc_shared((2, C, HV2), io_dtype)  # O of each state path, for the TMA store
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
@@ -159,16 +172,16 @@ def build_chunk_forward_rs(
             tx = T.get_thread_binding()
 
             if tx < 128:
-                T.set_max_nreg(192, 1)
+                T.set_max_nreg(STATE_REGS, 1)
                 state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, full, empty, p_ready)
+                           dec_s, o_s, full, empty, p_ready)
             elif tx < 256:
-                T.set_max_nreg(192, 1)
+                T.set_max_nreg(STATE_REGS, 1)
                 state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, full, empty, p_ready)
+                           dec_s, o_s, full, empty, p_ready)
             elif tx < 384:
                 # ---------------- gate path
-                T.set_max_nreg(72, 0)
+                T.set_max_nreg(GATE_REGS, 0)
                 p_f = T.alloc_fragment((C, C), acc)
                 for c in T.serial(n_chunks):
                     st = c % 2
@@ -193,7 +206,7 @@ def build_chunk_forward_rs(
                                 o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
             else:
                 # ---------------- producer
-                T.set_max_nreg(56, 0)
+                T.set_max_nreg(PRODUCER_REGS, 0)
                 for c in T.serial(n_chunks):
                     st = c % 2
                     t0 = bos + c * C

@@ -1,8 +1,10 @@
 """Host side of the Hopper forward: plan the launch without touching the host, run the stages in order.
 
 Pipeline (each stage one file, one compile per configuration):
-  1. ``kkt_inverse``   per (chunk, qk head): chunk-local cumsum g~ (head-major) and the gated inverse Ag
-  2. ``chunk_forward`` per (sequence, value head, V block): the chunk loop with the state in registers
+  0. ``chunk_plan``    one small kernel: the chunk slots (first token, rows) and each sequence's first slot
+  1. ``kkt_inverse``   per (chunk, qk head): chunk-local cumsum g~ and the gated inverse Ag, as per-slot tiles
+  2. the chunk loop   per (sequence, value head): the state in registers, one of ``chunk_forward_rs`` (default),
+                      ``chunk_forward_ws`` or ``chunk_forward`` (see CHUNK_LOOPS)
 
 Dense input ``[B, T, ...]`` is run as B packed sequences of length T (a free view), so both layouts share
 the same kernels. Everything here is device-side tensor work with shapes known on the host (T, N, heads),
@@ -24,7 +26,7 @@ POISON_OUTPUTS = False
 #: ``chunk_forward_ws.py``) or "simple" (one role, ``chunk_forward.py``; the A/B baseline).
 #: FLASHGDN_HOPPER_CHUNK_LOOP overrides the default.
 CHUNK_LOOPS = ("rs", "ws", "simple")
-DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "ws")
+DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
 
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
@@ -52,7 +54,21 @@ def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
 
 
 def chunk_plan(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The chunk slots, computed on the device: ``(bounds, first_slot)``.
+    """The chunk slots: ``(bounds, first_slot)`` as in :func:`chunk_plan_torch`, by one small kernel
+    (``chunk_plan.py``) on a CUDA device, by torch ops elsewhere."""
+    if cu_seqlens.is_cuda:
+        from .chunk_plan import build_chunk_plan
+
+        n_slots = num_chunk_slots(num_tokens, num_seqs)
+        bounds = torch.empty((n_slots, 2), dtype=torch.int32, device=cu_seqlens.device)
+        first = torch.empty((num_seqs,), dtype=torch.int32, device=cu_seqlens.device)
+        build_chunk_plan()(cu_seqlens.to(torch.int32), bounds, first)
+        return bounds, first
+    return chunk_plan_torch(cu_seqlens, num_tokens, num_seqs)
+
+
+def chunk_plan_torch(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk slots, computed with torch ops on the tensor's device: ``(bounds, first_slot)``.
 
     ``bounds`` is int32 ``[S, 2]``: (first token, length) of every chunk slot, sequences in order; slots past
     the real chunk count get length 0 and their CTAs exit at once. ``first_slot`` is int32 ``[N]``: the slot

@@ -135,13 +135,14 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
                         T.gemm(a22_s, t_s, m_f, clear_accum=True)
                         for r, c2 in T.Parallel(B, B):
                             a_s[p, B + r, c2] = -m_f[r, c2]
+                            a_s[p, r, B + c2] = 0.0  # upper block: the gating below is branch-free
 
+                    # Ag = Gam ⊙ A ⊙ beta^T. Above the diagonal A is 0 and the clamped exponent keeps the
+                    # factor finite, so no select is needed and the loop vectorises.
                     for p, i, j in T.Parallel(pair, C, C):
-                        ag_s[p, i, j] = T.if_then_else(
-                            i >= j,
+                        ag_s[p, i, j] = (
                             a_s[p, i, j] * b_s[u * pair + p, j]
-                            * T.exp2((gc_s[u * pair + p, i] - gc_s[u * pair + p, j]) * LOG2E),
-                            0.0,
+                            * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E)
                         )
                     T.copy(ag_s, Ag[slot, hq * group + u * pair:hq * group + u * pair + pair, :, :])
 

@@ -15,6 +15,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                      flags: str = "all") -> Iterator[Variant]:
     """The stage-1 kernel and every chunk-loop kernel (simple and the two warp-specialised ones) for every flag combination (``flags="all"``), or only
     the one a training/benchmark call uses (initial state in, final state out, K-major state: ``"common"``)."""
+    yield ("chunk_plan", "chunk_plan", {})
     yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
@@ -30,6 +31,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
 
 
 def build(builder: str, kwargs: dict):
+    if builder == "chunk_plan":
+        from .chunk_plan import build_chunk_plan
+
+        return build_chunk_plan()
     if builder == "kkt_inverse":
         from .kkt_inverse import build_kkt_inverse
 
