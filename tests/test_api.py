@@ -20,6 +20,7 @@ def test_signature():
         ("g", inspect.Parameter.empty), ("beta", inspect.Parameter.empty),
         ("scale", None), ("initial_state", None), ("output_final_state", False), ("cu_seqlens", None),
         ("cu_seqlens_cpu", None), ("use_qk_l2norm_in_kernel", False), ("state_v_first", False), ("backend", "auto"),
+        ("cp", "auto"),
     ]
 
 

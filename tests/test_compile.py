@@ -90,7 +90,7 @@ def test_custom_op_registrations_pass_opcheck():
 
     inp = make_inputs(seqlens=[40, 30], Hqk=1, Hv=2, K=8, V=8, dtype=torch.float64, device="cpu")
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["initial_state"], inp["cu_seqlens"], None,
-            8 ** -0.5, True, False, "reference")
+            8 ** -0.5, True, False, "reference", "off")
     for a in args[:6]:
         a.requires_grad_(True)
     torch.library.opcheck(torch.ops.flashgdn.chunk_gdr_fwd.default, args,

@@ -48,6 +48,7 @@ def chunk_gdr_fwd(
     output_final_state: bool,
     state_v_first: bool,
     backend: str,
+    cp: str,
 ) -> Tuple[Tensor, Tensor]:
     from .dispatch import known_backends, select_backend
     from .validate import validate
@@ -56,7 +57,7 @@ def chunk_gdr_fwd(
     host_values = cu_seqlens_cpu is not None or (cu_seqlens is not None and cu_seqlens.device.type == "cpu")
     p = validate(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-                 backend=backend, known_backends=known_backends(), check_values=host_values)
+                 backend=backend, known_backends=known_backends(), check_values=host_values, cp=cp)
     with torch.no_grad():
         o, final = select_backend(p, backend)(p)
     if final is None:
@@ -66,7 +67,7 @@ def chunk_gdr_fwd(
 
 @chunk_gdr_fwd.register_fake
 def _chunk_gdr_fwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-                        state_v_first, backend):
+                        state_v_first, backend, cp):
     B, T = q.shape[0], q.shape[1]
     o = q.new_empty((B, T, v.shape[2], v.shape[3]))
     shape = _state_shape(q, v, cu_seqlens, state_v_first) if output_final_state else (0,)
@@ -126,7 +127,7 @@ def _chunk_gdr_bwd_fake(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, cu
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first, _ = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first, _, _ = inputs
     ctx.has_initial_state = initial_state is not None
     ctx.has_cu_seqlens = cu_seqlens is not None
     ctx.cu_seqlens_cpu = cu_seqlens_cpu  # host copy: the recompute plans its chunks without a device sync
@@ -148,7 +149,7 @@ def _backward(ctx, do, dht):
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashgdn.chunk_gdr_bwd(
         do.contiguous(), None if dht is None else dht.contiguous(), q, k, v, g, beta, h0, cu, ctx.cu_seqlens_cpu,
         ctx.scale, ctx.state_v_first)
-    return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None), None, None, None, None, None, None
+    return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None), None, None, None, None, None, None, None
 
 
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -23,6 +23,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     state_v_first: bool = False,
     backend: str = "auto",
+    cp="auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated delta rule attention over whole sequences (chunked prefill), with autograd.
 
@@ -40,6 +41,10 @@ def chunk_gated_delta_rule(
         state_v_first: the state layout, ``[..., V, K]`` instead of ``[..., K, V]``.
         backend: ``"auto"`` (Hopper kernels where they can run, else the reference), ``"hopper"`` or
             ``"reference"``.
+        cp: exact context parallelism (long sequences cut into segments that run in parallel, their start
+            states spliced exactly; ``flashgdn.cp``): ``"auto"`` (the backend decides; today: off), ``"off"``,
+            or a segment length in chunks of 64 tokens. Needs the sequence lengths on the host (dense input,
+            or ``cu_seqlens_cpu``/CPU ``cu_seqlens``).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, Hv, V]`` in q's dtype; final_state ``[N, Hv, K, V]`` (or V, K) in
@@ -48,7 +53,7 @@ def chunk_gated_delta_rule(
     """
     if torch.compiler.is_compiling():
         return _compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                              use_qk_l2norm_in_kernel, state_v_first, backend)
+                              use_qk_l2norm_in_kernel, state_v_first, backend, cp)
     p = validate(
         q, k, v, g, beta,
         scale=scale,
@@ -60,13 +65,14 @@ def chunk_gated_delta_rule(
         state_v_first=state_v_first,
         backend=backend,
         known_backends=known_backends(),
+        cp=cp,
     )
     o, final = select_backend(p, backend)(p)
     return o, (final if output_final_state else None)
 
 
 def _compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                   use_qk_l2norm_in_kernel, state_v_first, backend):
+                   use_qk_l2norm_in_kernel, state_v_first, backend, cp):
     """The operator as ``torch.compile`` traces it: the shape, dtype and device checks of the eager call, then
     one custom op (``custom_ops.py``) that picks the backend at run time as the eager call does. The values of
     ``cu_seqlens`` are checked inside the op when a host copy (``cu_seqlens_cpu``, or a CPU ``cu_seqlens``)
@@ -84,6 +90,7 @@ def _compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, c
         state_v_first=state_v_first,
         backend=backend,
         check_values=False,
+        cp=cp,
     )
     q, k = p.q, p.k
     if p.use_qk_l2norm_in_kernel:
@@ -93,5 +100,5 @@ def _compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, c
         q, k = l2norm(q.to(cdt)).to(q.dtype), l2norm(k.to(cdt)).to(k.dtype)
     o, final = torch.ops.flashgdn.chunk_gdr_fwd(q, k, p.v, p.g, p.beta, p.initial_state, p.cu_seqlens,
                                                 p.cu_seqlens_cpu, p.scale, p.output_final_state, p.state_v_first,
-                                                backend)
+                                                backend, str(p.cp))
     return o, (final if output_final_state else None)

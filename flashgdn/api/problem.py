@@ -40,6 +40,8 @@ class GDNProblem:
     K: int
     V: int
     N: int
+    #: context parallelism: "auto", "off" or a segment length in chunks (flashgdn.cp)
+    cp: object = "auto"
 
     @property
     def group(self) -> int:

@@ -72,6 +72,7 @@ def validate(
     backend: str = "auto",
     known_backends: Iterable[str] = ("auto", "reference", "hopper"),
     check_values: bool = True,
+    cp="auto",
 ) -> GDNProblem:
     """Validate the arguments of ``chunk_gated_delta_rule`` and return the problem they describe.
 
@@ -83,6 +84,9 @@ def validate(
         raise TypeError(f"backend must be a str, one of {known}, got {type(backend).__name__}")
     if backend not in known:
         raise ValueError(f"backend must be one of {known}, got {backend!r}")
+    from ..cp.plan import parse_cp
+
+    cp = parse_cp(cp)
     output_final_state = _flag("output_final_state", output_final_state)
     use_qk_l2norm_in_kernel = _flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     state_v_first = _flag("state_v_first", state_v_first)
@@ -197,4 +201,5 @@ def validate(
         K=K,
         V=V,
         N=N,
+        cp=cp,
     )

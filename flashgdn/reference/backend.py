@@ -8,6 +8,7 @@ import torch
 from ..api.backend import Backend, register_backend
 from ..api.problem import GDNProblem
 from .chunked import chunk_gated_delta_rule_reference
+from .recurrent import l2norm
 
 
 class ReferenceBackend(Backend):
@@ -17,6 +18,17 @@ class ReferenceBackend(Backend):
         return True, "PyTorch, any device"
 
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        from ..cp import cp_problem_forward, plan_for_problem
+
+        # cp="auto" stays off here (segments only pay on a GPU); a segment length runs exact CP (for tests)
+        plan = plan_for_problem(p, auto=False)
+        if plan is not None:
+            q, k = p.q, p.k
+            if p.use_qk_l2norm_in_kernel:
+                cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+                q, k = l2norm(q.to(cdt)).to(q.dtype), l2norm(k.to(cdt)).to(k.dtype)
+            o, final = cp_problem_forward(_reference_forward, p, plan, q, k)
+            return o.to(p.dtype), final
         # computes in float32 (float64 for float64 inputs); the final state stays in that dtype
         o, final = chunk_gated_delta_rule_reference(
             p.q,
@@ -33,6 +45,12 @@ class ReferenceBackend(Backend):
             state_v_first=p.state_v_first,
         )
         return o.to(p.dtype), final
+
+
+def _reference_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu):
+    return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                            output_final_state=output_final_state, cu_seqlens=cu,
+                                            cu_seqlens_cpu=cu_cpu)
 
 
 register_backend(ReferenceBackend.name, ReferenceBackend)

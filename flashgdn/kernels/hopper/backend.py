@@ -1,6 +1,7 @@
 """The ``"hopper"`` backend: TileLang kernels for SM90 behind ``chunk_gated_delta_rule``.
 
-Forward: the kernels of ``forward.py``. Backward: until the fused Hopper backward lands, gradients are
+Forward: the kernels of ``forward.py``; with ``cp=<segment length>`` they run through exact context parallelism
+(``flashgdn.cp``: two state passes, a splice, the forward on all segments). Backward: until the fused Hopper backward lands, gradients are
 computed by recomputing the forward with the PyTorch reference (float32) under autograd; they are exact but
 slow. The L2 norm of q/k is applied as differentiable PyTorch ops in front of the kernels.
 """
@@ -19,11 +20,16 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 class _HopperGDN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                state_v_first):
+                state_v_first, problem, plan):
         from .forward import hopper_forward
 
-        o, ht = hopper_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                               state_v_first)
+        if plan is not None:
+            from ...cp import cp_problem_forward
+
+            o, ht = cp_problem_forward(_hopper_packed_forward, problem, plan, q, k)
+        else:
+            o, ht = hopper_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                   state_v_first)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.cu_seqlens_cpu = cu_seqlens_cpu
         ctx.scale = scale
@@ -62,7 +68,15 @@ class _HopperGDN(torch.autograd.Function):
                 continue
             gr = next(it)
             res.append(None if gr is None else gr.to(orig.dtype))
-        return (*res, None, None, None, None, None)
+        return (*res, None, None, None, None, None, None, None)
+
+
+def _hopper_packed_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu):
+    """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp``."""
+    from .forward import hopper_forward
+
+    return hopper_forward(q, k, v, g, beta, scale, h0.to(torch.float32).contiguous(), output_final_state,
+                          cu.to(torch.int32), False)
 
 
 class HopperBackend(Backend):
@@ -96,8 +110,12 @@ class HopperBackend(Backend):
         if p.use_qk_l2norm_in_kernel:
             # in float32 whatever the input dtype, then back: the kernels take bf16/fp16 q and k
             q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
+        from ...cp import plan_for_problem
+
+        # cp="auto" stays off until the cost model's constants are measured on the GPU; a segment length runs it
+        plan = plan_for_problem(p, auto=False)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
-                               p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first)
+                               p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first, p, plan)
         if p.output_final_state:
             return out[0], out[1]
         return out, None
