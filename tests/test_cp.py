@@ -8,7 +8,7 @@ from flashgdn.reference.chunked import chunk_gated_delta_rule_reference
 from helpers import make_inputs, rel_rms
 
 
-def ref_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu=None):
+def ref_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu=None, need_output=True):
     return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
                                             output_final_state=output_final_state, cu_seqlens=cu,
                                             cu_seqlens_cpu=cu_cpu)

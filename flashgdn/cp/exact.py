@@ -1,8 +1,9 @@
 """Exact context parallelism around any forward: segment transitions, splice, forward from true start states.
 
 ``cp_forward(forward, ...)`` takes a forward with the operator's semantics on packed sequences
-(``forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, cu_seqlens_cpu) ->
-(o, final)``, state ``[N, Hv, K, V]``) and runs it on the segments of a ``SegmentPlan`` (``plan.py``):
+(``forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, cu_seqlens_cpu,
+need_output=True) -> (o, final)``, state ``[N, Hv, K, V]``; with ``need_output=False`` it may skip o) and runs
+it on the segments of a ``SegmentPlan`` (``plan.py``):
 
 1. ``b`` pass: the forward over the segments from a zero state, or from the sequence's initial state for its
    first segment (whose end state is then the true one);
@@ -14,9 +15,9 @@
    segment's.
 
 Nothing is truncated or approximated (unlike a cut-off on the summed decay), so the result equals the forward
-without segments up to rounding for any gate, including g = 0 and unnormalised keys. Steps 1 and 2 compute
-outputs they do not need, and the last segment of each sequence needlessly (segments are passed as packed
-sequences, which cannot skip one); a state-only kernel that skips flagged segments makes them cheaper.
+without segments up to rounding for any gate, including g = 0 and unnormalised keys. Steps 1 and 2 need no
+output (the Hopper backend runs its state-only kernel there), and they also run the last segment of each
+sequence, needlessly: segments are passed as packed sequences, which cannot skip one.
 
 PyTorch counterpart of the transitions: ``flashgdn.reference.chunked.state_pass`` / ``compose_transitions``.
 """
@@ -84,11 +85,11 @@ def cp_forward(
         # 1. b: every segment from zero, first segments from the sequence's state (their end state is exact)
         b_start = torch.zeros((S, Hv, K, V), dtype=sdt, device=dev)
         b_start[first] = h0
-        _, b = forward(q, k, v, g, beta, scale, b_start, seg_cu, True, plan.seg_cu)
+        _, b = forward(q, k, v, g, beta, scale, b_start, seg_cu, True, plan.seg_cu, need_output=False)
         # 2. M: zero values from the identity, V = K
         eye = torch.eye(K, dtype=sdt, device=dev).expand(S, Hv, K, K).contiguous()
         zeros = torch.zeros((1, v.shape[1], Hv, K), dtype=v.dtype, device=dev)
-        _, M = forward(q, k, zeros, g, beta, scale, eye, seg_cu, True, plan.seg_cu)
+        _, M = forward(q, k, zeros, g, beta, scale, eye, seg_cu, True, plan.seg_cu, need_output=False)
         # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i
         starts = splice_segments(M.to(sdt), b.to(sdt), h0, plan)
     else:

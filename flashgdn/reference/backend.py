@@ -47,7 +47,7 @@ class ReferenceBackend(Backend):
         return o.to(p.dtype), final
 
 
-def _reference_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu):
+def _reference_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu, need_output=True):
     return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
                                             output_final_state=output_final_state, cu_seqlens=cu,
                                             cu_seqlens_cpu=cu_cpu)

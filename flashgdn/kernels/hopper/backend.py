@@ -71,12 +71,13 @@ class _HopperGDN(torch.autograd.Function):
         return (*res, None, None, None, None, None, None, None)
 
 
-def _hopper_packed_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu):
-    """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp``."""
+def _hopper_packed_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu, need_output=True):
+    """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp``
+    (the state-only kernel when no output is needed)."""
     from .forward import hopper_forward
 
     return hopper_forward(q, k, v, g, beta, scale, h0.to(torch.float32).contiguous(), output_final_state,
-                          cu.to(torch.int32), False)
+                          cu.to(torch.int32), False, with_output=need_output)
 
 
 class HopperBackend(Backend):

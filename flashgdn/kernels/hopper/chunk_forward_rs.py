@@ -49,8 +49,12 @@ def build_chunk_forward_rs(
     has_initial_state: bool,
     store_final_state: bool,
     state_v_first: bool,
+    with_output: bool = True,
 ):
-    """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel."""
+    """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
+
+    ``with_output=False`` is the state-only pass (context parallelism's b and M passes): no q, no P, no O; the
+    ``o`` argument is then not touched and may be any ``[1, *, Hv, V]`` tensor."""
     import tilelang
     import tilelang.language as T
 
@@ -63,6 +67,7 @@ def build_chunk_forward_rs(
     slot_rows = T.dynamic("slot_rows")
     n_h0 = T.dynamic("n_h0")
     n_ht = T.dynamic("n_ht")
+    o_tokens = num_tokens if with_output else T.dynamic("o_tokens")
     acc = "float32"
     state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
@@ -75,7 +80,8 @@ def build_chunk_forward_rs(
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
-        o_f = T.alloc_fragment((HV2, C), acc)  # O^T
+        if with_output:
+            o_f = T.alloc_fragment((HV2, C), acc)  # O^T
         if has_initial_state:
             if state_v_first:
                 for i, j in T.Parallel(HV2, K):
@@ -94,18 +100,22 @@ def build_chunk_forward_rs(
             T.copy(st_f, sb_f)
             # S^T K^T and S^T Q^T, register A operand
             T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
-            T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            if with_output:
+                T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
             # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma)
             for i, j in T.Parallel(HV2, C):
                 u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
-                o_f[i, j] = o_f[i, j] * (scale * gam_s[st, j])
+            if with_output:
+                for i, j in T.Parallel(HV2, C):
+                    o_f[i, j] = o_f[i, j] * (scale * gam_s[st, j])
             T.copy(u_f, ub_f)
             # Vn^T = W^T Ag^T
             T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
             T.copy(u_f, ub_f)
             # O^T += Vn^T P^T
-            T.gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
+            if with_output:
+                T.gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
             # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
             for i, j in T.Parallel(HV2, C):
                 u_f[i, j] = u_f[i, j] * dec_s[st, j]
@@ -114,16 +124,17 @@ def build_chunk_forward_rs(
                 st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.gemm(ub_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])
-            # O^T -> O through shared memory (transposed there), then one TMA store for a whole chunk
-            for i, j in T.Parallel(HV2, C):
-                o_s[w, j, i] = o_f[i, j]
-            T.fence_proxy_async()
-            if n_rows == C:
-                T.copy(o_s[w, :, :], o[0, t0:t0 + C, h, c0:c0 + HV2])
-            else:
-                for j, i in T.Parallel(C, HV2):
-                    if j < n_rows:
-                        o[0, t0 + j, h, c0 + i] = o_s[w, j, i]
+            if with_output:
+                # O^T -> O through shared memory (transposed there), then one TMA store for a whole chunk
+                for i, j in T.Parallel(HV2, C):
+                    o_s[w, j, i] = o_f[i, j]
+                T.fence_proxy_async()
+                if n_rows == C:
+                    T.copy(o_s[w, :, :], o[0, t0:t0 + C, h, c0:c0 + HV2])
+                else:
+                    for j, i in T.Parallel(C, HV2):
+                        if j < n_rows:
+                            o[0, t0 + j, h, c0 + i] = o_s[w, j, i]
 
         if store_final_state:
             if state_v_first:
@@ -144,7 +155,7 @@ def build_chunk_forward_rs(
         first_slot: T.Tensor((num_seqs,), "int32"),
         h0: T.Tensor(state_shape_h0, "float32"),
         scale: T.float32,
-        o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
         ht: T.Tensor(state_shape_ht, "float32"),
     ):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
@@ -186,12 +197,13 @@ def build_chunk_forward_rs(
                 for c in T.serial(n_chunks):
                     st = c % 2
                     T.barrier_wait(full[st], (c // 2) % 2)
-                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        p_f[i, j] = T.if_then_else(
-                            i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
-                        )
-                    T.copy(p_f, p_s[st, :, :])
+                    if with_output:
+                        T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(C, C):
+                            p_f[i, j] = T.if_then_else(
+                                i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
+                            )
+                        T.copy(p_f, p_s[st, :, :])
                     for i in T.Parallel(C):
                         gam_s[st, i] = T.exp2(gc_s[st, i] * LOG2E)
                         dec_s[st, i] = T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E)
@@ -199,7 +211,7 @@ def build_chunk_forward_rs(
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
                 # padded tail after the last sequence: zeros
-                if n == num_seqs - 1:
+                if with_output and n == num_seqs - 1:
                     for c in T.serial(T.ceildiv(num_tokens - eos, C)):
                         for i, j in T.Parallel(C, V):
                             if eos + c * C + i < num_tokens:
@@ -214,13 +226,16 @@ def build_chunk_forward_rs(
                     T.barrier_wait(empty[st], (c // 2 + 1) % 2)
                     if tx < 384 + 32:
                         if n_rows == C:
-                            T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s[st, :, :], barrier=full[st])
+                            if with_output:
+                                T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s[st, :, :], barrier=full[st])
                             T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_s[st, :, :], barrier=full[st])
                         else:
                             # a row at a time keeps the producer within its small register budget
                             for i in T.serial(C):
                                 for j in T.Parallel(K):
-                                    q_s[st, i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                                    if with_output:
+                                        q_s[st, i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j],
+                                                                       T.cast(0, io_dtype))
                                     k_s[st, i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
                             T.fence_proxy_async()
                         T.barrier_arrive(full[st])

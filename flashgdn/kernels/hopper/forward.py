@@ -133,8 +133,12 @@ def hopper_forward(
     state_v_first: bool,
     return_intermediates: bool = False,
     chunk_loop: Optional[str] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    with_output: bool = True,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run the forward kernels. q, k, v contiguous bf16/fp16 on an SM90 device; L2 norm already applied.
+
+    ``with_output=False`` runs the state-only pass (the "rs" loop without q, P and O; o is returned as None),
+    which is what context parallelism's transition passes need.
 
     Returns ``(o, final_state or None)``; with ``return_intermediates`` also a dict of the stage outputs
     (``gcum``, ``Ag``, token-major like the reference's) for stage-by-stage checks.
@@ -171,7 +175,11 @@ def hopper_forward(
         state_v_first=state_v_first,
     )
     prep = build_kkt_inverse(Hqk, Hv, K, cfg.io_dtype, cfg.io_dtype)
-    if chunk_loop == "rs":
+    if not with_output:
+        main = build_chunk_forward_rs(
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, False
+        )
+    elif chunk_loop == "rs":
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
         )
@@ -196,10 +204,10 @@ def hopper_forward(
     else:
         h0 = torch.empty((1,) + state_shape, device=dev, dtype=torch.float32)
     ht = _output(((N if output_final_state else 1),) + state_shape, torch.float32, dev)
-    o = _output((1, TT, Hv, V), q.dtype, dev)
+    o = _output((1, TT if with_output else 1, Hv, V), q.dtype, dev)
     main(qf, kf, vf, gcum, Ag, cu, first_slot, h0, float(scale), o, ht)
 
-    o = o.reshape(B, T, Hv, V)
+    o = o.reshape(B, T, Hv, V) if with_output else None
     final = ht if output_final_state else None
     if return_intermediates:
         gc_tok = slots_to_tokens(gcum.reshape(Hv, S, CHUNK).permute(1, 2, 0), bounds, TT)
