@@ -5,6 +5,7 @@ Forward: the kernels of ``forward.py``; with ``cp=<segment length>`` they run th
 computed by recomputing the forward with the PyTorch reference (float32) under autograd; they are exact but
 slow. The L2 norm of q/k is applied as differentiable PyTorch ops in front of the kernels.
 """
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -14,6 +15,9 @@ from ...api.problem import GDNProblem
 from ...reference.recurrent import l2norm
 
 SUPPORTED_HEAD_DIMS = (128,)
+
+#: what cp="auto" does on this backend: "off", "auto" (the cost model) or a segment length in chunks
+AUTO_CP = os.environ.get("FLASHGDN_HOPPER_CP", "off")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -113,8 +117,15 @@ class HopperBackend(Backend):
             q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
         from ...cp import plan_for_problem
 
-        # cp="auto" stays off until the cost model's constants are measured on the GPU; a segment length runs it
-        plan = plan_for_problem(p, auto=False)
+        # cp="auto" means AUTO_CP: off until the cost model's constants are measured on the GPU
+        # (FLASHGDN_HOPPER_CP=auto|off|<chunks> to benchmark it); a segment length always runs CP
+        if p.cp == "auto":
+            from dataclasses import replace
+
+            from ...cp.plan import parse_cp
+
+            p = replace(p, cp=parse_cp(AUTO_CP))
+        plan = plan_for_problem(p, auto=True)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
                                p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first, p, plan)
         if p.output_final_state:
