@@ -9,9 +9,10 @@ and nothing recompiles when they change.
 * ``chunk_gdr_fwd`` picks the backend exactly as the eager call does (``backend="auto"`` included) and runs its
   forward without autograd. It returns ``(o, final_state)``; ``final_state`` is an empty tensor when it was not
   asked for (a custom op cannot return None).
-* ``chunk_gdr_bwd`` computes all six gradients by recomputing the forward with the PyTorch reference under
-  autograd (float32, float64 for float64 inputs), as the Hopper backend's eager backward does until the
-  Hopper backward kernels exist. Gradients of the final state are taken when given.
+* ``chunk_gdr_bwd`` computes all six gradients with the written-out backward of the chunked form
+  (``flashgdn.reference.chunked_backward``, float32, float64 for float64 inputs), as the Hopper backend's
+  eager backward does until the Hopper backward kernels exist. Gradients of the final state are taken when
+  given.
 
 L2 normalisation of q and k is applied by the caller as ordinary (traced) torch ops in front of the op.
 """
@@ -74,10 +75,6 @@ def _chunk_gdr_fwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_
     return o, q.new_empty(shape, dtype=_state_dtype(q.dtype))
 
 
-def _autograd_inside_op():
-    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False)
-
-
 @torch.library.custom_op("flashgdn::chunk_gdr_bwd", mutates_args=())
 def chunk_gdr_bwd(
     do: Tensor,
@@ -93,28 +90,16 @@ def chunk_gdr_bwd(
     scale: float,
     state_v_first: bool,
 ) -> List[Tensor]:
-    from ..reference.chunked import chunk_gated_delta_rule_reference
+    from ..reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
-    h0 = None if initial_state is None else initial_state.detach().requires_grad_(True)
-    # A custom op's implementation runs below autograd (the autograd functionality key is excluded); the
-    # recompute needs it back for its own torch.autograd.grad, on tensors private to this call.
-    with _autograd_inside_op(), torch.enable_grad():
-        o, ht = chunk_gated_delta_rule_reference(
-            *leaves, scale=scale, initial_state=h0, output_final_state=dht is not None, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-        )
-        outs, grads = [o], [do.to(o.dtype)]
-        if dht is not None:
-            outs.append(ht)
-            grads.append(dht.to(ht.dtype))
-        wrt = leaves + ([h0] if h0 is not None else [])
-        gs = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-    res = [torch.zeros_like(x) if gr is None else gr.to(x.dtype) for x, gr in zip((q, k, v, g, beta), gs[:5])]
+    grads = chunk_gated_delta_rule_backward_reference(
+        q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first)
+    res = [gr.to(x.dtype) for x, gr in zip((q, k, v, g, beta), grads[:5])]
     if initial_state is None:
         res.append(q.new_empty((0,), dtype=_state_dtype(q.dtype)))
     else:
-        res.append(torch.zeros_like(initial_state) if gs[5] is None else gs[5].to(initial_state.dtype))
+        res.append(grads[5].to(initial_state.dtype))
     return res
 
 

@@ -1,9 +1,9 @@
 """The ``"hopper"`` backend: TileLang kernels for SM90 behind ``chunk_gated_delta_rule``.
 
 Forward: the kernels of ``forward.py``; with ``cp=<segment length>`` they run through exact context parallelism
-(``flashgdn.cp``: two state passes, a splice, the forward on all segments). Backward: until the fused Hopper backward lands, gradients are
-computed by recomputing the forward with the PyTorch reference (float32) under autograd; they are exact but
-slow. The L2 norm of q/k is applied as differentiable PyTorch ops in front of the kernels.
+(``flashgdn.cp``: two state passes, a splice, the forward on all segments). Backward: until the fused Hopper backward lands, gradients come from
+the written-out backward of the chunked form in PyTorch (``flashgdn.reference.chunked_backward``, float32):
+exact, but slow. The L2 norm of q/k is applied as differentiable PyTorch ops in front of the kernels.
 """
 import os
 from typing import Optional, Tuple
@@ -46,32 +46,16 @@ class _HopperGDN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        from ...reference.chunked import chunk_gated_delta_rule_reference
+        from ...reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        xs = [x.detach().requires_grad_(True) if x is not None else None for x in (q, k, v, g, beta, initial_state)]
-        with torch.enable_grad():
-            o, ht = chunk_gated_delta_rule_reference(
-                xs[0], xs[1], xs[2], xs[3], xs[4], scale=ctx.scale, initial_state=xs[5],
-                output_final_state=ctx.output_final_state, cu_seqlens=cu_seqlens,
-                cu_seqlens_cpu=ctx.cu_seqlens_cpu, state_v_first=ctx.state_v_first,
-                compute_dtype=torch.float32,
-            )
-            outs, grads = [o], [do]
-            if ht is not None and dht is not None:
-                outs.append(ht)
-                grads.append(dht)
-            leaves = [x for x in xs if x is not None]
-            gs = torch.autograd.grad(outs, leaves, [gr.to(ou.dtype) for ou, gr in zip(outs, grads)],
-                                     allow_unused=True)
-        it = iter(gs)
-        res = []
-        for x, orig in zip(xs, (q, k, v, g, beta, initial_state)):
-            if x is None:
-                res.append(None)
-                continue
-            gr = next(it)
-            res.append(None if gr is None else gr.to(orig.dtype))
+        grads = chunk_gated_delta_rule_backward_reference(
+            q, k, v, g, beta, do, dht if ctx.output_final_state else None, scale=ctx.scale,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=ctx.cu_seqlens_cpu,
+            state_v_first=ctx.state_v_first, compute_dtype=torch.float32,
+        )
+        res = [None if gr is None else gr.to(x.dtype)
+               for gr, x in zip(grads, (q, k, v, g, beta, initial_state))]
         return (*res, None, None, None, None, None, None, None)
 
 

@@ -1,0 +1,172 @@
+"""The backward of the chunked form, written out (no autograd): the PyTorch counterpart of the Hopper backward.
+
+Per chunk, with S the state at its start and the forward of ``chunked.py``
+(g~ the chunk-local cumsum, gamma_i = exp(g~_i), gamma_C = exp(g~_last), d_i = exp(g~_last - g~_i),
+Gam_ij = exp(g~_i - g~_j) for i >= j):
+
+    A  = (I + L)^{-1},  L = StrictLower(diag(beta) K K^T)        Ag = Gam ⊙ A ⊙ (1 beta^T)
+    W  = V - diag(gamma) K S        Vn = Ag W        P = scale Gam ⊙ Q K^T (lower, diagonal included)
+    O  = scale diag(gamma) Q S + P Vn
+    S' = gamma_C S + K^T diag(d) Vn = M S + b
+
+the gradients, given dO of the chunk and dS' (the state gradient at its end):
+
+1. state gradients, one reverse walk per sequence (the only sequential part):
+       dS = M^T dS' + E^T dO,    E = scale diag(gamma) Q - P Ag diag(gamma) K
+   from dS' = d(final state) at the last chunk; dS at the first chunk's start is d(initial state);
+2. per chunk, all chunks at once:
+       dVn = P^T dO + diag(d) K dS'        dW = Ag^T dVn = dV        dAg = dVn W^T        dP = dO Vn^T
+       dQ  = scale (Gam ⊙ dP) K + scale diag(gamma) dO S^T
+       dK  = scale (Gam ⊙ dP)^T Q - diag(gamma) dW S^T + diag(d) Vn dS'^T + (dKK + dKK^T) K
+       dA  = dAg ⊙ Gam ⊙ (1 beta^T)    dL = -A^T dA A^T (strictly lower)    dKK = diag(beta) dL
+       dbeta_j = sum_i dAg_ij Gam_ij A_ij  +  sum_k dL_jk (K K^T)_jk
+   and the gates through g~: d(gamma_i) = scale <dO_i, (Q S)_i> - <dW_i, (K S)_i>, d(d_i) = <(K dS')_i, Vn_i>,
+   d(gamma_C) = <dS', S>, dGam = scale (Q K^T) ⊙ dP + dAg ⊙ A ⊙ (1 beta^T); then
+       dg~_i = gamma_i d(gamma_i) - d_i d(d_i) + sum_j (Gam ⊙ dGam)_ij - sum_j (Gam ⊙ dGam)_ji  (+ the g~_last terms)
+       dg = reverse cumsum of dg~ within the chunk.
+
+q and k gradients are summed over the value heads of each qk head (GVA). ``tests/test_reference_backward.py``
+checks every gradient against torch autograd through ``chunked.py`` (float64).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .chunked import (
+    _chunk_states_chunks,
+    _chunks,
+    _decay_matrix,
+    _dtype,
+    _gated_inverse_chunks,
+    _initial_state_kv,
+    _inverse_chunks,
+    _lower,
+    _new_values_chunks,
+    _per_value_head,
+    _state_pass_chunks,
+    _tokens,
+)
+from .layout import ChunkTable, chunk_table
+
+
+def _sum_groups(x: torch.Tensor, Hqk: int) -> torch.Tensor:
+    """Sum a value-head tensor ``[NC, Hv, ...]`` over the value heads of each qk head."""
+    NC, Hv = x.shape[:2]
+    return x.reshape(NC, Hqk, Hv // Hqk, *x.shape[2:]).sum(2)
+
+
+def _state_grads_walk(M: torch.Tensor, D: torch.Tensor, dht: torch.Tensor, table: ChunkTable):
+    """Reverse walk ``dS_c = M_c^T dS_{c+1} + D_c`` through every sequence's chunks.
+
+    Returns ``(dS_end [NC, ...], dh0 [N, ...])``: the state gradient at the end of every chunk, and at the start of
+    every sequence. Sequences sorted by chunk count, longest first, so those running at step j are a prefix."""
+    N, NC = table.N, table.NC
+    dev = M.device
+    counts = table.seq_num_chunks
+    order = torch.argsort(counts, descending=True, stable=True)
+    first = table.seq_first_chunk[order].to(dev)
+    steps = int(counts.max()) if N else 0
+    running = [(counts > j).sum().item() for j in range(steps)]
+    dS = dht.index_select(0, order.to(dev)).clone()
+    dS_end = D.new_zeros((NC,) + tuple(D.shape[1:]))
+    for j in reversed(range(steps)):
+        n = running[j]
+        ids = first[:n] + j
+        dS_end[ids] = dS[:n]
+        dS[:n] = M.index_select(0, ids).transpose(-1, -2) @ dS[:n] + D.index_select(0, ids)
+    dh0 = dS.index_select(0, torch.argsort(order).to(dev))
+    return dS_end, dh0
+
+
+def chunk_gated_delta_rule_backward_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    state_v_first: bool = False,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of ``chunk_gated_delta_rule_reference`` for output gradient
+    ``do`` and final-state gradient ``dht`` (None: 0), in the compute dtype (float64 for float64 inputs, else
+    float32). ``dh0`` is None without an initial state; its layout follows ``state_v_first``. No L2 norm: q and k
+    are the normalised ones when the forward normalised them (its backward is the caller's)."""
+    dt = _dtype(compute_dtype, q, k, v)
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K ** -0.5
+    table = chunk_table(cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, B, T)
+    dev = q.device
+    C = table.chunk_size
+
+    # forward quantities, chunk-major head-first
+    qc, kc, vc, bc = (_chunks(x.to(dt), table, dt) for x in (q, k, v, beta))
+    gc = _chunks(g, table, dt).cumsum(-1)
+    A = _inverse_chunks(kc, bc)
+    Ag = _gated_inverse_chunks(A, gc, bc)
+    _, M, b = _state_pass_chunks(kc, vc, gc, A, bc)
+    h0 = _initial_state_kv(initial_state, table.N, Hv, K, V, state_v_first, dt, dev)
+    h, _ = _chunk_states_chunks(M, b, h0, table)
+    Vn = _new_values_chunks(kc, vc, gc, Ag, h)
+    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
+    Gam = _decay_matrix(gc)
+    qkt = qv @ kv.transpose(-1, -2)
+    P = scale * Gam * qkt
+    gam = gc.exp()
+    g_last = gc[..., -1]
+    gam_C = g_last.exp()
+    dec = (g_last[..., None] - gc).exp()
+    KS = kv @ h
+    W = vc - gam[..., None] * KS
+
+    doc = _chunks(do.to(dt), table, dt)
+    dht_kv = (torch.zeros_like(h0) if dht is None
+              else (dht.to(dt).transpose(-1, -2) if state_v_first else dht.to(dt)))
+
+    # 1. state gradients: dS = M^T dS' + E^T dO
+    E = scale * gam[..., None] * qv - P @ (Ag @ (gam[..., None] * kv))
+    dS_end, dh0 = _state_grads_walk(M, E.transpose(-1, -2) @ doc, dht_kv, table)
+
+    # 2. per chunk
+    dVn = P.transpose(-1, -2) @ doc + dec[..., None] * (kv @ dS_end)
+    dW = Ag.transpose(-1, -2) @ dVn
+    dAg = (dVn @ W.transpose(-1, -2)) * _lower(C, dev)
+    dP = (doc @ Vn.transpose(-1, -2)) * _lower(C, dev)
+    dQK = scale * Gam * dP
+    dq = dQK @ kv + scale * gam[..., None] * (doc @ h.transpose(-1, -2))
+    dk = (dQK.transpose(-1, -2) @ qv - gam[..., None] * (dW @ h.transpose(-1, -2))
+          + dec[..., None] * (Vn @ dS_end.transpose(-1, -2)))
+    dA = dAg * Gam * bc[..., None, :]
+    dL = -(A.transpose(-1, -2) @ dA @ A.transpose(-1, -2)) * _lower(C, dev, -1)
+    kkt = kv @ kv.transpose(-1, -2)
+    dKK = bc[..., :, None] * dL
+    dk = dk + (dKK + dKK.transpose(-1, -2)) @ kv
+    dbeta = (dAg * Gam * A).sum(-2) + (dL * kkt).sum(-1)
+
+    # gates
+    dgam = scale * (doc * (qv @ h)).sum(-1) - (dW * KS).sum(-1)
+    ddec = ((kv @ dS_end) * Vn).sum(-1)
+    dgam_C = (dS_end * h).sum((-1, -2))
+    dGam = (scale * qkt * dP + dAg * A * bc[..., None, :]) * Gam
+    dgc = gam * dgam - dec * ddec + dGam.sum(-1) - dGam.sum(-2)
+    dgc[..., -1] += gam_C * dgam_C + (dec * ddec).sum(-1)
+    dg = dgc.flip(-1).cumsum(-1).flip(-1)
+
+    dq_t = _tokens(_sum_groups(dq, Hqk), table)
+    dk_t = _tokens(_sum_groups(dk, Hqk), table)
+    dv_t = _tokens(dW, table)
+    dg_t = _tokens(dg, table)
+    dbeta_t = _tokens(dbeta, table)
+    dh0_out = None
+    if initial_state is not None:
+        dh0_out = dh0.transpose(-1, -2) if state_v_first else dh0
+    return dq_t, dk_t, dv_t, dg_t, dbeta_t, dh0_out
