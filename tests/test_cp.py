@@ -62,12 +62,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])  # V = K: b and M in one pass of 2 Hv heads; else two
 @pytest.mark.parametrize("segment_chunks", [1, 2, 3, 8])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks):
+def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks, K, V):
     kw = dict(CASES[case])
     dense = kw.pop("dense", False)
-    inp = make_inputs(Hqk=2, Hv=4, K=16, V=16, dtype=torch.float64, dense=dense, **kw)
+    inp = make_inputs(Hqk=2, Hv=4, K=K, V=V, dtype=torch.float64, dense=dense, **kw)
     q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
     h0 = inp["initial_state"]
     if dense:  # B sequences of length T, packed
@@ -77,7 +78,7 @@ def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks):
     else:
         cu = inp["cu_seqlens"]
     seqlens = (cu[1:] - cu[:-1]).tolist()
-    scale = 16 ** -0.5
+    scale = K ** -0.5
     o_ref, ht_ref = ref_forward(q, k, v, g, beta, scale, h0, cu, True)
     plan = split_sequences(seqlens, segment_chunks)
     o, ht = cp_forward(ref_forward, q, k, v, g, beta, scale, h0, True, plan)

@@ -5,10 +5,11 @@
 need_output=True) -> (o, final)``, state ``[N, Hv, K, V]``; with ``need_output=False`` it may skip o) and runs
 it on the segments of a ``SegmentPlan`` (``plan.py``):
 
-1. ``b`` pass: the forward over the segments from a zero state, or from the sequence's initial state for its
-   first segment (whose end state is then the true one);
-2. ``M`` pass: the segments with zero values from the identity state (``V = K``), whose end state is the
-   segment's transition ``M`` (the recurrence is affine in S: ``S_end = M S_start + b``);
+1. ``b``: the forward over the segments from a zero state, or from the sequence's initial state for its first
+   segment (whose end state is then the true one);
+2. ``M``: the segments with zero values from the identity state, whose end state is the segment's transition
+   ``M`` (the recurrence is affine in S: ``S_end = M S_start + b``). With ``V = K`` steps 1 and 2 are one pass
+   over twice the value heads (``_transitions_one_pass``); otherwise two;
 3. ``splice_segments``: ``S_{i+1} = M_i S_i + b_i``, sequentially over each sequence's segments and in
    parallel over sequences and heads;
 4. the forward over all segments, each from its true start state; a sequence's final state is its last
@@ -56,6 +57,37 @@ def splice_segments(M: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, plan: Se
     return starts
 
 
+def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first):
+    """Steps 1 and 2 as two passes: b from zero (first segments from h0), M from the identity with v = 0."""
+    S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
+    b_start = h0.new_zeros((S, Hv, K, V))
+    b_start[first] = h0
+    _, b = forward(q, k, v, g, beta, scale, b_start, seg_cu, True, plan.seg_cu, need_output=False)
+    eye = torch.eye(K, dtype=h0.dtype, device=h0.device).expand(S, Hv, K, K).contiguous()
+    zeros = torch.zeros((1, v.shape[1], Hv, K), dtype=v.dtype, device=v.device)
+    _, M = forward(q, k, zeros, g, beta, scale, eye, seg_cu, True, plan.seg_cu, need_output=False)
+    return b, M
+
+
+def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first):
+    """Steps 1 and 2 in one pass of twice the value heads (when V = K): value head 2h carries head h's b pass
+    and head 2h + 1 its M pass (v = 0, identity start). Interleaving keeps both on qk head h // group, since
+    (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two."""
+    S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
+
+    def twice(x):  # [..., Hv, ...] -> [..., 2 Hv, ...], each head repeated
+        return x.repeat_interleave(2, dim=2)
+
+    v2 = torch.stack([v, torch.zeros_like(v)], dim=3).flatten(2, 3)
+    start = h0.new_zeros((S, Hv, 2, K, V))
+    start[first, :, 0] = h0
+    start[:, :, 1] = torch.eye(K, dtype=h0.dtype, device=h0.device)
+    _, end = forward(q, k, v2, twice(g), twice(beta), scale, start.flatten(1, 2), seg_cu, True, plan.seg_cu,
+                     need_output=False)
+    end = end.unflatten(1, (Hv, 2))
+    return end[:, :, 0], end[:, :, 1]
+
+
 def cp_forward(
     forward: Forward,
     q: torch.Tensor,
@@ -82,14 +114,10 @@ def cp_forward(
           else torch.zeros((N, Hv, K, V), dtype=sdt, device=dev))
 
     if plan.split:
-        # 1. b: every segment from zero, first segments from the sequence's state (their end state is exact)
-        b_start = torch.zeros((S, Hv, K, V), dtype=sdt, device=dev)
-        b_start[first] = h0
-        _, b = forward(q, k, v, g, beta, scale, b_start, seg_cu, True, plan.seg_cu, need_output=False)
-        # 2. M: zero values from the identity, V = K
-        eye = torch.eye(K, dtype=sdt, device=dev).expand(S, Hv, K, K).contiguous()
-        zeros = torch.zeros((1, v.shape[1], Hv, K), dtype=v.dtype, device=dev)
-        _, M = forward(q, k, zeros, g, beta, scale, eye, seg_cu, True, plan.seg_cu, need_output=False)
+        if K == V:
+            b, M = _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first)
+        else:
+            b, M = _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first)
         # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i
         starts = splice_segments(M.to(sdt), b.to(sdt), h0, plan)
     else:

@@ -12,9 +12,9 @@ The plan needs the sequence lengths on the host (``cu_seqlens_cpu``, or dense in
 operator runs without context parallelism rather than synchronise.
 
 The cost model is deliberately small: a pass over a set of work items (segment x value head, each a number of
-chunks walked serially) takes ``launch + max(longest item, total / SMs) * chunk time``; CP pays two state
-passes (per chunk cheaper than the forward) plus one splice step per segment, and wins when it shortens the
-longest item enough. Constants are per GPU (``CostModel.for_device``) and come from measurements
+chunks walked serially) takes ``launch + max(longest item, total / SMs) * chunk time``; CP pays a state pass
+over twice the heads (b and M; per chunk cheaper than the forward) plus one splice step per segment, and wins
+when it shortens the longest item enough. Constants are per GPU (``CostModel.for_device``) and come from measurements
 (``benchmarks/stage_timing.py``).
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
         pieces = math.ceil(c / segment_chunks)
         segs += [min(segment_chunks, c - i * segment_chunks) for i in range(pieces)]
         steps = max(steps, pieces - 1)
-    state = 2 * model.pass_us(segs, model.state_chunk_us, heads)  # b and M
+    state = model.pass_us(segs, model.state_chunk_us, 2 * heads)  # b and M: one pass over twice the heads
     return state + steps * model.splice_step_us + model.pass_us(segs, model.forward_chunk_us, heads)
 
 
