@@ -255,3 +255,15 @@ def test_harness_on_the_gpu(tmp_path):
     for r in ran:
         assert r["timer"] in ("triton.do_bench_cudagraph", "cudagraph", "cuda-events")
         assert r["err"] is not None
+
+
+@needs_reference
+def test_cp_option_reaches_flashgdn_and_its_note(tmp_path):
+    out = str(tmp_path / "cp")
+    argv = ["--device", "cpu", "--heads", "1/2", "--seqlens", "300", "--head-dim", "16", "--modes", "fwd",
+            "--impls", "flashgdn:reference", "--cp", "2", "--out-dir", out, "--name", "cp", "--no-plots"]
+    assert cli.main(argv) == 0
+    (rec,) = results.load(os.path.join(out, "cp.json"))["records"]
+    assert "cp=2" in rec["note"] and rec["err"] < 5e-3
+    bad = [x if x != "2" else "sometimes" for x in argv]
+    assert cli.main(bad) == 2

@@ -44,6 +44,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", help="custom head configs Hqk/Hv, comma separated, e.g. 16/64,8/32")
     p.add_argument("--seqlens", help="custom sequence mixes, e.g. 8192x4,1000+3000,32K")
     p.add_argument("--modes", help="fwd, fwdbwd or fwd,fwdbwd (default: per set, see below)")
+    p.add_argument("--cp", default=None, metavar="auto|off|CHUNKS",
+                   help="flashgdn's context parallelism (its cp= argument; default: the operator's own); "
+                        "recorded in each flashgdn record's note")
     p.add_argument("--impls", default="flashgdn,flashqla,fla,flashinfer",
                    help="implementations to run (default: all); flashgdn:BACKEND[+BACKEND] picks backends")
     p.add_argument("--part", help="i/n: run part i of n (parts keep head configs together, balanced by cost)")
@@ -209,7 +212,16 @@ def main_run(argv: List[str]) -> int:
     # or when asked for
     explicit = bool(asked_backends)
     backends = asked_backends or [DEFAULT_FLASHGDN_BACKEND, "reference"]
-    impls = make_impls(names, backends)
+    cp = None
+    if a.cp is not None:
+        from flashgdn.cp.plan import parse_cp
+
+        try:
+            cp = parse_cp(a.cp)
+        except (TypeError, ValueError) as e:
+            print(f"error: --cp: {e}", file=sys.stderr)
+            return 2
+    impls = make_impls(names, backends, cp)
 
     def backend_filter(impl, shape) -> bool:
         if impl.name != "flashgdn" or explicit or impl.backend == DEFAULT_FLASHGDN_BACKEND:

@@ -146,9 +146,15 @@ class Impl:
 class FlashGDN(Impl):
     name = "flashgdn"
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, cp=None):
         super().__init__()
         self.backend = backend
+        self.cp = cp  # None: the operator's default
+
+    @property
+    def note_prefix(self) -> str:
+        parts = [super().note_prefix, "" if self.cp is None else f"cp={self.cp}"]
+        return " ".join(x for x in parts if x)
 
     def _load(self, device):
         from flashgdn.api.backend import backend_names, get_backend
@@ -176,10 +182,11 @@ class FlashGDN(Impl):
         grad = mode == "fwdbwd"
         q, k, v, g, beta, h0 = _leaves(inp, grad)
         fn, cu, cu_cpu, backend, scale = self._fn, inp.cu_seqlens, inp.cu_seqlens_cpu, self.backend, inp.scale
+        extra = {} if self.cp is None else {"cp": self.cp}
 
         def forward():
             return fn(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                      cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend=backend)
+                      cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend=backend, **extra)
 
         return Prepared(forward, lambda out: (out[0], out[1]), [q, k, v, g, beta, h0],
                         (inp.do, inp.dht) if grad else ())
@@ -272,11 +279,11 @@ class FlashInfer(Impl):
         return Prepared(forward, canonical)
 
 
-def make_impls(names: Sequence[str], flashgdn_backends: Sequence[str]) -> List[Impl]:
-    """Adapters in table order: flashgdn's backends first, then the anchors."""
+def make_impls(names: Sequence[str], flashgdn_backends: Sequence[str], cp=None) -> List[Impl]:
+    """Adapters in table order: flashgdn's backends first (with ``cp``, when given), then the anchors."""
     out: List[Impl] = []
     if "flashgdn" in names:
-        out += [FlashGDN(b) for b in flashgdn_backends]
+        out += [FlashGDN(b, cp) for b in flashgdn_backends]
     classes: Dict[str, type] = {"flashqla": FlashQLA, "fla": FLATriton, "flashinfer": FlashInfer}
     for n in ("flashqla", "fla", "flashinfer"):
         if n in names:
