@@ -63,6 +63,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--dim", type=int, default=128, help="head dim K = V (default 128)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="q, k, v dtype (default bf16)")
     ap.add_argument("--backend", default="auto", help="auto, hopper or reference (default auto)")
+    ap.add_argument("--cp", default="auto", help="context parallelism: auto, off or a segment length in chunks")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--backward", action="store_true", help="also time fwd+bwd and check the gradients")
     ap.add_argument("--check-heads", type=int, default=1, help="qk heads in the checked slice (default 1)")
@@ -103,12 +104,12 @@ def make_problem(args) -> Dict[str, torch.Tensor]:
     return t
 
 
-def run_op(t, backend: str):
+def run_op(t, backend: str, cp="auto"):
     from . import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(
         t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["initial_state"], output_final_state=True,
-        cu_seqlens=t["cu_seqlens"], cu_seqlens_cpu=t["cu_seqlens_cpu"], backend=backend,
+        cu_seqlens=t["cu_seqlens"], cu_seqlens_cpu=t["cu_seqlens_cpu"], backend=backend, cp=cp,
     )
 
 
@@ -144,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t = make_problem(args)
     (hqk, hv), group = args.heads, args.heads[1] // args.heads[0]
     p = validate(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["initial_state"], output_final_state=True,
-                 cu_seqlens=t["cu_seqlens"], cu_seqlens_cpu=t["cu_seqlens_cpu"], backend=args.backend,
+                 cu_seqlens=t["cu_seqlens"], cu_seqlens_cpu=t["cu_seqlens_cpu"], backend=args.backend, cp=args.cp,
                  known_backends=known_backends())
     chosen = select_backend(p, args.backend).name
     dev_name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
@@ -156,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def forward():
         with torch.no_grad():
-            return run_op(t, args.backend)
+            return run_op(t, args.backend, args.cp)
 
     ms = timed(forward, args.device, args.repeat)
     print(f"forward: {ms:.2f} ms (median of {args.repeat})")
@@ -171,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tg = {**t, **leaves}
 
         def fwd_bwd():
-            o_, ht_ = run_op(tg, args.backend)
+            o_, ht_ = run_op(tg, args.backend, args.cp)
             return torch.autograd.grad((o_.float() * do.float()).sum() + (ht_ * dht).sum(), list(leaves.values()))
 
         ms_fb = timed(fwd_bwd, args.device, args.repeat)
