@@ -2,8 +2,9 @@
 
     python benchmarks/stage_timing.py [--out FILE.json]
 
-For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk table, the ``kkt_inverse``
-stage, each chunk-loop kernel ("simple" and "ws") and the whole op, and prints them beside the DESIGN.md floor.
+For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk plan, the ``kkt_inverse``
+stage, each chunk-loop kernel ("simple", "ws", "rs" and rs's state-only variant) and the whole op, without and
+with context parallelism (``cp=16``, ``cp=64``), and prints them beside the DESIGN.md floor.
 """
 import argparse
 import json
@@ -18,7 +19,12 @@ SHAPES = [
     (2, 8, [1024] * 8),
     (16, 32, [4096] * 8),
     (32, 32, [8192]),
+    (2, 8, [32768]),  # eight CTAs: the context-parallel case
 ]
+
+
+#: segment lengths (chunks) at which the op is also timed with context parallelism
+CP_SEGMENTS = (16, 64)
 
 
 def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
@@ -57,6 +63,8 @@ def main(argv=None):
         simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False)
         ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         rs = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
+        rs_state = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False)
+        o1 = torch.empty(1, 1, Hv, 128, device="cuda", dtype=torch.bfloat16)
         bounds, first_slot = fw.chunk_plan(cu, T, N)
         S = bounds.shape[0]
         gcum = torch.empty(Hv, S * 64, device="cuda")
@@ -73,9 +81,16 @@ def main(argv=None):
             "loop_simple": (lambda: simple(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "simple" in loops else None,
             "loop_ws": (lambda: ws(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "ws" in loops else None,
             "loop_rs": (lambda: rs(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rs" in loops else None,
+            # the state-only variant (context parallelism's transition passes)
+            "loop_rs_state": (lambda: rs_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
+            if "rs" in loops else None,
             "op": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                  cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
         }
+        for cp in CP_SEGMENTS:
+            times[f"op_cp{cp}"] = (lambda cp=cp: chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                backend="hopper", cp=cp))
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor}
         with torch.no_grad():
@@ -92,13 +107,15 @@ def main(argv=None):
                     row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| Hqk/Hv | seqlens | floor | chunk_bounds | kkt_inverse | loop simple | loop ws | loop rs | op |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| Hqk/Hv | seqlens | floor | chunk plan | kkt_inverse | loop simple | loop ws | loop rs | rs state-only "
+          "| op | " + " | ".join(f"op cp={c}" for c in CP_SEGMENTS) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(CP_SEGMENTS))
     for r in rows:
         f = lambda x: "-" if r.get(x) is None else f"{r[x]:.3f}"  # noqa: E731
         mix = f"{r['seqlens'][0]}x{len(r['seqlens'])}"
         print(f"| {r['h_qk']}/{r['h_v']} | {mix} | {r['floor_ms']:.3f} | {f('chunk_bounds')} | {f('kkt_inverse')} "
-              f"| {f('loop_simple')} | {f('loop_ws')} | {f('loop_rs')} | {f('op')} |")
+              f"| {f('loop_simple')} | {f('loop_ws')} | {f('loop_rs')} | {f('loop_rs_state')} | {f('op')} | "
+              + " | ".join(f(f"op_cp{c}") for c in CP_SEGMENTS) + " |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
