@@ -44,7 +44,7 @@ def test_fullgraph_compile_matches_eager_on_hopper(varlen, cuda):
         assert rel < 2e-2, rel  # bf16 projections fused differently by inductor; the GDN op itself is the same
 
 
-@pytest.mark.xfail(strict=True, reason="the backward is still the PyTorch chunked backward, which copies host-built "
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="the backward is still the PyTorch chunked backward, which copies host-built "
                    "chunk indices to the device (not capturable); the Hopper backward kernels remove that")
 def test_training_step_replays_from_a_cuda_graph(cuda):
     layer = _layer(cuda)
