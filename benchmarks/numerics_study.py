@@ -1,0 +1,121 @@
+"""How much do the chunk loop's bf16 operands cost in accuracy, and what does that mean for exact CP? (CPU)
+
+    python benchmarks/numerics_study.py [--tokens 4096] [--gate zero|weak]
+
+Emulates the numerics of the "rs" chunk loop for one head (K = V = 128) in PyTorch: the tensor-core operands are
+rounded where the kernel rounds them (the state S, W and Vn in registers; the Ag and P tiles from shared memory;
+the output O), everything else is float32. It prints the error of o and of the final state against a float64
+run without any rounding, for several rounding modes of the operands (bf16, tf32, a bf16 hi + lo pair), and the
+distance between a run with exact context parallelism (segments of 4 and 16 chunks: b and M by the same
+emulated kernel, splice in float32) and the run without it.
+
+No decay (g = 0) is the hard case: nothing forgets, so every rounding of S stays in the state.
+"""
+import argparse
+
+import torch
+
+C, K, V = 64, 128, 128
+
+
+def bf16(x):
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def tf32(x):
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(x.dtype)
+
+
+def hi_lo(x):
+    hi = bf16(x)
+    return hi + bf16(x - hi)
+
+
+def exact(x):
+    return x
+
+
+def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0.5):
+    """The chunk recurrence with the kernel's rounding points: ``reg`` for S, W, Vn (register operands), ``tile``
+    for Ag and P (shared-memory operands), ``out`` for O."""
+    outs = []
+    T = q.shape[0]
+    for c0 in range(0, T, C):
+        sl = slice(c0, min(T, c0 + C))
+        n = sl.stop - sl.start
+        qc, kc, vc, bc = q[sl], k[sl], v[sl], beta[sl]
+        gc = g[sl].cumsum(0)
+        upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+        A = torch.linalg.inv(torch.eye(n, dtype=q.dtype) + (bc[:, None] * (kc @ kc.T)).tril(-1))
+        Gam = (gc[:, None] - gc[None, :]).masked_fill(upper, float("-inf")).exp()
+        Ag, P = tile(Gam * A * bc[None, :]), tile(scale * Gam * (qc @ kc.T))
+        gam, dec = gc.exp(), (gc[-1] - gc).exp()
+        Sr = reg(S)
+        W = vc - gam[:, None] * (kc @ Sr)
+        Vn = Ag @ reg(W)
+        outs.append(out(scale * gam[:, None] * (qc @ Sr) + P @ reg(Vn)))
+        S = gc[-1].exp() * S + kc.T @ reg(Vn * dec[:, None])
+    return torch.cat(outs), S
+
+
+def with_segments(q, k, v, g, beta, h0, seg_chunks, **mode):
+    """Exact CP around the emulated loop: b from zero (the first segment from h0), M from the identity with
+    v = 0, splice in float32, then every segment from its start state."""
+    L = seg_chunks * C
+    bounds = list(range(0, q.shape[0], L))
+    bs, Ms = [], []
+    for i in bounds:
+        sl = slice(i, i + L)
+        bs.append(chunk_loop(q[sl], k[sl], v[sl], g[sl], beta[sl], h0 if i == 0 else torch.zeros_like(h0), **mode)[1])
+        Ms.append(chunk_loop(q[sl], k[sl], torch.zeros_like(v[sl]), g[sl], beta[sl], torch.eye(K), **mode)[1])
+    starts = [h0, bs[0]]
+    for i in range(1, len(bounds) - 1):
+        starts.append(Ms[i] @ starts[-1] + bs[i])
+    outs, final = [], None
+    for j, i in enumerate(bounds):
+        sl = slice(i, i + L)
+        o, final = chunk_loop(q[sl], k[sl], v[sl], g[sl], beta[sl], starts[j], **mode)
+        outs.append(o)
+    return torch.cat(outs), final
+
+
+def rel(x, ref):
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--gate", choices=("zero", "weak"), default="zero")
+    args = ap.parse_args(argv)
+    torch.manual_seed(1)
+    T = args.tokens
+    q = bf16(torch.nn.functional.normalize(torch.randn(T, K), dim=-1))
+    k = bf16(torch.nn.functional.normalize(torch.randn(T, K), dim=-1))
+    v = bf16(torch.randn(T, V))
+    g = torch.zeros(T) if args.gate == "zero" else torch.nn.functional.logsigmoid(torch.randn(T)) / 256
+    beta = torch.sigmoid(torch.randn(T))
+    h0 = torch.randn(K, V)
+    o_ex, s_ex = chunk_loop(*(x.double() for x in (q, k, v, g, beta, h0)), reg=exact, tile=exact, out=exact)
+
+    print(f"{T} tokens, gate {args.gate}; relative RMS against float64 without rounding (o is bf16 in every mode)")
+    modes = {
+        "bf16 operands (today)": dict(reg=bf16, tile=bf16),
+        "tf32 operands": dict(reg=tf32, tile=tf32),
+        "bf16 hi+lo registers": dict(reg=hi_lo, tile=bf16),
+        "bf16 hi+lo everywhere": dict(reg=hi_lo, tile=hi_lo),
+        "float32 (no rounding)": dict(reg=exact, tile=exact),
+    }
+    for name, mode in modes.items():
+        o, s = chunk_loop(q, k, v, g, beta, h0, **mode)
+        line = f"  {name:24s} o {rel(o, o_ex):.1e}  final {rel(s, s_ex):.1e}"
+        for seg in (4, 16):
+            o_cp, s_cp = with_segments(q, k, v, g, beta, h0, seg, **mode)
+            line += f" | CP {seg:2d} vs none: o {rel(o_cp, o):.1e} final {rel(s_cp, s):.1e}"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
