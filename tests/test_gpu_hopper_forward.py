@@ -215,3 +215,19 @@ def test_gradients_match_the_oracle(kw):
     _, _, want = grads_of(lambda **a: chunk_gated_delta_rule(**a, backend="reference"), ref)
     for name, w in want.items():
         assert rel_rms(got[name], w) <= BARS_16BIT[name], name
+
+
+@pytest.mark.parametrize("seqlens", [[4096], [700, 64, 5, 300]])
+def test_precise_mode_against_the_oracle(seqlens, chunk_loop, monkeypatch):
+    """The rs loop's precise mode: within the bars, and the final state closer to float64 than the bf16 mode."""
+    from flashgdn.kernels.hopper import forward
+
+    if chunk_loop != "rs":
+        pytest.skip("the precise mode is a mode of the rs loop; covered by its parametrisation")
+    inp = inputs(seqlens, Hqk=2, Hv=4, zero_gate_heads=(0, 1))
+    o_ref, ht_ref = chunked64(inp)
+    o_fast, ht_fast = run_hopper(inp)
+    monkeypatch.setattr(forward, "PRECISE", True)
+    o, ht = run_hopper(inp)
+    assert rel_rms(o, o_ref) < O_BAR and rel_rms(ht, ht_ref) < STATE_BAR
+    assert rel_rms(ht, ht_ref) < rel_rms(ht_fast, ht_ref)

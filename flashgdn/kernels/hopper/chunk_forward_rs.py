@@ -37,6 +37,8 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 # file at 512 threads). ptxas ignores every setmaxnreg when a role's code needs more than its share, and
 # serialises wgmma when a state path keeps too much live across one in flight (why the GEMMs here wait).
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
+#: the precise mode keeps two more bf16 operand halves live on the state path
+PRECISE_REGS = (200, 72, 40)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,11 +52,17 @@ def build_chunk_forward_rs(
     store_final_state: bool,
     state_v_first: bool,
     with_output: bool = True,
+    precise: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
     ``with_output=False`` is the state-only pass (context parallelism's b and M passes): no q, no P, no O; the
-    ``o`` argument is then not touched and may be any ``[1, *, Hv, V]`` tensor."""
+    ``o`` argument is then not touched and may be any ``[1, *, Hv, V]`` tensor.
+
+    ``precise=True`` gives every register operand (S^T, W^T, Vn^T) as a bf16 hi + lo pair, two wgmma per GEMM on
+    the state path: the state's error no longer depends on their rounding, only on the tiles' (Ag, P), so runs
+    with and without context parallelism agree to ~1e-5 instead of ~4e-3 (``benchmarks/numerics_study.py``).
+    bfloat16 only: with float16 operands it spills at this register budget."""
     import tilelang
     import tilelang.language as T
 
@@ -69,6 +77,7 @@ def build_chunk_forward_rs(
     n_ht = T.dynamic("n_ht")
     o_tokens = num_tokens if with_output else T.dynamic("o_tokens")
     acc = "float32"
+    state_regs, gate_regs, producer_regs = PRECISE_REGS if precise else (STATE_REGS, GATE_REGS, PRODUCER_REGS)
     state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
 
@@ -80,6 +89,8 @@ def build_chunk_forward_rs(
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
+        if precise:
+            lb_f = T.alloc_fragment((HV2, C), io_dtype)  # low halves of W^T and Vn^T
         if with_output:
             o_f = T.alloc_fragment((HV2, C), acc)  # O^T
         if has_initial_state:
@@ -102,6 +113,12 @@ def build_chunk_forward_rs(
             T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
             if with_output:
                 T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            if precise:  # the low half of S^T, in the same registers
+                for i, j in T.Parallel(HV2, K):
+                    sb_f[i, j] = st_f[i, j] - sb_f[i, j]
+                T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
+                if with_output:
+                    T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
             # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma)
             for i, j in T.Parallel(HV2, C):
@@ -110,19 +127,34 @@ def build_chunk_forward_rs(
                 for i, j in T.Parallel(HV2, C):
                     o_f[i, j] = o_f[i, j] * (scale * gam_s[st, j])
             T.copy(u_f, ub_f)
+            if precise:
+                for i, j in T.Parallel(HV2, C):
+                    lb_f[i, j] = u_f[i, j] - ub_f[i, j]
             # Vn^T = W^T Ag^T
             T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            if precise:
+                T.gemm(lb_f, a_s[st, :, :], u_f, transpose_B=True)
             T.copy(u_f, ub_f)
+            if precise:
+                for i, j in T.Parallel(HV2, C):
+                    lb_f[i, j] = u_f[i, j] - ub_f[i, j]
             # O^T += Vn^T P^T
             if with_output:
                 T.gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
+                if precise:
+                    T.gemm(lb_f, p_s[st, :, :], o_f, transpose_B=True)
             # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
             for i, j in T.Parallel(HV2, C):
                 u_f[i, j] = u_f[i, j] * dec_s[st, j]
             T.copy(u_f, ub_f)
+            if precise:
+                for i, j in T.Parallel(HV2, C):
+                    lb_f[i, j] = u_f[i, j] - ub_f[i, j]
             for i, j in T.Parallel(HV2, K):
                 st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.gemm(ub_f, k_s[st, :, :], st_f)
+            if precise:
+                T.gemm(lb_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])
             if with_output:
                 # O^T -> O through shared memory (transposed there), then one TMA store for a whole chunk
@@ -183,16 +215,16 @@ def build_chunk_forward_rs(
             tx = T.get_thread_binding()
 
             if tx < 128:
-                T.set_max_nreg(STATE_REGS, 1)
+                T.set_max_nreg(state_regs, 1)
                 state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                            dec_s, o_s, full, empty, p_ready)
             elif tx < 256:
-                T.set_max_nreg(STATE_REGS, 1)
+                T.set_max_nreg(state_regs, 1)
                 state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                            dec_s, o_s, full, empty, p_ready)
             elif tx < 384:
                 # ---------------- gate path
-                T.set_max_nreg(GATE_REGS, 0)
+                T.set_max_nreg(gate_regs, 0)
                 p_f = T.alloc_fragment((C, C), acc)
                 for c in T.serial(n_chunks):
                     st = c % 2
@@ -218,7 +250,7 @@ def build_chunk_forward_rs(
                                 o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
             else:
                 # ---------------- producer
-                T.set_max_nreg(PRODUCER_REGS, 0)
+                T.set_max_nreg(producer_regs, 0)
                 for c in T.serial(n_chunks):
                     st = c % 2
                     t0 = bos + c * C

@@ -28,6 +28,10 @@ POISON_OUTPUTS = False
 CHUNK_LOOPS = ("rs", "ws", "simple")
 DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
 
+#: Precise mode of the rs chunk loop: register operands as bf16 hi + lo pairs (``chunk_forward_rs.py``), for
+#: results that do not depend on their rounding (exact context parallelism to 1e-3). FLASHGDN_HOPPER_PRECISE=1.
+PRECISE = os.environ.get("FLASHGDN_HOPPER_PRECISE", "0") == "1"
+
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
 
@@ -149,6 +153,11 @@ def hopper_forward(
     from .kkt_inverse import build_kkt_inverse
 
     chunk_loop = chunk_loop or DEFAULT_CHUNK_LOOP
+    if PRECISE:
+        if q.dtype != torch.bfloat16:
+            raise NotImplementedError(f"the Hopper backend's precise mode (FLASHGDN_HOPPER_PRECISE=1) takes bfloat16 "
+                                      f"q/k/v, got {q.dtype}")
+        chunk_loop = "rs"  # the only loop with a precise mode
     if chunk_loop not in CHUNK_LOOPS:
         raise ValueError(f"chunk_loop must be one of {CHUNK_LOOPS}, got {chunk_loop!r}")
 
@@ -177,11 +186,13 @@ def hopper_forward(
     prep = build_kkt_inverse(Hqk, Hv, K, cfg.io_dtype, cfg.io_dtype)
     if not with_output:
         main = build_chunk_forward_rs(
-            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, False
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, False,
+            PRECISE,
         )
     elif chunk_loop == "rs":
         main = build_chunk_forward_rs(
-            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, True,
+            PRECISE,
         )
     elif chunk_loop == "ws":
         main = build_chunk_forward_ws(

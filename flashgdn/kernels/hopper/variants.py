@@ -24,10 +24,15 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         yield (name, "chunk_forward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, BV=DEFAULT_BV, io_dtype=dtype, has_initial_state=has_h0,
                     store_final_state=store_ht, state_v_first=v_first))
-        if has_h0 and store_ht and not v_first:  # the state-only pass of context parallelism
-            yield (name.replace("chunk_forward", "chunk_forward_rs_state"), "chunk_forward_rs",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
-                        store_final_state=True, state_v_first=False, with_output=False))
+        if has_h0 and store_ht and not v_first:
+            # the state-only pass of context parallelism, and both in the precise mode
+            modes = [("_state", False, False)]
+            if dtype == "bfloat16":  # the precise mode is bf16-only (fp16 would spill at its register budget)
+                modes += [("_precise", True, True), ("_state_precise", False, True)]
+            for tag, wo, precise in modes:
+                yield (name.replace("chunk_forward", "chunk_forward_rs" + tag), "chunk_forward_rs",
+                       dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
+                            store_final_state=True, state_v_first=False, with_output=wo, precise=precise))
         for loop in ("ws", "rs"):
             yield (name.replace("chunk_forward", f"chunk_forward_{loop}"), f"chunk_forward_{loop}",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
