@@ -1,14 +1,17 @@
 """Fill the kernel cache ahead of time, so a server's first request does not wait for compiles.
 
     python -m flashgdn.precompile --heads 16/32,16/64 [--dtypes bfloat16,float16] [--flags all|common]
+                                  [--export DIR]
 
 Kernels are compiled for sm_90a whether or not a GPU is present, into TileLang's cache
 (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``); a cache built on a GPU-less machine loads on an H100/H200.
 Sequence lengths and counts are dynamic in every kernel, so head configuration, dtype and flags are all a
-cache entry depends on.
+cache entry depends on. ``--export DIR`` also copies exactly these kernels' cache entries into DIR (a cache to
+ship to a server, or to a GPU machine, without the stale entries a development cache collects).
 """
 import argparse
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -36,7 +39,7 @@ def _compile_one(job):
     t = time.time()
     kernel = build(builder, kwargs)
     res = resource_usage(kernel) if report else None
-    return name, time.time() - t, res
+    return name, time.time() - t, res, getattr(kernel, "_tilelang_cache_path", None)
 
 
 def main(argv=None) -> int:
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
                     help="all flag combinations, or only initial state in / final state out / K-major state")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
     ap.add_argument("--report", action="store_true", help="print registers and spills (needs ptxas)")
+    ap.add_argument("--export", metavar="DIR", default=None,
+                    help="copy these kernels' cache entries into DIR (a TileLang cache directory of just them)")
     args = ap.parse_args(argv)
 
     from flashgdn.kernels.hopper.variants import forward_variants
@@ -60,13 +65,24 @@ def main(argv=None) -> int:
             for name, builder, kw in forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags):
                 jobs.append((name, builder, kw, args.report))
     t0 = time.time()
+    entries = set()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for name, secs, res in pool.map(_compile_one, jobs):
+        for name, secs, res, entry in pool.map(_compile_one, jobs):
             extra = "" if res is None else (f"  regs {res['registers']}, spills {res['spill_stores']}/"
                                             f"{res['spill_loads']} B, stack {res['stack']} B")
             print(f"{secs:6.1f}s  {name}{extra}", flush=True)
-    print(f"{len(jobs)} kernels ready in {time.time() - t0:.0f}s "
-          f"(cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')})")
+            if entry is not None:
+                entries.add(entry)
+    cache_dir = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    print(f"{len(jobs)} kernels ready in {time.time() - t0:.0f}s (cache: {cache_dir})")
+    if args.export:
+        for entry in sorted(entries):
+            dst = os.path.join(args.export, os.path.relpath(entry, cache_dir))
+            shutil.copytree(entry, dst, dirs_exist_ok=True)
+        print(f"exported {len(entries)} cache entries to {args.export}")
+        if len(entries) < len(set(j[0] for j in jobs)):
+            print("warning: some kernels reported no cache entry (cache disabled?)", file=sys.stderr)
+            return 1
     return 0
 
 
