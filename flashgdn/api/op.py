@@ -51,9 +51,9 @@ def chunk_gated_delta_rule(
         float32 (float64 for float64 inputs) when ``output_final_state``, else None. Gradients flow to q, k, v,
         g, beta and initial_state, including through the final state.
     """
-    if torch.compiler.is_compiling():
-        return _compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                              use_qk_l2norm_in_kernel, state_v_first, backend, cp)
+    # Under torch.compile the values of cu_seqlens are not read while tracing (a host sync and a graph break);
+    # the custom op checks them when a host copy makes that free (see _compiled_call).
+    compiling = torch.compiler.is_compiling()
     p = validate(
         q, k, v, g, beta,
         scale=scale,
@@ -64,41 +64,26 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         state_v_first=state_v_first,
         backend=backend,
-        known_backends=known_backends(),
+        check_values=not compiling,
         cp=cp,
+        **({} if compiling else {"known_backends": known_backends()}),
     )
+    if compiling:
+        return _compiled_call(p, backend)
     o, final = select_backend(p, backend)(p)
     return o, (final if output_final_state else None)
 
 
-def _compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                   use_qk_l2norm_in_kernel, state_v_first, backend, cp):
-    """The operator as ``torch.compile`` traces it: the shape, dtype and device checks of the eager call, then
+def _compiled_call(p, backend):
+    """The operator as ``torch.compile`` traces it, after the shape, dtype and device checks of the eager call:
     one custom op (``custom_ops.py``) that picks the backend at run time as the eager call does. The values of
     ``cu_seqlens`` are checked inside the op when a host copy (``cu_seqlens_cpu``, or a CPU ``cu_seqlens``)
     makes that free; a CUDA ``cu_seqlens`` alone is trusted, since reading it would be a device sync."""
     from . import custom_ops  # noqa: F401 - registers torch.ops.flashgdn
+    from ..reference.recurrent import l2norm_qk
 
-    p = validate(
-        q, k, v, g, beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        state_v_first=state_v_first,
-        backend=backend,
-        check_values=False,
-        cp=cp,
-    )
-    q, k = p.q, p.k
-    if p.use_qk_l2norm_in_kernel:
-        from ..reference.recurrent import l2norm
-
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q, k = l2norm(q.to(cdt)).to(q.dtype), l2norm(k.to(cdt)).to(k.dtype)
+    q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
     o, final = torch.ops.flashgdn.chunk_gdr_fwd(q, k, p.v, p.g, p.beta, p.initial_state, p.cu_seqlens,
                                                 p.cu_seqlens_cpu, p.scale, p.output_final_state, p.state_v_first,
                                                 backend, str(p.cp))
-    return o, (final if output_final_state else None)
+    return o, (final if p.output_final_state else None)

@@ -164,9 +164,9 @@ def parse_cp(cp) -> Union[str, int]:
     raise TypeError(f"cp must be 'auto', 'off' or a positive int (segment length in chunks), got {type(cp).__name__}")
 
 
-def host_seqlens(cu_seqlens_cpu: Optional[torch.Tensor], B: int, T: int) -> Optional[List[int]]:
-    """Sequence lengths on the host: from the host copy of cu_seqlens, or B x T for dense input; None when
-    only a device copy exists (reading it would be a device sync)."""
+def host_seqlens(cu_seqlens_cpu: Optional[torch.Tensor]) -> Optional[List[int]]:
+    """Sequence lengths from the host copy of cu_seqlens; None without one (reading the device copy would be
+    a device sync)."""
     if cu_seqlens_cpu is None:
         return None
     cu = cu_seqlens_cpu.tolist()
@@ -178,7 +178,7 @@ def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None) -> Option
     this backend lets ``cp="auto"`` decide by the cost model (otherwise "auto" means off)."""
     if p.cp == "off" or (p.cp == "auto" and not auto):
         return None
-    seqlens = [p.T] * p.B if p.cu_seqlens is None else host_seqlens(p.cu_seqlens_cpu, p.B, p.T)
+    seqlens = [p.T] * p.B if p.cu_seqlens is None else host_seqlens(p.cu_seqlens_cpu)
     if seqlens is None:
         if p.cp == "auto":
             return None

@@ -8,7 +8,7 @@ import torch
 from ..api.backend import Backend, register_backend
 from ..api.problem import GDNProblem
 from .chunked import chunk_gated_delta_rule_reference
-from .recurrent import l2norm
+from .recurrent import l2norm_qk
 
 
 class ReferenceBackend(Backend):
@@ -23,10 +23,7 @@ class ReferenceBackend(Backend):
         # cp="auto" stays off here (segments only pay on a GPU); a segment length runs exact CP (for tests)
         plan = plan_for_problem(p, auto=False)
         if plan is not None:
-            q, k = p.q, p.k
-            if p.use_qk_l2norm_in_kernel:
-                cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-                q, k = l2norm(q.to(cdt)).to(q.dtype), l2norm(k.to(cdt)).to(k.dtype)
+            q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
             o, final = cp_problem_forward(_reference_forward, p, plan, q, k)
             return o.to(p.dtype), final
         # computes in float32 (float64 for float64 inputs); the final state stays in that dtype

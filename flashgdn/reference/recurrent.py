@@ -22,6 +22,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def l2norm_qk(q: torch.Tensor, k: torch.Tensor):
+    """``l2norm`` of q and k computed in float32 (float64 for float64 inputs), returned in their dtype: the
+    normalisation a backend applies in front of kernels that take already-normalised q and k."""
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return l2norm(q.to(cdt)).to(q.dtype), l2norm(k.to(cdt)).to(k.dtype)
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

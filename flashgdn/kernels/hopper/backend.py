@@ -12,7 +12,7 @@ import torch
 
 from ...api.backend import Backend, register_backend
 from ...api.problem import GDNProblem
-from ...reference.recurrent import l2norm
+from ...reference.recurrent import l2norm_qk
 
 SUPPORTED_HEAD_DIMS = (128,)
 
@@ -95,10 +95,8 @@ class HopperBackend(Backend):
                 f"backend='hopper' takes bfloat16 or float16 q/k/v, got {p.dtype}; backend='reference' runs float32/float64")
 
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        q, k = p.q, p.k
-        if p.use_qk_l2norm_in_kernel:
-            # in float32 whatever the input dtype, then back: the kernels take bf16/fp16 q and k
-            q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
+        # in float32, then back: the kernels take normalised bf16/fp16 q and k
+        q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
         from ...cp import plan_for_problem
 
         # cp="auto" means AUTO_CP: off until the cost model's constants are measured on the GPU
