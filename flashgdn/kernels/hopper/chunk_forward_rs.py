@@ -32,6 +32,7 @@ Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> sta
 import functools
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .ring_producer import make_ring_producer
 
 # Registers per thread of each warpgroup after setmaxnreg (2 x state + gate + producer = 512, the whole register
 # file at 512 threads). ptxas ignores every setmaxnreg when a role's code needs more than its share, and
@@ -176,6 +177,8 @@ def build_chunk_forward_rs(
                 for i, j in T.Parallel(HV2, K):
                     ht[n, h, j, c0 + i] = st_f[i, j]
 
+    producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output)
+
     @T.prim_func
     def chunk_forward_rs_kernel(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
@@ -251,40 +254,8 @@ def build_chunk_forward_rs(
             else:
                 # ---------------- producer
                 T.set_max_nreg(producer_regs, 0)
-                for c in T.serial(n_chunks):
-                    st = c % 2
-                    t0 = bos + c * C
-                    n_rows = T.min(eos - t0, C)
-                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)
-                    if tx < 384 + 32:
-                        if n_rows == C:
-                            if with_output:
-                                T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s[st, :, :], barrier=full[st])
-                            T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_s[st, :, :], barrier=full[st])
-                        else:
-                            # a row at a time keeps the producer within its small register budget
-                            for i in T.serial(C):
-                                for j in T.Parallel(K):
-                                    if with_output:
-                                        q_s[st, i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j],
-                                                                       T.cast(0, io_dtype))
-                                    k_s[st, i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
-                            T.fence_proxy_async()
-                        T.barrier_arrive(full[st])
-                    elif tx < 384 + 64:
-                        if n_rows == C:
-                            T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s[st, :, :], barrier=full[st])
-                        else:
-                            for i in T.serial(C):
-                                for j in T.Parallel(V):
-                                    v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
-                            T.fence_proxy_async()
-                        T.barrier_arrive(full[st])
-                    elif tx < 384 + 96:
-                        slot = first_slot[n] + c
-                        T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
-                        T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
-                        T.barrier_arrive(full[st])
+                producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s, gc_s,
+                         full, empty)
 
     return tilelang.compile(
         chunk_forward_rs_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()

@@ -1,0 +1,52 @@
+"""The producer warpgroup shared by the warp-specialised chunk loops (``chunk_forward_ws``, ``chunk_forward_rs``).
+
+It walks a sequence's chunks and fills a two-stage ring for one value head: warp 0 loads q (when the loop uses
+it) and k, warp 1 v, warp 2 stage 1's per-slot tiles of Ag and g~. Whole chunks arrive by TMA; the last, partial
+chunk of a sequence by masked plain loads (a row at a time, within the producer's small register budget), so rows
+of the next sequence never enter and the tile is zero past the sequence's end. Ag and g~ tiles are zero / flat
+past the end already (stage 1), so they are always one TMA box. Each of the three warps arrives on ``full[stage]``
+(96 arrivals); a stage is refilled after ``empty[stage]`` completes.
+"""
+
+
+def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, load_q: bool = True):
+    """The producer as a TileLang macro; ``first_warp`` is the thread index of the producer warpgroup's start."""
+    import tilelang.language as T
+
+    @T.macro
+    def ring_producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s, gc_s,
+                      full, empty):
+        for c in T.serial(n_chunks):
+            st = c % 2
+            t0 = bos + c * C
+            n_rows = T.min(eos - t0, C)
+            T.barrier_wait(empty[st], (c // 2 + 1) % 2)
+            if tx < first_warp + 32:
+                if n_rows == C:
+                    if load_q:
+                        T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s[st, :, :], barrier=full[st])
+                    T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_s[st, :, :], barrier=full[st])
+                else:
+                    for i in T.serial(C):
+                        for j in T.Parallel(K):
+                            if load_q:
+                                q_s[st, i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                            k_s[st, i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                    T.fence_proxy_async()
+                T.barrier_arrive(full[st])
+            elif tx < first_warp + 64:
+                if n_rows == C:
+                    T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s[st, :, :], barrier=full[st])
+                else:
+                    for i in T.serial(C):
+                        for j in T.Parallel(V):
+                            v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
+                    T.fence_proxy_async()
+                T.barrier_arrive(full[st])
+            elif tx < first_warp + 96:
+                slot = first_slot[n] + c
+                T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
+                T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
+                T.barrier_arrive(full[st])
+
+    return ring_producer
