@@ -121,12 +121,14 @@ def build_chunk_forward_rs(
                 if with_output:
                     T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
-            # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma)
-            for i, j in T.Parallel(HV2, C):
-                u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
+            # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma), in one pass over the tile
             if with_output:
                 for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
                     o_f[i, j] = o_f[i, j] * (scale * gam_s[st, j])
+            else:
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
             T.copy(u_f, ub_f)
             if precise:
                 for i, j in T.Parallel(HV2, C):
