@@ -65,14 +65,16 @@ def main(argv=None) -> int:
             for name, builder, kw in forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags):
                 jobs.append((name, builder, kw, args.report))
     t0 = time.time()
-    entries = set()
+    entries, no_entry = set(), []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for name, secs, res, entry in pool.map(_compile_one, jobs):
             extra = "" if res is None else (f"  regs {res['registers']}, spills {res['spill_stores']}/"
                                             f"{res['spill_loads']} B, stack {res['stack']} B")
             print(f"{secs:6.1f}s  {name}{extra}", flush=True)
-            if entry is not None:
-                entries.add(entry)
+            if entry is None:
+                no_entry.append(name)
+            else:
+                entries.add(entry)  # variants that compile to the same kernel share one
     cache_dir = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     print(f"{len(jobs)} kernels ready in {time.time() - t0:.0f}s (cache: {cache_dir})")
     if args.export:
@@ -80,8 +82,8 @@ def main(argv=None) -> int:
             dst = os.path.join(args.export, os.path.relpath(entry, cache_dir))
             shutil.copytree(entry, dst, dirs_exist_ok=True)
         print(f"exported {len(entries)} cache entries to {args.export}")
-        if len(entries) < len(set(j[0] for j in jobs)):
-            print("warning: some kernels reported no cache entry (cache disabled?)", file=sys.stderr)
+        if no_entry:
+            print(f"error: no cache entry for {', '.join(no_entry)} (is TileLang's cache disabled?)", file=sys.stderr)
             return 1
     return 0
 
