@@ -39,6 +39,29 @@ def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
     return q, k, v, g, beta, h0, cu
 
 
+def results_header(argv) -> dict:
+    """What a results file must say beside its numbers: GPU, date, command, versions and commit."""
+    import datetime
+    import shlex
+    import subprocess
+
+    from flashgdn.bench.runner import collect_versions
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python3 benchmarks/stage_timing.py " + " ".join(shlex.quote(a) for a in args),
+        "versions": collect_versions([], torch.device("cuda")),
+        "commit": commit,
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -118,7 +141,7 @@ def main(argv=None):
               + " | ".join(f(f"op_cp{c}") for c in CP_SEGMENTS) + " |")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
+            json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     return 0
 
 
