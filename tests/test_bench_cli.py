@@ -267,3 +267,11 @@ def test_cp_option_reaches_flashgdn_and_its_note(tmp_path):
     assert "cp=2" in rec["note"] and rec["err"] < 5e-3
     bad = [x if x != "2" else "sometimes" for x in argv]
     assert cli.main(bad) == 2
+
+
+def test_ctas_selects_the_shapes_that_fill_the_gpu_or_not(capsys):
+    assert cli.main(["--set", "canonical", "--ctas", "few", "--list"]) == 0
+    few = capsys.readouterr().out
+    assert "82 shapes" in few and "16/64" not in few  # 16/64 fills the GPU with one sequence
+    assert cli.main(["--set", "canonical", "--ctas", "full", "--list"]) == 0
+    assert "89 shapes" in capsys.readouterr().out

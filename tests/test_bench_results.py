@@ -159,3 +159,17 @@ def test_write_report_with_only_missing_records(tmp_path):
     paths = report.write_report(d, str(tmp_path), "empty")
     assert any(p.endswith("empty.md") for p in paths)
     assert "missing: ModuleNotFoundError" in open(tmp_path / "empty.md").read()
+
+
+def test_speedup_summary_splits_shapes_by_whether_they_fill_the_gpu():
+    # 16/32 heads: 1 sequence = 32 CTAs (few); 2 and 8 sequences = 64 and 256 CTAs (full)
+    rs = [rec("flashgdn", 0.2, seqlens=(8192,)), rec("flashqla", 0.1, seqlens=(8192,)),
+          rec("flashgdn", 0.2, seqlens=(4096,) * 8), rec("flashqla", 0.4, seqlens=(4096,) * 8),
+          rec("flashgdn", 0.1, seqlens=(2048,) * 2), rec("flashqla", 0.2, seqlens=(2048,) * 2)]
+    (shapes,) = report._grouped(rs).values()
+    lines = report.speedup_summary(shapes)
+    assert lines == [
+        "- × flashqla, sequences x Hv >= 64: geometric mean 2.00 over 2 shapes; faster on 2, worst 2.00",
+        "- × flashqla, sequences x Hv < 64: geometric mean 0.50 over 1 shapes; faster on 0, worst 0.50",
+    ]
+    assert "geometric mean 2.00" in report.render(doc(rs))

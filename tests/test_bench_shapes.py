@@ -122,3 +122,12 @@ def test_parse_part():
     for bad in ("0/3", "4/3", "x", "1/0"):
         with pytest.raises(ValueError):
             S.parse_part(bad)
+
+
+def test_fills_gpu_is_sequences_times_value_heads_at_least_64():
+    assert S.Shape("custom", 2, 8, (32768,)).ctas == 8
+    assert not S.Shape("custom", 2, 8, (4096,) * 7).fills_gpu
+    assert S.Shape("custom", 2, 8, (4096,) * 8).fills_gpu
+    few = [s for s in S.canonical_set() if not s.fills_gpu]
+    full = [s for s in S.canonical_set() if s.fills_gpu]
+    assert len(few) + len(full) == 171 and len(few) == 82  # the split the results README reports

@@ -50,6 +50,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default="flashgdn,flashqla,fla,flashinfer",
                    help="implementations to run (default: all); flashgdn:BACKEND[+BACKEND] picks backends")
     p.add_argument("--part", help="i/n: run part i of n (parts keep head configs together, balanced by cost)")
+    p.add_argument("--ctas", choices=("few", "full"), default=None,
+                   help="only shapes that fill the GPU without context parallelism (full: sequences x Hv >= 64) "
+                        "or only those that do not (few)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds; what is done is saved")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu (wall-clock timing, "
@@ -150,6 +153,8 @@ def select_shapes(a) -> list:
             continue
         shapes += named_set(s)
     shapes = dedupe(shapes)
+    if a.ctas:
+        shapes = [s for s in shapes if s.fills_gpu == (a.ctas == "full")]
     if a.part:
         shapes = select_part(shapes, parse_part(a.part))
     if a.skip_done:

@@ -115,6 +115,26 @@ def _table(shapes: "OrderedDict", mode: str, fmt: str) -> str:
     return render_table(headers, rows, fmt)
 
 
+def speedup_summary(shapes: "OrderedDict") -> List[str]:
+    """Per anchor, the geometric-mean speedup of flashgdn on the shapes that fill the GPU without context
+    parallelism (sequences x Hv >= 64) and on the others, with how many it is faster on and its worst ratio."""
+    labels = sorted({lab for cells in shapes.values() for lab in cells}, key=_label_sort_key)
+    lines = []
+    for a in (lab for lab in labels if not lab.startswith("flashgdn")):
+        for fills, what in ((True, "sequences x Hv >= 64"), (False, "sequences x Hv < 64")):
+            ratios = []
+            for (shape, _), cells in shapes.items():
+                fg, t = _ms(cells.get("flashgdn")), _ms(cells.get(a))
+                if shape.fills_gpu == fills and fg is not None and t is not None:
+                    ratios.append(t / fg)
+            if ratios:
+                gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+                faster = sum(r > 1 for r in ratios)
+                lines.append(f"- × {a}, {what}: geometric mean {gm:.2f} over {len(ratios)} shapes; faster on "
+                             f"{faster}, worst {min(ratios):.2f}")
+    return lines
+
+
 def _bwd_table(fwd: "OrderedDict", fwdbwd: "OrderedDict", fmt: str) -> Optional[str]:
     labels = sorted({lab for cells in fwdbwd.values() for lab in cells}, key=_label_sort_key)
     rows, used = [], set()
@@ -211,6 +231,9 @@ def render(doc: Dict[str, Any], fmt: str = "md") -> str:
     for (set_name, mode), shapes in groups.items():
         out.append(f"{h}{set_name}: {MODE_TITLE[mode]} ({len(shapes)} shapes)\n")
         out.append(_table(shapes, mode, fmt) + "\n")
+        summary = speedup_summary(shapes)
+        if summary:
+            out.append("\n".join(summary) + "\n")
         if mode == "fwdbwd" and (set_name, "fwd") in groups:
             t = _bwd_table(groups[(set_name, "fwd")], shapes, fmt)
             if t:

@@ -11,6 +11,9 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 SET_NAMES = ("canonical", "bwd", "quick", "cp", "custom")
 
+#: sequences x Hv from which a shape counts as filling the GPU without context parallelism (DESIGN.md §5)
+FILL_CTAS = 64
+
 # Seed of the backward set's random sequence lengths. Changing it changes the published shape set,
 # so tests pin the lengths it produces.
 BWD_SEED = 20240917
@@ -30,6 +33,16 @@ class Shape:
     @property
     def n_seqs(self) -> int:
         return len(self.seqlens)
+
+    @property
+    def ctas(self) -> int:
+        """CTAs of a chunk loop with one CTA per sequence and value head (no context parallelism)."""
+        return self.n_seqs * self.h_v
+
+    @property
+    def fills_gpu(self) -> bool:
+        """Whether the shape fills an H100/H200 without context parallelism (DESIGN.md §5: sequences x Hv >= 64)."""
+        return self.ctas >= FILL_CTAS
 
     @property
     def heads_label(self) -> str:
