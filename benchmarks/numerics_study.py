@@ -2,7 +2,7 @@
 
     python benchmarks/numerics_study.py [--tokens 4096] [--gate zero|weak]
 
-Emulates the numerics of the "rs" chunk loop for one head (K = V = 128) in PyTorch: the tensor-core operands are
+Emulates the numerics of the "rs" chunk loop (and the "uw" loop's order of operations) for one head (K = V = 128) in PyTorch: the tensor-core operands are
 rounded where the kernel rounds them (the state S, W and Vn in registers; the Ag and P tiles from shared memory;
 the output O), everything else is float32. It prints the error of o and of the final state against a float64
 run without any rounding, for several rounding modes of the operands (bf16, tf32, a bf16 hi + lo pair), and the
@@ -36,9 +36,10 @@ def exact(x):
     return x
 
 
-def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0.5):
+def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0.5, form="rs"):
     """The chunk recurrence with the kernel's rounding points: ``reg`` for S, W, Vn (register operands), ``tile``
-    for Ag and P (shared-memory operands), ``out`` for O."""
+    for Ag and P (shared-memory operands), ``out`` for O. ``form="uw"`` is the uw loop's order instead:
+    Vn = U - Wk S with U = Ag V and Wk = (Ag diag(gamma)) K made per chunk and rounded as tiles."""
     outs = []
     T = q.shape[0]
     for c0 in range(0, T, C):
@@ -52,8 +53,11 @@ def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0
         Ag, P = tile(Gam * A * bc[None, :]), tile(scale * Gam * (qc @ kc.T))
         gam, dec = gc.exp(), (gc[-1] - gc).exp()
         Sr = reg(S)
-        W = vc - gam[:, None] * (kc @ Sr)
-        Vn = Ag @ reg(W)
+        if form == "uw":
+            Vn = tile(Ag @ vc) - tile(tile(Ag * gam[None, :]) @ kc) @ Sr
+        else:
+            W = vc - gam[:, None] * (kc @ Sr)
+            Vn = Ag @ reg(W)
         outs.append(out(scale * gam[:, None] * (qc @ Sr) + P @ reg(Vn)))
         S = gc[-1].exp() * S + kc.T @ reg(Vn * dec[:, None])
     return torch.cat(outs), S
@@ -101,7 +105,8 @@ def main(argv=None):
 
     print(f"{T} tokens, gate {args.gate}; relative RMS against float64 without rounding (o is bf16 in every mode)")
     modes = {
-        "bf16 operands (today)": dict(reg=bf16, tile=bf16),
+        "bf16 operands (rs loop)": dict(reg=bf16, tile=bf16),
+        "bf16, U/Wk form (uw loop)": dict(reg=bf16, tile=bf16, form="uw"),
         "tf32 operands": dict(reg=tf32, tile=tf32),
         "bf16 hi+lo registers": dict(reg=hi_lo, tile=bf16),
         "bf16 hi+lo everywhere": dict(reg=hi_lo, tile=hi_lo),
@@ -109,7 +114,7 @@ def main(argv=None):
     }
     for name, mode in modes.items():
         o, s = chunk_loop(q, k, v, g, beta, h0, **mode)
-        line = f"  {name:24s} o {rel(o, o_ex):.1e}  final {rel(s, s_ex):.1e}"
+        line = f"  {name:26s} o {rel(o, o_ex):.1e}  final {rel(s, s_ex):.1e}"
         for seg in (4, 16):
             o_cp, s_cp = with_segments(q, k, v, g, beta, h0, seg, **mode)
             line += f" | CP {seg:2d} vs none: o {rel(o_cp, o):.1e} final {rel(s_cp, s):.1e}"

@@ -3,8 +3,9 @@
     python benchmarks/stage_timing.py [--out FILE.json]
 
 For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk plan, the ``kkt_inverse``
-stage, each chunk-loop kernel ("simple", "ws", "rs" and rs's state-only variant) and the whole op, without and
-with context parallelism (``cp=16``, ``cp=64``), and prints them beside the DESIGN.md floor.
+stage (and its earlier 2-CTA-per-SM build), each chunk-loop kernel ("simple", "ws", "rs", "uw" and the state-only
+variants of rs and uw) and the whole op (with the rs and the uw loop), without and with context parallelism
+(``cp=16``, ``cp=64``), and prints them beside the DESIGN.md floor.
 """
 import argparse
 import json
@@ -65,7 +66,7 @@ def results_header(argv) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--loops", default="simple,ws,rs", help="chunk-loop kernels to time: simple,ws,rs")
+    ap.add_argument("--loops", default="simple,ws,rs", help="chunk-loop kernels to time: simple,ws,rs,uw")
     args = ap.parse_args(argv)
     from triton.testing import do_bench_cudagraph
 
@@ -75,6 +76,7 @@ def main(argv=None):
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
     from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
+    from flashgdn.kernels.hopper.chunk_forward_uw import build_chunk_forward_uw
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
@@ -83,10 +85,13 @@ def main(argv=None):
         q, k, v, g, beta, h0, cu = make(Hqk, Hv, seqlens)
         T, N = q.shape[1], len(seqlens)
         prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
+        prep_2cta = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", blocks_per_sm=2)  # the v0.2 build
         simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False)
         ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         rs = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         rs_state = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False)
+        uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
+        uw_state = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False)
         o1 = torch.empty(1, 1, Hv, 128, device="cuda", dtype=torch.bfloat16)
         bounds, first_slot = fw.chunk_plan(cu, T, N)
         S = bounds.shape[0]
@@ -95,27 +100,50 @@ def main(argv=None):
         o = torch.empty(1, T, Hv, 128, device="cuda", dtype=torch.bfloat16)
         ht = torch.empty(N, Hv, 128, 128, device="cuda")
         scale = 128 ** -0.5
+        gcum_2cta, Ag_2cta = torch.zeros_like(gcum), torch.zeros_like(Ag)
+        gcum.zero_()
+        Ag.zero_()
         prep(k, g, beta, bounds, gcum, Ag)
+        prep_2cta(k, g, beta, bounds, gcum_2cta, Ag_2cta)
         cu_cpu = cu.cpu()
         loops = args.loops.split(",")
         times = {
             "chunk_bounds": lambda: fw.chunk_plan(cu, T, N),
             "kkt_inverse": lambda: prep(k, g, beta, bounds, gcum, Ag),
+            "kkt_inverse_2cta": lambda: prep_2cta(k, g, beta, bounds, gcum_2cta, Ag_2cta),
             "loop_simple": (lambda: simple(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "simple" in loops else None,
             "loop_ws": (lambda: ws(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "ws" in loops else None,
             "loop_rs": (lambda: rs(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rs" in loops else None,
             # the state-only variant (context parallelism's transition passes)
             "loop_rs_state": (lambda: rs_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if "rs" in loops else None,
+            "loop_uw": (lambda: uw(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "uw" in loops else None,
+            "loop_uw_state": (lambda: uw_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
+            if "uw" in loops else None,
             "op": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
+                                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper", cp="off"),
+            # what cp="auto" does: off unless FLASHGDN_HOPPER_CP=auto lets the cost model decide
+            "op_cpauto": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
         }
+        if "uw" in loops:
+            times["op_uw"] = lambda: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="uw")
+            times["op_rs"] = lambda: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
         for cp in CP_SEGMENTS:
             times[f"op_cp{cp}"] = (lambda cp=cp: chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                 backend="hopper", cp=cp))
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
-        row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor}
+        row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
+               # both builds of stage 1 compute the same products in the same order: bitwise equal
+               "kkt_equal_to_2cta": bool(torch.equal(Ag, Ag_2cta) and torch.equal(gcum, gcum_2cta)),
+               "kkt_finite": bool(Ag.isfinite().all())}
+        if "uw" in loops:  # the two loops' outputs side by side (each is checked against the oracle by the tests)
+            with torch.no_grad():
+                o_rs, h_rs = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
+                o_uw, h_uw = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="uw")
+            rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+            row["uw_vs_rs_o"], row["uw_vs_rs_state"] = rel(o_uw, o_rs), rel(h_uw, h_rs)
         with torch.no_grad():
             for name, fn in times.items():
                 if fn is None:
@@ -130,15 +158,16 @@ def main(argv=None):
                     row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| Hqk/Hv | seqlens | floor | chunk plan | kkt_inverse | loop simple | loop ws | loop rs | rs state-only "
-          "| op | " + " | ".join(f"op cp={c}" for c in CP_SEGMENTS) + " |")
-    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(CP_SEGMENTS))
+    cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt 2 CTA/SM build", "kkt_inverse_2cta"),
+            ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
+            ("rs state-only", "loop_rs_state"), ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
+            ("op", "op"), ("op rs", "op_rs"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto")] + [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
+    print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
     for r in rows:
         f = lambda x: "-" if r.get(x) is None else f"{r[x]:.3f}"  # noqa: E731
         mix = f"{r['seqlens'][0]}x{len(r['seqlens'])}"
-        print(f"| {r['h_qk']}/{r['h_v']} | {mix} | {r['floor_ms']:.3f} | {f('chunk_bounds')} | {f('kkt_inverse')} "
-              f"| {f('loop_simple')} | {f('loop_ws')} | {f('loop_rs')} | {f('loop_rs_state')} | {f('op')} | "
-              + " | ".join(f(f"op_cp{c}") for c in CP_SEGMENTS) + " |")
+        print(f"| {r['h_qk']}/{r['h_v']} | {mix} | {r['floor_ms']:.3f} | " + " | ".join(f(c[1]) for c in cols) + " |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)

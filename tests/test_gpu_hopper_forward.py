@@ -20,9 +20,9 @@ O_BAR = 5e-3
 STATE_BAR = 5e-3
 
 
-@pytest.fixture(autouse=True, params=["rs", "ws", "simple"])
+@pytest.fixture(autouse=True, params=["rs", "uw", "ws", "simple"])
 def chunk_loop(request, monkeypatch, cuda):
-    """Every test runs on both chunk-loop kernels, with every output poisoned with NaN first."""
+    """Every test runs on every chunk-loop kernel, with every output poisoned with NaN first."""
     from flashgdn.kernels.hopper import forward
 
     monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
@@ -172,10 +172,13 @@ def test_deterministic():
 
 def test_new_sequence_mixes_do_not_compile_again():
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
+    from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
+    from flashgdn.kernels.hopper.chunk_forward_uw import build_chunk_forward_uw
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
-    builders = (build_chunk_forward, build_chunk_forward_ws, build_kkt_inverse)
+    builders = (build_chunk_forward, build_chunk_forward_rs, build_chunk_forward_uw, build_chunk_forward_ws,
+                build_kkt_inverse)
     run_hopper(inputs([100, 200], Hqk=2, Hv=4))
     before = [b.cache_info().misses for b in builders]
     for mix in ([5], [64, 64, 64], [1000, 1, 2, 3], [4096], [129] * 30):

@@ -22,10 +22,11 @@ from .common import CHUNK, tl_dtype
 POISON_OUTPUTS = False
 
 #: Which chunk-loop kernel runs: "rs" (warp-specialised, transposed state, register-operand GEMMs:
-#: ``chunk_forward_rs.py``), "ws" (warp-specialised, state halves through shared memory:
+#: ``chunk_forward_rs.py``), "uw" (rs with the state chain cut to two GEMMs, U and Wk made by the gate
+#: warpgroup: ``chunk_forward_uw.py``), "ws" (warp-specialised, state halves through shared memory:
 #: ``chunk_forward_ws.py``) or "simple" (one role, ``chunk_forward.py``; the A/B baseline).
 #: FLASHGDN_HOPPER_CHUNK_LOOP overrides the default.
-CHUNK_LOOPS = ("rs", "ws", "simple")
+CHUNK_LOOPS = ("rs", "uw", "ws", "simple")
 DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
 
 #: Precise mode of the rs chunk loop: register operands as bf16 hi + lo pairs (``chunk_forward_rs.py``), for
@@ -141,14 +142,15 @@ def hopper_forward(
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run the forward kernels. q, k, v contiguous bf16/fp16 on an SM90 device; L2 norm already applied.
 
-    ``with_output=False`` runs the state-only pass (the "rs" loop without q, P and O; o is returned as None),
-    which is what context parallelism's transition passes need.
+    ``with_output=False`` runs the state-only pass (the "rs" loop without q, P and O, or the "uw" loop's when
+    that is the chunk loop; o is returned as None), which is what context parallelism's transition passes need.
 
     Returns ``(o, final_state or None)``; with ``return_intermediates`` also a dict of the stage outputs
     (``gcum``, ``Ag``, token-major like the reference's) for stage-by-stage checks.
     """
     from .chunk_forward import build_chunk_forward
     from .chunk_forward_rs import build_chunk_forward_rs
+    from .chunk_forward_uw import build_chunk_forward_uw
     from .chunk_forward_ws import build_chunk_forward_ws
     from .kkt_inverse import build_kkt_inverse
 
@@ -184,7 +186,11 @@ def hopper_forward(
         state_v_first=state_v_first,
     )
     prep = build_kkt_inverse(Hqk, Hv, K, cfg.io_dtype, cfg.io_dtype)
-    if not with_output:
+    if chunk_loop == "uw":
+        main = build_chunk_forward_uw(
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, with_output
+        )
+    elif not with_output:
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, False,
             PRECISE,

@@ -35,7 +35,7 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
-def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
+def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -45,7 +45,136 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
       bounds   [S, 2]           int32: (first token, length) of every chunk slot; length 0 = idle slot
       gcum     [Hv, 64 S]       float32, written: head-major, 64 values per chunk slot
       Ag       [S, Hv, 64, 64]  a dtype, written: one tile per chunk slot and value head
+
+    ``blocks_per_sm`` is the occupancy the kernel is built for. It is a chain of short dependent steps (loads,
+    one small GEMM, a serial substitution, two 32x32 merges) on 4 warps, so its speed comes from how many CTAs
+    hide each other's latency. At 4 (the default) the inverse is kept as three 32x32 blocks that the merge
+    GEMMs read in place, Ag is stored straight from the gating loops, buffers with disjoint lifetimes share
+    shared memory (~51 KB) and registers are capped at 128. At 2 it is the earlier build (101 KB of shared
+    memory: a full 64x64 fp32 tile per head, copies of the diagonal blocks, a staged TMA store), kept to
+    measure against.
     """
+    if blocks_per_sm == 2:
+        return _build_kkt_inverse_staged(Hqk, Hv, K, qk_dtype, a_dtype)
+    if blocks_per_sm not in (3, 4):
+        raise ValueError(f"blocks_per_sm must be 2, 3 or 4, got {blocks_per_sm}")
+    import tilelang
+    import tilelang.language as T
+
+    C = CHUNK
+    B = C // 2  # diagonal block of the inverse
+    group = Hv // Hqk
+    pair = 2 if group % 2 == 0 else 1  # value heads inverted side by side (one per 64 threads)
+    num_tokens = T.dynamic("num_tokens")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")  # 64 * num_slots
+    acc = "float32"
+
+    @T.prim_func
+    def kkt_inverse_kernel(
+        k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+        g: T.Tensor((1, num_tokens, Hv), "float32"),
+        beta: T.Tensor((1, num_tokens, Hv), "float32"),
+        bounds: T.Tensor((num_slots, 2), "int32"),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+    ):
+        with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
+            T.annotate_min_blocks_per_sm(blocks_per_sm)
+            t0 = bounds[slot, 0]
+            n_rows = bounds[slot, 1]
+
+            k_s = T.alloc_shared((C, K), qk_dtype)
+            kk_f = T.alloc_fragment((C, C), acc)
+            kk_s = T.alloc_shared((C, C), acc)
+            g_s = T.alloc_shared((group, C), acc)
+            gc_s = T.alloc_shared((group, C), acc)
+            b_s = T.alloc_shared((group, C), acc)
+            # the inverse of a head pair as blocks: 0 = A11, 1 = A22, 2 = A21 (A12 = 0)
+            d_s = T.alloc_shared((pair, 3, B, B), acc)
+            l21_s = T.alloc_shared((B, B), acc)
+            t_s = T.alloc_shared((B, B), acc)
+            m_f = T.alloc_fragment((B, B), acc)
+            x = T.alloc_local((B,), acc)
+            part = T.alloc_local((2,), acc)
+
+            tx = T.get_thread_binding()
+
+            if n_rows > 0:
+                for i, j in T.Parallel(C, K):
+                    k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, qk_dtype))
+                # the gates of the whole group at once (contiguous in g and beta)
+                for i, p in T.Parallel(C, group):
+                    g_s[p, i] = T.if_then_else(i < n_rows, g[0, t0 + i, hq * group + p], 0.0)
+                    b_s[p, i] = T.if_then_else(i < n_rows, beta[0, t0 + i, hq * group + p], 0.0)
+                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                T.copy(kk_f, kk_s)
+                T.cumsum(g_s, gc_s, dim=1)
+                for p, i in T.Parallel(group, C):
+                    gcum[hq * group + p, slot * C + i] = gc_s[p, i]
+
+                for u in T.serial(group // pair):
+                    h = hq * group + u * pair  # first value head of this pair
+
+                    # diagonal blocks: thread -> (head p, block d, column c); column c of the block in x
+                    T.sync_threads()
+                    if tx < 64 * pair:
+                        for r in T.unroll(B):
+                            x[r] = 0.0
+                        p = tx // 64
+                        d = (tx // B) % 2
+                        r0 = d * B
+                        c = tx % B
+                        for r in T.unroll(B):
+                            part[0] = 0.0
+                            part[1] = 0.0
+                            for j in T.unroll(r):
+                                part[j % 2] += kk_s[r0 + r, r0 + j] * x[j]
+                            x[r] = T.if_then_else(
+                                r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[u * pair + p, r0 + r] * (part[0] + part[1]))
+                            )
+                        for r in T.unroll(B):
+                            d_s[p, d, r, c] = x[r]
+                    T.sync_threads()
+
+                    # off-diagonal block: A21 = -A22 (L21 A11), tf32 tensor cores on the blocks in place
+                    for p in T.serial(pair):
+                        for r, c2 in T.Parallel(B, B):
+                            l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, c2]
+                        T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
+                        T.copy(m_f, t_s)
+                        T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)
+                        for r, c2 in T.Parallel(B, B):
+                            d_s[p, 2, r, c2] = -m_f[r, c2]
+
+                    # Ag = Gam ⊙ A ⊙ beta^T block by block, stored as it is formed. Every exponent is
+                    # clamped at 0: above the diagonal A is 0 and the factor must stay finite.
+                    for p, i, j in T.Parallel(pair, B, B):
+                        Ag[slot, h + p, i, j] = T.cast(
+                            d_s[p, 0, i, j] * b_s[u * pair + p, j]
+                            * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E), a_dtype)
+                    for p, i, j in T.Parallel(pair, B, B):
+                        Ag[slot, h + p, B + i, j] = T.cast(
+                            d_s[p, 2, i, j] * b_s[u * pair + p, j]
+                            * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, j], 0.0) * LOG2E),
+                            a_dtype)
+                    for p, i, j in T.Parallel(pair, B, B):
+                        Ag[slot, h + p, B + i, B + j] = T.cast(
+                            d_s[p, 1, i, j] * b_s[u * pair + p, B + j]
+                            * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, B + j], 0.0) * LOG2E),
+                            a_dtype)
+                    for p, i, j in T.Parallel(pair, B, B):
+                        Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+
+    configs = pass_configs()
+    # k_s is dead once K K^T is formed: its space is reused
+    configs[tilelang.PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE] = True
+    return tilelang.compile(kkt_inverse_kernel, out_idx=None, target=TARGET, pass_configs=configs)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_kkt_inverse_staged(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
+    """``build_kkt_inverse(..., blocks_per_sm=2)``: the earlier build, 2 CTAs per SM."""
     import tilelang
     import tilelang.language as T
 

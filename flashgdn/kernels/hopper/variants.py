@@ -13,7 +13,7 @@ Variant = Tuple[str, str, dict]
 
 def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
                      flags: str = "all") -> Iterator[Variant]:
-    """The stage-1 kernel and every chunk-loop kernel (simple and the two warp-specialised ones) for every flag combination (``flags="all"``), or only
+    """The stage-1 kernel and every chunk-loop kernel (simple and the three warp-specialised ones) for every flag combination (``flags="all"``), or only
     the one a training/benchmark call uses (initial state in, final state out, K-major state: ``"common"``)."""
     yield ("chunk_plan", "chunk_plan", {})
     yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
@@ -33,7 +33,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                 yield (name.replace("chunk_forward", "chunk_forward_rs" + tag), "chunk_forward_rs",
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                             store_final_state=True, state_v_first=False, with_output=wo, precise=precise))
-        for loop in ("ws", "rs"):
+            yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
+                        store_final_state=True, state_v_first=False, with_output=False))
+        for loop in ("ws", "rs", "uw"):
             yield (name.replace("chunk_forward", f"chunk_forward_{loop}"), f"chunk_forward_{loop}",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first))
@@ -56,6 +59,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_rs import build_chunk_forward_rs
 
         return build_chunk_forward_rs(**kwargs)
+    if builder == "chunk_forward_uw":
+        from .chunk_forward_uw import build_chunk_forward_uw
+
+        return build_chunk_forward_uw(**kwargs)
     if builder == "chunk_forward":
         from .chunk_forward import build_chunk_forward
 
