@@ -1,9 +1,18 @@
 """Exact context parallelism on the CPU: planning, splicing, and the segment driver around the float64 reference
 (equal to the forward without segments up to rounding, for any gate and unnormalised keys)."""
+import json
+import os
+import random
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashgdn.cp import CostModel, cp_forward, estimated_us, parse_cp, plan_segments, split_sequences
+from flashgdn.cp import (CostModel, cp_forward, cp_problem_forward, estimated_us, parse_cp, plan_segments,
+                         splice_segments, split_sequences)
+from flashgdn.cp.plan import dense_cu_seqlens, segment_index_tensors
 from flashgdn.reference.chunked import chunk_gated_delta_rule_reference
 from helpers import make_inputs, rel_rms
 
@@ -39,6 +48,19 @@ def test_auto_keeps_shapes_that_fill_the_gpu(seqlens, heads):
     assert not plan_segments(seqlens, heads=heads, cp="auto", model=CostModel(num_sms=132)).split
 
 
+@pytest.mark.parametrize("qk_heads,heads,seqlens,segment_chunks", [
+    (2, 8, [32768], 64),  # 8 CTAs on 132 SMs: 2.2x predicted
+    (4, 16, [16384], 32),
+    (16, 32, [32768], None),  # 32 CTAs, but stage 1 over 64 heads for the transitions costs more than CP saves
+    (32, 32, [8192], None),
+    (16, 64, [4096] * 8, None),
+    (2, 8, [1024] * 8, None),
+])
+def test_auto_with_qk_heads(qk_heads, heads, seqlens, segment_chunks):
+    plan = plan_segments(seqlens, heads, "auto", CostModel(), qk_heads=qk_heads)
+    assert plan.segment_chunks == segment_chunks and plan.split == (segment_chunks is not None)
+
+
 def test_cp_argument_is_checked():
     assert parse_cp("auto") == "auto" and parse_cp("off") == "off" and parse_cp(16) == 16 and parse_cp("8") == 8
     for bad in (0, -3, "fast", "0"):
@@ -47,6 +69,206 @@ def test_cp_argument_is_checked():
     for bad in (True, 1.5, None):
         with pytest.raises(TypeError, match="cp must be"):
             parse_cp(bad)
+
+
+def test_cost_model_reproduces_the_measured_op():
+    """The defaults come from this file (CostModel's comments): the op without CP within 5% on every row, and
+    with CP within 5% where it pays (few heads: 2/8 32768x1, the row the CP constants are calibrated on)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200", "stages-hopper-v0.3.json")
+    with open(path) as fh:
+        rows = json.load(fh)["rows"]
+    for r in rows:
+        model_ms = estimated_us(r["seqlens"], r["h_v"], None, CostModel(), r["h_qk"]) / 1e3
+        assert 0.95 < model_ms / r["op"] < 1.05, (r["h_qk"], r["h_v"], r["seqlens"][0], model_ms, r["op"])
+    (few,) = [r for r in rows if (r["h_qk"], r["h_v"], r["seqlens"]) == (2, 8, [32768])]
+    for seg in (16, 64):
+        model_ms = estimated_us(few["seqlens"], 8, seg, CostModel(), 2) / 1e3
+        assert 0.95 < model_ms / few[f"op_cp{seg}"] < 1.05, (seg, model_ms, few[f"op_cp{seg}"])
+
+
+def test_cost_model_counts_stage_1_again_for_the_transition_pass():
+    model = CostModel()
+    seqlens, heads = [32768], 8
+    chunks = 32768 // 64
+    kkt = chunks * (2 * model.kkt_chunk_qk_head_us + heads * model.kkt_chunk_head_us)
+    kkt2 = chunks * (2 * model.kkt_chunk_qk_head_us + 2 * heads * model.kkt_chunk_head_us)
+    off = estimated_us(seqlens, heads, None, model, qk_heads=2)
+    assert off == pytest.approx(model.plan_us + chunks * model.plan_chunk_us + kkt + model.loop_us([chunks], heads))
+    cp = estimated_us(seqlens, heads, 64, model, qk_heads=2)
+    segs = [64] * 8
+    expected = (model.cp_launches * model.launch_us + 32768 * heads * model.cp_token_head_us
+                + 2 * (model.plan_us + 64 * model.plan_chunk_us) + kkt2 + kkt + 7 * model.splice_step_us
+                + model.loop_us(segs, 2 * heads, state_only=True) + model.loop_us(segs, heads))
+    assert cp == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the segments' index tensors, built on the device
+
+
+def _mixes():
+    """Sequence mixes with empty sequences, ones shorter than a segment, exact multiples of 64 and random ones."""
+    gen = random.Random(20241130)
+    mixes = [[0], [1], [64], [4096], [128, 64, 192], [0, 0, 5], [63, 65, 0, 4096], [1000, 37, 300, 0, 128]]
+    for _ in range(60):
+        mixes.append([gen.choice([0, 1, 63, 64, 65, 127, 128, 256, 512, 640, gen.randint(0, 3000)])
+                      for _ in range(gen.randint(1, 12))])
+    return mixes
+
+
+def _index_equals_plan(idx, plan, dtype):
+    assert idx.seg_cu.dtype == dtype
+    assert idx.seg_cu.tolist() == plan.seg_cu.tolist()
+    assert idx.seg_seq.tolist() == plan.seg_seq.tolist()
+    assert idx.first.tolist() == plan.first.tolist()
+    assert idx.count.tolist() == plan.count.tolist()
+
+
+@pytest.mark.parametrize("segment_chunks", [None, 1, 2, 3, 4, 7, 16, 256])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_segment_index_tensors_equal_the_host_plan(segment_chunks, dtype):
+    for seqlens in _mixes():
+        plan = split_sequences(seqlens, segment_chunks)
+        cu = torch.tensor([0] + seqlens).cumsum(0).to(dtype)
+        _index_equals_plan(segment_index_tensors(plan, cu), plan, dtype)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4096), (2, 100), (3, 64), (5, 1000), (8, 4096)])
+@pytest.mark.parametrize("segment_chunks", [None, 1, 3, 16])
+def test_segment_index_tensors_of_dense_input(B, T, segment_chunks):
+    cu = dense_cu_seqlens(B, T, "cpu")
+    assert cu.tolist() == [n * T for n in range(B + 1)]
+    plan = split_sequences([T] * B, segment_chunks)
+    _index_equals_plan(segment_index_tensors(plan, cu), plan, torch.int32)
+
+
+def test_segment_index_tensors_check_the_sequence_count():
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        segment_index_tensors(split_sequences([100, 200], 1), torch.tensor([0, 300]))
+
+
+def test_splice_matches_a_loop_over_each_sequence():
+    gen = torch.Generator().manual_seed(3)
+    plan = split_sequences([700, 64, 0, 300, 129], 2)  # 6, 1, 1, 3 and 2 segments
+    S, N, Hv, K, V = plan.num_segments, 5, 2, 4, 3
+    M = torch.randn(S, Hv, K, K, generator=gen, dtype=torch.float64) / 2
+    b = torch.randn(S, Hv, K, V, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(N, Hv, K, V, generator=gen, dtype=torch.float64)
+    expected = torch.empty(S, Hv, K, V, dtype=torch.float64)
+    for n in range(N):
+        f, c = int(plan.first[n]), int(plan.count[n])
+        expected[f] = h0[n]
+        if c > 1:
+            expected[f + 1] = b[f]
+        for i in range(2, c):
+            expected[f + i] = M[f + i - 1] @ expected[f + i - 1] + b[f + i - 1]
+    index = segment_index_tensors(plan, torch.tensor([0, 700, 764, 764, 1064, 1193]))
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            starts = splice_segments(M, b, h0, plan, index)
+        assert torch.allclose(starts, expected, rtol=1e-13, atol=1e-13)
+    assert torch.equal(splice_segments(M, b, h0, plan), starts)  # the index from the host plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# nothing read back from the device: the driver on meta tensors (they hold no values, like a GPU seen from
+# the host), every op recorded
+
+
+class DeviceOps(TorchDispatchMode):
+    """Records the ops on meta tensors that launch a kernel on a GPU, and every op that would read a device
+    value on the host (a sync) or copy between host and device: those are errors."""
+
+    NO_KERNEL = {"empty", "new_empty", "empty_strided", "empty_like", "_unsafe_view"}
+    READS_BACK = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        ins = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if any(t.device.type == "meta" for t in ins):
+            assert name not in self.READS_BACK, f"{name} reads a device value on the host"
+            if name.startswith("index"):
+                assert not any(t.dtype == torch.bool for t in ins), f"{name} with a mask (a nonzero, a sync)"
+        out = func(*args, **kwargs)
+        outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if any(t.device.type == "meta" for t in ins + outs):
+            host = [tuple(t.shape) for t in ins if t.device.type == "cpu" and t.dim() > 0]
+            assert not host, f"{name} moves host tensors {host} to the device"
+            if not func.is_view and name not in self.NO_KERNEL:
+                self.launches.append(name)
+        return out
+
+
+def _meta_forward(plan, passes):
+    """A forward on meta tensors with the shapes of the real one; checks what the driver hands it."""
+
+    def forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu, need_output=True):
+        assert cu.device.type == "meta" and cu_cpu.device.type == "cpu"
+        assert cu_cpu.tolist() == plan.seg_cu.tolist()
+        assert h0.shape[0] == cu.shape[0] - 1 == plan.num_segments
+        passes.append((v.shape[2], need_output))
+        o = q.new_empty((1, q.shape[1], v.shape[2], v.shape[3]))
+        return o, h0.new_empty(h0.shape)
+
+    return forward
+
+
+def _meta_inputs(T, K, V, grad, Hqk=2, Hv=4, N=1):
+    def t(*shape, dtype=torch.float32):
+        return torch.empty(shape, device="meta", dtype=dtype).requires_grad_(grad)
+
+    return (t(1, T, Hqk, K, dtype=torch.bfloat16), t(1, T, Hqk, K, dtype=torch.bfloat16),
+            t(1, T, Hv, V, dtype=torch.bfloat16), t(1, T, Hv), t(1, T, Hv), t(N, Hv, K, V))
+
+
+@pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_cp_forward_reads_nothing_back_from_the_device(K, V, grad, cu_dtype):
+    seqlens = [1000, 37, 0, 300, 64, 4096]
+    plan = split_sequences(seqlens, 2)
+    q, k, v, g, beta, h0 = _meta_inputs(sum(seqlens), K, V, grad, N=len(seqlens))
+    cu = torch.tensor([0] + seqlens).cumsum(0).to(device="meta", dtype=cu_dtype)
+    passes = []
+    with torch.set_grad_enabled(grad), DeviceOps():
+        o, ht = cp_forward(_meta_forward(plan, passes), q, k, v, g, beta, 0.1, h0, True, plan, cu)
+    assert o.shape == (1, sum(seqlens), 4, V) and ht.shape == (len(seqlens), 4, K, V)
+    assert passes == ([(8, False)] if K == V else [(4, False), (4, False)]) + [(4, True)]
+
+
+@pytest.mark.parametrize("initial_state", [True, False])
+def test_cp_problem_forward_of_dense_input_reads_nothing_back(initial_state):
+    B, T, Hv, K = 3, 1000, 4, 16
+    plan = split_sequences([T] * B, 4)
+    q, k, v, g, beta, h0 = _meta_inputs(B * T, K, K, False, N=B)
+    p = SimpleNamespace(B=B, T=T, Hv=Hv, V=K, q=q.view(B, T, 2, K), k=k.view(B, T, 2, K), v=v.view(B, T, Hv, K),
+                        g=g.view(B, T, Hv), beta=beta.view(B, T, Hv), scale=0.25,
+                        initial_state=h0 if initial_state else None, state_v_first=True, output_final_state=True,
+                        cu_seqlens=None)
+    with torch.no_grad(), DeviceOps():
+        o, ht = cp_problem_forward(_meta_forward(plan, []), p, plan, p.q, p.k)
+    assert o.shape == (B, T, Hv, K) and ht.shape == (B, Hv, K, K)
+
+
+def test_cp_driver_launches_what_the_cost_model_counts():
+    """The GPU path (V = K, no autograd): the cost model's ``cp_launches`` small kernels besides the passes
+    (repeat_interleave is two), three per splice step (gather, batched product, scatter; two in the first)."""
+    seqlens, segment_chunks = [8192, 3000, 64], 16
+    plan = split_sequences(seqlens, segment_chunks)
+    steps = int(plan.count.max()) - 1
+    q, k, v, g, beta, h0 = _meta_inputs(sum(seqlens), 128, 128, False, N=len(seqlens))
+    cu = torch.tensor([0] + seqlens).cumsum(0).to(device="meta", dtype=torch.int32)
+    ops = DeviceOps()
+    with torch.no_grad(), ops:
+        cp_forward(_meta_forward(plan, []), q, k, v, g, beta, 0.1, h0, True, plan, cu)
+    launches = ops.launches
+    assert launches.count("baddbmm_") == steps - 1 and launches.count("index_copy_") == steps
+    assert len(launches) + 1 - (3 * steps - 1) <= CostModel().cp_launches
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -65,7 +287,7 @@ CASES = [
 @pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])  # V = K: b and M in one pass of 2 Hv heads; else two
 @pytest.mark.parametrize("segment_chunks", [1, 2, 3, 8])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks, K, V):
+def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks, K, V, grad=True):
     kw = dict(CASES[case])
     dense = kw.pop("dense", False)
     inp = make_inputs(Hqk=2, Hv=4, K=K, V=V, dtype=torch.float64, dense=dense, **kw)
@@ -81,9 +303,18 @@ def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks, K,
     scale = K ** -0.5
     o_ref, ht_ref = ref_forward(q, k, v, g, beta, scale, h0, cu, True)
     plan = split_sequences(seqlens, segment_chunks)
-    o, ht = cp_forward(ref_forward, q, k, v, g, beta, scale, h0, True, plan)
+    with torch.set_grad_enabled(grad):
+        o, ht = cp_forward(ref_forward, q, k, v, g, beta, scale, h0, True, plan, cu)
     assert rel_rms(o, o_ref) < 1e-10
     assert rel_rms(ht, ht_ref) < 1e-10
+
+
+@pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])
+@pytest.mark.parametrize("segment_chunks", [1, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cp_forward_without_autograd_equals_the_forward_without_segments(case, segment_chunks, K, V):
+    """Without autograd (the GPU backends' case) the splice's product overwrites the gathered b in place."""
+    test_cp_forward_equals_the_forward_without_segments(case, segment_chunks, K, V, grad=False)
 
 
 def test_cp_forward_gradients_equal_those_without_segments():
@@ -94,7 +325,8 @@ def test_cp_forward_gradients_equal_those_without_segments():
         xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
         args = (xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], 8 ** -0.5)
         if use_cp:
-            o, ht = cp_forward(ref_forward, *args, xs["initial_state"], True, split_sequences([400, 90], 2))
+            o, ht = cp_forward(ref_forward, *args, xs["initial_state"], True, split_sequences([400, 90], 2),
+                               inp["cu_seqlens"])
         else:
             o, ht = ref_forward(*args, xs["initial_state"], inp["cu_seqlens"], True)
         (o.square().sum() + ht.sin().sum()).backward()

@@ -58,3 +58,56 @@ def test_hopper_cp_equals_no_cp_to_1e_3_in_the_precise_mode(segment_chunks, cuda
     o0, h0, o1, h1 = _both(dict(seqlens=[8192, 3000], zero_gate_heads=(0, 1, 2, 3)), segment_chunks, cuda)
     assert rel_rms(o1.float(), o0.float()) < CP_BAR
     assert rel_rms(h1, h0) < CP_BAR
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong"),
+    dict(seqlens=[4096, 4096], dense=True),
+])
+def test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda):
+    """cp=4 reads nothing back from the GPU (sync debug mode "error"), and a CUDA graph of it, captured after
+    a warm-up on a side stream, replays to the eager result bit for bit (same kernels, same inputs)."""
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+
+    def run():
+        return chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
+
+    with torch.no_grad():
+        o0, h0 = run()  # compiles and loads the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            o1, h1 = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            og, hg = run()
+        og.zero_()
+        hg.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(o1, o0) and torch.equal(h1, h0)
+    assert torch.equal(og, o1) and torch.equal(hg, h1)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000], gate="strong", zero_gate_heads=(1,)),
+])
+def test_hopper_cp_matches_no_cp_with_the_uw_loop(opts, cuda, monkeypatch):
+    """The uw chunk loop's state-only variant in the transition pass, its full loop in the forward."""
+    from flashgdn.kernels.hopper import forward
+
+    monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "uw")
+    o0, h0, o1, h1 = _both(opts, 4, cuda)
+    assert rel_rms(o1.float(), o0.float()) < MACHINERY_BAR
+    assert rel_rms(h1, h0) < MACHINERY_BAR

@@ -42,7 +42,8 @@ def chunk_gated_delta_rule(
         backend: ``"auto"`` (Hopper kernels where they can run, else the reference), ``"hopper"`` or
             ``"reference"``.
         cp: exact context parallelism (long sequences cut into segments that run in parallel, their start
-            states spliced exactly; ``flashgdn.cp``): ``"auto"`` (the backend decides; today: off), ``"off"``,
+            states spliced exactly; ``flashgdn.cp``): ``"auto"`` (the backend decides: the Hopper backend by its cost model,
+            the reference backend never splits), ``"off"``,
             or a segment length in chunks of 64 tokens. Needs the sequence lengths on the host (dense input,
             or ``cu_seqlens_cpu``/CPU ``cu_seqlens``).
 

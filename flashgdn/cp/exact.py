@@ -15,6 +15,12 @@ it on the segments of a ``SegmentPlan`` (``plan.py``):
 4. the forward over all segments, each from its true start state; a sequence's final state is its last
    segment's.
 
+Nothing here reads a device value on the host or copies a host tensor to the device: the segments' index
+tensors are built on the device from ``cu_seqlens`` (``segment_index_tensors``), loop counts come from the host
+plan, and the splice needs no mask (a finished sequence writes to a spare row). So the whole forward runs
+without a sync and can be captured in a CUDA graph (``tests/test_cp.py`` runs the driver on meta tensors and
+fails on any such op; ``tests/test_gpu_hopper_cp.py`` captures it on the GPU).
+
 Nothing is truncated or approximated (unlike a cut-off on the summed decay), so the result equals the forward
 without segments up to rounding for any gate, including g = 0 and unnormalised keys. Steps 1 and 2 need no
 output (the Hopper backend runs its state-only kernel there), and they also run the last segment of each
@@ -28,64 +34,105 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .plan import SegmentPlan
+from .plan import SegmentIndex, SegmentPlan, dense_cu_seqlens, segment_index_tensors
 
 Forward = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
+Gather = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
-def splice_segments(M: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+def splice_segments(M: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, plan: SegmentPlan,
+                    index: Optional[SegmentIndex] = None) -> torch.Tensor:
     """Start states of every segment, ``[num_segments, Hv, K, V]``.
 
     ``h0[n]`` is sequence n's initial state; ``b[s]`` is segment s's end state from a zero start, except for
     first segments, where it is the end state from ``h0``; ``M[s]`` is segment s's transition. Entries of
     last segments are not read. Sequential over the segments of a sequence, batched over sequences and heads.
+    ``index``: the plan's index tensors on the states' device (``segment_index_tensors``); without it they
+    are copied from the host plan, which synchronises on a GPU.
     """
-    S = plan.num_segments
-    dev = h0.device
-    first = plan.first.to(dev)
-    count = plan.count.to(dev)
-    starts = h0.new_zeros((S,) + tuple(h0.shape[1:]))
+    if index is None:
+        index = SegmentIndex(plan.seg_cu.to(h0.device), plan.seg_seq.to(h0.device), plan.first.to(h0.device),
+                             plan.count.to(h0.device))
+    return _splice(lambda src: (M.index_select(0, src), b.index_select(0, src)), h0, plan, index)
+
+
+def _splice(gather: Gather, h0: torch.Tensor, plan: SegmentPlan, index: SegmentIndex) -> torch.Tensor:
+    """``splice_segments`` with ``gather(src) -> (M[src], b[src])`` (fresh tensors, ``[N, Hv, K, ·]``).
+
+    Step i (i = 1, 2, ...) of every sequence n at once: ``state = M[first + i - 1] state + b[first + i - 1]``
+    (just ``b[first]`` for i = 1), written to row ``first + i``. A sequence with no segment i writes its row
+    of the step to a spare row of its own past the segments, dropped at the end, so no step needs a mask or
+    a count read back from the device. The number of steps comes from the host plan."""
+    S, N = plan.num_segments, plan.first.numel()
+    first, count = index.first, index.count
+    starts = h0.new_empty((S + N,) + tuple(h0.shape[1:]))  # every row < S is written exactly once
     starts[first] = h0
-    state = b[first]  # end of each first segment = start of the second
-    for i in range(1, int(plan.count.max())):
-        live = count > i
-        if i >= 2:
-            prev = (first + i - 1).clamp(max=S - 1)
-            step = torch.matmul(M[prev], state) + b[prev]
-            state = torch.where(live[:, None, None, None], step, state)
-        starts[(first + i)[live]] = state[live]
-    return starts
+    steps = int(plan.count.max()) - 1
+    if steps <= 0:
+        return starts[:S]
+    dev = first.device
+    i = torch.arange(1, steps + 1, device=dev).unsqueeze(1)  # [steps, 1]
+    row = first + i  # [steps, N]
+    dst = torch.where(i < count, row, torch.arange(S, S + N, device=dev))
+    src = torch.minimum(row - 1, first + (count - 1))  # past a sequence's end: its last segment (unused)
+    K, V = h0.shape[-2], h0.shape[-1]
+    # under autograd the product may not overwrite the gathered b: its M may be a view of the same tensor
+    in_place = not torch.is_grad_enabled()
+    state = None
+    for j in range(steps):
+        Mj, bj = gather(src[j])
+        if state is not None:
+            if in_place:
+                bj.view(-1, K, V).baddbmm_(Mj.view(-1, K, K), state.view(-1, K, V))
+            else:
+                bj = torch.baddbmm(bj.reshape(-1, K, V), Mj.reshape(-1, K, K), state.reshape(-1, K, V)).view(bj.shape)
+        state = bj
+        starts.index_copy_(0, dst[j], state)
+    return starts[:S]
 
 
-def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first):
-    """Steps 1 and 2 as two passes: b from zero (first segments from h0), M from the identity with v = 0."""
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    """``[1, T, Hv, ...] -> [1, T, 2 Hv, ...]``, each head repeated."""
+    return x.unsqueeze(3).expand(x.shape[:3] + (2,) + x.shape[3:]).flatten(2, 3)
+
+
+def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index):
+    """Steps 1 and 2 as two passes: b from zero (first segments from h0), M from the identity with v = 0.
+    Returns ``gather`` for the splice."""
     S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
     b_start = h0.new_zeros((S, Hv, K, V))
-    b_start[first] = h0
-    _, b = forward(q, k, v, g, beta, scale, b_start, seg_cu, True, plan.seg_cu, need_output=False)
+    b_start[index.first] = h0
+    _, b = forward(q, k, v, g, beta, scale, b_start, index.seg_cu, True, plan.seg_cu, need_output=False)
     eye = torch.eye(K, dtype=h0.dtype, device=h0.device).expand(S, Hv, K, K).contiguous()
     zeros = torch.zeros((1, v.shape[1], Hv, K), dtype=v.dtype, device=v.device)
-    _, M = forward(q, k, zeros, g, beta, scale, eye, seg_cu, True, plan.seg_cu, need_output=False)
-    return b, M
+    _, M = forward(q, k, zeros, g, beta, scale, eye, index.seg_cu, True, plan.seg_cu, need_output=False)
+    M, b = M.to(h0.dtype), b.to(h0.dtype)
+    return lambda src: (M.index_select(0, src), b.index_select(0, src))
 
 
-def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first):
+def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
     """Steps 1 and 2 in one pass of twice the value heads (when V = K): value head 2h carries head h's b pass
     and head 2h + 1 its M pass (v = 0, identity start). Interleaving keeps both on qk head h // group, since
-    (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two."""
+    (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two. Returns ``gather``
+    for the splice: one gather of both (b, M) pairs per step."""
     S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
-
-    def twice(x):  # [..., Hv, ...] -> [..., 2 Hv, ...], each head repeated
-        return x.repeat_interleave(2, dim=2)
-
-    v2 = torch.stack([v, torch.zeros_like(v)], dim=3).flatten(2, 3)
-    start = h0.new_zeros((S, Hv, 2, K, V))
-    start[first, :, 0] = h0
+    v2 = v.new_empty(v.shape[:3] + (2,) + v.shape[3:])  # [1, T, Hv, 2, V]: v, then zeros
+    v2[:, :, :, 1].zero_()
+    v2[:, :, :, 0] = v
+    v2 = v2.flatten(2, 3)
+    start = h0.new_empty((S, Hv, 2, K, V))
+    start[:, :, 0].zero_()
+    start[index.first, :, 0] = h0
     start[:, :, 1] = torch.eye(K, dtype=h0.dtype, device=h0.device)
-    _, end = forward(q, k, v2, twice(g), twice(beta), scale, start.flatten(1, 2), seg_cu, True, plan.seg_cu,
-                     need_output=False)
-    end = end.unflatten(1, (Hv, 2))
-    return end[:, :, 0], end[:, :, 1]
+    _, end = forward(q, k, v2, _twice(g), _twice(beta), scale, start.flatten(1, 2), index.seg_cu, True,
+                     plan.seg_cu, need_output=False)
+    end = end.to(h0.dtype).unflatten(1, (Hv, 2))
+
+    def gather(src):
+        pair = end.index_select(0, src)
+        return pair[:, :, 1], pair[:, :, 0]
+
+    return gather
 
 
 def cp_forward(
@@ -99,34 +146,33 @@ def cp_forward(
     initial_state: Optional[torch.Tensor],
     output_final_state: bool,
     plan: SegmentPlan,
+    cu_seqlens: torch.Tensor,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The operator on packed sequences ``[1, T, ...]`` (dense input reshaped by the caller) with the plan's
-    segments; K-major states. Returns ``(o, final_state or None)`` as the forward without segments would."""
+    segments; K-major states. ``cu_seqlens`` is the sequences' offsets on q's device (the plan's lengths): the
+    segments' index tensors are built from it there (``segment_index_tensors``), so nothing is copied from
+    the host and nothing synchronises; the host plan gives only sizes and the host copy of the segments'
+    offsets. Returns ``(o, final_state or None)`` as the forward without segments would."""
     dev = q.device
     Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
     N = plan.first.numel()
-    S = plan.num_segments
-    seg_cu = plan.seg_cu.to(dev)
-    first = plan.first.to(dev)
-    count = plan.count.to(dev)
+    index = segment_index_tensors(plan, cu_seqlens)
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     h0 = (initial_state.to(sdt) if initial_state is not None
           else torch.zeros((N, Hv, K, V), dtype=sdt, device=dev))
 
     if plan.split:
-        if K == V:
-            b, M = _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first)
-        else:
-            b, M = _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, seg_cu, plan, first)
+        transitions = _transitions_one_pass if K == V else _transitions_two_passes
+        gather = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
         # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i
-        starts = splice_segments(M.to(sdt), b.to(sdt), h0, plan)
+        starts = _splice(gather, h0, plan, index)
     else:
         starts = h0
     # 4. every segment from its true start state
-    o, seg_final = forward(q, k, v, g, beta, scale, starts, seg_cu, output_final_state, plan.seg_cu)
+    o, seg_final = forward(q, k, v, g, beta, scale, starts, index.seg_cu, output_final_state, plan.seg_cu)
     final = None
     if output_final_state:
-        final = seg_final[first + count - 1]
+        final = seg_final.index_select(0, index.first + index.count - 1)
     return o, final
 
 
@@ -141,8 +187,9 @@ def cp_problem_forward(forward: Forward, p, plan: SegmentPlan, q: torch.Tensor, 
     h0 = p.initial_state
     if h0 is not None and p.state_v_first:
         h0 = h0.transpose(-1, -2)
+    cu = p.cu_seqlens if p.cu_seqlens is not None else dense_cu_seqlens(B, T, q.device)
     o, final = cp_forward(forward, packed(q), packed(k), packed(p.v), packed(p.g), packed(p.beta), p.scale, h0,
-                          p.output_final_state, plan)
+                          p.output_final_state, plan, cu)
     o = o.reshape(B, T, p.Hv, p.V)
     if final is not None and p.state_v_first:
         final = final.transpose(-1, -2).contiguous()

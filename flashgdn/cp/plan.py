@@ -9,13 +9,16 @@ Exact context parallelism (DESIGN.md §4, ``docs/context-parallel.md``) runs a f
 3. the fused forward on all segments at once, each from its true start state.
 
 The plan needs the sequence lengths on the host (``cu_seqlens_cpu``, or dense input); without them the
-operator runs without context parallelism rather than synchronise.
+operator runs without context parallelism rather than synchronise. The host plan gives sizes only; the
+index tensors the GPU uses are built there from the device ``cu_seqlens`` (``segment_index_tensors``), so a
+forward with segments copies nothing from the host, reads nothing back and can be captured in a CUDA graph.
 
-The cost model is deliberately small: a pass over a set of work items (segment x value head, each a number of
-chunks walked serially) takes ``launch + max(longest item, total / SMs) * chunk time``; CP pays a state pass
-over twice the heads (b and M; per chunk cheaper than the forward) plus one splice step per segment, and wins
-when it shortens the longest item enough. Constants are per GPU (``CostModel.for_device``) and come from measurements
-(``benchmarks/stage_timing.py``).
+The cost model (``CostModel``, ``estimated_us``) adds up the stages of the Hopper forward with constants
+fitted to stage timings on the H200: per pass the chunk-plan kernel, stage 1 (by throughput over chunks x
+heads) and the chunk loop (the longest work item, or the total over the SMs once the items fill them). CP pays
+its driver's small kernels, a state-only pass with stage 1 over twice the value heads (b and M), one splice
+step per segment after a sequence's first, and the forward over the segments; it wins when the segments fill
+the SMs that the sequences left idle. ``benchmarks/cp_model_check.py`` checks it against the measurements.
 """
 from __future__ import annotations
 
@@ -30,31 +33,89 @@ CHUNK = 64
 #: segment lengths tried by ``cp="auto"``, in chunks
 CANDIDATE_SEGMENT_CHUNKS = (8, 16, 32, 64, 128, 256)
 
+#: ``cp="auto"`` splits only when the model predicts at most this fraction of the time without CP
+AUTO_GAIN = 0.9
+
 
 @dataclass(frozen=True)
 class CostModel:
-    """Times in microseconds of one (sequence or segment) x value-head work item walking one chunk."""
+    """Times in microseconds of the Hopper forward's stages, per unit of work; defaults from the H200.
+
+    Source: ``benchmarks/results/h200/stages-hopper-v0.2c.json`` and, for stage 1 since its 4-CTA-per-SM build,
+    ``stages-hopper-v0.3.json`` (``benchmarks/stage_timing.py``: each stage alone by CUDA-graph replay, median;
+    K = V = 128, bf16; the loop constants fitted on v0.3 agree within 2%); ``benchmarks/cp_model_check.py``
+    redoes the fits and compares the model with the measured op, with and without CP. Rows of those files are
+    named ``Hqk/Hv TxN`` below.
+
+    A chunk loop runs one CTA (one SM) per work item, a (sequence or segment) x value head walking its chunks:
+    ``item + chunks x chunk`` while the items fit on the SMs, ``sum(item + chunks x busy chunk) / SMs`` once
+    they fill them (the loops then share the memory bandwidth). Stage 1 (``kkt_inverse``, one CTA per chunk and
+    qk head, every chunk at once) costs by throughput, per chunk and qk head (K K^T, loads) plus per chunk and
+    value head (inverse, gating, Ag). Stage 0, the chunk-plan kernel, is one CTA whose threads each write their
+    sequence's chunk slots in turn: a fixed time plus the longest item's chunk count.
+    """
 
     num_sms: int = 132
-    forward_chunk_us: float = 3.0  # fused forward, one CTA per SM
-    state_chunk_us: float = 1.5  # state-only pass (no output)
-    launch_us: float = 5.0  # fixed cost of one pass (launches, planning)
-    splice_step_us: float = 10.0  # one sequential splice step (a batched K x K by K x V product)
+    # fused forward loop (loop_rs): 2/8 32768x1 and 16/32 32768x1 (8 and 32 items of 512 chunks): 2.90 and
+    # 2.92 us per chunk; least squares with 32/32 8192x1 and 2/8 1024x8 (128 and 16 chunks) gives
+    # 8.8 us + 2.89 us per chunk. GPU full: 16/64 4096x8 (512 items x 64 chunks on 132 SMs) 0.815 ms and
+    # 16/32 4096x8 (256 items) 0.413 ms give 3.15 and 3.19 us per chunk beside the 8.8 us per item.
+    forward_item_us: float = 8.8
+    forward_chunk_us: float = 2.89
+    forward_busy_chunk_us: float = 3.17
+    # state-only loop (loop_rs_state, CP's transition pass), the same shapes: 1.52 us per chunk (5.9 us +
+    # 1.51 us per chunk by least squares); GPU full 1.72 and 1.74 us per chunk
+    state_item_us: float = 5.9
+    state_chunk_us: float = 1.51
+    state_busy_chunk_us: float = 1.73
+    # stage 1 (kkt_inverse, v0.3), least squares over the six rows: 16/64 4096x8 is 0.285 ms for 512 chunks x
+    # (16 qk + 64 value heads), 16/32 4096x8 0.181 ms for 512 x (16 + 32)
+    kkt_chunk_qk_head_us: float = 0.0103
+    kkt_chunk_head_us: float = 0.0061
+    # stage 0 (chunk_bounds): 3.4 us for 16 chunks per sequence (2/8 1024x8), 4.5 for 64, 6.0 for 128,
+    # 14.7 for 512
+    plan_us: float = 3.1
+    plan_chunk_us: float = 0.023
+    # context parallelism's own work: one small torch kernel in a CUDA graph; the driver's small kernels per
+    # forward besides the splice steps (16 for the device index tensors, 8 for the transition pass's inputs, 10
+    # to set up the splice, 3 for the final-state gather; tests/test_cp.py counts them); one splice step (gather
+    # M and b, a batched 128 x 128 by 128 x 128 fp32 product, scatter: three kernels); the transition pass's
+    # doubled inputs (v beside zeros, g and beta twice: ~0.8 KB written and read per token and value head at
+    # ~4 TB/s, an estimate). launch_us and splice_step_us are calibrated on the two CP timings of 2/8 32768x1
+    # in stages-hopper-v0.3.json (cp=16: 31 splice steps, 0.953 ms; cp=64: 7 steps, 0.698 ms), which the
+    # counted estimates (3.0 and 12 us) left 69 and 39 us short.
+    launch_us: float = 3.8
+    cp_launches: int = 37
+    splice_step_us: float = 13.0
+    cp_token_head_us: float = 0.0002
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None) -> "CostModel":
-        """The model for a CUDA device (its SM count; chunk times measured on the H200), or the default."""
+        """The model for a CUDA device (its SM count; stage times measured on the H200), or the default."""
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
             return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
         return CostModel()
 
-    def pass_us(self, item_chunks: Sequence[int], chunk_us: float, heads: int) -> float:
-        """One pass over work items of the given chunk counts, each for ``heads`` value heads."""
+    def loop_us(self, item_chunks: Sequence[int], heads: int, state_only: bool = False) -> float:
+        """One chunk loop over work items of the given chunk counts, each for ``heads`` value heads."""
         if not item_chunks:
             return 0.0
-        longest = max(item_chunks)
-        total = sum(item_chunks) * heads
-        return self.launch_us + max(longest, total / self.num_sms) * chunk_us
+        if state_only:
+            item, chunk, busy = self.state_item_us, self.state_chunk_us, self.state_busy_chunk_us
+        else:
+            item, chunk, busy = self.forward_item_us, self.forward_chunk_us, self.forward_busy_chunk_us
+        longest = item + max(item_chunks) * chunk
+        total = (len(item_chunks) * item + sum(item_chunks) * busy) * heads
+        return max(longest, total / self.num_sms)
+
+    def pass_us(self, item_chunks: Sequence[int], heads: int, qk_heads: int, state_only: bool = False) -> float:
+        """One forward (chunk plan, stage 1, chunk loop) over work items of the given chunk counts."""
+        if not item_chunks:
+            return 0.0
+        chunks = sum(item_chunks)
+        plan = self.plan_us + max(item_chunks) * self.plan_chunk_us
+        kkt = chunks * (qk_heads * self.kkt_chunk_qk_head_us + heads * self.kkt_chunk_head_us)
+        return plan + kkt + self.loop_us(item_chunks, heads, state_only)
 
 
 @dataclass(frozen=True)
@@ -109,19 +170,68 @@ def split_sequences(seqlens: Sequence[int], segment_chunks: Optional[int]) -> Se
     )
 
 
-def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[int], model: CostModel) -> float:
-    """The cost model's time for one forward with the given segment length (None: without CP)."""
+@dataclass(frozen=True)
+class SegmentIndex:
+    """A plan's per-segment index tensors on the device: ``seg_cu`` (the segments' offsets, in the dtype of the
+    ``cu_seqlens`` they were built from), ``seg_seq``, ``first`` and ``count`` (int64), as in ``SegmentPlan``."""
+
+    seg_cu: torch.Tensor
+    seg_seq: torch.Tensor
+    first: torch.Tensor
+    count: torch.Tensor
+
+
+def dense_cu_seqlens(batch: int, seqlen: int, device) -> torch.Tensor:
+    """``cu_seqlens`` of ``batch`` sequences of ``seqlen`` tokens, built on ``device`` (int32 while it fits)."""
+    dtype = torch.int32 if (batch + 1) * seqlen < 2 ** 31 else torch.int64
+    return torch.arange(batch + 1, dtype=dtype, device=device) * seqlen
+
+
+def segment_index_tensors(plan: SegmentPlan, cu_seqlens: torch.Tensor) -> SegmentIndex:
+    """The plan's index tensors built on ``cu_seqlens``'s device from its values, with device ops only.
+
+    Only host-known sizes come from the plan (the number of segments and the segment length), so nothing is
+    copied between host and device and nothing synchronises: the result equals the host plan's tensors when
+    ``cu_seqlens`` holds the lengths the plan was made from, and the calls can be captured in a CUDA graph.
+    """
+    N, S = plan.first.numel(), plan.num_segments
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() != N + 1:
+        raise ValueError(f"cu_seqlens must be [N + 1] = [{N + 1}] for this plan, got {tuple(cu_seqlens.shape)}")
+    dev = cu_seqlens.device
+    if plan.segment_chunks is None:  # every sequence one segment
+        seqs = torch.arange(N, device=dev)
+        return SegmentIndex(cu_seqlens, seqs, seqs, torch.ones(N, dtype=torch.int64, device=dev))
+    step = plan.segment_chunks * CHUNK
+    cu = cu_seqlens.to(torch.int64)
+    start = cu[:-1]
+    count = ((cu[1:] - start + (step - 1)) // step).clamp_(min=1)  # an empty sequence is one empty segment
+    first = torch.cumsum(count, 0) - count
+    seg_seq = torch.repeat_interleave(count, output_size=S)
+    # segment s of sequence n starts at cu[n] + (s - first[n]) step; the last one ends where n + 1 starts
+    seg_start = (start - first * step)[seg_seq] + torch.arange(0, S * step, step, device=dev)
+    seg_cu = torch.cat([seg_start, cu[-1:]]).to(cu_seqlens.dtype)
+    return SegmentIndex(seg_cu, seg_seq, first, count)
+
+
+def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[int], model: CostModel,
+                 qk_heads: Optional[int] = None) -> float:
+    """The cost model's time for one forward with the given segment length (None: without CP). ``heads`` is
+    the number of value heads, ``qk_heads`` that of qk heads (None: as many as value heads, the most stage 1
+    can cost)."""
+    qk_heads = heads if qk_heads is None else qk_heads
     chunks = [max(1, math.ceil(L / CHUNK)) for L in seqlens]
     if segment_chunks is None or all(c <= segment_chunks for c in chunks):
-        return model.pass_us(chunks, model.forward_chunk_us, heads)
+        return model.pass_us(chunks, heads, qk_heads)
     segs: List[int] = []
     steps = 0
     for c in chunks:
         pieces = math.ceil(c / segment_chunks)
         segs += [min(segment_chunks, c - i * segment_chunks) for i in range(pieces)]
         steps = max(steps, pieces - 1)
-    state = model.pass_us(segs, model.state_chunk_us, 2 * heads)  # b and M: one pass over twice the heads
-    return state + steps * model.splice_step_us + model.pass_us(segs, model.forward_chunk_us, heads)
+    driver = model.cp_launches * model.launch_us + sum(seqlens) * heads * model.cp_token_head_us
+    # b and M: one state-only pass over twice the value heads (stage 1 included), then the splice
+    transitions = model.pass_us(segs, 2 * heads, qk_heads, state_only=True)
+    return driver + transitions + steps * model.splice_step_us + model.pass_us(segs, heads, qk_heads)
 
 
 def plan_segments(
@@ -129,9 +239,10 @@ def plan_segments(
     heads: int,
     cp: Union[str, int] = "auto",
     model: Optional[CostModel] = None,
+    qk_heads: Optional[int] = None,
 ) -> SegmentPlan:
     """The segments for ``cp`` ("off", "auto" or a segment length in chunks); ``seqlens`` None (lengths not
-    on the host) means no split."""
+    on the host) means no split. ``heads``/``qk_heads``: value and qk heads (for the cost model)."""
     if seqlens is None:
         raise ValueError("planning context parallelism needs the sequence lengths on the host")
     if cp == "off":
@@ -141,10 +252,10 @@ def plan_segments(
     if cp != "auto":
         raise ValueError(f"cp must be 'auto', 'off' or a positive int (segment length in chunks), got {cp!r}")
     model = model or CostModel()
-    off_us = estimated_us(seqlens, heads, None, model)
-    us, best = min((estimated_us(seqlens, heads, s, model), s) for s in CANDIDATE_SEGMENT_CHUNKS)
-    # a clear gain only: CP costs extra passes and memory
-    return split_sequences(seqlens, best if us < 0.9 * off_us else None)
+    off_us = estimated_us(seqlens, heads, None, model, qk_heads)
+    us, best = min((estimated_us(seqlens, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
+    # a clear gain only: CP costs memory, and its own constants (launches, splice) are estimates so far
+    return split_sequences(seqlens, best if us < AUTO_GAIN * off_us else None)
 
 
 def parse_cp(cp) -> Union[str, int]:
@@ -184,5 +295,5 @@ def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None) -> Option
             return None
         raise ValueError(f"cp={p.cp} needs the sequence lengths on the host: pass cu_seqlens_cpu (a host copy of "
                          "cu_seqlens), or a CPU cu_seqlens")
-    plan = plan_segments(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device))
+    plan = plan_segments(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device), qk_heads=p.Hqk)
     return plan if plan.split else None

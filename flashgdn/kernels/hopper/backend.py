@@ -1,7 +1,8 @@
 """The ``"hopper"`` backend: TileLang kernels for SM90 behind ``chunk_gated_delta_rule``.
 
 Forward: the kernels of ``forward.py``; with ``cp=<segment length>`` they run through exact context parallelism
-(``flashgdn.cp``: two state passes, a splice, the forward on all segments). Backward: until the fused Hopper backward lands, gradients come from
+(``flashgdn.cp``: a state pass over twice the value heads, a splice, the forward on all segments; no host sync,
+capturable in a CUDA graph). Backward: until the fused Hopper backward lands, gradients come from
 the written-out backward of the chunked form in PyTorch (``flashgdn.reference.chunked_backward``, float32):
 exact, but slow. The L2 norm of q/k is applied as differentiable PyTorch ops in front of the kernels.
 """
@@ -16,8 +17,9 @@ from ...reference.recurrent import l2norm_qk
 
 SUPPORTED_HEAD_DIMS = (128,)
 
-#: what cp="auto" does on this backend: "off", "auto" (the cost model) or a segment length in chunks
-AUTO_CP = os.environ.get("FLASHGDN_HOPPER_CP", "off")
+#: what cp="auto" does on this backend: "auto" (the cost model decides; the default since its predictions
+#: were checked against CP timings on the H200, docs/context-parallel.md), "off" or a segment length in chunks
+AUTO_CP = os.environ.get("FLASHGDN_HOPPER_CP", "auto")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -99,8 +101,8 @@ class HopperBackend(Backend):
         q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
         from ...cp import plan_for_problem
 
-        # cp="auto" means AUTO_CP: off until the cost model's constants are measured on the GPU
-        # (FLASHGDN_HOPPER_CP=auto|off|<chunks> to benchmark it); a segment length always runs CP
+        # cp="auto" means AUTO_CP (FLASHGDN_HOPPER_CP=auto|off|<chunks>, default auto: the cost model); a
+        # segment length always runs CP
         if p.cp == "auto":
             from dataclasses import replace
 
