@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                     help="copy these kernels' cache entries into DIR (a TileLang cache directory of just them)")
     args = ap.parse_args(argv)
 
-    from flashgdn.kernels.hopper.variants import forward_variants
+    from flashgdn.kernels.hopper.variants import backward_variants, forward_variants
 
     jobs = []
     for hqk, hv in _parse_heads(args.heads):
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
             if dt not in ("bfloat16", "float16"):
                 raise SystemExit(f"--dtypes: expected bfloat16 or float16, got {dt!r}")
             for name, builder, kw in forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags):
+                jobs.append((name, builder, kw, args.report))
+            for name, builder, kw in backward_variants(hqk, hv, args.head_dim, args.head_dim, dt):
                 jobs.append((name, builder, kw, args.report))
     t0 = time.time()
     entries, no_entry = set(), []

@@ -17,12 +17,13 @@ if shutil.which("nvcc") is None:  # TileLang compiles with nvcc; the CI image ha
 os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 
 from flashgdn.kernels.hopper.common import MAX_SMEM_SM90, resource_usage  # noqa: E402
-from flashgdn.kernels.hopper.variants import build, forward_variants  # noqa: E402
+from flashgdn.kernels.hopper.variants import backward_variants, build, forward_variants  # noqa: E402
 
 #: kernel-name prefix -> why a spill there is accepted (none today)
 EXPLAINED_SPILLS = {}
 
-VARIANTS = list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_variants(2, 8, dtype="float16", flags="common"))
+VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_variants(2, 8, dtype="float16", flags="common"))
+            + list(backward_variants(2, 8, dtype="bfloat16")) + list(backward_variants(2, 8, dtype="float16")))
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])

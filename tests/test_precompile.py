@@ -8,13 +8,13 @@ pytest.importorskip("tilelang")
 
 
 def test_precompile_exports_one_complete_entry_per_kernel(tmp_path, capsys):
-    from flashgdn.kernels.hopper.variants import forward_variants
+    from flashgdn.kernels.hopper.variants import backward_variants, forward_variants
     from flashgdn.precompile import main
 
     out = tmp_path / "cache"
     assert main(["--heads", "2/8", "--flags", "common", "--jobs", "1", "--export", str(out)]) == 0
     printed = capsys.readouterr().out
-    names = {v[0] for v in forward_variants(2, 8, flags="common")}
+    names = {v[0] for v in forward_variants(2, 8, flags="common")} | {v[0] for v in backward_variants(2, 8)}
     assert all(n in printed for n in names)
     entries = [d for d, _, files in os.walk(out) if "executable.so" in files]
     assert len(entries) == len(names)

@@ -41,3 +41,29 @@ def test_backward_matches_autograd(case, heads, with_dht):
     got = dict(zip(("q", "k", "v", "g", "beta", "initial_state"), got))
     for n, w in zip(names, want):
         assert rel_rms(got[n], w) < 1e-10, n
+
+
+@pytest.mark.parametrize("case", [0, 1, 2, 3])
+def test_state_gradients_alone_match_autograd(case):
+    """Step 1 alone (the Hopper kernel ``state_grad_walk``'s counterpart): its state gradient at each sequence's
+    start is d(initial state) by autograd, and it does not depend on v or on the initial state."""
+    from flashgdn.reference.chunked_backward import chunk_state_gradients_reference
+
+    inp = make_inputs(Hqk=1, Hv=2, K=16, V=8, dtype=torch.float64, **{**CASES[case], "state_v_first": False})
+    h0 = inp["initial_state"].detach().clone().requires_grad_(True)
+    cu = inp.get("cu_seqlens")
+    o, ht = chunk_gated_delta_rule_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale=0.3,
+                                             initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    gen = torch.Generator().manual_seed(6)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    dht = torch.randn(ht.shape, generator=gen, dtype=ht.dtype)
+    (want,) = torch.autograd.grad([o, ht], [h0], [do, dht])
+    dS_end, dS_start = chunk_state_gradients_reference(inp["q"], inp["k"], inp["g"], inp["beta"], do, dht,
+                                                       scale=0.3, cu_seqlens=cu)
+    assert rel_rms(dS_start, want) < 1e-10
+    # the last chunk of every sequence ends with the final state's gradient
+    from flashgdn.reference.layout import chunk_table
+
+    table = chunk_table(cu, *inp["q"].shape[:2])
+    last = (table.seq_first_chunk + table.seq_num_chunks - 1)[table.seq_num_chunks > 0]
+    assert torch.equal(dS_end[last], dht[table.seq_num_chunks > 0])

@@ -80,6 +80,46 @@ def _state_grads_walk(M: torch.Tensor, D: torch.Tensor, dht: torch.Tensor, table
     return dS_end, dh0
 
 
+def _state_gradients(qv, kv, gam, P, Ag, M, doc, dht_kv, table: ChunkTable, scale: float):
+    """Step 1: ``dS = M^T dS' + E^T dO`` with ``E = scale diag(gamma) Q - P Ag diag(gamma) K``."""
+    E = scale * gam[..., None] * qv - P @ (Ag @ (gam[..., None] * kv))
+    return _state_grads_walk(M, E.transpose(-1, -2) @ doc, dht_kv, table)
+
+
+def chunk_state_gradients_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 alone, the counterpart of the Hopper kernel ``state_grad_walk``: ``(dS_end, dS_start)``, the state
+    gradient at the end of every chunk ``[NC, Hv, K, V]`` (the chunk order of ``layout.chunk_table``: sequences
+    in order, each one's chunks in order) and at the start of every sequence ``[N, Hv, K, V]`` (K-major; what
+    ``dh0`` is when there is an initial state). Neither v nor the initial state enters it. ``dht`` is K-major."""
+    dt = _dtype(compute_dtype, q, k, do)
+    B, T, Hqk, K = q.shape
+    Hv, V = do.shape[2], do.shape[3]
+    if scale is None:
+        scale = K ** -0.5
+    table = chunk_table(cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, B, T)
+    qc, kc, bc = (_chunks(x.to(dt), table, dt) for x in (q, k, beta))
+    gc = _chunks(g, table, dt).cumsum(-1)
+    doc = _chunks(do.to(dt), table, dt)
+    A = _inverse_chunks(kc, bc)
+    Ag = _gated_inverse_chunks(A, gc, bc)
+    _, M, _ = _state_pass_chunks(kc, torch.zeros_like(doc), gc, A, bc)
+    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
+    P = scale * _decay_matrix(gc) * (qv @ kv.transpose(-1, -2))
+    dht_kv = (torch.zeros((table.N, Hv, K, V), dtype=dt, device=q.device) if dht is None else dht.to(dt))
+    return _state_gradients(qv, kv, gc.exp(), P, Ag, M, doc, dht_kv, table, scale)
+
+
 def chunk_gated_delta_rule_backward_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -133,8 +173,7 @@ def chunk_gated_delta_rule_backward_reference(
               else (dht.to(dt).transpose(-1, -2) if state_v_first else dht.to(dt)))
 
     # 1. state gradients: dS = M^T dS' + E^T dO
-    E = scale * gam[..., None] * qv - P @ (Ag @ (gam[..., None] * kv))
-    dS_end, dh0 = _state_grads_walk(M, E.transpose(-1, -2) @ doc, dht_kv, table)
+    dS_end, dh0 = _state_gradients(qv, kv, gam, P, Ag, M, doc, dht_kv, table, scale)
 
     # 2. per chunk
     dVn = P.transpose(-1, -2) @ doc + dec[..., None] * (kv @ dS_end)

@@ -9,8 +9,11 @@ past the end already (stage 1), so they are always one TMA box. Each of the thre
 """
 
 
-def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, load_q: bool = True):
-    """The producer as a TileLang macro; ``first_warp`` is the thread index of the producer warpgroup's start."""
+def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, load_q: bool = True,
+                       reverse: bool = False):
+    """The producer as a TileLang macro; ``first_warp`` is the thread index of the producer warpgroup's start.
+    ``reverse`` walks a sequence's chunks last to first (the backward's state-gradient walk); ``v`` is then
+    whatever value-head tensor the consumer needs (dO)."""
     import tilelang.language as T
 
     @T.macro
@@ -18,7 +21,10 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                       full, empty):
         for c in T.serial(n_chunks):
             st = c % 2
-            t0 = bos + c * C
+            if reverse:  # ring step c holds chunk n_chunks - 1 - c
+                t0 = bos + (n_chunks - 1 - c) * C
+            else:
+                t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
             T.barrier_wait(empty[st], (c // 2 + 1) % 2)
             if tx < first_warp + 32:
@@ -44,7 +50,10 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                     T.fence_proxy_async()
                 T.barrier_arrive(full[st])
             elif tx < first_warp + 96:
-                slot = first_slot[n] + c
+                if reverse:
+                    slot = first_slot[n] + (n_chunks - 1 - c)
+                else:
+                    slot = first_slot[n] + c
                 T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
                 T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
                 T.barrier_arrive(full[st])

@@ -1,4 +1,5 @@
-"""Every kernel configuration the Hopper forward can ask for, for a head configuration and dtype.
+"""Every kernel configuration the Hopper forward (and the backward's existing stages) can ask for, for a head
+configuration and dtype.
 
 Used by ``python -m flashgdn.precompile`` (fill the kernel cache ahead of time) and by the compile tests.
 """
@@ -42,6 +43,14 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                         store_final_state=store_ht, state_v_first=v_first))
 
 
+def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16") -> Iterator[Variant]:
+    """The Hopper backward's kernels that exist (the state-gradient walk, with and without a final-state
+    gradient)."""
+    for has_dht in (True, False):
+        yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "state_grad_walk",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
+
+
 def build(builder: str, kwargs: dict):
     if builder == "chunk_plan":
         from .chunk_plan import build_chunk_plan
@@ -63,6 +72,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_uw import build_chunk_forward_uw
 
         return build_chunk_forward_uw(**kwargs)
+    if builder == "state_grad_walk":
+        from .state_grad_walk import build_state_grad_walk
+
+        return build_state_grad_walk(**kwargs)
     if builder == "chunk_forward":
         from .chunk_forward import build_chunk_forward
 

@@ -1,0 +1,177 @@
+"""Stage 1 of the Hopper backward: the state gradients, one reverse walk per (sequence, value head).
+
+Math (``reference/chunked_backward.py``, step 1), per chunk walked from its end, dS' the state gradient there:
+
+    X   = diag(d) K dS' + P^T dO                 (= dVn)
+    Y   = Ag^T X                                  (= dW = dV)
+    dS  = gamma_C dS' - K^T diag(gamma) Y + scale Q^T diag(gamma) dO
+
+i.e. ``dS = M^T dS' + E^T dO``, the forward's transition transposed. It is written for dS^T [V, K], so that, as in
+the forward's rs loop (``chunk_forward_rs.py``), every GEMM on the chain takes its left operand from registers:
+
+    X^T  = (dS'^T K^T) diag(d) + dO^T P           A = dS'^T (regs), B = K (tile);  A = dO^T (tile), B = P
+    Y^T  = X^T Ag                                 A = X^T (regs),   B = Ag (tile)
+    dS^T = gamma_C dS'^T - (Y^T diag(gamma)) K + dO^T Qg,   Qg = scale diag(gamma) Q
+                                                  A = regs, B = K (tile);  A = dO^T (tile), B = Qg (shared)
+
+Neither v nor the initial state enters: only q, k, dO, stage 1's Ag and g~ (``kkt_inverse``) and the final
+state's gradient. Outputs: the state gradient at the end of every chunk (what the per-chunk gradients need) and
+at every sequence's start (d initial state).
+
+Roles (one CTA = one sequence x one value head, 512 threads), as in the forward's rs loop:
+* warpgroups 0 and 1: each owns 64 rows of dS^T in registers and walks the chunks last to first;
+* warpgroup 2, one chunk ahead: P = scale Gam ⊙ Q K^T (masked), Qg, gamma and the decays d;
+* warpgroup 3: the producer of the forward loops (``ring_producer.py``) walking backwards, with dO in v's place.
+
+PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_state_gradients_reference``.
+"""
+import functools
+
+from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .ring_producer import make_ring_producer
+
+STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
+
+
+@functools.lru_cache(maxsize=None)
+def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool):
+    """Compile (or load) the walk. Arguments of the returned kernel, in order:
+
+      q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
+      do        [1, T, Hv, V]    io dtype
+      gcum      [Hv, 64 S]       float32, stage 1's per-slot cumsum
+      Ag        [S, Hv, 64, 64]  io dtype, stage 1's per-slot gated inverse
+      cu_seqlens [N + 1] int32, first_slot [N] int32 (``forward.chunk_plan``)
+      dht       [n, Hv, K, V]    float32, the final state's gradient (K-major; read only if has_final_grad)
+      scale     float32
+      ds_end    [S, Hv, V, K]    float32, written: dS^T at the end of every chunk slot (V-major)
+      dh0       [N, Hv, K, V]    float32, written: the gradient at every sequence's start (K-major)
+    """
+    import tilelang
+    import tilelang.language as T
+
+    C = CHUNK
+    group = Hv // Hqk
+    HV2 = V // 2
+    num_tokens = T.dynamic("num_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")
+    n_dht = T.dynamic("n_dht")
+    acc = "float32"
+
+    @T.macro
+    def state_path(w, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s, gam_s,
+                   dec_s, full, empty, p_ready):
+        c0 = w * HV2
+        st_f = T.alloc_fragment((HV2, K), acc)  # dS^T rows c0 .. c0 + 63
+        sb_f = T.alloc_fragment((HV2, K), io_dtype)
+        u_f = T.alloc_fragment((HV2, C), acc)  # X^T, then Y^T
+        ub_f = T.alloc_fragment((HV2, C), io_dtype)
+        if has_final_grad:
+            for i, j in T.Parallel(HV2, K):
+                st_f[i, j] = dht[n, h, j, c0 + i]
+        else:
+            T.clear(st_f)
+
+        for c in T.serial(n_chunks):
+            st = c % 2
+            slot = first_slot[n] + (n_chunks - 1 - c)
+            # the gradient at this chunk's end, for the per-chunk gradients
+            for i, j in T.Parallel(HV2, K):
+                ds_end[slot, h, c0 + i, j] = st_f[i, j]
+            T.barrier_wait(full[st], (c // 2) % 2)
+            T.copy(st_f, sb_f)
+            T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)  # dS'^T K^T
+            T.barrier_wait(p_ready[st], (c // 2) % 2)
+            for i, j in T.Parallel(HV2, C):
+                u_f[i, j] = u_f[i, j] * dec_s[st, j]
+            T.gemm(do_s[st, :, c0:c0 + HV2], p_s[st, :, :], u_f, transpose_A=True)  # + dO^T P
+            T.copy(u_f, ub_f)
+            T.gemm(ub_f, a_s[st, :, :], u_f, clear_accum=True)  # Y^T = X^T Ag
+            for i, j in T.Parallel(HV2, C):
+                ub_f[i, j] = -u_f[i, j] * gam_s[st, j]
+            for i, j in T.Parallel(HV2, K):
+                st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+            T.gemm(ub_f, k_s[st, :, :], st_f)  # - (Y^T diag(gamma)) K
+            T.gemm(do_s[st, :, c0:c0 + HV2], qg_s[st, :, :], st_f, transpose_A=True)  # + dO^T Qg
+            T.barrier_arrive(empty[st])
+
+        for i, j in T.Parallel(HV2, K):
+            dh0[n, h, j, c0 + i] = st_f[i, j]
+
+    producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True, reverse=True)
+
+    @T.prim_func
+    def state_grad_walk_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+        dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+        scale: T.float32,
+        ds_end: T.Tensor((num_slots, Hv, V, K), "float32"),
+        dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+    ):
+        with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
+            hq = h // group
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            n_chunks = T.ceildiv(eos - bos, C)
+
+            q_s = T.alloc_shared((2, C, K), io_dtype)
+            k_s = T.alloc_shared((2, C, K), io_dtype)
+            do_s = T.alloc_shared((2, C, V), io_dtype)
+            a_s = T.alloc_shared((2, C, C), io_dtype)
+            gc_s = T.alloc_shared((2, C), acc)
+            p_s = T.alloc_shared((2, C, C), io_dtype)
+            qg_s = T.alloc_shared((2, C, K), io_dtype)
+            gam_s = T.alloc_shared((2, C), acc)
+            dec_s = T.alloc_shared((2, C), acc)
+
+            full = T.alloc_barrier(arrive_count=[96] * 2)
+            empty = T.alloc_barrier(arrive_count=[384] * 2)
+            p_ready = T.alloc_barrier(arrive_count=[128] * 2)
+
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                T.set_max_nreg(STATE_REGS, 1)
+                state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                           gam_s, dec_s, full, empty, p_ready)
+            elif tx < 256:
+                T.set_max_nreg(STATE_REGS, 1)
+                state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                           gam_s, dec_s, full, empty, p_ready)
+            elif tx < 384:
+                # ---------------- gate path, one chunk ahead
+                T.set_max_nreg(GATE_REGS, 0)
+                p_f = T.alloc_fragment((C, C), acc)
+                for c in T.serial(n_chunks):
+                    st = c % 2
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        p_f[i, j] = T.if_then_else(
+                            i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
+                        )
+                    T.copy(p_f, p_s[st, :, :])
+                    for i, j in T.Parallel(C, K):
+                        qg_s[st, i, j] = T.cast(
+                            T.cast(q_s[st, i, j], acc) * scale * T.exp2(gc_s[st, i] * LOG2E), io_dtype)
+                    for i in T.Parallel(C):
+                        gam_s[st, i] = T.exp2(gc_s[st, i] * LOG2E)
+                        dec_s[st, i] = T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready[st])
+                    T.barrier_arrive(empty[st])
+            else:
+                # ---------------- producer, last chunk first
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                producer(tx, n, h, hq, bos, eos, n_chunks, q, k, do, gcum, Ag, first_slot, q_s, k_s, do_s, a_s,
+                         gc_s, full, empty)
+
+    return tilelang.compile(state_grad_walk_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

@@ -1,0 +1,69 @@
+"""The Hopper backward's stages against their float64 counterparts (GPU).
+
+Stage 1, the state-gradient walk (``kernels/hopper/state_grad_walk.py``), against
+``reference.chunked_backward.chunk_state_gradients_reference``: the gradient at the end of every chunk and at
+every sequence's start, on the dh0 bar of DESIGN.md §3 (8e-3 relative RMS), for partial chunks, strong decay and
+g = 0 heads, GVA, dense input, with and without a final-state gradient. Outputs are poisoned with NaN first, so
+an unwritten element fails."""
+import pytest
+import torch
+
+from helpers import make_inputs, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+DS_BAR = 8e-3
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch, cuda):
+    from flashgdn.kernels.hopper import forward
+
+    monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[64], Hqk=2, Hv=4),
+    dict(seqlens=[1000, 3, 130], Hqk=2, Hv=4),
+    dict(seqlens=[700, 64, 5], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1, 6)),
+    dict(seqlens=[300, 77, 1024], Hqk=1, Hv=8),
+    dict(seqlens=[512, 512], dense=True, Hqk=2, Hv=2),
+    dict(seqlens=[4096], Hqk=2, Hv=4, gate="mixed"),
+])
+@pytest.mark.parametrize("with_dht", [True, False])
+def test_state_grad_walk_matches_the_reference(opts, with_dht, cuda):
+    from flashgdn.kernels.hopper.backward import hopper_state_gradients
+    from flashgdn.reference.chunked_backward import chunk_state_gradients_reference
+    from flashgdn.reference.layout import chunk_table
+
+    opts = dict(opts)
+    Hqk, Hv = opts.pop("Hqk"), opts.pop("Hv")
+    inp = make_inputs(Hqk=Hqk, Hv=Hv, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    q, k, g, beta = inp["q"], inp["k"], inp["g"], inp["beta"]
+    cu = inp.get("cu_seqlens")
+    gen = torch.Generator(device=cuda).manual_seed(3)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(torch.bfloat16)
+    table = chunk_table(cu.cpu() if cu is not None else None, *q.shape[:2])
+    dht = torch.randn((table.N, Hv, 128, 128), generator=gen, device=cuda) if with_dht else None
+    scale = 128 ** -0.5
+
+    ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu)
+    want_end, want_start = chunk_state_gradients_reference(q, k, g, beta, do, dht, scale=scale, cu_seqlens=cu,
+                                                           compute_dtype=torch.float64)
+    NC = table.NC
+    got_end = ds_end[:NC].transpose(-1, -2)  # slots of real chunks come first, in the reference's order
+    assert torch.isfinite(got_end).all() and torch.isfinite(dh0).all()
+    assert rel_rms(got_end, want_end) < DS_BAR
+    assert rel_rms(dh0, want_start) < DS_BAR
+
+
+def test_state_grad_walk_is_deterministic(cuda):
+    from flashgdn.kernels.hopper.backward import hopper_state_gradients
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, seqlens=[700, 64, 9])
+    do = torch.randn(inp["v"].shape, device=cuda).to(torch.bfloat16)
+    dht = torch.randn((3, 4, 128, 128), device=cuda)
+    args = (inp["q"], inp["k"], inp["g"], inp["beta"], do, dht, 0.1, inp["cu_seqlens"])
+    a, b = hopper_state_gradients(*args), hopper_state_gradients(*args)
+    NC = 11 + 1 + 1
+    assert torch.equal(a[0][:NC], b[0][:NC]) and torch.equal(a[1], b[1])
