@@ -67,3 +67,35 @@ def test_state_grad_walk_is_deterministic(cuda):
     a, b = hopper_state_gradients(*args), hopper_state_gradients(*args)
     NC = 11 + 1 + 1
     assert torch.equal(a[0][:NC], b[0][:NC]) and torch.equal(a[1], b[1])
+
+
+STATE_BAR = 5e-3  # the forward's bar on states
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[1000, 3, 130], Hqk=2, Hv=4),
+    dict(seqlens=[700, 64, 5], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1, 6)),
+    dict(seqlens=[512, 512], dense=True, Hqk=1, Hv=2),
+])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_chunk_states_recompute_matches_the_reference(opts, with_h0, cuda):
+    """Stage 1a: the forward state at the start of every chunk, by the rs loop's state-only variant."""
+    from flashgdn.kernels.hopper.backward import hopper_chunk_states
+    from flashgdn.reference.chunked import chunk_local_cumsum, chunk_states, kkt_inverse
+    from flashgdn.reference.layout import chunk_table
+
+    opts = dict(opts)
+    Hqk, Hv = opts.pop("Hqk"), opts.pop("Hv")
+    inp = make_inputs(Hqk=Hqk, Hv=Hv, K=128, V=128, dtype=torch.bfloat16, device=cuda,
+                      initial_state=with_h0, **opts)
+    q, k, v, g, beta, h0 = inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp.get("initial_state")
+    cu = inp.get("cu_seqlens")
+    states, _ = hopper_chunk_states(q, k, v, g, beta, h0, cu)
+    f64 = torch.float64
+    gcum = chunk_local_cumsum(g.to(f64), cu)
+    A = kkt_inverse(k, beta, cu, compute_dtype=f64)
+    want, _ = chunk_states(k, v, gcum, A, beta, h0, cu, compute_dtype=f64)
+    NC = chunk_table(cu.cpu() if cu is not None else None, *q.shape[:2]).NC
+    got = states[:NC].transpose(-1, -2)
+    assert torch.isfinite(got).all()
+    assert rel_rms(got, want) < STATE_BAR

@@ -2,8 +2,10 @@
 
 Pipeline, mirroring the forward (``forward.py``) and following ``reference/chunked_backward.py``:
   0. ``chunk_plan`` and 1'. ``kkt_inverse``, the forward's stage 0 and 1 again: slots, g~ and Ag
-  1. ``state_grad_walk``   per (sequence, value head), chunks last to first: the state gradient at the end of
-                           every chunk and at every sequence's start (d initial state)
+  1a. the forward states  the rs loop's state-only variant storing S at every chunk's start (recomputed, so
+                          autograd saves no states)
+  1b. ``state_grad_walk``  per (sequence, value head), chunks last to first: the state gradient at the end of
+                          every chunk and at every sequence's start (d initial state)
   2. per-chunk gradients (dq, dk, dv, dg, dbeta) from those: not written yet; until then the backend's backward
      is the PyTorch chunked backward.
 
@@ -15,6 +17,60 @@ import torch
 
 from .common import CHUNK, tl_dtype
 from .forward import _output, chunk_plan
+
+
+def _plan_and_stage1(q, k, g, beta, cu_seqlens):
+    """The forward's stages 0 and 1 on packed views: ``(views, cu, N, bounds, first_slot, gcum, Ag)``."""
+    from .kkt_inverse import build_kkt_inverse
+
+    B, T, Hqk, K = q.shape
+    Hv = g.shape[2]
+    dev = q.device
+    if cu_seqlens is None:
+        N = B
+        cu = torch.arange(0, (B + 1) * T, T, device=dev, dtype=torch.int32)
+    else:
+        N = cu_seqlens.shape[0] - 1
+        cu = cu_seqlens.to(torch.int32)
+    TT = B * T
+    io = tl_dtype(q.dtype)
+    qf, kf = q.reshape(1, TT, Hqk, K), k.reshape(1, TT, Hqk, K)
+    gf = g.reshape(1, TT, Hv).to(torch.float32).contiguous()
+    bf = beta.reshape(1, TT, Hv).to(torch.float32).contiguous()
+    bounds, first_slot = chunk_plan(cu, TT, N)
+    S = bounds.shape[0]
+    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
+    Ag = _output((S, Hv, CHUNK, CHUNK), q.dtype, dev)
+    build_kkt_inverse(Hqk, Hv, K, io, io)(kf, gf, bf, bounds, gcum, Ag)
+    return (qf, kf), cu, N, bounds, first_slot, gcum, Ag
+
+
+def hopper_chunk_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The forward's state at the start of every chunk slot, recomputed by the rs loop's state-only variant with
+    ``store_chunk_states``: ``(states [S, Hv, V, K] float32 V-major, bounds)``; ``initial_state`` K-major
+    ``[N, Hv, K, V]`` or None (zero). Idle slots are not written."""
+    from .chunk_forward_rs import build_chunk_forward_rs
+
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    (qf, kf), cu, N, bounds, first_slot, gcum, Ag = _plan_and_stage1(q, k, g, beta, cu_seqlens)
+    S = bounds.shape[0]
+    dev = q.device
+    has_h0 = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty((1, Hv, K, V), device=dev)
+    states = _output((S, Hv, V, K), torch.float32, dev)
+    o1 = torch.empty((1, 1, Hv, V), dtype=q.dtype, device=dev)  # not touched by a state-only pass
+    kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, False, True)
+    kernel(qf, kf, v.reshape(1, B * T, Hv, V), gcum, Ag, cu, first_slot, h0, 1.0, o1, states)
+    return states, bounds
 
 
 def hopper_state_gradients(
@@ -33,35 +89,18 @@ def hopper_state_gradients(
     Returns ``(ds_end, dh0, bounds)``: ``ds_end [S, Hv, V, K]`` float32, the gradient at the end of every chunk
     slot, V-major (slot s holds chunk ``bounds[s]``; idle slots are not written); ``dh0 [N, Hv, K, V]`` float32,
     K-major, the gradient at every sequence's start; ``bounds`` the chunk plan (``forward.chunk_plan``)."""
-    from .kkt_inverse import build_kkt_inverse
     from .state_grad_walk import build_state_grad_walk
 
     B, T, Hqk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     dev = q.device
-    if cu_seqlens is None:
-        N = B
-        cu = torch.arange(0, (B + 1) * T, T, device=dev, dtype=torch.int32)
-    else:
-        N = cu_seqlens.shape[0] - 1
-        cu = cu_seqlens.to(torch.int32)
-    TT = B * T
-    io = tl_dtype(q.dtype)
-    qf, kf = q.reshape(1, TT, Hqk, K), k.reshape(1, TT, Hqk, K)
-    dof = do.reshape(1, TT, Hv, V).contiguous()
-    gf = g.reshape(1, TT, Hv).to(torch.float32).contiguous()
-    bf = beta.reshape(1, TT, Hv).to(torch.float32).contiguous()
-
-    bounds, first_slot = chunk_plan(cu, TT, N)
+    (qf, kf), cu, N, bounds, first_slot, gcum, Ag = _plan_and_stage1(q, k, g, beta, cu_seqlens)
     S = bounds.shape[0]
-    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
-    Ag = _output((S, Hv, CHUNK, CHUNK), q.dtype, dev)
-    build_kkt_inverse(Hqk, Hv, K, io, io)(kf, gf, bf, bounds, gcum, Ag)
-
+    dof = do.reshape(1, B * T, Hv, V).contiguous()
     has_dht = dht is not None
     dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
     ds_end = _output((S, Hv, V, K), torch.float32, dev)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
-    build_state_grad_walk(Hqk, Hv, K, V, io, has_dht)(qf, kf, dof, gcum, Ag, cu, first_slot, dht_in, float(scale),
-                                                      ds_end, dh0)
+    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht)(
+        qf, kf, dof, gcum, Ag, cu, first_slot, dht_in, float(scale), ds_end, dh0)
     return ds_end, dh0, bounds

@@ -54,6 +54,7 @@ def build_chunk_forward_rs(
     state_v_first: bool,
     with_output: bool = True,
     precise: bool = False,
+    store_chunk_states: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -63,7 +64,10 @@ def build_chunk_forward_rs(
     ``precise=True`` gives every register operand (S^T, W^T, Vn^T) as a bf16 hi + lo pair, two wgmma per GEMM on
     the state path: the state's error no longer depends on their rounding, only on the tiles' (Ag, P), so runs
     with and without context parallelism agree to ~1e-5 instead of ~4e-3 (``benchmarks/numerics_study.py``).
-    bfloat16 only: with float16 operands it spills at this register budget."""
+    bfloat16 only: with float16 operands it spills at this register budget.
+
+    ``store_chunk_states=True`` (state-only, no final state) is the backward's recompute of the forward states:
+    ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major, float32)."""
     import tilelang
     import tilelang.language as T
 
@@ -81,10 +85,14 @@ def build_chunk_forward_rs(
     state_regs, gate_regs, producer_regs = PRECISE_REGS if precise else (STATE_REGS, GATE_REGS, PRODUCER_REGS)
     state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
+    if store_chunk_states:
+        if with_output or store_final_state or precise:
+            raise ValueError("store_chunk_states is a state-only pass without a final state or precise mode")
+        state_shape_ht = (n_ht, Hv, V, K)  # one S^T per chunk slot
 
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
-                   o_s, full, empty, p_ready):
+                   o_s, full, empty, p_ready, first_slot):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -108,6 +116,9 @@ def build_chunk_forward_rs(
             st = c % 2
             t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
+            if store_chunk_states:
+                for i, j in T.Parallel(HV2, K):
+                    ht[first_slot[n] + c, h, c0 + i, j] = st_f[i, j]
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             # S^T K^T and S^T Q^T, register A operand
@@ -222,11 +233,11 @@ def build_chunk_forward_rs(
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
                 state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready)
+                           dec_s, o_s, full, empty, p_ready, first_slot)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
                 state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready)
+                           dec_s, o_s, full, empty, p_ready, first_slot)
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)

@@ -44,8 +44,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
 
 
 def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16") -> Iterator[Variant]:
-    """The Hopper backward's kernels that exist (the state-gradient walk, with and without a final-state
-    gradient)."""
+    """The Hopper backward's kernels that exist: the forward states' recompute (rs state-only loop storing every
+    chunk's start state) and the state-gradient walk, each with and without its optional input."""
+    for has_h0 in (True, False):
+        yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}]", "chunk_forward_rs",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
+                    state_v_first=False, with_output=False, precise=False, store_chunk_states=True))
     for has_dht in (True, False):
         yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
