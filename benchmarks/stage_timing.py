@@ -67,6 +67,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--loops", default="simple,ws,rs", help="chunk-loop kernels to time: simple,ws,rs,uw")
+    ap.add_argument("--no-paired", action="store_true",
+                    help="leave out the op with the paired CP transition pass (FLASHGDN_HOPPER_CP_PAIRED)")
     args = ap.parse_args(argv)
     from triton.testing import do_bench_cudagraph
 
@@ -133,6 +135,20 @@ def main(argv=None):
             times[f"op_cp{cp}"] = (lambda cp=cp: chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                 backend="hopper", cp=cp))
+
+        def paired(cp):  # the transition pass on the paired kernel, stages 0 and 1 shared (FLASHGDN_HOPPER_CP_PAIRED)
+            from flashgdn.kernels.hopper import backend
+
+            saved, backend.CP_PAIRED = backend.CP_PAIRED, True
+            try:
+                return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper", cp=cp)
+            finally:
+                backend.CP_PAIRED = saved
+
+        if not args.no_paired:
+            times["op_cpauto_pairs"] = lambda: paired("auto")
+            times["op_cp64_pairs"] = lambda: paired(64)
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
                # both builds of stage 1 compute the same products in the same order: bitwise equal
@@ -161,7 +177,9 @@ def main(argv=None):
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt 2 CTA/SM build", "kkt_inverse_2cta"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
             ("rs state-only", "loop_rs_state"), ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
-            ("op", "op"), ("op rs", "op_rs"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto")] + [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
+            ("op", "op"), ("op rs", "op_rs"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto"),
+            ("op cp=auto paired", "op_cpauto_pairs"), ("op cp=64 paired", "op_cp64_pairs")]
+    cols += [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
     print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for r in rows:

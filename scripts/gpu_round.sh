@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that checks and measures the current state, logging into OUTDIR (at most 8 files):
 #   source .device/setup.sh && tar -xJf .device/kcache.tar.xz -C "$TILELANG_CACHE_DIR" && scripts/gpu_round.sh "$OUT"
-# 1. the GPU suite (gpu-suite.log; the tests of the newest kernel, GPU_ROUND_NEW, last) without the harness test, which runs every anchor (~5 min of FlashQLA
+# 1. the GPU suite (gpu-suite.log; the tests of the newest kernels, the pytest -k expression GPU_ROUND_NEW, last) without the harness test, which runs every anchor (~5 min of FlashQLA
 #    compiles; GPU_ROUND_HARNESS=1 includes it); 2. stage timings of the rs and uw loops, the op with context
 #    parallelism chosen by the cost model (stages.json, stages.log); 3. flashgdn alone on a few long-sequence,
 #    few-head shapes without and with context parallelism chosen by the cost model (bench-cp-off.json,
@@ -16,18 +16,18 @@ export PYTHONUNBUFFERED=1
 deselect=(--deselect tests/test_bench_cli.py::test_harness_on_the_gpu)
 [ "${GPU_ROUND_HARNESS:-0}" = 1 ] && deselect=()
 # the newest kernel's tests in a run of their own, so that a hang there cannot cost the rest their results
-new=${GPU_ROUND_NEW:-uw}
-timeout "${GPU_ROUND_TEST_S:-150}" python3 -m pytest -m gpu -q -rfEx --durations=10 "${deselect[@]}" -k "not $new" \
+new=${GPU_ROUND_NEW:-state_grad or chunk_states or paired}
+timeout "${GPU_ROUND_TEST_S:-150}" python3 -m pytest -m gpu -q -rfEx --durations=10 "${deselect[@]}" -k "not ($new)" \
   > "$out/gpu-suite.log" 2>&1
 echo "# exit status $?" >> "$out/gpu-suite.log"
 timeout "${GPU_ROUND_NEW_TEST_S:-90}" python3 -m pytest -m gpu -q -rfEx --durations=5 "${deselect[@]}" -k "$new" \
   >> "$out/gpu-suite.log" 2>&1
 rc=$?
 echo "# exit status $rc" >> "$out/gpu-suite.log"
-loops=rs,$new
-[ "$rc" = 124 ] && loops=rs  # timed out: maybe a hang, so leave the new loop out of the timings
+paired=()
+[ "$rc" = 124 ] && paired=(--no-paired)  # the new tests timed out: maybe a hang, so leave the new kernels out
 
-FLASHGDN_HOPPER_CP=auto timeout 130 python3 benchmarks/stage_timing.py --loops "$loops" --out "$out/stages.json" \
+FLASHGDN_HOPPER_CP=auto timeout 130 python3 benchmarks/stage_timing.py --loops rs,uw "${paired[@]}" --out "$out/stages.json" \
   > "$out/stages.log" 2>&1
 echo "# exit status $?" >> "$out/stages.log"
 

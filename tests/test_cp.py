@@ -371,3 +371,45 @@ def test_operator_rejects_a_bad_cp():
         chunk_gated_delta_rule(**inp, cp=0)
     with pytest.raises(TypeError, match="cp must be"):
         chunk_gated_delta_rule(**inp, cp=2.0)
+
+
+class _PairedReferenceForward:
+    """``ref_forward`` plus a ``transition_pairs`` that runs the pairs from undoubled inputs, as the Hopper
+    backend's paired kernel does (here by doubling them itself), and records that it was used."""
+
+    def __init__(self):
+        self.pair_calls = 0
+
+    def __call__(self, *args, **kw):
+        return ref_forward(*args, **kw)
+
+    def transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu):
+        self.pair_calls += 1
+        Hv = v.shape[2]
+        assert start.shape[1] == 2 * Hv and g.shape[2] == Hv  # undoubled inputs, paired states
+        v2 = torch.stack([v, torch.zeros_like(v)], dim=3).flatten(2, 3)
+        twice = lambda x: x.repeat_interleave(2, dim=2)  # noqa: E731
+        _, end = ref_forward(q, k, v2, twice(g), twice(beta), scale, start, seg_cu, True, seg_cu_cpu)
+        return end
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cp_forward_uses_the_forwards_own_transition_pairs(case, segment_chunks):
+    kw = dict(CASES[case])
+    dense = kw.pop("dense", False)
+    inp = make_inputs(Hqk=2, Hv=4, K=16, V=16, dtype=torch.float64, dense=dense, **kw)
+    q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
+    if dense:
+        B, T = q.shape[:2]
+        q, k, v, g, beta = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta))
+        cu = torch.arange(0, (B + 1) * T, T)
+    else:
+        cu = inp["cu_seqlens"]
+    h0 = inp["initial_state"]
+    o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.25, h0, cu, True)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    fwd = _PairedReferenceForward()
+    o, ht = cp_forward(fwd, q, k, v, g, beta, 0.25, h0, True, plan, cu)
+    assert fwd.pair_calls == (1 if plan.split else 0)
+    assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10

@@ -111,3 +111,23 @@ def test_hopper_cp_matches_no_cp_with_the_uw_loop(opts, cuda, monkeypatch):
     o0, h0, o1, h1 = _both(opts, 4, cuda)
     assert rel_rms(o1.float(), o0.float()) < MACHINERY_BAR
     assert rel_rms(h1, h0) < MACHINERY_BAR
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
+    dict(seqlens=[4096, 4096], dense=True),
+])
+def test_paired_transition_pass_gives_the_same_bits(opts, cuda, monkeypatch):
+    """FLASHGDN_HOPPER_CP_PAIRED: the transition pass on the rs loop's paired variant with stages 0 and 1 run
+    once. Same kernels' arithmetic on the same values as the doubled-input pass, so the same bits."""
+    from flashgdn.kernels.hopper import backend
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    with torch.no_grad():
+        o0, h0 = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
+        monkeypatch.setattr(backend, "CP_PAIRED", True)
+        o1, h1 = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
+    assert torch.equal(o1, o0) and torch.equal(h1, h0)

@@ -113,19 +113,27 @@ def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index):
 def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
     """Steps 1 and 2 in one pass of twice the value heads (when V = K): value head 2h carries head h's b pass
     and head 2h + 1 its M pass (v = 0, identity start). Interleaving keeps both on qk head h // group, since
-    (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two. Returns ``gather``
-    for the splice: one gather of both (b, M) pairs per step."""
+    (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two. A forward with a
+    ``transition_pairs(q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu) -> end`` attribute runs that pass
+    from the undoubled inputs itself (``start``/``end``: ``[S, 2 Hv, K, V]``). Returns ``gather`` for the
+    splice: one gather of both (b, M) pairs per step."""
     S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
-    v2 = v.new_empty(v.shape[:3] + (2,) + v.shape[3:])  # [1, T, Hv, 2, V]: v, then zeros
-    v2[:, :, :, 1].zero_()
-    v2[:, :, :, 0] = v
-    v2 = v2.flatten(2, 3)
     start = h0.new_empty((S, Hv, 2, K, V))
     start[:, :, 0].zero_()
     start[index.first, :, 0] = h0
     start[:, :, 1] = torch.eye(K, dtype=h0.dtype, device=h0.device)
-    _, end = forward(q, k, v2, _twice(g), _twice(beta), scale, start.flatten(1, 2), index.seg_cu, True,
-                     plan.seg_cu, need_output=False)
+    paired = getattr(forward, "transition_pairs", None)
+    if paired is not None:
+        # the forward runs the pairs itself (value head h's inputs for both, v = 0 for the second), so the
+        # doubled inputs below are never made
+        end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu)
+    else:
+        v2 = v.new_empty(v.shape[:3] + (2,) + v.shape[3:])  # [1, T, Hv, 2, V]: v, then zeros
+        v2[:, :, :, 1].zero_()
+        v2[:, :, :, 0] = v
+        v2 = v2.flatten(2, 3)
+        _, end = forward(q, k, v2, _twice(g), _twice(beta), scale, start.flatten(1, 2), index.seg_cu, True,
+                         plan.seg_cu, need_output=False)
     end = end.to(h0.dtype).unflatten(1, (Hv, 2))
 
     def gather(src):

@@ -32,7 +32,10 @@ class _HopperGDN(torch.autograd.Function):
         if plan is not None:
             from ...cp import cp_problem_forward
 
-            o, ht = cp_problem_forward(_hopper_packed_forward, problem, plan, q, k)
+            from .forward import PRECISE
+
+            forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE)
+            o, ht = cp_problem_forward(forward, problem, plan, q, k)
         else:
             o, ht = hopper_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                    state_v_first)
@@ -61,13 +64,34 @@ class _HopperGDN(torch.autograd.Function):
         return (*res, None, None, None, None, None, None, None)
 
 
-def _hopper_packed_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu, need_output=True):
-    """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp``
-    (the state-only kernel when no output is needed)."""
-    from .forward import hopper_forward
+#: context parallelism's transition pass on the rs loop's paired variant, with stages 0 and 1 run once and shared
+#: with the forward over the segments (FLASHGDN_HOPPER_CP_PAIRED=1); off until it has run on the GPU
+CP_PAIRED = os.environ.get("FLASHGDN_HOPPER_CP_PAIRED", "0") == "1"
 
-    return hopper_forward(q, k, v, g, beta, scale, h0.to(torch.float32).contiguous(), output_final_state,
-                          cu.to(torch.int32), False, with_output=need_output)
+
+class _HopperSegmentsForward:
+    """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp`` (the
+    state-only kernel when no output is needed). With ``paired`` it also offers ``transition_pairs``: the
+    transition pass from undoubled inputs (``forward.hopper_transition_pairs``), keeping stages 0 and 1 for the
+    forward over the same segments that follows."""
+
+    def __init__(self, paired: bool):
+        self._stage1 = None
+        if paired:
+            self.transition_pairs = self._transition_pairs
+
+    def __call__(self, q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu, need_output=True):
+        from .forward import hopper_forward
+
+        return hopper_forward(q, k, v, g, beta, scale, h0.to(torch.float32).contiguous(), output_final_state,
+                              cu.to(torch.int32), False, with_output=need_output, stage1=self._stage1)
+
+    def _transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu):
+        from .forward import hopper_stage1, hopper_transition_pairs
+
+        cu = seg_cu.to(torch.int32)
+        self._stage1 = hopper_stage1(q, k, g, beta, cu)
+        return hopper_transition_pairs(q, k, v, self._stage1, start, cu)
 
 
 class HopperBackend(Backend):

@@ -6,8 +6,9 @@ Pipeline, mirroring the forward (``forward.py``) and following ``reference/chunk
                           autograd saves no states)
   1b. ``state_grad_walk``  per (sequence, value head), chunks last to first: the state gradient at the end of
                           every chunk and at every sequence's start (d initial state)
-  2. per-chunk gradients (dq, dk, dv, dg, dbeta) from those: not written yet; until then the backend's backward
-     is the PyTorch chunked backward.
+  2a. ``chunk_grad_dv``   per (chunk, value head): dv from the state gradient at the chunk's end
+  2b. the other per-chunk gradients (dq, dk, dg, dbeta): not written yet; until they are, the backend's backward
+      is the PyTorch chunked backward.
 
 Like the forward, everything here is device-side work with shapes known on the host: no synchronisation.
 """
@@ -82,6 +83,7 @@ def hopper_state_gradients(
     dht: Optional[torch.Tensor],
     scale: float,
     cu_seqlens: Optional[torch.Tensor],
+    _stage1=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The state gradients by the walk kernel. q, k (normalised as the forward used them), do: contiguous
     bf16/fp16 ``[B, T, H, D]``; g, beta ``[B, T, Hv]``; dht ``[N, Hv, K, V]`` float32 K-major, or None.
@@ -94,7 +96,7 @@ def hopper_state_gradients(
     B, T, Hqk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     dev = q.device
-    (qf, kf), cu, N, bounds, first_slot, gcum, Ag = _plan_and_stage1(q, k, g, beta, cu_seqlens)
+    (qf, kf), cu, N, bounds, first_slot, gcum, Ag = _stage1 or _plan_and_stage1(q, k, g, beta, cu_seqlens)
     S = bounds.shape[0]
     dof = do.reshape(1, B * T, Hv, V).contiguous()
     has_dht = dht is not None
@@ -104,3 +106,28 @@ def hopper_state_gradients(
     build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht)(
         qf, kf, dof, gcum, Ag, cu, first_slot, dht_in, float(scale), ds_end, dh0)
     return ds_end, dh0, bounds
+
+
+def hopper_grad_v(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor],
+    scale: float,
+    cu_seqlens: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """dv and dh0 by stages 0, 1, 1b and 2a (``chunk_grad_dv``), arguments as ``hopper_state_gradients``:
+    ``(dv [B, T, Hv, V] in q's dtype, dh0 [N, Hv, K, V] float32)``. Rows of a padded tail are zero."""
+    from .chunk_grad_dv import build_chunk_grad_dv
+
+    B, T, Hqk, K = q.shape
+    Hv, V = do.shape[2], do.shape[3]
+    stage1 = _plan_and_stage1(q, k, g, beta, cu_seqlens)
+    (qf, kf), _, _, bounds, _, gcum, Ag = stage1
+    ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu_seqlens, _stage1=stage1)
+    dv = torch.zeros((1, B * T, Hv, V), dtype=q.dtype, device=q.device)
+    build_chunk_grad_dv(Hqk, Hv, K, V, tl_dtype(q.dtype))(qf, kf, do.reshape(1, B * T, Hv, V).contiguous(), gcum,
+                                                           Ag, bounds, ds_end, float(scale), dv)
+    return dv.reshape(B, T, Hv, V), dh0

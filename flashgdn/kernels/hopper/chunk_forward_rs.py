@@ -55,6 +55,7 @@ def build_chunk_forward_rs(
     with_output: bool = True,
     precise: bool = False,
     store_chunk_states: bool = False,
+    transition_pairs: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -67,7 +68,12 @@ def build_chunk_forward_rs(
     bfloat16 only: with float16 operands it spills at this register budget.
 
     ``store_chunk_states=True`` (state-only, no final state) is the backward's recompute of the forward states:
-    ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major, float32)."""
+    ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major, float32).
+
+    ``transition_pairs=True`` (state-only, initial and final state, K-major) is context parallelism's transition
+    pass with stage 1 shared: 2 Hv CTAs per sequence, head 2h running value head h from ``h0[:, 2h]`` (b) and head
+    2h + 1 running it with v = 0 from ``h0[:, 2h + 1]`` (the identity: M), both reading value head h's Ag, g~, v;
+    ``h0`` and ``ht`` are ``[n, 2 Hv, K, V]``, the other tensors as without it."""
     import tilelang
     import tilelang.language as T
 
@@ -85,6 +91,13 @@ def build_chunk_forward_rs(
     state_regs, gate_regs, producer_regs = PRECISE_REGS if precise else (STATE_REGS, GATE_REGS, PRODUCER_REGS)
     state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
+    heads = Hv  # CTAs per sequence, and heads of h0 / ht
+    if transition_pairs:
+        if with_output or not (has_initial_state and store_final_state) or state_v_first or store_chunk_states:
+            raise ValueError("transition_pairs is a state-only pass from K-major initial to final states")
+        heads = 2 * Hv
+        state_shape_h0 = (n_h0, heads, K, V)
+        state_shape_ht = (n_ht, heads, K, V)
     if store_chunk_states:
         if with_output or store_final_state or precise:
             raise ValueError("store_chunk_states is a state-only pass without a final state or precise mode")
@@ -190,7 +203,7 @@ def build_chunk_forward_rs(
                 for i, j in T.Parallel(HV2, K):
                     ht[n, h, j, c0 + i] = st_f[i, j]
 
-    producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output)
+    producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output, paired=transition_pairs)
 
     @T.prim_func
     def chunk_forward_rs_kernel(
@@ -206,8 +219,11 @@ def build_chunk_forward_rs(
         o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
         ht: T.Tensor(state_shape_ht, "float32"),
     ):
-        with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
-            hq = h // group
+        with T.Kernel(heads, num_seqs, threads=512) as (h, n):
+            if transition_pairs:
+                hq = (h // 2) // group
+            else:
+                hq = h // group
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
             n_chunks = T.ceildiv(eos - bos, C)

@@ -125,6 +125,17 @@ def _output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@dataclass
+class Stage1:
+    """The outputs of stages 0 and 1 for one packed problem: chunk slots and the per-slot g~ and Ag. They depend on
+    k, g, beta and the sequence offsets only, so passes over the same segments can share them."""
+
+    bounds: torch.Tensor
+    first_slot: torch.Tensor
+    gcum: torch.Tensor
+    Ag: torch.Tensor
+
+
 def hopper_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,11 +150,14 @@ def hopper_forward(
     return_intermediates: bool = False,
     chunk_loop: Optional[str] = None,
     with_output: bool = True,
+    stage1: Optional[Stage1] = None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run the forward kernels. q, k, v contiguous bf16/fp16 on an SM90 device; L2 norm already applied.
 
     ``with_output=False`` runs the state-only pass (the "rs" loop without q, P and O, or the "uw" loop's when
     that is the chunk loop; o is returned as None), which is what context parallelism's transition passes need.
+
+    ``stage1``: stages 0 and 1 already run on the same k, g, beta and offsets (``hopper_stage1``), skipped here.
 
     Returns ``(o, final_state or None)``; with ``return_intermediates`` also a dict of the stage outputs
     (``gcum``, ``Ag``, token-major like the reference's) for stage-by-stage checks.
@@ -209,11 +223,15 @@ def hopper_forward(
             Hqk, Hv, K, V, cfg.BV, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
         )
 
-    bounds, first_slot = chunk_plan(cu, TT, N)
-    S = bounds.shape[0]
-    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
-    Ag = _output((S, Hv, CHUNK, CHUNK), q.dtype, dev)
-    prep(kf, gf, bf, bounds, gcum, Ag)
+    if stage1 is None:
+        bounds, first_slot = chunk_plan(cu, TT, N)
+        S = bounds.shape[0]
+        gcum = _output((Hv, S * CHUNK), torch.float32, dev)
+        Ag = _output((S, Hv, CHUNK, CHUNK), q.dtype, dev)
+        prep(kf, gf, bf, bounds, gcum, Ag)
+    else:
+        bounds, first_slot, gcum, Ag = stage1.bounds, stage1.first_slot, stage1.gcum, stage1.Ag
+        S = bounds.shape[0]
 
     state_shape = (Hv, V, K) if state_v_first else (Hv, K, V)
     if initial_state is not None:
@@ -231,3 +249,41 @@ def hopper_forward(
         ag_tok = slots_to_tokens(Ag.permute(0, 2, 1, 3), bounds, TT)
         return o, final, {"gcum": gc_tok.reshape(B, T, Hv), "Ag": ag_tok.reshape(B, T, Hv, CHUNK)}
     return o, final
+
+
+def hopper_stage1(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens: torch.Tensor) -> Stage1:
+    """Stages 0 and 1 alone on packed ``[1, T, ...]`` inputs with offsets ``cu_seqlens`` (device, int32)."""
+    from .kkt_inverse import build_kkt_inverse
+
+    _, TT, Hqk, K = k.shape
+    Hv = g.shape[2]
+    N = cu_seqlens.shape[0] - 1
+    dev = k.device
+    bounds, first_slot = chunk_plan(cu_seqlens, TT, N)
+    S = bounds.shape[0]
+    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
+    Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
+    io = tl_dtype(k.dtype)
+    build_kkt_inverse(Hqk, Hv, K, io, io)(k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(),
+                                          bounds, gcum, Ag)
+    return Stage1(bounds, first_slot, gcum, Ag)
+
+
+def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage1: Stage1,
+                            start: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Context parallelism's transition pass with stage 1 shared (the rs loop's ``transition_pairs`` variant):
+    packed ``[1, T, ...]`` inputs over segments ``cu_seqlens``; ``start [S, 2 Hv, K, V]`` float32 K-major, head
+    2h the b pass of value head h and 2h + 1 its M pass (v = 0). Returns the end states, same layout."""
+    from .chunk_forward_rs import build_chunk_forward_rs
+
+    _, TT, Hqk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(k.dtype), True, True, False, with_output=False,
+                                    transition_pairs=True)
+    end = _output((N, 2 * Hv, K, V), torch.float32, k.device)
+    o1 = torch.empty((1, 1, Hv, V), dtype=k.dtype, device=k.device)  # not touched by a state-only pass
+    kernel(q, k, v, stage1.gcum, stage1.Ag, cu_seqlens, stage1.first_slot, start.to(torch.float32).contiguous(),
+           1.0, o1, end)
+    return end

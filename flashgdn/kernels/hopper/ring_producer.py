@@ -10,10 +10,12 @@ past the end already (stage 1), so they are always one TMA box. Each of the thre
 
 
 def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, load_q: bool = True,
-                       reverse: bool = False):
+                       reverse: bool = False, paired: bool = False):
     """The producer as a TileLang macro; ``first_warp`` is the thread index of the producer warpgroup's start.
     ``reverse`` walks a sequence's chunks last to first (the backward's state-gradient walk); ``v`` is then
-    whatever value-head tensor the consumer needs (dO)."""
+    whatever value-head tensor the consumer needs (dO). ``paired``: the CTA's head h is one of a pair of the
+    context-parallel transition pass, both on value head h // 2 (its Ag, g~ and qk head): h even loads v,
+    h odd gets zeros (v's tile is zeroed once per ring stage and never written again)."""
     import tilelang.language as T
 
     @T.macro
@@ -41,21 +43,41 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                     T.fence_proxy_async()
                 T.barrier_arrive(full[st])
             elif tx < first_warp + 64:
-                if n_rows == C:
-                    T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s[st, :, :], barrier=full[st])
+                if paired:
+                    if h % 2 == 0:
+                        if n_rows == C:
+                            T.tma_copy(v[0, t0:t0 + C, h // 2, 0:V], v_s[st, :, :], barrier=full[st])
+                        else:
+                            for i in T.serial(C):
+                                for j in T.Parallel(V):
+                                    v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h // 2, j],
+                                                                   T.cast(0, io_dtype))
+                            T.fence_proxy_async()
+                    elif c < 2:
+                        for i in T.serial(C):
+                            for j in T.Parallel(V):
+                                v_s[st, i, j] = T.cast(0, io_dtype)
+                        T.fence_proxy_async()
                 else:
-                    for i in T.serial(C):
-                        for j in T.Parallel(V):
-                            v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
-                    T.fence_proxy_async()
+                    if n_rows == C:
+                        T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s[st, :, :], barrier=full[st])
+                    else:
+                        for i in T.serial(C):
+                            for j in T.Parallel(V):
+                                v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
+                        T.fence_proxy_async()
                 T.barrier_arrive(full[st])
             elif tx < first_warp + 96:
                 if reverse:
                     slot = first_slot[n] + (n_chunks - 1 - c)
                 else:
                     slot = first_slot[n] + c
-                T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
-                T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
+                if paired:
+                    T.tma_copy(Ag[slot, h // 2, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
+                    T.tma_copy(gcum[h // 2, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
+                else:
+                    T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
+                    T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
                 T.barrier_arrive(full[st])
 
     return ring_producer

@@ -34,6 +34,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                 yield (name.replace("chunk_forward", "chunk_forward_rs" + tag), "chunk_forward_rs",
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                             store_final_state=True, state_v_first=False, with_output=wo, precise=precise))
+            yield (name.replace("chunk_forward", "chunk_forward_rs_pairs"), "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
+                        store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True))
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False))
@@ -45,11 +48,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
 
 def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16") -> Iterator[Variant]:
     """The Hopper backward's kernels that exist: the forward states' recompute (rs state-only loop storing every
-    chunk's start state) and the state-gradient walk, each with and without its optional input."""
+    chunk's start state), the dv kernel and the state-gradient walk, each with and without its optional input."""
     for has_h0 in (True, False):
         yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}]", "chunk_forward_rs",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
                     state_v_first=False, with_output=False, precise=False, store_chunk_states=True))
+    yield (f"chunk_grad_dv[{Hqk}/{Hv},{dtype}]", "chunk_grad_dv", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype))
     for has_dht in (True, False):
         yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
@@ -76,6 +80,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_uw import build_chunk_forward_uw
 
         return build_chunk_forward_uw(**kwargs)
+    if builder == "chunk_grad_dv":
+        from .chunk_grad_dv import build_chunk_grad_dv
+
+        return build_chunk_grad_dv(**kwargs)
     if builder == "state_grad_walk":
         from .state_grad_walk import build_state_grad_walk
 
