@@ -67,3 +67,55 @@ def test_state_gradients_alone_match_autograd(case):
     table = chunk_table(cu, *inp["q"].shape[:2])
     last = (table.seq_first_chunk + table.seq_num_chunks - 1)[table.seq_num_chunks > 0]
     assert torch.equal(dS_end[last], dht[table.seq_num_chunks > 0])
+
+
+def test_the_backward_kernels_transposed_formulas():
+    """The per-chunk algebra of ``state_grad_walk`` (dS^T from dS'^T: X^T = (dS'^T K^T) diag(d) + dO^T P,
+    Y^T = X^T Ag, dS^T = gamma_C dS'^T - (Y^T diag(gamma)) K + dO^T Qg) and of ``chunk_grad_dv``
+    (dV = Ag^T (diag(d) K dS' + P^T dO)), in float64 on zero-padded 64-row chunks with a flat g~ past the end,
+    as the kernels see them, against the reference backward."""
+    from flashgdn.reference.chunked import chunk_local_cumsum, gated_inverse, kkt_inverse
+    from flashgdn.reference.chunked_backward import chunk_state_gradients_reference
+
+    C, K, V, scale = 64, 16, 8, 0.3
+    inp = make_inputs(Hqk=1, Hv=2, K=K, V=V, dtype=torch.float64, seqlens=[200, 70], gate="mixed")
+    q, k, v, g, beta, h0, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(v.shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(h0.shape, generator=gen, dtype=torch.float64)
+    want_end, want_start = chunk_state_gradients_reference(q, k, g, beta, do, dht, scale=scale, cu_seqlens=cu)
+    want_dv = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
+                                                        cu_seqlens=cu)[2]
+    gc = chunk_local_cumsum(g, cu)
+    Ag = gated_inverse(kkt_inverse(k, beta, cu), gc, beta, cu)
+    lower = torch.ones(C, C, dtype=torch.float64).tril()
+    dv = torch.zeros_like(v)
+    chunk0 = 0
+    for n in range(len(cu) - 1):
+        bos, eos = int(cu[n]), int(cu[n + 1])
+        n_chunks = (eos - bos + C - 1) // C
+        for h in range(2):
+            dST = dht[n, h].T.clone()
+            for c in reversed(range(n_chunks)):
+                t0 = bos + c * C
+                rows = min(C, eos - t0)
+
+                def tile(x, width):
+                    out = torch.zeros(C, width, dtype=torch.float64)
+                    out[:rows] = x[:rows]
+                    return out
+
+                Q, Kc = tile(q[0, t0:, 0], K), tile(k[0, t0:, 0], K)
+                dO, Agc = tile(do[0, t0:, h], V), tile(Ag[0, t0:, h], C)
+                G = torch.cat([gc[0, t0:t0 + rows, h], gc[0, t0 + rows - 1, h].expand(C - rows)])
+                gam, dec = G.exp(), (G[-1] - G).exp()
+                P = scale * (Q @ Kc.T) * (G[:, None] - G[None, :]).clamp(max=0).exp() * lower
+                assert torch.allclose(dST.T, want_end[chunk0 + c, h], atol=1e-12)
+                dV = Agc.T @ ((Kc @ dST.T) * dec[:, None] + P.T @ dO)
+                dv[0, t0:t0 + rows, h] = dV[:rows]
+                XT = (dST @ Kc.T) * dec[None, :] + dO.T @ P
+                YT = XT @ Agc
+                dST = G[-1].exp() * dST - (YT * gam[None, :]) @ Kc + dO.T @ (scale * gam[:, None] * Q)
+            assert torch.allclose(dST.T, want_start[n, h], atol=1e-12)
+        chunk0 += n_chunks
+    assert rel_rms(dv, want_dv) < 1e-12
