@@ -49,22 +49,28 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--flags", choices=("all", "common"), default="all",
                     help="all flag combinations, or only initial state in / final state out / K-major state")
+    ap.add_argument("--kernels", choices=("all", "serving"), default="all",
+                    help="every variant (all chunk loops, the backward's kernels: for tests and comparisons), or "
+                         "only what the operator with its default settings asks for (serving)")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
     ap.add_argument("--report", action="store_true", help="print registers and spills (needs ptxas)")
     ap.add_argument("--export", metavar="DIR", default=None,
                     help="copy these kernels' cache entries into DIR (a TileLang cache directory of just them)")
     args = ap.parse_args(argv)
 
-    from flashgdn.kernels.hopper.variants import backward_variants, forward_variants
+    from flashgdn.kernels.hopper.variants import backward_variants, forward_variants, serving_variants
 
     jobs = []
     for hqk, hv in _parse_heads(args.heads):
         for dt in args.dtypes.split(","):
             if dt not in ("bfloat16", "float16"):
                 raise SystemExit(f"--dtypes: expected bfloat16 or float16, got {dt!r}")
-            for name, builder, kw in forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags):
-                jobs.append((name, builder, kw, args.report))
-            for name, builder, kw in backward_variants(hqk, hv, args.head_dim, args.head_dim, dt):
+            if args.kernels == "serving":
+                variants = list(serving_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags))
+            else:
+                variants = (list(forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags))
+                            + list(backward_variants(hqk, hv, args.head_dim, args.head_dim, dt)))
+            for name, builder, kw in variants:
                 jobs.append((name, builder, kw, args.report))
     t0 = time.time()
     entries, no_entry = set(), []

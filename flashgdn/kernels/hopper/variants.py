@@ -46,6 +46,30 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                         store_final_state=store_ht, state_v_first=v_first))
 
 
+def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
+                     flags: str = "all") -> Iterator[Variant]:
+    """Only what the operator with its default settings can ask for: the chunk plan, stage 1, the default chunk
+    loop for the flag combinations, and context parallelism's transition pass, which runs on twice the value
+    heads (stage 1 and the rs state-only loop for ``Hqk/2Hv``), or on the paired kernel with
+    FLASHGDN_HOPPER_CP_PAIRED=1. What a server precompiles; the other loops are for comparisons."""
+    from . import backend
+    from .forward import DEFAULT_CHUNK_LOOP
+
+    wanted = {"chunk_plan", "kkt_inverse", f"chunk_forward_{DEFAULT_CHUNK_LOOP}"}
+    for v in forward_variants(Hqk, Hv, K, V, dtype, flags):
+        if v[0].split("[")[0] in wanted:
+            yield v
+    if backend.CP_PAIRED:
+        for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
+            if v[0].startswith("chunk_forward_rs_pairs["):
+                yield v
+    else:
+        for v in forward_variants(Hqk, 2 * Hv, K, V, dtype, "common"):
+            name = v[0].split("[")[0]
+            if name == "kkt_inverse" or name == "chunk_forward_rs_state":
+                yield v
+
+
 def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16") -> Iterator[Variant]:
     """The Hopper backward's kernels that exist: the forward states' recompute (rs state-only loop storing every
     chunk's start state), the dv kernel and the state-gradient walk, each with and without its optional input."""
