@@ -133,3 +133,32 @@ def test_grad_v_and_dh0_match_the_reference(opts, with_dht, cuda):
     assert rel_rms(dh0, want[5]) < DV_BAR
     if cu is not None and int(cu[-1]) < q.shape[1]:  # padded tail
         assert (dv[:, int(cu[-1]):] == 0).all()
+
+
+@pytest.mark.parametrize("heads", [(2, 8), (3, 3), (2, 6)])  # head pairs, a single head per qk head
+@pytest.mark.parametrize("seqlens", [[64], [1000, 3, 130], [63, 65, 200]])
+def test_stage1_stores_the_ungated_inverse(heads, seqlens, cuda):
+    """Stage 1c: A itself beside Ag; Ag bitwise that of the forward's build."""
+    from flashgdn.kernels.hopper.backward import hopper_inverse
+    from flashgdn.kernels.hopper.forward import slots_to_tokens
+    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+    from flashgdn.kernels.hopper.common import tl_dtype
+    from flashgdn.reference.chunked import kkt_inverse
+
+    inp = make_inputs(Hqk=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, device=cuda, seqlens=seqlens,
+                      gate="mixed")
+    k, g, beta, cu = inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"]
+    A, Ag, bounds = hopper_inverse(k, g, beta, cu)
+    T = k.shape[1]
+    got = slots_to_tokens(A.permute(0, 2, 1, 3), bounds, T)  # [T, Hv, 64]
+    want = kkt_inverse(k, beta, cu, compute_dtype=torch.float64)[0]
+    assert torch.isfinite(got).all()
+    assert rel_rms(got, want) < 2e-3  # fp32 substitution, one tf32 merge (A21); a layout slip would be O(1)
+    S = bounds.shape[0]
+    gcum2 = torch.empty((heads[1], S * 64), device=cuda)
+    Ag2 = torch.zeros_like(Ag)
+    io = tl_dtype(k.dtype)
+    build_kkt_inverse(heads[0], heads[1], 128, io, io)(k, g.float().contiguous(), beta.float().contiguous(), bounds,
+                                                        gcum2, Ag2)
+    live = bounds[:, 1] > 0
+    assert torch.equal(Ag[live], Ag2[live])

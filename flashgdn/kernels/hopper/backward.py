@@ -6,6 +6,7 @@ Pipeline, mirroring the forward (``forward.py``) and following ``reference/chunk
                           autograd saves no states)
   1b. ``state_grad_walk``  per (sequence, value head), chunks last to first: the state gradient at the end of
                           every chunk and at every sequence's start (d initial state)
+  1c. ``kkt_inverse`` with ``store_inverse``: the ungated A as well (``hopper_inverse``), for dL = -A^T dA A^T
   2a. ``chunk_grad_dv``   per (chunk, value head): dv from the state gradient at the chunk's end
   2b. the other per-chunk gradients (dq, dk, dg, dbeta): not written yet; until they are, the backend's backward
       is the PyTorch chunked backward.
@@ -131,3 +132,30 @@ def hopper_grad_v(
     build_chunk_grad_dv(Hqk, Hv, K, V, tl_dtype(q.dtype))(qf, kf, do.reshape(1, B * T, Hv, V).contiguous(), gcum,
                                                            Ag, bounds, ds_end, float(scale), dv)
     return dv.reshape(B, T, Hv, V), dh0
+
+
+def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   cu_seqlens: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1 with the ungated inverse stored too (``kkt_inverse(..., store_inverse=True)``), for the per-chunk
+    gradients: ``(A [S, Hv, 64, 64] float32, Ag [S, Hv, 64, 64] in k's dtype, bounds)``; k ``[B, T, Hqk, K]``
+    normalised as the forward used it. Idle slots are not written."""
+    from .kkt_inverse import build_kkt_inverse
+
+    B, T, Hqk, K = k.shape
+    Hv = g.shape[2]
+    dev = k.device
+    if cu_seqlens is None:
+        N, cu = B, torch.arange(0, (B + 1) * T, T, device=dev, dtype=torch.int32)
+    else:
+        N, cu = cu_seqlens.shape[0] - 1, cu_seqlens.to(torch.int32)
+    TT = B * T
+    bounds, _ = chunk_plan(cu, TT, N)
+    S = bounds.shape[0]
+    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
+    Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
+    A = _output((S, Hv, CHUNK, CHUNK), torch.float32, dev)
+    io = tl_dtype(k.dtype)
+    build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True)(
+        k.reshape(1, TT, Hqk, K), g.reshape(1, TT, Hv).to(torch.float32).contiguous(),
+        beta.reshape(1, TT, Hv).to(torch.float32).contiguous(), bounds, gcum, Ag, A)
+    return A, Ag, bounds

@@ -35,7 +35,8 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
-def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4):
+def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
+                      store_inverse: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -53,8 +54,14 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     shared memory (~51 KB) and registers are capped at 128. At 2 it is the earlier build (101 KB of shared
     memory: a full 64x64 fp32 tile per head, copies of the diagonal blocks, a staged TMA store), kept to
     measure against.
+
+    ``store_inverse`` (4-CTA build only) adds a last argument ``A [S, Hv, 64, 64]`` float32 that receives the
+    ungated inverse A as well: the backward needs it (dL = -A^T dA A^T), and it cannot be had back from Ag once
+    the decay underflows.
     """
     if blocks_per_sm == 2:
+        if store_inverse:
+            raise ValueError("store_inverse needs the 4-CTA build")
         return _build_kkt_inverse_staged(Hqk, Hv, K, qk_dtype, a_dtype)
     if blocks_per_sm not in (3, 4):
         raise ValueError(f"blocks_per_sm must be 2, 3 or 4, got {blocks_per_sm}")
@@ -70,15 +77,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     slot_rows = T.dynamic("slot_rows")  # 64 * num_slots
     acc = "float32"
 
-    @T.prim_func
-    def kkt_inverse_kernel(
-        k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
-        g: T.Tensor((1, num_tokens, Hv), "float32"),
-        beta: T.Tensor((1, num_tokens, Hv), "float32"),
-        bounds: T.Tensor((num_slots, 2), "int32"),
-        gcum: T.Tensor((Hv, slot_rows), "float32"),
-        Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
-    ):
+    @T.macro
+    def kernel_body(k, g, beta, bounds, gcum, Ag, A_out):
         with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bounds[slot, 0]
@@ -165,6 +165,40 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             a_dtype)
                     for p, i, j in T.Parallel(pair, B, B):
                         Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+                    if store_inverse:
+                        for p, i, j in T.Parallel(pair, B, B):
+                            A_out[slot, h + p, i, j] = d_s[p, 0, i, j]
+                            A_out[slot, h + p, B + i, j] = d_s[p, 2, i, j]
+                            A_out[slot, h + p, B + i, B + j] = d_s[p, 1, i, j]
+                            A_out[slot, h + p, i, B + j] = 0.0
+
+
+    if store_inverse:
+
+        @T.prim_func
+        def kkt_inverse_kernel(
+            k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            bounds: T.Tensor((num_slots, 2), "int32"),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            A_out: T.Tensor((num_slots, Hv, C, C), "float32"),
+        ):
+            kernel_body(k, g, beta, bounds, gcum, Ag, A_out)
+
+    else:
+
+        @T.prim_func
+        def kkt_inverse_kernel(
+            k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            bounds: T.Tensor((num_slots, 2), "int32"),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+        ):
+            kernel_body(k, g, beta, bounds, gcum, Ag, Ag)
 
     configs = pass_configs()
     # k_s is dead once K K^T is formed: its space is reused
