@@ -90,7 +90,7 @@ class _HopperSegmentsForward:
         from .forward import hopper_stage1, hopper_transition_pairs
 
         cu = seg_cu.to(torch.int32)
-        self._stage1 = hopper_stage1(q, k, g, beta, cu)
+        self._stage1 = hopper_stage1(k, g, beta, cu)
         return hopper_transition_pairs(q, k, v, self._stage1, start, cu)
 
 

@@ -17,34 +17,19 @@ from typing import Optional, Tuple
 
 import torch
 
-from .common import CHUNK, tl_dtype
-from .forward import _output, chunk_plan
+from .common import tl_dtype
+from .forward import _output, hopper_stage1, packed_offsets
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens):
-    """The forward's stages 0 and 1 on packed views: ``(views, cu, N, bounds, first_slot, gcum, Ag)``."""
-    from .kkt_inverse import build_kkt_inverse
-
+    """The forward's stages 0 and 1 (``forward.hopper_stage1``) on packed views:
+    ``((q, k) packed, cu, N, Stage1)``."""
     B, T, Hqk, K = q.shape
     Hv = g.shape[2]
-    dev = q.device
-    if cu_seqlens is None:
-        N = B
-        cu = torch.arange(0, (B + 1) * T, T, device=dev, dtype=torch.int32)
-    else:
-        N = cu_seqlens.shape[0] - 1
-        cu = cu_seqlens.to(torch.int32)
+    cu, N = packed_offsets(cu_seqlens, B, T, q.device)
     TT = B * T
-    io = tl_dtype(q.dtype)
     qf, kf = q.reshape(1, TT, Hqk, K), k.reshape(1, TT, Hqk, K)
-    gf = g.reshape(1, TT, Hv).to(torch.float32).contiguous()
-    bf = beta.reshape(1, TT, Hv).to(torch.float32).contiguous()
-    bounds, first_slot = chunk_plan(cu, TT, N)
-    S = bounds.shape[0]
-    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
-    Ag = _output((S, Hv, CHUNK, CHUNK), q.dtype, dev)
-    build_kkt_inverse(Hqk, Hv, K, io, io)(kf, gf, bf, bounds, gcum, Ag)
-    return (qf, kf), cu, N, bounds, first_slot, gcum, Ag
+    return (qf, kf), cu, N, hopper_stage1(kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), cu)
 
 
 def hopper_chunk_states(
@@ -63,16 +48,16 @@ def hopper_chunk_states(
 
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    (qf, kf), cu, N, bounds, first_slot, gcum, Ag = _plan_and_stage1(q, k, g, beta, cu_seqlens)
-    S = bounds.shape[0]
+    (qf, kf), cu, N, st1 = _plan_and_stage1(q, k, g, beta, cu_seqlens)
+    S = st1.bounds.shape[0]
     dev = q.device
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty((1, Hv, K, V), device=dev)
     states = _output((S, Hv, V, K), torch.float32, dev)
     o1 = torch.empty((1, 1, Hv, V), dtype=q.dtype, device=dev)  # not touched by a state-only pass
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, False, True)
-    kernel(qf, kf, v.reshape(1, B * T, Hv, V), gcum, Ag, cu, first_slot, h0, 1.0, o1, states)
-    return states, bounds
+    kernel(qf, kf, v.reshape(1, B * T, Hv, V), st1.gcum, st1.Ag, cu, st1.first_slot, h0, 1.0, o1, states)
+    return states, st1.bounds
 
 
 def hopper_state_gradients(
@@ -97,16 +82,16 @@ def hopper_state_gradients(
     B, T, Hqk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     dev = q.device
-    (qf, kf), cu, N, bounds, first_slot, gcum, Ag = _stage1 or _plan_and_stage1(q, k, g, beta, cu_seqlens)
-    S = bounds.shape[0]
+    (qf, kf), cu, N, st1 = _stage1 or _plan_and_stage1(q, k, g, beta, cu_seqlens)
+    S = st1.bounds.shape[0]
     dof = do.reshape(1, B * T, Hv, V).contiguous()
     has_dht = dht is not None
     dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
     ds_end = _output((S, Hv, V, K), torch.float32, dev)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
     build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht)(
-        qf, kf, dof, gcum, Ag, cu, first_slot, dht_in, float(scale), ds_end, dh0)
-    return ds_end, dh0, bounds
+        qf, kf, dof, st1.gcum, st1.Ag, cu, st1.first_slot, dht_in, float(scale), ds_end, dh0)
+    return ds_end, dh0, st1.bounds
 
 
 def hopper_grad_v(
@@ -126,11 +111,11 @@ def hopper_grad_v(
     B, T, Hqk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     stage1 = _plan_and_stage1(q, k, g, beta, cu_seqlens)
-    (qf, kf), _, _, bounds, _, gcum, Ag = stage1
+    (qf, kf), _, _, st1 = stage1
     ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu_seqlens, _stage1=stage1)
     dv = torch.zeros((1, B * T, Hv, V), dtype=q.dtype, device=q.device)
-    build_chunk_grad_dv(Hqk, Hv, K, V, tl_dtype(q.dtype))(qf, kf, do.reshape(1, B * T, Hv, V).contiguous(), gcum,
-                                                           Ag, bounds, ds_end, float(scale), dv)
+    build_chunk_grad_dv(Hqk, Hv, K, V, tl_dtype(q.dtype))(qf, kf, do.reshape(1, B * T, Hv, V).contiguous(),
+                                                           st1.gcum, st1.Ag, st1.bounds, ds_end, float(scale), dv)
     return dv.reshape(B, T, Hv, V), dh0
 
 
@@ -139,23 +124,10 @@ def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     """Stage 1 with the ungated inverse stored too (``kkt_inverse(..., store_inverse=True)``), for the per-chunk
     gradients: ``(A [S, Hv, 64, 64] float32, Ag [S, Hv, 64, 64] in k's dtype, bounds)``; k ``[B, T, Hqk, K]``
     normalised as the forward used it. Idle slots are not written."""
-    from .kkt_inverse import build_kkt_inverse
-
     B, T, Hqk, K = k.shape
     Hv = g.shape[2]
-    dev = k.device
-    if cu_seqlens is None:
-        N, cu = B, torch.arange(0, (B + 1) * T, T, device=dev, dtype=torch.int32)
-    else:
-        N, cu = cu_seqlens.shape[0] - 1, cu_seqlens.to(torch.int32)
+    cu, _ = packed_offsets(cu_seqlens, B, T, k.device)
     TT = B * T
-    bounds, _ = chunk_plan(cu, TT, N)
-    S = bounds.shape[0]
-    gcum = _output((Hv, S * CHUNK), torch.float32, dev)
-    Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
-    A = _output((S, Hv, CHUNK, CHUNK), torch.float32, dev)
-    io = tl_dtype(k.dtype)
-    build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True)(
-        k.reshape(1, TT, Hqk, K), g.reshape(1, TT, Hv).to(torch.float32).contiguous(),
-        beta.reshape(1, TT, Hv).to(torch.float32).contiguous(), bounds, gcum, Ag, A)
-    return A, Ag, bounds
+    st1 = hopper_stage1(k.reshape(1, TT, Hqk, K), g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), cu,
+                        store_inverse=True)
+    return st1.A, st1.Ag, st1.bounds

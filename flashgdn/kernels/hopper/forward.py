@@ -127,13 +127,23 @@ def _output(shape, dtype, device) -> torch.Tensor:
 
 @dataclass
 class Stage1:
-    """The outputs of stages 0 and 1 for one packed problem: chunk slots and the per-slot g~ and Ag. They depend on
-    k, g, beta and the sequence offsets only, so passes over the same segments can share them."""
+    """The outputs of stages 0 and 1 for one packed problem: chunk slots and the per-slot g~ and Ag (and the
+    ungated A when asked for: the backward's). They depend on k, g, beta and the sequence offsets only, so passes
+    over the same segments can share them."""
 
     bounds: torch.Tensor
     first_slot: torch.Tensor
     gcum: torch.Tensor
     Ag: torch.Tensor
+    A: Optional[torch.Tensor] = None
+
+
+def packed_offsets(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> Tuple[torch.Tensor, int]:
+    """``(cu int32, N)``: the kernels' sequence offsets of varlen input, or of dense input ``[B, T, ...]`` run as
+    B packed sequences of T tokens."""
+    if cu_seqlens is None:
+        return torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int32), B
+    return cu_seqlens.to(torch.int32), cu_seqlens.shape[0] - 1
 
 
 def hopper_forward(
@@ -166,7 +176,6 @@ def hopper_forward(
     from .chunk_forward_rs import build_chunk_forward_rs
     from .chunk_forward_uw import build_chunk_forward_uw
     from .chunk_forward_ws import build_chunk_forward_ws
-    from .kkt_inverse import build_kkt_inverse
 
     chunk_loop = chunk_loop or DEFAULT_CHUNK_LOOP
     if PRECISE:
@@ -180,12 +189,7 @@ def hopper_forward(
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     dev = q.device
-    if cu_seqlens is None:
-        N = B
-        cu = torch.arange(0, (B + 1) * T, T, device=dev, dtype=torch.int32)
-    else:
-        N = cu_seqlens.shape[0] - 1
-        cu = cu_seqlens.to(torch.int32)
+    cu, N = packed_offsets(cu_seqlens, B, T, dev)
     TT = B * T
     qf = q.reshape(1, TT, Hqk, K)
     kf = k.reshape(1, TT, Hqk, K)
@@ -199,7 +203,6 @@ def hopper_forward(
         store_final_state=output_final_state,
         state_v_first=state_v_first,
     )
-    prep = build_kkt_inverse(Hqk, Hv, K, cfg.io_dtype, cfg.io_dtype)
     if chunk_loop == "uw":
         main = build_chunk_forward_uw(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, with_output
@@ -224,14 +227,9 @@ def hopper_forward(
         )
 
     if stage1 is None:
-        bounds, first_slot = chunk_plan(cu, TT, N)
-        S = bounds.shape[0]
-        gcum = _output((Hv, S * CHUNK), torch.float32, dev)
-        Ag = _output((S, Hv, CHUNK, CHUNK), q.dtype, dev)
-        prep(kf, gf, bf, bounds, gcum, Ag)
-    else:
-        bounds, first_slot, gcum, Ag = stage1.bounds, stage1.first_slot, stage1.gcum, stage1.Ag
-        S = bounds.shape[0]
+        stage1 = hopper_stage1(kf, gf, bf, cu)
+    bounds, first_slot, gcum, Ag = stage1.bounds, stage1.first_slot, stage1.gcum, stage1.Ag
+    S = bounds.shape[0]
 
     state_shape = (Hv, V, K) if state_v_first else (Hv, K, V)
     if initial_state is not None:
@@ -251,9 +249,10 @@ def hopper_forward(
     return o, final
 
 
-def hopper_stage1(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  cu_seqlens: torch.Tensor) -> Stage1:
-    """Stages 0 and 1 alone on packed ``[1, T, ...]`` inputs with offsets ``cu_seqlens`` (device, int32)."""
+def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+                  store_inverse: bool = False) -> Stage1:
+    """Stages 0 and 1 on packed ``[1, T, ...]`` k, g, beta with offsets ``cu_seqlens`` (device, int32): the chunk
+    plan, then ``kkt_inverse`` (also storing the ungated A, float32, with ``store_inverse``)."""
     from .kkt_inverse import build_kkt_inverse
 
     _, TT, Hqk, K = k.shape
@@ -265,8 +264,12 @@ def hopper_stage1(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
     gcum = _output((Hv, S * CHUNK), torch.float32, dev)
     Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
     io = tl_dtype(k.dtype)
-    build_kkt_inverse(Hqk, Hv, K, io, io)(k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(),
-                                          bounds, gcum, Ag)
+    args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
+    if store_inverse:
+        A = _output((S, Hv, CHUNK, CHUNK), torch.float32, dev)
+        build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True)(*args, A)
+        return Stage1(bounds, first_slot, gcum, Ag, A)
+    build_kkt_inverse(Hqk, Hv, K, io, io)(*args)
     return Stage1(bounds, first_slot, gcum, Ag)
 
 
