@@ -49,22 +49,17 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
     ``blocks_per_sm`` is the occupancy the kernel is built for. It is a chain of short dependent steps (loads,
     one small GEMM, a serial substitution, two 32x32 merges) on 4 warps, so its speed comes from how many CTAs
-    hide each other's latency. At 4 (the default) the inverse is kept as three 32x32 blocks that the merge
-    GEMMs read in place, Ag is stored straight from the gating loops, buffers with disjoint lifetimes share
-    shared memory (~51 KB) and registers are capped at 128. At 2 it is the earlier build (101 KB of shared
-    memory: a full 64x64 fp32 tile per head, copies of the diagonal blocks, a staged TMA store), kept to
-    measure against.
+    hide each other's latency. The inverse is kept as three 32x32 blocks that the merge GEMMs read in place, Ag
+    is stored straight from the gating loops, buffers with disjoint lifetimes share shared memory (~51 KB) and
+    registers are capped so that 4 (the default) or 3 CTAs fit an SM. (The earlier build, 101 KB and 2 CTAs per
+    SM, gave bitwise the same outputs 1.5-1.6x slower: ``benchmarks/results/h200/stages-hopper-v0.3.json``.)
 
-    ``store_inverse`` (4-CTA build only) adds a last argument ``A [S, Hv, 64, 64]`` float32 that receives the
+    ``store_inverse`` adds a last argument ``A [S, Hv, 64, 64]`` float32 that receives the
     ungated inverse A as well: the backward needs it (dL = -A^T dA A^T), and it cannot be had back from Ag once
     the decay underflows.
     """
-    if blocks_per_sm == 2:
-        if store_inverse:
-            raise ValueError("store_inverse needs the 4-CTA build")
-        return _build_kkt_inverse_staged(Hqk, Hv, K, qk_dtype, a_dtype)
     if blocks_per_sm not in (3, 4):
-        raise ValueError(f"blocks_per_sm must be 2, 3 or 4, got {blocks_per_sm}")
+        raise ValueError(f"blocks_per_sm must be 3 or 4, got {blocks_per_sm}")
     import tilelang
     import tilelang.language as T
 
@@ -204,111 +199,3 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     # k_s is dead once K K^T is formed: its space is reused
     configs[tilelang.PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE] = True
     return tilelang.compile(kkt_inverse_kernel, out_idx=None, target=TARGET, pass_configs=configs)
-
-
-@functools.lru_cache(maxsize=None)
-def _build_kkt_inverse_staged(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str):
-    """``build_kkt_inverse(..., blocks_per_sm=2)``: the earlier build, 2 CTAs per SM."""
-    import tilelang
-    import tilelang.language as T
-
-    C = CHUNK
-    B = C // 2  # diagonal block of the inverse
-    group = Hv // Hqk
-    pair = 2 if group % 2 == 0 else 1  # value heads inverted side by side (one per 64 threads)
-    num_tokens = T.dynamic("num_tokens")
-    num_slots = T.dynamic("num_slots")
-    slot_rows = T.dynamic("slot_rows")  # 64 * num_slots
-    acc = "float32"
-
-    @T.prim_func
-    def kkt_inverse_kernel(
-        k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
-        g: T.Tensor((1, num_tokens, Hv), "float32"),
-        beta: T.Tensor((1, num_tokens, Hv), "float32"),
-        bounds: T.Tensor((num_slots, 2), "int32"),
-        gcum: T.Tensor((Hv, slot_rows), "float32"),
-        Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
-    ):
-        with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
-            t0 = bounds[slot, 0]
-            n_rows = bounds[slot, 1]
-
-            k_s = T.alloc_shared((C, K), qk_dtype)
-            kk_f = T.alloc_fragment((C, C), acc)
-            kk_s = T.alloc_shared((C, C), acc)
-            g_s = T.alloc_shared((group, C), acc)
-            gc_s = T.alloc_shared((group, C), acc)
-            b_s = T.alloc_shared((group, C), acc)
-            a_s = T.alloc_shared((pair, C, C), acc)
-            ag_s = T.alloc_shared((pair, C, C), a_dtype)
-            l21_s = T.alloc_shared((B, B), acc)
-            a11_s = T.alloc_shared((B, B), acc)
-            a22_s = T.alloc_shared((B, B), acc)
-            t_s = T.alloc_shared((B, B), acc)
-            m_f = T.alloc_fragment((B, B), acc)
-            x = T.alloc_local((B,), acc)
-            part = T.alloc_local((2,), acc)
-
-            tx = T.get_thread_binding()
-
-            if n_rows > 0:
-                for i, j in T.Parallel(C, K):
-                    k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, qk_dtype))
-                # the gates of the whole group at once (contiguous in g and beta)
-                for i, p in T.Parallel(C, group):
-                    g_s[p, i] = T.if_then_else(i < n_rows, g[0, t0 + i, hq * group + p], 0.0)
-                    b_s[p, i] = T.if_then_else(i < n_rows, beta[0, t0 + i, hq * group + p], 0.0)
-                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                T.copy(kk_f, kk_s)
-                T.cumsum(g_s, gc_s, dim=1)
-                for p, i in T.Parallel(group, C):
-                    gcum[hq * group + p, slot * C + i] = gc_s[p, i]
-
-                for u in T.serial(group // pair):
-
-                    # diagonal blocks: thread -> (head p, block d, column c); column c of the block in x
-                    T.sync_threads()
-                    if tx < 64 * pair:
-                        for r in T.unroll(B):
-                            x[r] = 0.0
-                        p = tx // 64
-                        r0 = ((tx // B) % 2) * B
-                        c = tx % B
-                        for r in T.unroll(B):
-                            part[0] = 0.0
-                            part[1] = 0.0
-                            for j in T.unroll(r):
-                                part[j % 2] += kk_s[r0 + r, r0 + j] * x[j]
-                            x[r] = T.if_then_else(
-                                r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[u * pair + p, r0 + r] * (part[0] + part[1]))
-                            )
-                        for r in T.unroll(B):
-                            a_s[p, r0 + r, r0 + c] = x[r]
-                    T.sync_threads()
-
-                    # off-diagonal block: A21 = -A22 (L21 A11), tf32 tensor cores
-                    for p in T.serial(pair):
-                        for r, c2 in T.Parallel(B, B):
-                            l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, c2]
-                            a11_s[r, c2] = a_s[p, r, c2]
-                            a22_s[r, c2] = a_s[p, B + r, B + c2]
-                        T.gemm(l21_s, a11_s, m_f, clear_accum=True)
-                        T.copy(m_f, t_s)
-                        T.gemm(a22_s, t_s, m_f, clear_accum=True)
-                        for r, c2 in T.Parallel(B, B):
-                            a_s[p, B + r, c2] = -m_f[r, c2]
-                            a_s[p, r, B + c2] = 0.0  # upper block: the gating below is branch-free
-
-                    # Ag = Gam ⊙ A ⊙ beta^T. Above the diagonal A is 0 and the clamped exponent keeps the
-                    # factor finite, so no select is needed and the loop vectorises.
-                    for p, i, j in T.Parallel(pair, C, C):
-                        ag_s[p, i, j] = (
-                            a_s[p, i, j] * b_s[u * pair + p, j]
-                            * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E)
-                        )
-                    T.copy(ag_s, Ag[slot, hq * group + u * pair:hq * group + u * pair + pair, :, :])
-
-    return tilelang.compile(
-        kkt_inverse_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()
-    )
