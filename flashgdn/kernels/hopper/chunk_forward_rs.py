@@ -32,6 +32,7 @@ Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> sta
 import functools
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
 # Registers per thread of each warpgroup after setmaxnreg (2 x state + gate + producer = 512, the whole register
@@ -103,6 +104,8 @@ def build_chunk_forward_rs(
             raise ValueError("store_chunk_states is a state-only pass without a final state or precise mode")
         state_shape_ht = (n_ht, Hv, V, K)  # one S^T per chunk slot
 
+    parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
+
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
                    o_s, full, empty, p_ready, first_slot):
@@ -115,15 +118,7 @@ def build_chunk_forward_rs(
             lb_f = T.alloc_fragment((HV2, C), io_dtype)  # low halves of W^T and Vn^T
         if with_output:
             o_f = T.alloc_fragment((HV2, C), acc)  # O^T
-        if has_initial_state:
-            if state_v_first:
-                for i, j in T.Parallel(HV2, K):
-                    st_f[i, j] = h0[n, h, c0 + i, j]
-            else:
-                for i, j in T.Parallel(HV2, K):
-                    st_f[i, j] = h0[n, h, j, c0 + i]
-        else:
-            T.clear(st_f)
+        parts.load_state(st_f, h0, n, h, c0)
 
         for c in T.serial(n_chunks):
             st = c % 2
@@ -184,24 +179,9 @@ def build_chunk_forward_rs(
                 T.gemm(lb_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])
             if with_output:
-                # O^T -> O through shared memory (transposed there), then one TMA store for a whole chunk
-                for i, j in T.Parallel(HV2, C):
-                    o_s[w, j, i] = o_f[i, j]
-                T.fence_proxy_async()
-                if n_rows == C:
-                    T.copy(o_s[w, :, :], o[0, t0:t0 + C, h, c0:c0 + HV2])
-                else:
-                    for j, i in T.Parallel(C, HV2):
-                        if j < n_rows:
-                            o[0, t0 + j, h, c0 + i] = o_s[w, j, i]
+                parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
 
-        if store_final_state:
-            if state_v_first:
-                for i, j in T.Parallel(HV2, K):
-                    ht[n, h, c0 + i, j] = st_f[i, j]
-            else:
-                for i, j in T.Parallel(HV2, K):
-                    ht[n, h, j, c0 + i] = st_f[i, j]
+        parts.store_state(st_f, ht, n, h, c0)
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output, paired=transition_pairs)
 
@@ -262,24 +242,13 @@ def build_chunk_forward_rs(
                     st = c % 2
                     T.barrier_wait(full[st], (c // 2) % 2)
                     if with_output:
-                        T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(C, C):
-                            p_f[i, j] = T.if_then_else(
-                                i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
-                            )
-                        T.copy(p_f, p_s[st, :, :])
-                    for i in T.Parallel(C):
-                        gam_s[st, i] = T.exp2(gc_s[st, i] * LOG2E)
-                        dec_s[st, i] = T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E)
+                        parts.gate_p(q_s, k_s, gc_s, p_f, p_s, st, scale)
+                    parts.gate_decays(gc_s, gam_s, dec_s, st)
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
-                # padded tail after the last sequence: zeros
-                if with_output and n == num_seqs - 1:
-                    for c in T.serial(T.ceildiv(num_tokens - eos, C)):
-                        for i, j in T.Parallel(C, V):
-                            if eos + c * C + i < num_tokens:
-                                o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
+                if with_output:  # padded tail after the last sequence: zeros
+                    parts.zero_tail(o, n, h, eos, num_seqs, num_tokens)
             else:
                 # ---------------- producer
                 T.set_max_nreg(producer_regs, 0)

@@ -28,6 +28,7 @@ PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_state_gradients
 import functools
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
@@ -101,6 +102,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             dh0[n, h, j, c0 + i] = st_f[i, j]
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True, reverse=True)
+    parts = make_loop_parts(C, K, V, io_dtype)
 
     @T.prim_func
     def state_grad_walk_kernel(
@@ -153,18 +155,11 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
                 for c in T.serial(n_chunks):
                     st = c % 2
                     T.barrier_wait(full[st], (c // 2) % 2)
-                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        p_f[i, j] = T.if_then_else(
-                            i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
-                        )
-                    T.copy(p_f, p_s[st, :, :])
+                    parts.gate_p(q_s, k_s, gc_s, p_f, p_s, st, scale)
                     for i, j in T.Parallel(C, K):
                         qg_s[st, i, j] = T.cast(
                             T.cast(q_s[st, i, j], acc) * scale * T.exp2(gc_s[st, i] * LOG2E), io_dtype)
-                    for i in T.Parallel(C):
-                        gam_s[st, i] = T.exp2(gc_s[st, i] * LOG2E)
-                        dec_s[st, i] = T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E)
+                    parts.gate_decays(gc_s, gam_s, dec_s, st)
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
