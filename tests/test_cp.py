@@ -284,21 +284,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])  # V = K: b and M in one pass of 2 Hv heads; else two
-@pytest.mark.parametrize("segment_chunks", [1, 2, 3, 8])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks, K, V, grad=True):
+def _packed_case(case, K, V):
+    """CASES[case] as packed float64 inputs ``(q, k, v, g, beta, h0, cu)``: dense input as B sequences of T."""
     kw = dict(CASES[case])
     dense = kw.pop("dense", False)
     inp = make_inputs(Hqk=2, Hv=4, K=K, V=V, dtype=torch.float64, dense=dense, **kw)
     q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
-    h0 = inp["initial_state"]
-    if dense:  # B sequences of length T, packed
+    if dense:
         B, T = q.shape[:2]
         q, k, v, g, beta = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta))
         cu = torch.arange(0, (B + 1) * T, T)
     else:
         cu = inp["cu_seqlens"]
+    return q, k, v, g, beta, inp["initial_state"], cu
+
+
+@pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])  # V = K: b and M in one pass of 2 Hv heads; else two
+@pytest.mark.parametrize("segment_chunks", [1, 2, 3, 8])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cp_forward_equals_the_forward_without_segments(case, segment_chunks, K, V, grad=True):
+    q, k, v, g, beta, h0, cu = _packed_case(case, K, V)
     seqlens = (cu[1:] - cu[:-1]).tolist()
     scale = K ** -0.5
     o_ref, ht_ref = ref_forward(q, k, v, g, beta, scale, h0, cu, True)
@@ -396,17 +401,7 @@ class _PairedReferenceForward:
 @pytest.mark.parametrize("segment_chunks", [1, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cp_forward_uses_the_forwards_own_transition_pairs(case, segment_chunks):
-    kw = dict(CASES[case])
-    dense = kw.pop("dense", False)
-    inp = make_inputs(Hqk=2, Hv=4, K=16, V=16, dtype=torch.float64, dense=dense, **kw)
-    q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
-    if dense:
-        B, T = q.shape[:2]
-        q, k, v, g, beta = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta))
-        cu = torch.arange(0, (B + 1) * T, T)
-    else:
-        cu = inp["cu_seqlens"]
-    h0 = inp["initial_state"]
+    q, k, v, g, beta, h0, cu = _packed_case(case, 16, 16)
     o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.25, h0, cu, True)
     plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
     fwd = _PairedReferenceForward()

@@ -36,15 +36,13 @@ def test_state_grad_walk_matches_the_reference(opts, with_dht, cuda):
     from flashgdn.reference.chunked_backward import chunk_state_gradients_reference
     from flashgdn.reference.layout import chunk_table
 
-    opts = dict(opts)
-    Hqk, Hv = opts.pop("Hqk"), opts.pop("Hv")
-    inp = make_inputs(Hqk=Hqk, Hv=Hv, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    inp = make_inputs(K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
     q, k, g, beta = inp["q"], inp["k"], inp["g"], inp["beta"]
     cu = inp.get("cu_seqlens")
     gen = torch.Generator(device=cuda).manual_seed(3)
     do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(torch.bfloat16)
     table = chunk_table(cu.cpu() if cu is not None else None, *q.shape[:2])
-    dht = torch.randn((table.N, Hv, 128, 128), generator=gen, device=cuda) if with_dht else None
+    dht = torch.randn((table.N, do.shape[2], 128, 128), generator=gen, device=cuda) if with_dht else None
     scale = 128 ** -0.5
 
     ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu)
@@ -84,9 +82,7 @@ def test_chunk_states_recompute_matches_the_reference(opts, with_h0, cuda):
     from flashgdn.reference.chunked import chunk_local_cumsum, chunk_states, kkt_inverse
     from flashgdn.reference.layout import chunk_table
 
-    opts = dict(opts)
-    Hqk, Hv = opts.pop("Hqk"), opts.pop("Hv")
-    inp = make_inputs(Hqk=Hqk, Hv=Hv, K=128, V=128, dtype=torch.bfloat16, device=cuda,
+    inp = make_inputs(K=128, V=128, dtype=torch.bfloat16, device=cuda,
                       initial_state=with_h0, **opts)
     q, k, v, g, beta, h0 = inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp.get("initial_state")
     cu = inp.get("cu_seqlens")
@@ -116,9 +112,7 @@ def test_grad_v_and_dh0_match_the_reference(opts, with_dht, cuda):
     from flashgdn.kernels.hopper.backward import hopper_grad_v
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
-    opts = dict(opts)
-    Hqk, Hv = opts.pop("Hqk"), opts.pop("Hv")
-    inp = make_inputs(Hqk=Hqk, Hv=Hv, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    inp = make_inputs(K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
     q, k, v, g, beta, h0 = inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["initial_state"]
     cu = inp.get("cu_seqlens")
     gen = torch.Generator(device=cuda).manual_seed(4)
