@@ -32,7 +32,11 @@ def test_output_dtypes(dtype):
     assert h.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert h.shape == (2,) + inp["initial_state"].shape[1:]
     o2, none = chunk_gated_delta_rule(**inp)
-    assert none is None and torch.equal(o, o2)
+    assert none is None
+    # same math either way; the CPU reference's float32 BLAS is not bitwise reproducible across calls on every
+    # machine (seen once in CI: a one-ulp float16 difference), so this asserts equality up to rounding
+    rtol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(o, o2, rtol=rtol, atol=1e-5)
 
 
 def test_defaults():
