@@ -69,7 +69,8 @@ def build_chunk_forward_rs(
     bfloat16 only: with float16 operands it spills at this register budget.
 
     ``store_chunk_states=True`` (state-only, no final state) is the backward's recompute of the forward states:
-    ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major, float32).
+    ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major), in the io dtype:
+    the rounding this loop's own GEMMs read it with, at half float32's memory.
 
     ``transition_pairs=True`` (state-only, initial and final state, K-major) is context parallelism's transition
     pass with stage 1 shared: 2 Hv CTAs per sequence, head 2h running value head h from ``h0[:, 2h]`` (b) and head
@@ -103,6 +104,8 @@ def build_chunk_forward_rs(
         if with_output or store_final_state or precise:
             raise ValueError("store_chunk_states is a state-only pass without a final state or precise mode")
         state_shape_ht = (n_ht, Hv, V, K)  # one S^T per chunk slot
+    # chunk states are stored as the GEMMs here and in the backward read them: rounded to the io dtype
+    ht_dtype = io_dtype if store_chunk_states else "float32"
 
     parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
 
@@ -126,7 +129,7 @@ def build_chunk_forward_rs(
             n_rows = T.min(eos - t0, C)
             if store_chunk_states:
                 for i, j in T.Parallel(HV2, K):
-                    ht[first_slot[n] + c, h, c0 + i, j] = st_f[i, j]
+                    ht[first_slot[n] + c, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             # S^T K^T and S^T Q^T, register A operand
@@ -197,7 +200,7 @@ def build_chunk_forward_rs(
         h0: T.Tensor(state_shape_h0, "float32"),
         scale: T.float32,
         o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
-        ht: T.Tensor(state_shape_ht, "float32"),
+        ht: T.Tensor(state_shape_ht, ht_dtype),
     ):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:

@@ -45,7 +45,8 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
       cu_seqlens [N + 1] int32, first_slot [N] int32 (``forward.chunk_plan``)
       dht       [n, Hv, K, V]    float32, the final state's gradient (K-major; read only if has_final_grad)
       scale     float32
-      ds_end    [S, Hv, V, K]    float32, written: dS^T at the end of every chunk slot (V-major)
+      ds_end    [S, Hv, V, K]    io dtype, written: dS^T at the end of every chunk slot (V-major; the rounding
+                                 the GEMMs here and in ``chunk_grad`` read it with, at half float32's memory)
       dh0       [N, Hv, K, V]    float32, written: the gradient at every sequence's start (K-major)
     """
     import tilelang
@@ -80,7 +81,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             slot = first_slot[n] + (n_chunks - 1 - c)
             # the gradient at this chunk's end, for the per-chunk gradients
             for i, j in T.Parallel(HV2, K):
-                ds_end[slot, h, c0 + i, j] = st_f[i, j]
+                ds_end[slot, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)  # dS'^T K^T
@@ -115,7 +116,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
         first_slot: T.Tensor((num_seqs,), "int32"),
         dht: T.Tensor((n_dht, Hv, K, V), "float32"),
         scale: T.float32,
-        ds_end: T.Tensor((num_slots, Hv, V, K), "float32"),
+        ds_end: T.Tensor((num_slots, Hv, V, K), io_dtype),
         dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
     ):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):

@@ -71,16 +71,17 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
 
 
 def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16") -> Iterator[Variant]:
-    """The Hopper backward's kernels that exist: the forward states' recompute (rs state-only loop storing every
-    chunk's start state), stage 1 storing the ungated inverse too, the dv kernel and the state-gradient walk,
-    each with and without its optional input."""
+    """The Hopper backward's kernels (``backward.hopper_backward``): the forward states' recompute (rs state-only
+    loop storing every chunk's start state), stage 1 storing the ungated inverse too, the state-gradient walk and
+    the per-chunk gradients, each with and without its optional input."""
     for has_h0 in (True, False):
         yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}]", "chunk_forward_rs",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
                     state_v_first=False, with_output=False, precise=False, store_chunk_states=True))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    yield (f"chunk_grad_dv[{Hqk}/{Hv},{dtype}]", "chunk_grad_dv", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype))
+    yield (f"chunk_grad[{Hqk}/{Hv},{dtype}]", "chunk_grad",
+           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, qk_grad_dtype=dtype if Hv == Hqk else "float32"))
     for has_dht in (True, False):
         yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
@@ -107,10 +108,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_uw import build_chunk_forward_uw
 
         return build_chunk_forward_uw(**kwargs)
-    if builder == "chunk_grad_dv":
-        from .chunk_grad_dv import build_chunk_grad_dv
+    if builder == "chunk_grad":
+        from .chunk_grad import build_chunk_grad
 
-        return build_chunk_grad_dv(**kwargs)
+        return build_chunk_grad(**kwargs)
     if builder == "state_grad_walk":
         from .state_grad_walk import build_state_grad_walk
 

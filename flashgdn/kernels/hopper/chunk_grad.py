@@ -1,0 +1,274 @@
+"""Stage 2 of the Hopper backward: every per-chunk gradient (dv, dq, dk, dg, dbeta), one CTA per (chunk, value head).
+
+Math (``reference/chunked_backward.py``, step 2). One chunk of one value head, S its start state (the forward's,
+recomputed by the rs loop's ``store_chunk_states`` variant), dS' the state gradient at its end
+(``state_grad_walk``), A the ungated inverse and Ag the gated one (``kkt_inverse`` with ``store_inverse``),
+gamma_i = exp(g~_i), d_i = exp(g~_last - g~_i), Gam_ij = exp(g~_i - g~_j):
+
+    forward, again:  KS = K S      W = V - diag(gamma) KS      Vn = Ag W      P = scale Gam ⊙ Q K^T (i >= j)
+    dVn = diag(d) K dS' + P^T dO          dW = Ag^T dVn = dV
+    dAg = (dVn W^T) (i >= j)              dP = (dO Vn^T) (i >= j)        dQK = scale Gam ⊙ dP
+    E = dAg ⊙ Gam     dA = E ⊙ (1 beta^T)     dL = -(A^T dA A^T) (i > j)     dKK = diag(beta) dL
+    dQ = dQK K + scale diag(gamma) dO S^T
+    dK = dQK^T Q - diag(gamma) dW S^T + diag(d) Vn dS'^T + (dKK + dKK^T) K
+    dbeta_j = sum_i (E ⊙ A)_ij + sum_k (dL ⊙ K K^T)_jk
+
+and the gate, by what each g~_i multiplies (every term below is a row dot product of two tiles the kernel holds):
+
+    dg~_i = scale gamma_i <dO_i, (Q S)_i>  - gamma_i <dW_i, KS_i>  - d_i <(K dS')_i, Vn_i>
+            + sum_j (P ⊙ dP)_ij - sum_j (P ⊙ dP)_ji + sum_j (E ⊙ A ⊙ beta)_ij - sum_j (E ⊙ A ⊙ beta)_ji
+    plus, for g~_last, gamma_C <dS', S> + sum_i d_i <(K dS')_i, Vn_i>;  dg = reverse cumsum of dg~ in the chunk
+
+(scale gamma_i <dO_i, (QS)_i> is <q_i, scale gamma_i (dO S^T)_i>, a row dot of dq's state term with q; the g~_last
+terms reach every token of the chunk through the reverse cumsum, so they are added to all of them).
+
+Every chunk at once: one CTA per chunk slot and value head, 128 threads (one warpgroup), 17 GEMMs on tiles in
+shared memory with float32 accumulators; no atomics. q and k gradients are per value head (``dq``, ``dk`` are
+``[T, Hv, K]``): the host sums each qk head's group in a fixed order, so results are deterministic. Operands
+that need a row scaling after their GEMM is shared with another term are scaled before it instead
+(-gamma ⊙ dW, d ⊙ Vn), so dk is one accumulator. Rows past a sequence's end are not written.
+
+PyTorch counterpart: step 2 of ``chunk_gated_delta_rule_backward_reference``.
+"""
+import functools
+
+from .common import CHUNK, LOG2E, TARGET, pass_configs
+
+
+@functools.lru_cache(maxsize=None)
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_dtype: str = "float32"):
+    """Compile (or load) the kernel. Arguments, in order:
+
+      q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
+      v, do     [1, T, Hv, V]    io dtype
+      gcum      [Hv, 64 S]       float32, stage 1's per-slot cumsum
+      beta      [1, T, Hv]       float32
+      Ag        [S, Hv, 64, 64]  io dtype, stage 1's gated inverse
+      A         [S, Hv, 64, 64]  float32, stage 1's ungated inverse (``store_inverse``)
+      bounds    [S, 2]           int32, stage 0's chunk slots
+      states    [S, Hv, V, K]    io dtype: S^T at every chunk's start
+      ds_end    [S, Hv, V, K]    io dtype: dS'^T at every chunk's end (``state_grad_walk``)
+      scale     float32
+      dv        [1, T, Hv, V]    io dtype, written
+      dq, dk    [1, T, Hv, K]    qk grad dtype, written: per value head (summed over a group by the caller;
+                                 the io dtype serves when each qk head has one value head)
+      dg, dbeta [1, T, Hv]       float32, written
+    """
+    import tilelang
+    import tilelang.language as T
+
+    C = CHUNK
+    # <dS', S> is kept as V row sums and folded onto the chunk's 64 columns in the last reduction
+    assert V == 2 * CHUNK, "the kernel is written for V = 128"
+    group = Hv // Hqk
+    RB = 16  # rows of S per step of <dS', S>
+    num_tokens = T.dynamic("num_tokens")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")
+    acc = "float32"
+
+    @T.prim_func
+    def chunk_grad_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        beta: T.Tensor((1, num_tokens, Hv), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        A: T.Tensor((num_slots, Hv, C, C), "float32"),
+        bounds: T.Tensor((num_slots, 2), "int32"),
+        states: T.Tensor((num_slots, Hv, V, K), io_dtype),
+        ds_end: T.Tensor((num_slots, Hv, V, K), io_dtype),
+        scale: T.float32,
+        dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        dq: T.Tensor((1, num_tokens, Hv, K), qk_grad_dtype),
+        dk: T.Tensor((1, num_tokens, Hv, K), qk_grad_dtype),
+        dg: T.Tensor((1, num_tokens, Hv), "float32"),
+        dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+    ):
+        with T.Kernel(num_slots, Hv, threads=128) as (slot, h):
+            hq = h // group
+            t0 = bounds[slot, 0]
+            n_rows = bounds[slot, 1]
+
+            q_s = T.alloc_shared((C, K), io_dtype)
+            k_s = T.alloc_shared((C, K), io_dtype)
+            v_s = T.alloc_shared((C, V), io_dtype)  # V, then gamma ⊙ KS
+            do_s = T.alloc_shared((C, V), io_dtype)
+            st_s = T.alloc_shared((V, K), io_dtype)  # S^T
+            ds_s = T.alloc_shared((V, K), io_dtype)  # dS'^T
+            ag_s = T.alloc_shared((C, C), io_dtype)
+            a_s = T.alloc_shared((C, C), io_dtype)
+            w_s = T.alloc_shared((C, V), io_dtype)  # W, then -gamma ⊙ dW
+            vn_s = T.alloc_shared((C, V), io_dtype)  # Vn, then d ⊙ Vn
+            dvn_s = T.alloc_shared((C, V), io_dtype)
+            p_s = T.alloc_shared((C, C), io_dtype)
+            dqk_s = T.alloc_shared((C, C), io_dtype)
+            da_s = T.alloc_shared((C, C), io_dtype)
+            y_s = T.alloc_shared((C, C), io_dtype)
+            dkk_s = T.alloc_shared((C, C), io_dtype)
+            gc_s = T.alloc_shared((C,), acc)
+            beta_s = T.alloc_shared((C,), acc)
+            sd_s = T.alloc_shared((V,), acc)  # row sums of dS'^T ⊙ S^T
+            # the gate's row terms (see the module docstring), and dbeta's two sums
+            tq_s = T.alloc_shared((C,), acc)
+            tw_s = T.alloc_shared((C,), acc)
+            tdec_s = T.alloc_shared((C,), acc)
+            tp_r_s = T.alloc_shared((C,), acc)
+            tp_c_s = T.alloc_shared((C,), acc)
+            ta_r_s = T.alloc_shared((C,), acc)
+            ta_c_s = T.alloc_shared((C,), acc)
+            db1_s = T.alloc_shared((C,), acc)
+            db2_s = T.alloc_shared((C,), acc)
+            dgc_s = T.alloc_shared((C,), acc)
+
+            cv_f = T.alloc_fragment((C, V), acc)
+            ck_f = T.alloc_fragment((C, K), acc)
+            cc_f = T.alloc_fragment((C, C), acc)
+            kk_f = T.alloc_fragment((C, C), acc)
+            prod_f = T.alloc_fragment((C, V), acc)
+            prodc_f = T.alloc_fragment((C, C), acc)
+            sd_f = T.alloc_fragment((RB, K), acc)
+            # reductions' outputs, one per source layout: rows of a [C, V|K] tile, rows / columns of a [C, C] one
+            red_f = T.alloc_fragment((C,), acc)
+            red_r = T.alloc_fragment((C,), acc)
+            red_c = T.alloc_fragment((C,), acc)
+            red_rb = T.alloc_fragment((RB,), acc)
+
+            if n_rows > 0:
+                for i, j in T.Parallel(C, K):
+                    q_s[i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                    k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
+                for i, j in T.Parallel(C, V):
+                    v_s[i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
+                    do_s[i, j] = T.if_then_else(i < n_rows, do[0, t0 + i, h, j], T.cast(0, io_dtype))
+                for i, j in T.Parallel(C, C):
+                    ag_s[i, j] = Ag[slot, h, i, j]
+                    a_s[i, j] = T.cast(A[slot, h, i, j], io_dtype)
+                for i in T.Parallel(C):
+                    gc_s[i] = gcum[h, slot * C + i]
+                    beta_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
+                # S^T and dS'^T to shared memory, and the row sums of <dS', S> (each written once: a reduction's
+                # output is replicated over threads, so no read-modify-write of shared memory from it)
+                for r in T.serial(V // RB):
+                    for i, j in T.Parallel(RB, K):
+                        st_s[r * RB + i, j] = states[slot, h, r * RB + i, j]
+                        ds_s[r * RB + i, j] = ds_end[slot, h, r * RB + i, j]
+                        sd_f[i, j] = (T.cast(states[slot, h, r * RB + i, j], acc)
+                                      * T.cast(ds_end[slot, h, r * RB + i, j], acc))
+                    T.reduce_sum(sd_f, red_rb, dim=1)
+                    for i in T.Parallel(RB):
+                        sd_s[r * RB + i] = red_rb[i]
+
+                # ---- the forward's tiles again: W = V - diag(gamma) K S, Vn = Ag W, P
+                T.gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
+                    w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
+                    v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+                T.gemm(ag_s, w_s, cv_f, clear_accum=True)
+                T.copy(cv_f, vn_s)
+                T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                T.copy(cc_f, p_s)
+
+                # ---- dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
+                T.gemm(k_s, ds_s, cv_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    cv_f[i, j] = cv_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                    prod_f[i, j] = cv_f[i, j] * T.cast(vn_s[i, j], acc)
+                T.reduce_sum(prod_f, red_f, dim=1)
+                T.copy(red_f, tdec_s)
+                T.gemm(p_s, do_s, cv_f, transpose_A=True)
+                T.copy(cv_f, dvn_s)
+
+                # ---- dAg = (dVn W^T) lower; E = dAg ⊙ Gam; dA = E ⊙ beta_j; dbeta's first sum; the gate's E terms
+                T.gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                    prodc_f[i, j] = cc_f[i, j] * A[slot, h, i, j]
+                    da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
+                T.reduce_sum(prodc_f, red_c, dim=0)
+                T.copy(red_c, db1_s)
+                for i, j in T.Parallel(C, C):
+                    prodc_f[i, j] = prodc_f[i, j] * beta_s[j]
+                T.reduce_sum(prodc_f, red_r, dim=1)
+                T.copy(red_r, ta_r_s)
+                T.reduce_sum(prodc_f, red_c, dim=0)
+                T.copy(red_c, ta_c_s)
+
+                # ---- dV = dW = Ag^T dVn, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
+                T.gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    if i < n_rows:
+                        dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
+                for i, j in T.Parallel(C, V):
+                    prod_f[i, j] = cv_f[i, j] * T.cast(v_s[i, j], acc)
+                    w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+                T.reduce_sum(prod_f, red_f, dim=1)
+                T.copy(red_f, tw_s)
+
+                # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
+                T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    prodc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+                    dqk_s[i, j] = T.cast(
+                        T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
+                        io_dtype)
+                T.reduce_sum(prodc_f, red_r, dim=1)
+                T.copy(red_r, tp_r_s)
+                T.reduce_sum(prodc_f, red_c, dim=0)
+                T.copy(red_c, tp_c_s)
+                for i, j in T.Parallel(C, V):
+                    vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
+
+                # ---- dQ = scale diag(gamma) dO S^T + dQK K, with the gate's <q_i, scale gamma_i (dO S^T)_i>
+                T.gemm(do_s, st_s, ck_f, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
+                    prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
+                T.reduce_sum(prod_f, red_f, dim=1)
+                T.copy(red_f, tq_s)
+                T.gemm(dqk_s, k_s, ck_f)
+                for i, j in T.Parallel(C, K):
+                    if i < n_rows:
+                        dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], qk_grad_dtype)
+
+                # ---- dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
+                T.gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
+                T.copy(cc_f, y_s)
+                T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
+                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
+                    prodc_f[i, j] = cc_f[i, j] * kk_f[i, j]
+                    dkk_s[i, j] = T.cast(cc_f[i, j] * beta_s[i], io_dtype)
+                T.reduce_sum(prodc_f, red_r, dim=1)
+                T.copy(red_r, db2_s)
+
+                # ---- dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T + dKK K + dKK^T K
+                T.gemm(dqk_s, q_s, ck_f, transpose_A=True, clear_accum=True)
+                T.gemm(w_s, st_s, ck_f)
+                T.gemm(vn_s, ds_s, ck_f)
+                T.gemm(dkk_s, k_s, ck_f)
+                T.gemm(dkk_s, k_s, ck_f, transpose_A=True)
+                for i, j in T.Parallel(C, K):
+                    if i < n_rows:
+                        dk[0, t0 + i, h, j] = T.cast(ck_f[i, j], qk_grad_dtype)
+
+                # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them);
+                # row i of the masked sum: sum_{j >= i} dg~_j + sum_j d_j <(K dS')_j, Vn_j> + gamma_C <dS', S>
+                for i in T.Parallel(C):
+                    dgc_s[i] = tq_s[i] - tw_s[i] - tdec_s[i] + tp_r_s[i] - tp_c_s[i] + ta_r_s[i] - ta_c_s[i]
+                for i, j in T.Parallel(C, C):
+                    prodc_f[i, j] = (T.if_then_else(j >= i, dgc_s[j], 0.0) + tdec_s[j]
+                                     + T.exp2(gc_s[C - 1] * LOG2E) * (sd_s[j] + sd_s[j + C]))
+                T.reduce_sum(prodc_f, red_r, dim=1)
+                for i in T.Parallel(C):
+                    if i < n_rows:
+                        dg[0, t0 + i, h] = red_r[i]
+                        dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
+
+    return tilelang.compile(chunk_grad_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
