@@ -20,8 +20,17 @@ def _step(layer, x, h0, cu, cu_cpu):
     (y.float().square().mean() + ht.square().mean()).backward()
 
 
+@pytest.fixture(params=["reference", "kernels"])
+def hopper_backward(request, monkeypatch):
+    """The Hopper backend's backward (``backend.BACKWARD``): the PyTorch chunked backward or the kernels."""
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "BACKWARD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("varlen", [False, True])
-def test_fullgraph_compile_matches_eager_on_hopper(varlen, cuda):
+def test_fullgraph_compile_matches_eager_on_hopper(varlen, hopper_backward, cuda):
     layer = _layer(cuda)
     if varlen:
         cu_cpu = torch.tensor([0, 300, 377, 1000], dtype=torch.int32)
@@ -44,9 +53,11 @@ def test_fullgraph_compile_matches_eager_on_hopper(varlen, cuda):
         assert rel < 2e-2, rel  # bf16 projections fused differently by inductor; the GDN op itself is the same
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="the backward is still the PyTorch chunked backward, which copies host-built "
-                   "chunk indices to the device (not capturable); the Hopper backward kernels remove that")
-def test_training_step_replays_from_a_cuda_graph(cuda):
+def test_training_step_replays_from_a_cuda_graph(hopper_backward, request, cuda):
+    if hopper_backward == "reference":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=RuntimeError,
+            reason="the PyTorch chunked backward copies host-built chunk indices to the device (not capturable)"))
     layer = _layer(cuda)
     cu_cpu = torch.tensor([0, 300, 377, 1000], dtype=torch.int32)
     cu = cu_cpu.to(cuda)

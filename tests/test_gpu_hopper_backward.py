@@ -1,10 +1,15 @@
-"""The Hopper backward's stages against their float64 counterparts (GPU).
+"""The Hopper backward against its float64 counterparts (GPU), stage by stage and whole.
 
-Stage 1, the state-gradient walk (``kernels/hopper/state_grad_walk.py``), against
-``reference.chunked_backward.chunk_state_gradients_reference``: the gradient at the end of every chunk and at
-every sequence's start, on the dh0 bar of DESIGN.md §3 (8e-3 relative RMS), for partial chunks, strong decay and
-g = 0 heads, GVA, dense input, with and without a final-state gradient. Outputs are poisoned with NaN first, so
-an unwritten element fails."""
+* the state-gradient walk (``state_grad_walk.py``) against ``chunk_state_gradients_reference``: the gradient at
+  the end of every chunk and at every sequence's start;
+* the forward states' recompute (rs loop, ``store_chunk_states``) against ``reference.chunked.chunk_states``;
+* stage 1 storing the ungated inverse;
+* ``hopper_backward`` (all of it, ending in ``chunk_grad.py``) against the float64 chunked backward, and the public
+  op's autograd with the kernel backward against the float64 reference op,
+
+on the bars of DESIGN.md §3 (dq, dk, dv, dh0 8e-3 relative RMS; dg, dbeta 2e-2) for partial chunks, strong decay
+and g = 0 heads, GVA 1/2/4/8, dense and varlen input, padded tails, both state layouts, with and without a
+final-state gradient. Outputs are poisoned with NaN first, so an unwritten element fails."""
 import pytest
 import torch
 
@@ -97,36 +102,104 @@ def test_chunk_states_recompute_matches_the_reference(opts, with_h0, cuda):
     assert rel_rms(got, want) < STATE_BAR
 
 
-DV_BAR = 8e-3  # DESIGN.md §3, dv
+GRAD_BAR = 8e-3  # DESIGN.md §3: dq, dk, dv, dh0
+GATE_GRAD_BAR = 2e-2  # dg, dbeta
 
-
-@pytest.mark.parametrize("opts", [
+BACKWARD_CASES = [
     dict(seqlens=[1000, 3, 130], Hqk=2, Hv=4),
     dict(seqlens=[700, 64, 5], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1, 6)),
     dict(seqlens=[512, 512], dense=True, Hqk=1, Hv=2),
     dict(seqlens=[300, 77], Hqk=2, Hv=4, pad=70),
-])
+    dict(seqlens=[63, 1, 65, 127], Hqk=4, Hv=4, gate="mixed"),
+    dict(seqlens=[2000], Hqk=1, Hv=8, gate="strong", initial_state=False),
+    dict(seqlens=[256, 256], dense=True, Hqk=2, Hv=4, state_v_first=True, normalize_qk=False),
+]
+
+
+def _backward_inputs(opts, cuda, seed=4, with_dht=True):
+    inp = make_inputs(K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    gen = torch.Generator(device=cuda).manual_seed(seed)
+    v = inp["v"]
+    do = torch.randn(v.shape, generator=gen, device=cuda).to(torch.bfloat16)
+    N = len(opts["seqlens"])
+    svf = opts.get("state_v_first", False)
+    dht = torch.randn((N, v.shape[2], 128, 128), generator=gen, device=cuda) if with_dht else None
+    return inp, do, dht, svf
+
+
+@pytest.mark.parametrize("case", range(len(BACKWARD_CASES)))
 @pytest.mark.parametrize("with_dht", [True, False])
-def test_grad_v_and_dh0_match_the_reference(opts, with_dht, cuda):
-    """Stages 1b and 2a: dv and dh0 against the float64 chunked backward; padded-tail rows stay zero."""
-    from flashgdn.kernels.hopper.backward import hopper_grad_v
+def test_hopper_backward_matches_the_float64_backward(case, with_dht, cuda):
+    """Every gradient of ``backward.hopper_backward`` against the float64 chunked backward (itself checked against
+    autograd in tests/test_reference_backward.py), on the bars of DESIGN.md §3; padded-tail rows are zero."""
+    from flashgdn.kernels.hopper.backward import hopper_backward
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
-    inp = make_inputs(K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
-    q, k, v, g, beta, h0 = inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["initial_state"]
+    opts = BACKWARD_CASES[case]
+    inp, do, dht, svf = _backward_inputs(opts, cuda, with_dht=with_dht)
+    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
     cu = inp.get("cu_seqlens")
-    gen = torch.Generator(device=cuda).manual_seed(4)
-    do = torch.randn(v.shape, generator=gen, device=cuda).to(torch.bfloat16)
-    dht = torch.randn(h0.shape, generator=gen, device=cuda) if with_dht else None
     scale = 128 ** -0.5
-    dv, dh0 = hopper_grad_v(q, k, g, beta, do, dht, scale, cu)
+    got = hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf)
     want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
-                                                     cu_seqlens=cu, compute_dtype=torch.float64)
-    assert torch.isfinite(dv).all()
-    assert rel_rms(dv, want[2]) < DV_BAR
-    assert rel_rms(dh0, want[5]) < DV_BAR
+                                                     cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    bars = (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR, GRAD_BAR)
+    errs = {}
+    for name, x, w, bar in zip(names, got, want, bars):
+        if w is None:
+            assert x is None, name
+            continue
+        assert x.shape == w.shape, name
+        assert torch.isfinite(x).all(), name
+        errs[name] = rel_rms(x.double(), w)
+    print(errs)
+    for name, bar in zip(names, bars):
+        if name in errs:
+            assert errs[name] < bar, (name, errs)
     if cu is not None and int(cu[-1]) < q.shape[1]:  # padded tail
-        assert (dv[:, int(cu[-1]):] == 0).all()
+        end = int(cu[-1])
+        for name, x in zip(names[:5], got[:5]):
+            assert (x[:, end:] == 0).all(), name
+
+
+def test_hopper_backward_is_deterministic(cuda):
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    inp, do, dht, _ = _backward_inputs(dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), cuda)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
+            inp["cu_seqlens"])
+    a, b = hopper_backward(*args), hopper_backward(*args)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+@pytest.mark.parametrize("ratio", [1, 2, 4, 8])
+def test_op_gradients_through_the_kernel_backward(ratio, l2norm, monkeypatch, cuda):
+    """The public op with the Hopper backward's kernels (FLASHGDN_HOPPER_BACKWARD=kernels): autograd gradients,
+    with the L2 norm's backward in front of them, against the float64 reference op's autograd."""
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "BACKWARD", "kernels")
+    inp = make_inputs(Hqk=2, Hv=2 * ratio, K=128, V=128, dtype=torch.bfloat16, device=cuda,
+                      seqlens=[900, 1, 200], pad=10, use_qk_l2norm_in_kernel=l2norm, normalize_qk=not l2norm)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device=cuda).manual_seed(9)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda)
+    dht = torch.randn(inp["initial_state"].shape, generator=gen, device=cuda)
+    grads = {}
+    for backend_name, dtype in (("hopper", None), ("reference", torch.float64)):
+        xs = {n: (inp[n].to(dtype) if dtype else inp[n]).detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**{**inp, **xs}, output_final_state=True, backend=backend_name)
+        torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
+        grads[backend_name] = {n: xs[n].grad for n in names}
+    for n in names:
+        bar = GATE_GRAD_BAR if n in ("g", "beta") else GRAD_BAR
+        err = rel_rms(grads["hopper"][n].double(), grads["reference"][n])
+        assert err < bar, (n, err)
 
 
 @pytest.mark.parametrize("heads", [(2, 8), (3, 3), (2, 6)])  # head pairs, a single head per qk head

@@ -14,7 +14,8 @@ class Backend:
     ``available()`` says whether it can run in this process at all (libraries, device), with the reason
     when not. ``check(p)`` raises ``NotImplementedError`` naming a backend that can run ``p`` when this one
     cannot (a head dim it lacks, a dtype, a device). ``__call__(p)`` returns ``(o, final_state or None)``
-    and is differentiable with respect to q, k, v, g, beta and initial_state.
+    and is differentiable with respect to q, k, v, g, beta and initial_state. ``backward(...)`` gives the
+    gradients of that forward without autograd (what the ``torch.compile`` form of the op calls).
     """
 
     name: str = "?"
@@ -27,6 +28,18 @@ class Backend:
 
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         raise NotImplementedError
+
+    def backward(self, q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+                 state_v_first) -> tuple:
+        """``(dq, dk, dv, dg, dbeta, dh0 or None)`` for output gradient ``do`` and final-state gradient ``dht``
+        (None: 0); q and k as the forward used them (normalised when it normalised). Any floating dtype; the
+        caller casts to the inputs' dtypes. The default is the written-out backward of the chunked form in
+        PyTorch (``flashgdn.reference.chunked_backward``; float32, float64 for float64 inputs)."""
+        from ..reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+        return chunk_gated_delta_rule_backward_reference(
+            q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first)
 
 
 _REGISTRY: Dict[str, Callable[[], Backend]] = {}

@@ -9,10 +9,9 @@ and nothing recompiles when they change.
 * ``chunk_gdr_fwd`` picks the backend exactly as the eager call does (``backend="auto"`` included) and runs its
   forward without autograd. It returns ``(o, final_state)``; ``final_state`` is an empty tensor when it was not
   asked for (a custom op cannot return None).
-* ``chunk_gdr_bwd`` computes all six gradients with the written-out backward of the chunked form
-  (``flashgdn.reference.chunked_backward``, float32, float64 for float64 inputs), as the Hopper backend's
-  eager backward does until the Hopper backward kernels exist. Gradients of the final state are taken when
-  given.
+* ``chunk_gdr_bwd`` computes all six gradients with the backward of the backend the forward picked (the same
+  choice, made again from the same arguments): ``Backend.backward``, the Hopper backend's kernels or the
+  written-out backward of the chunked form. Gradients of the final state are taken when given.
 
 L2 normalisation of q and k is applied by the caller as ordinary (traced) torch ops in front of the op.
 """
@@ -89,12 +88,16 @@ def chunk_gdr_bwd(
     cu_seqlens_cpu: Optional[Tensor],
     scale: float,
     state_v_first: bool,
+    backend: str,
 ) -> List[Tensor]:
-    from ..reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+    from .dispatch import known_backends, select_backend
+    from .validate import validate
 
-    grads = chunk_gated_delta_rule_backward_reference(
-        q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first)
+    p = validate(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                 cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first, backend=backend,
+                 known_backends=known_backends(), check_values=False, cp="off")
+    grads = select_backend(p, backend).backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens,
+                                                cu_seqlens_cpu, state_v_first)
     res = [gr.to(x.dtype) for x, gr in zip((q, k, v, g, beta), grads[:5])]
     if initial_state is None:
         res.append(q.new_empty((0,), dtype=_state_dtype(q.dtype)))
@@ -104,7 +107,8 @@ def chunk_gdr_bwd(
 
 
 @chunk_gdr_bwd.register_fake
-def _chunk_gdr_bwd_fake(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first):
+def _chunk_gdr_bwd_fake(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
+                        backend):
     res = [torch.empty_like(x) for x in (q, k, v, g, beta)]
     res.append(q.new_empty((0,), dtype=_state_dtype(q.dtype)) if initial_state is None
                else torch.empty_like(initial_state))
@@ -112,7 +116,7 @@ def _chunk_gdr_bwd_fake(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, cu
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first, _, _ = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first, backend, _ = inputs
     ctx.has_initial_state = initial_state is not None
     ctx.has_cu_seqlens = cu_seqlens is not None
     ctx.cu_seqlens_cpu = cu_seqlens_cpu  # host copy: the recompute plans its chunks without a device sync
@@ -122,6 +126,7 @@ def _setup_context(ctx, inputs, output):
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.state_v_first = state_v_first
+    ctx.backend = backend
 
 
 def _backward(ctx, do, dht):
@@ -133,7 +138,7 @@ def _backward(ctx, do, dht):
         do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashgdn.chunk_gdr_bwd(
         do.contiguous(), None if dht is None else dht.contiguous(), q, k, v, g, beta, h0, cu, ctx.cu_seqlens_cpu,
-        ctx.scale, ctx.state_v_first)
+        ctx.scale, ctx.state_v_first, ctx.backend)
     return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None), None, None, None, None, None, None, None
 
 

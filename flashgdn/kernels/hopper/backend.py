@@ -2,9 +2,10 @@
 
 Forward: the kernels of ``forward.py``; with ``cp=<segment length>`` they run through exact context parallelism
 (``flashgdn.cp``: a state pass over twice the value heads, a splice, the forward on all segments; no host sync,
-capturable in a CUDA graph). Backward: until the fused Hopper backward lands, gradients come from
-the written-out backward of the chunked form in PyTorch (``flashgdn.reference.chunked_backward``, float32):
-exact, but slow. The L2 norm of q/k is applied as differentiable PyTorch ops in front of the kernels.
+capturable in a CUDA graph). Backward (``BACKWARD``): the kernels of ``backward.py``, or the written-out backward
+of the chunked form in PyTorch (``flashgdn.reference.chunked_backward``, float32: exact, slow, not capturable).
+The backward does not use context parallelism: it recomputes what it needs from the inputs alone. The L2 norm of
+q/k is applied as differentiable PyTorch ops in front of the kernels.
 """
 import os
 from typing import Optional, Tuple
@@ -21,6 +22,12 @@ SUPPORTED_HEAD_DIMS = (128,)
 #: were checked against CP timings on the H200, docs/context-parallel.md), "off" or a segment length in chunks
 AUTO_CP = os.environ.get("FLASHGDN_HOPPER_CP", "auto")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+#: the backward: "kernels" (``backward.hopper_backward``) or "reference" (the PyTorch chunked backward).
+#: FLASHGDN_HOPPER_BACKWARD overrides. The kernels stay opt-in until the GPU suite has passed with them
+#: (tests/test_gpu_hopper_backward.py); docs/hopper-notes.md records where that stands.
+BACKWARD = os.environ.get("FLASHGDN_HOPPER_BACKWARD", "reference")
+BACKWARDS = ("kernels", "reference")
 
 
 class _HopperGDN(torch.autograd.Function):
@@ -51,17 +58,30 @@ class _HopperGDN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        from ...reference.chunked_backward import chunk_gated_delta_rule_backward_reference
-
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        grads = chunk_gated_delta_rule_backward_reference(
-            q, k, v, g, beta, do, dht if ctx.output_final_state else None, scale=ctx.scale,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=ctx.cu_seqlens_cpu,
-            state_v_first=ctx.state_v_first, compute_dtype=torch.float32,
-        )
+        if do is None:  # only the final state was used
+            do = torch.zeros_like(v)
+        grads = hopper_gradients(q, k, v, g, beta, do.contiguous(),
+                                 None if (dht is None or not ctx.output_final_state) else dht.contiguous(),
+                                 ctx.scale, initial_state, cu_seqlens, ctx.cu_seqlens_cpu, ctx.state_v_first)
         res = [None if gr is None else gr.to(x.dtype)
                for gr, x in zip(grads, (q, k, v, g, beta, initial_state))]
         return (*res, None, None, None, None, None, None, None)
+
+
+def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first):
+    """The backend's backward (``BACKWARD``): ``(dq, dk, dv, dg, dbeta, dh0 or None)``, not yet cast."""
+    if BACKWARD not in BACKWARDS:
+        raise ValueError(f"FLASHGDN_HOPPER_BACKWARD must be one of {BACKWARDS}, got {BACKWARD!r}")
+    if BACKWARD == "kernels":
+        from .backward import hopper_backward
+
+        return hopper_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, state_v_first)
+    from ...reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    return chunk_gated_delta_rule_backward_reference(
+        q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first, compute_dtype=torch.float32)
 
 
 #: context parallelism's transition pass on the rs loop's paired variant, with stages 0 and 1 run once and shared
@@ -119,6 +139,11 @@ class HopperBackend(Backend):
         if p.dtype not in SUPPORTED_DTYPES:
             raise NotImplementedError(
                 f"backend='hopper' takes bfloat16 or float16 q/k/v, got {p.dtype}; backend='reference' runs float32/float64")
+
+    def backward(self, q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+                 state_v_first) -> tuple:
+        return hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+                                state_v_first)
 
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         # in float32, then back: the kernels take normalised bf16/fp16 q and k

@@ -1,17 +1,19 @@
-"""Host side of the Hopper backward (in progress): the stages that exist, run in order.
+"""Host side of the Hopper backward: the stages, run in order (``hopper_backward``).
 
 Pipeline, mirroring the forward (``forward.py``) and following ``reference/chunked_backward.py``:
-  0. ``chunk_plan`` and 1'. ``kkt_inverse``, the forward's stage 0 and 1 again: slots, g~ and Ag
+  0, 1. ``chunk_plan`` and ``kkt_inverse`` with ``store_inverse``: the forward's slots, g~ and Ag again, and the
+                          ungated A for dL = -A^T dA A^T
   1a. the forward states  the rs loop's state-only variant storing S at every chunk's start (recomputed, so
-                          autograd saves no states)
+                          autograd saves no states; io dtype)
   1b. ``state_grad_walk``  per (sequence, value head), chunks last to first: the state gradient at the end of
-                          every chunk and at every sequence's start (d initial state)
-  1c. ``kkt_inverse`` with ``store_inverse``: the ungated A as well (``hopper_inverse``), for dL = -A^T dA A^T
-  2a. ``chunk_grad_dv``   per (chunk, value head): dv from the state gradient at the chunk's end
-  2b. the other per-chunk gradients (dq, dk, dg, dbeta): not written yet; until they are, the backend's backward
-      is the PyTorch chunked backward.
+                          every chunk (io dtype) and at every sequence's start (d initial state, float32)
+  2.  ``chunk_grad``      per (chunk, value head): dv, dq and dk per value head, dg, dbeta; q and k gradients are
+                          then summed over each qk head's group (when it has more than one value head)
 
-Like the forward, everything here is device-side work with shapes known on the host: no synchronisation.
+Autograd saves the inputs alone (q, k, v, g, beta, the initial state); the backward's largest buffers are the
+chunk states and their gradients, ``[S, Hv, V, K]`` in the io dtype each (S = number of chunk slots, about T/64),
+and with GVA the per-value-head dq and dk in float32. Like the forward, everything here is device-side work with
+shapes known on the host: no synchronisation, capturable in a CUDA graph.
 """
 from typing import Optional, Tuple
 
@@ -21,7 +23,7 @@ from .common import tl_dtype
 from .forward import _output, hopper_stage1, packed_offsets
 
 
-def _plan_and_stage1(q, k, g, beta, cu_seqlens):
+def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
     """The forward's stages 0 and 1 (``forward.hopper_stage1``) on packed views:
     ``((q, k) packed, cu, N, Stage1)``."""
     B, T, Hqk, K = q.shape
@@ -29,7 +31,8 @@ def _plan_and_stage1(q, k, g, beta, cu_seqlens):
     cu, N = packed_offsets(cu_seqlens, B, T, q.device)
     TT = B * T
     qf, kf = q.reshape(1, TT, Hqk, K), k.reshape(1, TT, Hqk, K)
-    return (qf, kf), cu, N, hopper_stage1(kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), cu)
+    return (qf, kf), cu, N, hopper_stage1(kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), cu,
+                                          store_inverse=store_inverse)
 
 
 def hopper_chunk_states(
@@ -40,20 +43,21 @@ def hopper_chunk_states(
     beta: torch.Tensor,
     initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
+    _stage1=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward's state at the start of every chunk slot, recomputed by the rs loop's state-only variant with
-    ``store_chunk_states``: ``(states [S, Hv, V, K] float32 V-major, bounds)``; ``initial_state`` K-major
+    ``store_chunk_states``: ``(states [S, Hv, V, K] V-major in q's dtype, bounds)``; ``initial_state`` K-major
     ``[N, Hv, K, V]`` or None (zero). Idle slots are not written."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    (qf, kf), cu, N, st1 = _plan_and_stage1(q, k, g, beta, cu_seqlens)
+    (qf, kf), cu, N, st1 = _stage1 or _plan_and_stage1(q, k, g, beta, cu_seqlens)
     S = st1.bounds.shape[0]
     dev = q.device
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty((1, Hv, K, V), device=dev)
-    states = _output((S, Hv, V, K), torch.float32, dev)
+    states = _output((S, Hv, V, K), q.dtype, dev)
     o1 = torch.empty((1, 1, Hv, V), dtype=q.dtype, device=dev)  # not touched by a state-only pass
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, False, True)
     kernel(qf, kf, v.reshape(1, B * T, Hv, V), st1.gcum, st1.Ag, cu, st1.first_slot, h0, 1.0, o1, states)
@@ -74,8 +78,8 @@ def hopper_state_gradients(
     """The state gradients by the walk kernel. q, k (normalised as the forward used them), do: contiguous
     bf16/fp16 ``[B, T, H, D]``; g, beta ``[B, T, Hv]``; dht ``[N, Hv, K, V]`` float32 K-major, or None.
 
-    Returns ``(ds_end, dh0, bounds)``: ``ds_end [S, Hv, V, K]`` float32, the gradient at the end of every chunk
-    slot, V-major (slot s holds chunk ``bounds[s]``; idle slots are not written); ``dh0 [N, Hv, K, V]`` float32,
+    Returns ``(ds_end, dh0, bounds)``: ``ds_end [S, Hv, V, K]`` in q's dtype, the gradient at the end of every
+    chunk slot, V-major (slot s holds chunk ``bounds[s]``; idle slots are not written); ``dh0 [N, Hv, K, V]`` float32,
     K-major, the gradient at every sequence's start; ``bounds`` the chunk plan (``forward.chunk_plan``)."""
     from .state_grad_walk import build_state_grad_walk
 
@@ -87,36 +91,11 @@ def hopper_state_gradients(
     dof = do.reshape(1, B * T, Hv, V).contiguous()
     has_dht = dht is not None
     dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
-    ds_end = _output((S, Hv, V, K), torch.float32, dev)
+    ds_end = _output((S, Hv, V, K), q.dtype, dev)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
     build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht)(
         qf, kf, dof, st1.gcum, st1.Ag, cu, st1.first_slot, dht_in, float(scale), ds_end, dh0)
     return ds_end, dh0, st1.bounds
-
-
-def hopper_grad_v(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    do: torch.Tensor,
-    dht: Optional[torch.Tensor],
-    scale: float,
-    cu_seqlens: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """dv and dh0 by stages 0, 1, 1b and 2a (``chunk_grad_dv``), arguments as ``hopper_state_gradients``:
-    ``(dv [B, T, Hv, V] in q's dtype, dh0 [N, Hv, K, V] float32)``. Rows of a padded tail are zero."""
-    from .chunk_grad_dv import build_chunk_grad_dv
-
-    B, T, Hqk, K = q.shape
-    Hv, V = do.shape[2], do.shape[3]
-    stage1 = _plan_and_stage1(q, k, g, beta, cu_seqlens)
-    (qf, kf), _, _, st1 = stage1
-    ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu_seqlens, _stage1=stage1)
-    dv = torch.zeros((1, B * T, Hv, V), dtype=q.dtype, device=q.device)
-    build_chunk_grad_dv(Hqk, Hv, K, V, tl_dtype(q.dtype))(qf, kf, do.reshape(1, B * T, Hv, V).contiguous(),
-                                                           st1.gcum, st1.Ag, st1.bounds, ds_end, float(scale), dv)
-    return dv.reshape(B, T, Hv, V), dh0
 
 
 def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -131,3 +110,63 @@ def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     st1 = hopper_stage1(k.reshape(1, TT, Hqk, K), g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), cu,
                         store_inverse=True)
     return st1.A, st1.Ag, st1.bounds
+
+
+def hopper_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor],
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    state_v_first: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """All gradients of the Hopper forward, by stages 0-2 (module docstring). q, k (normalised as the forward
+    used them), v, do: contiguous bf16/fp16 ``[B, T, H, D]``; g, beta ``[B, T, Hv]``; the states (initial state
+    and ``dht``, the final state's gradient or None) in the ``state_v_first`` layout.
+
+    Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk, dv in q's dtype, dg and dbeta float32 (the caller casts to
+    the inputs' dtypes), dh0 float32 in the initial state's layout, or None without an initial state. Gradients
+    of tokens past ``cu_seqlens[-1]`` are zero."""
+    from .chunk_grad import build_chunk_grad
+
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    group = Hv // Hqk
+    dev = q.device
+    TT = B * T
+    io = tl_dtype(q.dtype)
+    stage1 = _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=True)
+    (qf, kf), cu, N, st1 = stage1
+
+    def k_major(x):
+        return None if x is None else (x.transpose(-1, -2) if state_v_first else x).to(torch.float32).contiguous()
+
+    states, _ = hopper_chunk_states(q, k, v, g, beta, k_major(initial_state), cu_seqlens, _stage1=stage1)
+    ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, k_major(dht), scale, cu_seqlens, _stage1=stage1)
+
+    # rows past cu_seqlens[-1] belong to no chunk and are never written: zeros (dense input has no such rows)
+    alloc = torch.empty if cu_seqlens is None else torch.zeros
+    qk_grad = q.dtype if group == 1 else torch.float32
+    dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
+    dq = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
+    dk = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
+    dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+    dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+    kernel = build_chunk_grad(Hqk, Hv, K, V, io, tl_dtype(qk_grad))
+    kernel(qf, kf, v.reshape(1, TT, Hv, V), do.reshape(1, TT, Hv, V).contiguous(), st1.gcum,
+           beta.reshape(1, TT, Hv).to(torch.float32).contiguous(), st1.Ag, st1.A, st1.bounds, states, ds_end,
+           float(scale), dv, dq, dk, dg, dbeta)
+    if group > 1:  # each qk head's value heads, summed in a fixed order: deterministic
+        dq = dq.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
+        dk = dk.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
+    if initial_state is not None:
+        dh0 = dh0.transpose(-1, -2) if state_v_first else dh0
+    else:
+        dh0 = None
+    return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V), dg.reshape(B, T, Hv),
+            dbeta.reshape(B, T, Hv), dh0)

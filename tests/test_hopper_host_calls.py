@@ -1,0 +1,117 @@
+"""The Hopper host code calls every kernel with what its compiled signature asks for (CPU, no GPU needed).
+
+The kernels are compiled for sm_90a here (as in test_kernels_compile.py), then replaced by stand-ins that check
+each call against the kernel's TileLang signature (argument count, dtype, rank, static sizes, one value per
+dynamic size across all arguments, contiguity) and record it instead of running. The host code then runs on CPU
+tensors end to end: a wrong argument order, dtype, layout or size fails here instead of on the GPU.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+
+tilelang = pytest.importorskip("tilelang", reason="the Hopper kernels need TileLang (pip install -e .[hopper])")
+if shutil.which("nvcc") is None:
+    pytest.skip("nvcc is not on the PATH: TileLang cannot compile kernels here", allow_module_level=True)
+os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+
+from flashgdn.kernels.hopper.common import TORCH_TO_TL  # noqa: E402
+from helpers import make_inputs  # noqa: E402
+
+
+class SignatureCheck:
+    """Stands in for a compiled kernel: checks a call against its prim_func's parameters, records the call."""
+
+    def __init__(self, name, kernel, calls):
+        self.name, self.kernel, self.calls = name, kernel, calls
+
+    def __call__(self, *args):
+        pf = self.kernel.prim_func
+        assert len(args) == len(pf.params), f"{self.name}: {len(args)} arguments for {len(pf.params)} parameters"
+        sizes = {}
+        for a, p in zip(args, pf.params):
+            where = f"{self.name}, argument {p.name}"
+            if p not in pf.buffer_map:
+                assert isinstance(a, (int, float)) and not isinstance(a, bool), f"{where}: a scalar, got {type(a)}"
+                continue
+            buf = pf.buffer_map[p]
+            assert isinstance(a, torch.Tensor), f"{where}: a tensor, got {type(a)}"
+            assert TORCH_TO_TL.get(a.dtype) == str(buf.dtype), f"{where}: dtype {a.dtype}, kernel wants {buf.dtype}"
+            assert a.dim() == len(buf.shape), f"{where}: shape {tuple(a.shape)}, kernel wants {list(buf.shape)}"
+            assert a.is_contiguous(), f"{where}: not contiguous"
+            for size, dim in zip(a.shape, buf.shape):
+                if hasattr(dim, "value"):
+                    assert int(dim.value) == size, f"{where}: shape {tuple(a.shape)}, kernel wants {list(buf.shape)}"
+                else:
+                    bound = sizes.setdefault(str(dim), size)
+                    assert bound == size, f"{where}: {dim} = {size} here, {bound} in an earlier argument"
+        self.calls.append((self.name, sizes))
+
+
+@pytest.fixture
+def checked_kernels(monkeypatch):
+    """Every kernel builder the host code uses, returning SignatureCheck stand-ins; yields the call log."""
+    from flashgdn.kernels.hopper import chunk_forward_rs, chunk_grad, kkt_inverse, state_grad_walk
+
+    calls = []
+    for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
+                         (state_grad_walk, "build_state_grad_walk"), (chunk_grad, "build_chunk_grad")):
+        real = getattr(module, attr)
+
+        def builder(*args, _real=real, _name=attr[len("build_"):], **kwargs):
+            return SignatureCheck(_name, _real(*args, **kwargs), calls)
+
+        monkeypatch.setattr(module, attr, builder)
+    return calls
+
+
+# 2/8 is the configuration test_kernels_compile.py compiles (no extra compile in one pytest run); 2/2 adds the
+# configuration where each qk head has one value head (q and k gradients written in the io dtype)
+@pytest.mark.parametrize("opts,heads,with_dht", [
+    (dict(seqlens=[300, 1, 64], pad=7), (2, 8), True),
+    (dict(seqlens=[128, 128], dense=True, state_v_first=True), (2, 8), True),
+    (dict(seqlens=[200], initial_state=False), (2, 8), False),
+    (dict(seqlens=[70, 5], pad=64), (2, 2), True),
+])
+def test_backward_calls_match_the_kernels(opts, heads, with_dht, checked_kernels):
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    inp = make_inputs(Hqk=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, **opts)
+    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    dht = torch.randn((len(opts["seqlens"]), heads[1], 128, 128)) if with_dht else None
+    dq, dk, dv, dg, dbeta, dh0 = hopper_backward(q, k, v, g, beta, do, dht, 0.1, h0, inp.get("cu_seqlens"),
+                                                 opts.get("state_v_first", False))
+    assert [c[0] for c in checked_kernels] == ["kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad"]
+    for x, ref in ((dq, q), (dk, k), (dv, v)):
+        assert x.shape == ref.shape and x.dtype == ref.dtype
+    assert dg.shape == g.shape and dbeta.shape == beta.shape
+    assert (dh0 is None) == (h0 is None)
+    if h0 is not None:
+        assert dh0.shape == h0.shape and dh0.dtype == torch.float32
+    if inp.get("cu_seqlens") is not None:
+        end = int(inp["cu_seqlens"][-1])
+        assert all((x[:, end:] == 0).all() for x in (dq, dk, dv, dg, dbeta)), "the padded tail's gradients are 0"
+
+
+@pytest.mark.parametrize("output_final_state", [True, False])
+def test_paired_cp_forward_calls_match_the_kernels(output_final_state, checked_kernels):
+    """Context parallelism's paired transition pass (stage 1 run once, shared with the forward over the
+    segments; FLASHGDN_HOPPER_CP_PAIRED=1) and the forward after it."""
+    from flashgdn.api.validate import validate
+    from flashgdn.cp import plan_for_problem
+    from flashgdn.cp.exact import cp_problem_forward
+    from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
+
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[700, 30, 300], pad=5)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+    p = validate(**inp, output_final_state=output_final_state, cp=4)
+    plan = plan_for_problem(p, auto=True)
+    assert plan is not None and plan.split
+    o, final = cp_problem_forward(_HopperSegmentsForward(paired=True), p, plan, p.q, p.k)
+    names = [c[0] for c in checked_kernels]
+    assert names == ["kkt_inverse", "chunk_forward_rs", "chunk_forward_rs"], "stage 1 once, then the two loops"
+    assert checked_kernels[1][1]["num_seqs"] == plan.num_segments
+    assert o.shape == p.v.shape
+    assert (final is None) != output_final_state
