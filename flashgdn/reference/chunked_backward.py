@@ -86,6 +86,53 @@ def _state_gradients(qv, kv, gam, P, Ag, M, doc, dht_kv, table: ChunkTable, scal
     return _state_grads_walk(M, E.transpose(-1, -2) @ doc, dht_kv, table)
 
 
+def _chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, table: ChunkTable, scale: float, Hqk: int):
+    """Step 2, every chunk at once, from the chunk tensors (head-first, ``[NC, H, C, ...]``), the start states
+    ``h`` and the state gradients at the chunks' ends ``dS_end`` (``[NC, Hv, K, V]``): token-major
+    ``(dq, dk, dv, dg, dbeta)``, q and k gradients summed over each qk head's value heads."""
+    C = table.chunk_size
+    dev = qc.device
+    Hv = vc.shape[1]
+    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
+    Gam = _decay_matrix(gc)
+    qkt = qv @ kv.transpose(-1, -2)
+    P = scale * Gam * qkt
+    gam = gc.exp()
+    g_last = gc[..., -1]
+    gam_C = g_last.exp()
+    dec = (g_last[..., None] - gc).exp()
+    KS = kv @ h
+    W = vc - gam[..., None] * KS
+    Vn = Ag @ W
+
+    dVn = P.transpose(-1, -2) @ doc + dec[..., None] * (kv @ dS_end)
+    dW = Ag.transpose(-1, -2) @ dVn
+    dAg = (dVn @ W.transpose(-1, -2)) * _lower(C, dev)
+    dP = (doc @ Vn.transpose(-1, -2)) * _lower(C, dev)
+    dQK = scale * Gam * dP
+    dq = dQK @ kv + scale * gam[..., None] * (doc @ h.transpose(-1, -2))
+    dk = (dQK.transpose(-1, -2) @ qv - gam[..., None] * (dW @ h.transpose(-1, -2))
+          + dec[..., None] * (Vn @ dS_end.transpose(-1, -2)))
+    dA = dAg * Gam * bc[..., None, :]
+    dL = -(A.transpose(-1, -2) @ dA @ A.transpose(-1, -2)) * _lower(C, dev, -1)
+    kkt = kv @ kv.transpose(-1, -2)
+    dKK = bc[..., :, None] * dL
+    dk = dk + (dKK + dKK.transpose(-1, -2)) @ kv
+    dbeta = (dAg * Gam * A).sum(-2) + (dL * kkt).sum(-1)
+
+    # gates
+    dgam = scale * (doc * (qv @ h)).sum(-1) - (dW * KS).sum(-1)
+    ddec = ((kv @ dS_end) * Vn).sum(-1)
+    dgam_C = (dS_end * h).sum((-1, -2))
+    dGam = (scale * qkt * dP + dAg * A * bc[..., None, :]) * Gam
+    dgc = gam * dgam - dec * ddec + dGam.sum(-1) - dGam.sum(-2)
+    dgc[..., -1] += gam_C * dgam_C + (dec * ddec).sum(-1)
+    dg = dgc.flip(-1).cumsum(-1).flip(-1)
+
+    return (_tokens(_sum_groups(dq, Hqk), table), _tokens(_sum_groups(dk, Hqk), table), _tokens(dW, table),
+            _tokens(dg, table), _tokens(dbeta, table))
+
+
 def chunk_state_gradients_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -146,7 +193,6 @@ def chunk_gated_delta_rule_backward_reference(
         scale = K ** -0.5
     table = chunk_table(cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, B, T)
     dev = q.device
-    C = table.chunk_size
 
     # forward quantities, chunk-major head-first
     qc, kc, vc, bc = (_chunks(x.to(dt), table, dt) for x in (q, k, v, beta))
@@ -156,56 +202,50 @@ def chunk_gated_delta_rule_backward_reference(
     _, M, b = _state_pass_chunks(kc, vc, gc, A, bc)
     h0 = _initial_state_kv(initial_state, table.N, Hv, K, V, state_v_first, dt, dev)
     h, _ = _chunk_states_chunks(M, b, h0, table)
-    Vn = _new_values_chunks(kc, vc, gc, Ag, h)
     qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
-    Gam = _decay_matrix(gc)
-    qkt = qv @ kv.transpose(-1, -2)
-    P = scale * Gam * qkt
-    gam = gc.exp()
-    g_last = gc[..., -1]
-    gam_C = g_last.exp()
-    dec = (g_last[..., None] - gc).exp()
-    KS = kv @ h
-    W = vc - gam[..., None] * KS
-
+    P = scale * _decay_matrix(gc) * (qv @ kv.transpose(-1, -2))
     doc = _chunks(do.to(dt), table, dt)
     dht_kv = (torch.zeros_like(h0) if dht is None
               else (dht.to(dt).transpose(-1, -2) if state_v_first else dht.to(dt)))
 
     # 1. state gradients: dS = M^T dS' + E^T dO
-    dS_end, dh0 = _state_gradients(qv, kv, gam, P, Ag, M, doc, dht_kv, table, scale)
-
+    dS_end, dh0 = _state_gradients(qv, kv, gc.exp(), P, Ag, M, doc, dht_kv, table, scale)
     # 2. per chunk
-    dVn = P.transpose(-1, -2) @ doc + dec[..., None] * (kv @ dS_end)
-    dW = Ag.transpose(-1, -2) @ dVn
-    dAg = (dVn @ W.transpose(-1, -2)) * _lower(C, dev)
-    dP = (doc @ Vn.transpose(-1, -2)) * _lower(C, dev)
-    dQK = scale * Gam * dP
-    dq = dQK @ kv + scale * gam[..., None] * (doc @ h.transpose(-1, -2))
-    dk = (dQK.transpose(-1, -2) @ qv - gam[..., None] * (dW @ h.transpose(-1, -2))
-          + dec[..., None] * (Vn @ dS_end.transpose(-1, -2)))
-    dA = dAg * Gam * bc[..., None, :]
-    dL = -(A.transpose(-1, -2) @ dA @ A.transpose(-1, -2)) * _lower(C, dev, -1)
-    kkt = kv @ kv.transpose(-1, -2)
-    dKK = bc[..., :, None] * dL
-    dk = dk + (dKK + dKK.transpose(-1, -2)) @ kv
-    dbeta = (dAg * Gam * A).sum(-2) + (dL * kkt).sum(-1)
-
-    # gates
-    dgam = scale * (doc * (qv @ h)).sum(-1) - (dW * KS).sum(-1)
-    ddec = ((kv @ dS_end) * Vn).sum(-1)
-    dgam_C = (dS_end * h).sum((-1, -2))
-    dGam = (scale * qkt * dP + dAg * A * bc[..., None, :]) * Gam
-    dgc = gam * dgam - dec * ddec + dGam.sum(-1) - dGam.sum(-2)
-    dgc[..., -1] += gam_C * dgam_C + (dec * ddec).sum(-1)
-    dg = dgc.flip(-1).cumsum(-1).flip(-1)
-
-    dq_t = _tokens(_sum_groups(dq, Hqk), table)
-    dk_t = _tokens(_sum_groups(dk, Hqk), table)
-    dv_t = _tokens(dW, table)
-    dg_t = _tokens(dg, table)
-    dbeta_t = _tokens(dbeta, table)
+    dq_t, dk_t, dv_t, dg_t, dbeta_t = _chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, table, scale, Hqk)
     dh0_out = None
     if initial_state is not None:
         dh0_out = dh0.transpose(-1, -2) if state_v_first else dh0
     return dq_t, dk_t, dv_t, dg_t, dbeta_t, dh0_out
+
+
+class ReferenceBackwardStages:
+    """The chunked backward as the three stages of ``flashgdn.cp.backward.BackwardStages`` (packed sequences,
+    K-major states; chunk-major ``[NC, Hv, K, V]`` states and state gradients between them), in
+    ``compute_dtype`` (default: float64 for float64 inputs, else float32): what ``cp_backward`` runs in PyTorch,
+    and the counterpart of ``flashgdn.kernels.hopper.backward.HopperBackwardStages``."""
+
+    def __init__(self, compute_dtype: Optional[torch.dtype] = None):
+        self.compute_dtype = compute_dtype
+
+    def _chunked(self, q, k, v, g, beta, cu, cu_cpu):
+        dt = _dtype(self.compute_dtype, q, k, v)
+        table = chunk_table(cu_cpu if cu_cpu is not None else cu, *q.shape[:2])
+        qc, kc, vc, bc = (_chunks(x.to(dt), table, dt) for x in (q, k, v, beta))
+        gc = _chunks(g, table, dt).cumsum(-1)
+        return dt, table, qc, kc, vc, bc, gc, _inverse_chunks(kc, bc)
+
+    def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
+        dt, table, _, kc, vc, bc, gc, A = self._chunked(q, k, v, g, beta, cu, cu_cpu)
+        _, M, b = _state_pass_chunks(kc, vc, gc, A, bc)
+        h0 = _initial_state_kv(h0, table.N, v.shape[2], k.shape[3], v.shape[3], False, dt, q.device)
+        return _chunk_states_chunks(M, b, h0, table)[0]
+
+    def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
+        return chunk_state_gradients_reference(q, k, g, beta, do, dht, scale=scale, cu_seqlens=cu,
+                                               cu_seqlens_cpu=cu_cpu, compute_dtype=self.compute_dtype)
+
+    def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
+        dt, table, qc, kc, vc, bc, gc, A = self._chunked(q, k, v, g, beta, cu, cu_cpu)
+        Ag = _gated_inverse_chunks(A, gc, bc)
+        doc = _chunks(do.to(dt), table, dt)
+        return _chunk_gradients(qc, kc, vc, bc, gc, A, Ag, states, ds_end, doc, table, scale, q.shape[2])

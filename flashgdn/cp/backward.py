@@ -1,0 +1,133 @@
+"""Exact context parallelism for the backward: the state-gradient walk of every segment in parallel.
+
+The backward's one sequential part is the walk of the state gradient over a sequence's chunks, last to first
+(``dS = M^T dS' + E^T dO`` per chunk). It is affine in the gradient at the walk's end, so over a segment s
+
+    dS_start(s) = M_s^T dS_end(s) + D_s
+
+with ``M_s`` the segment's forward transition (``S_end = M_s S_start + b_s``, the forward CP's, ``exact.py``) and
+``D_s`` the walk of the segment from a zero end gradient. ``cp_backward`` runs, on the segments of a
+``SegmentPlan`` as packed sequences:
+
+1. the forward's transitions and splice (``exact.py``): every segment's true start state;
+2. the walk of every segment from zero: ``D_s``;
+3. the reverse splice: ``dS_end(last segment) = d(final state)``, ``dS_end(s) = M_{s+1}^T dS_end(s+1) + D_{s+1}``,
+   sequentially over each sequence's segments, last to first, batched over sequences and heads;
+4. the backward's stages on every segment from its true states: the chunk states from the true start states,
+   the walk from the true end gradients (its start gradient of a first segment is d(initial state)), the
+   per-chunk gradients.
+
+With a plan that does not split (or none), only step 4 runs, on the sequences themselves. The stages are a
+backend's (``BackwardStages``): ``flashgdn.reference.chunked_backward.ReferenceBackwardStages`` in PyTorch,
+``flashgdn.kernels.hopper.backward.HopperBackwardStages`` on the GPU. As in the forward, nothing reads a device
+value on the host: loop counts come from the host plan, index tensors are built on the device.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple
+
+import torch
+
+from .exact import Forward, Gather, _splice, _transitions_one_pass, _transitions_two_passes
+from .plan import SegmentIndex, SegmentPlan, segment_index_tensors
+
+
+class BackwardStages(Protocol):
+    """A backend's backward in three stages, on packed sequences ``[1, T, ...]`` given by offsets ``cu`` (on the
+    device) and ``cu_cpu`` (their host copy), K-major float states ``[N, Hv, K, V]``. ``states`` and ``ds_end``
+    are the backend's own per-chunk tensors, passed from one stage to the next untouched."""
+
+    def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
+        """The forward's state at the start of every chunk, from start states ``h0`` (None: zero)."""
+
+    def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu) -> Tuple[object, torch.Tensor]:
+        """``(ds_end, ds_start)``: the state gradient at every chunk's end and ``[N, Hv, K, V]`` at every
+        sequence's start, from end gradients ``dht`` (None: zero)."""
+
+    def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
+        """``(dq, dk, dv, dg, dbeta)`` token-major ``[1, T, ...]``; tokens in no sequence get zeros."""
+
+
+def splice_reverse(gather: Gather, end: torch.Tensor, plan: SegmentPlan, index: SegmentIndex) -> torch.Tensor:
+    """The state gradient at the end of every segment, ``[num_segments, Hv, K, V]``: ``end[n]`` for sequence n's
+    last segment, then ``dS_end(s) = Mt[s + 1] dS_end(s + 1) + D[s + 1]`` towards its first, with
+    ``gather(src) -> (Mt[src], D[src])`` (fresh tensors, ``Mt`` the transposed transitions ``[N, Hv, K, K]``).
+
+    The mirror of ``exact._splice``: step i of every sequence at once writes row ``last - i``; a sequence with no
+    such row writes a spare row past the segments. No mask, no count read back from the device."""
+    S, N = plan.num_segments, plan.first.numel()
+    first, count = index.first, index.count
+    last = first + count - 1
+    ends = end.new_empty((S + N,) + tuple(end.shape[1:]))  # every row < S is written exactly once
+    ends[last] = end
+    steps = int(plan.count.max()) - 1
+    if steps <= 0:
+        return ends[:S]
+    dev = first.device
+    i = torch.arange(1, steps + 1, device=dev).unsqueeze(1)  # [steps, 1]
+    row = last - i  # [steps, N]
+    dst = torch.where(i < count, row, torch.arange(S, S + N, device=dev))
+    src = torch.maximum(row + 1, first)  # past a sequence's first segment: its first (unused)
+    K, V = end.shape[-2], end.shape[-1]
+    in_place = not torch.is_grad_enabled()
+    state = end
+    for j in range(steps):
+        Mt, D = gather(src[j])
+        if in_place:
+            D.view(-1, K, V).baddbmm_(Mt.reshape(-1, K, K), state.reshape(-1, K, V))
+        else:
+            D = torch.baddbmm(D.reshape(-1, K, V), Mt.reshape(-1, K, K), state.reshape(-1, K, V)).view(D.shape)
+        state = D
+        ends.index_copy_(0, dst[j], state)
+    return ends[:S]
+
+
+def cp_backward(
+    stages: BackwardStages,
+    forward: Optional[Forward],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor],
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    plan: Optional[SegmentPlan],
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the operator on packed sequences ``[1, T, ...]`` with offsets
+    ``cu_seqlens`` (on q's device; ``cu_seqlens_cpu`` their host copy), K-major states, by ``stages`` on the
+    plan's segments (module docstring). ``forward`` (``exact.cp_forward``'s kind) runs the forward transitions;
+    it is not called when the plan does not split. ``dht``: the final state's gradient or None; ``dh0`` is the
+    initial state's gradient, float, also without an initial state (the caller drops it)."""
+    Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if plan is None or not plan.split:
+        cu_cpu = plan.seg_cu if plan is not None else cu_seqlens_cpu
+        states = stages.chunk_states(q, k, v, g, beta, initial_state, cu_seqlens, cu_cpu)
+        ds_end, dh0 = stages.state_gradients(q, k, g, beta, do, dht, scale, cu_seqlens, cu_cpu)
+        grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu_seqlens, cu_cpu)
+        return (*grads, dh0)
+
+    index = segment_index_tensors(plan, cu_seqlens)
+    seg_cu, seg_cu_cpu = index.seg_cu, plan.seg_cu
+    h0 = (initial_state.to(sdt) if initial_state is not None
+          else torch.zeros((N, Hv, K, V), dtype=sdt, device=q.device))
+    # 1. every segment's true start state
+    transitions = _transitions_one_pass if K == V else _transitions_two_passes
+    gather = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
+    starts = _splice(gather, h0, plan, index)
+    # 2, 3. every segment's true end gradient
+    _, D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)
+    D = D.to(sdt)
+    end = dht.to(sdt) if dht is not None else torch.zeros((N, Hv, K, V), dtype=sdt, device=q.device)
+    ends = splice_reverse(lambda src: (gather(src)[0].transpose(-1, -2), D.index_select(0, src)), end, plan, index)
+    # 4. the stages on every segment from its true states
+    states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
+    ds_end, ds_start = stages.state_gradients(q, k, g, beta, do, ends, scale, seg_cu, seg_cu_cpu)
+    grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, seg_cu, seg_cu_cpu)
+    return (*grads, ds_start.index_select(0, index.first))

@@ -1,0 +1,125 @@
+"""Exact context parallelism for the backward on the CPU (``flashgdn.cp.backward``): the segment driver around the
+float64 reference stages equals the backward without segments up to rounding, for any gate and unnormalised
+keys, with and without initial state and final-state gradient; and it reads nothing back from the device."""
+import pytest
+import torch
+
+from flashgdn.cp import split_sequences
+from flashgdn.cp.backward import cp_backward, splice_reverse
+from flashgdn.cp.plan import segment_index_tensors
+from flashgdn.reference.chunked_backward import ReferenceBackwardStages, chunk_gated_delta_rule_backward_reference
+from helpers import rel_rms
+from test_cp import CASES, DeviceOps, _meta_forward, _meta_inputs, _packed_case, ref_forward
+
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _grads(case, K, V, with_h0=True, with_dht=True):
+    q, k, v, g, beta, h0, cu = _packed_case(case, K, V)
+    h0 = h0 if with_h0 else None
+    gen = torch.Generator().manual_seed(11)
+    do = torch.randn(v.shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn((cu.shape[0] - 1, v.shape[2], K, V), generator=gen, dtype=torch.float64) if with_dht else None
+    want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=0.3, initial_state=h0,
+                                                     cu_seqlens=cu)
+    return (q, k, v, g, beta, do, dht, h0, cu), want
+
+
+@pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])  # V = K: the forward transitions in one doubled pass; else two
+@pytest.mark.parametrize("segment_chunks", [1, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cp_backward_equals_the_backward_without_segments(case, segment_chunks, K, V):
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(case, K, V)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    with torch.no_grad():
+        got = cp_backward(ReferenceBackwardStages(), ref_forward, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+    for name, x, w in zip(NAMES, got, want):
+        if w is not None:  # no initial state: no dh0 to compare
+            assert rel_rms(x, w) < 1e-10, name
+
+
+@pytest.mark.parametrize("with_h0,with_dht", [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("grad", [False, True])  # with autograd on, the reverse splice does not write in place
+def test_cp_backward_without_initial_state_or_final_gradient(with_h0, with_dht, grad):
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(1, 16, 16, with_h0, with_dht)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), 2)
+    assert plan.split
+    with torch.set_grad_enabled(grad):
+        got = cp_backward(ReferenceBackwardStages(), ref_forward, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+    for name, x, w in zip(NAMES[:5], got, want):
+        assert rel_rms(x, w) < 1e-10, name
+    if with_h0:
+        assert rel_rms(got[5], want[5]) < 1e-10
+
+
+@pytest.mark.parametrize("plan_kind", ["none", "unsplit"])
+def test_cp_backward_without_segments_runs_the_stages_once(plan_kind):
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(0, 16, 16)
+    plan = None if plan_kind == "none" else split_sequences((cu[1:] - cu[:-1]).tolist(), None)
+    got = cp_backward(ReferenceBackwardStages(), None, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+    for name, x, w in zip(NAMES, got, want):
+        assert torch.equal(x, w), name  # the same computation as the backward itself (case 0 has h0)
+
+
+def test_splice_reverse_matches_a_loop_over_each_sequence():
+    seqlens = [640, 64, 0, 1000, 200]
+    plan = split_sequences(seqlens, 3)
+    cu = torch.tensor([0] + seqlens).cumsum(0)
+    index = segment_index_tensors(plan, cu)
+    S, N, H, K, V = plan.num_segments, len(seqlens), 2, 4, 3
+    gen = torch.Generator().manual_seed(2)
+    Mt = torch.randn((S, H, K, K), generator=gen, dtype=torch.float64)
+    D = torch.randn((S, H, K, V), generator=gen, dtype=torch.float64)
+    end = torch.randn((N, H, K, V), generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        got = splice_reverse(lambda src: (Mt.index_select(0, src), D.index_select(0, src)), end, plan, index)
+    for n in range(N):
+        first, count = int(plan.first[n]), int(plan.count[n])
+        state = end[n]
+        for s in reversed(range(first, first + count)):
+            assert torch.allclose(got[s], state, atol=1e-12), (n, s)
+            state = Mt[s] @ state + D[s]
+
+
+class _MetaStages:
+    """Backward stages on meta tensors with the shapes of the real ones; records what the driver hands them."""
+
+    def __init__(self, plan):
+        self.plan, self.calls = plan, []
+
+    def _check(self, name, cu, cu_cpu):
+        assert cu.device.type == "meta" and cu_cpu.device.type == "cpu"
+        assert cu_cpu.tolist() == self.plan.seg_cu.tolist()
+        self.calls.append(name)
+
+    def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
+        self._check("chunk_states", cu, cu_cpu)
+        assert h0.shape[0] == self.plan.num_segments
+        return q.new_empty((1,))
+
+    def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
+        self._check("state_gradients" if dht is not None else "state_gradients_from_zero", cu, cu_cpu)
+        S, Hv, K, V = self.plan.num_segments, do.shape[2], k.shape[3], do.shape[3]
+        return q.new_empty((1,)), torch.empty((S, Hv, K, V), device="meta")
+
+    def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
+        self._check("chunk_gradients", cu, cu_cpu)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+                torch.empty_like(beta))
+
+
+@pytest.mark.parametrize("with_dht", [True, False])
+def test_cp_backward_reads_nothing_back_from_the_device(with_dht):
+    seqlens = [1000, 37, 0, 300, 64, 4096]
+    plan = split_sequences(seqlens, 2)
+    q, k, v, g, beta, h0 = _meta_inputs(sum(seqlens), 16, 16, False, N=len(seqlens))
+    do = torch.empty(v.shape, device="meta", dtype=v.dtype)
+    dht = torch.empty(h0.shape, device="meta") if with_dht else None
+    cu = torch.tensor([0] + seqlens).cumsum(0).to(device="meta", dtype=torch.int32)
+    stages, passes = _MetaStages(plan), []
+    with torch.no_grad(), DeviceOps():
+        dq, dk, dv, dg, dbeta, dh0 = cp_backward(stages, _meta_forward(plan, passes), q, k, v, g, beta, do, dht,
+                                                 0.1, h0, plan, cu, torch.tensor([0] + seqlens).cumsum(0))
+    assert passes == [(8, False)], "the forward transitions: one state-only pass of twice the value heads"
+    assert stages.calls == ["state_gradients_from_zero", "chunk_states", "state_gradients", "chunk_gradients"]
+    assert dh0.shape == h0.shape and dq.shape == q.shape
