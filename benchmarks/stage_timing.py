@@ -5,7 +5,9 @@
 For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk plan, the ``kkt_inverse``
 stage, each chunk-loop kernel ("simple", "ws", "rs", "uw" and the state-only
 variants of rs and uw) and the whole op (with the rs and the uw loop), without and with context parallelism
-(``cp=16``, ``cp=64``), and prints them beside the DESIGN.md floor.
+(``cp=16``, ``cp=64``), and prints them beside the DESIGN.md floor. With ``--backward`` also the Hopper backward's
+stages (stage 1 storing A, the chunk states, the state-gradient walk, ``chunk_grad``), the whole backward
+without and with the context parallelism the cost model picks, and the backward's peak extra memory.
 """
 import argparse
 import json
@@ -67,6 +69,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--loops", default="simple,ws,rs", help="chunk-loop kernels to time: simple,ws,rs,uw")
+    ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--no-paired", action="store_true",
                     help="leave out the op with the paired CP transition pass (FLASHGDN_HOPPER_CP_PAIRED)")
     args = ap.parse_args(argv)
@@ -143,6 +146,8 @@ def main(argv=None):
         if not args.no_paired:
             times["op_cpauto_pairs"] = lambda: paired("auto")
             times["op_cp64_pairs"] = lambda: paired(64)
+        if args.backward:
+            times.update(backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale))
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
                "kkt_finite": bool(Ag[bounds[:, 1] > 0].isfinite().all())}
@@ -164,6 +169,8 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - report and go on
                     row[name] = None
                     row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
+        if args.backward:
+            row["bwd_peak_extra_mib"] = backward_peak_mib(q, k, v, g, beta, h0, cu, cu_cpu, scale)
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"),
@@ -172,6 +179,10 @@ def main(argv=None):
             ("op", "op"), ("op rs", "op_rs"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto"),
             ("op cp=auto paired", "op_cpauto_pairs"), ("op cp=64 paired", "op_cp64_pairs")]
     cols += [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
+    if args.backward:
+        cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),
+                 ("bwd chunk_grad", "bwd_chunk_grad"), ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto"),
+                 ("bwd MiB", "bwd_peak_extra_mib")]
     print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for r in rows:
@@ -182,6 +193,49 @@ def main(argv=None):
         with open(args.out, "w") as fh:
             json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     return 0
+
+
+def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
+    """The Hopper backward's stages and the whole of it, as callables to time."""
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper.backend import HopperBackend
+    from flashgdn.kernels.hopper.backward import HopperBackwardStages, _plan_and_stage1, hopper_backward
+
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    do = torch.randn(v.shape, generator=gen, device=q.device).to(v.dtype)
+    dht = torch.randn(h0.shape, generator=gen, device=q.device)
+    st = HopperBackwardStages()
+    with torch.no_grad():
+        states = st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu)
+        ds_end, _ = st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu)
+    p = validate(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                 cu_seqlens_cpu=cu_cpu)
+    plan = HopperBackend._plan(p)
+    return {
+        "bwd_stage1": lambda: _plan_and_stage1(q, k, g, beta, cu, store_inverse=True),
+        "bwd_states": lambda: st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
+        "bwd_walk": lambda: st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
+        "bwd_chunk_grad": lambda: st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu),
+        "bwd": lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu),
+        "bwd_cpauto": lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, plan, cu_cpu),
+    }
+
+
+def backward_peak_mib(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> float:
+    """Peak device memory the Hopper backward allocates beyond what exists before it (MiB), without CP."""
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    do = torch.randn_like(v)
+    dht = torch.randn_like(h0)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2 ** 20
 
 
 if __name__ == "__main__":

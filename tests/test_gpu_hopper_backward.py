@@ -163,6 +163,37 @@ def test_hopper_backward_matches_the_float64_backward(case, with_dht, cuda):
             assert (x[:, end:] == 0).all(), name
 
 
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)),
+    dict(seqlens=[2048, 2048], dense=True, Hqk=1, Hv=2, state_v_first=True, initial_state=False),
+])
+def test_hopper_backward_with_context_parallelism(opts, paired, monkeypatch, cuda):
+    """The backward on segments of 4 chunks (``cp.cp_backward`` with the kernels' stages): the walk of every
+    segment in parallel from the reverse splice's end gradients, on the same bars against float64."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.backward import hopper_backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    monkeypatch.setattr(backend, "CP_PAIRED", paired)
+    inp, do, dht, svf = _backward_inputs(opts, cuda)
+    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    cu = inp.get("cu_seqlens")
+    plan = split_sequences(opts["seqlens"], 4)
+    scale = 128 ** -0.5
+    got = hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf, plan, None if cu is None else cu.cpu())
+    want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
+                                                     cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+    bars = (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR, GRAD_BAR)
+    for name, x, w, bar in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want, bars):
+        if w is None:
+            assert x is None, name
+            continue
+        assert torch.isfinite(x).all(), name
+        assert rel_rms(x.double(), w) < bar, name
+
+
 def test_hopper_backward_is_deterministic(cuda):
     from flashgdn.kernels.hopper.backward import hopper_backward
 
@@ -174,11 +205,13 @@ def test_hopper_backward_is_deterministic(cuda):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("cp", ["off", 4])
 @pytest.mark.parametrize("l2norm", [False, True])
 @pytest.mark.parametrize("ratio", [1, 2, 4, 8])
-def test_op_gradients_through_the_kernel_backward(ratio, l2norm, monkeypatch, cuda):
+def test_op_gradients_through_the_kernel_backward(ratio, l2norm, cp, monkeypatch, cuda):
     """The public op with the Hopper backward's kernels (FLASHGDN_HOPPER_BACKWARD=kernels): autograd gradients,
-    with the L2 norm's backward in front of them, against the float64 reference op's autograd."""
+    with the L2 norm's backward in front of them, against the float64 reference op's autograd; without context
+    parallelism and on segments of 4 chunks (forward and backward)."""
     from flashgdn import chunk_gated_delta_rule
     from flashgdn.kernels.hopper import backend
 
@@ -193,7 +226,8 @@ def test_op_gradients_through_the_kernel_backward(ratio, l2norm, monkeypatch, cu
     grads = {}
     for backend_name, dtype in (("hopper", None), ("reference", torch.float64)):
         xs = {n: (inp[n].to(dtype) if dtype else inp[n]).detach().clone().requires_grad_(True) for n in names}
-        o, ht = chunk_gated_delta_rule(**{**inp, **xs}, output_final_state=True, backend=backend_name)
+        o, ht = chunk_gated_delta_rule(**{**inp, **xs}, output_final_state=True, backend=backend_name,
+                                       cp=cp if backend_name == "hopper" else "off")
         torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
         grads[backend_name] = {n: xs[n].grad for n in names}
     for n in names:

@@ -115,3 +115,29 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, checked_k
     assert checked_kernels[1][1]["num_seqs"] == plan.num_segments
     assert o.shape == p.v.shape
     assert (final is None) != output_final_state
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, checked_kernels, monkeypatch):
+    """The backward on the forward's segments (``cp.cp_backward``): the paired transition pass, the walk from
+    zero, then the stages from the spliced states and gradients."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(backend, "CP_PAIRED", True)  # the 2/8 kernels test_kernels_compile.py has compiled
+    seqlens = [700, 30, 300]
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, pad=5,
+                      initial_state=with_h0)
+    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    plan = split_sequences(seqlens, 4)
+    assert plan.split
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    dht = torch.randn((3, 8, 128, 128))
+    grads = hopper_backward(q, k, v, g, beta, do, dht, 0.1, h0, cu, False, plan, cu.clone())
+    names = [c[0] for c in checked_kernels]
+    assert names == ["kkt_inverse", "chunk_forward_rs",  # the forward transitions (stage 1 and the paired pass)
+                     "kkt_inverse", "state_grad_walk",  # stage 1 with A on the segments, the walk from zero
+                     "chunk_forward_rs", "state_grad_walk", "chunk_grad"]
+    assert all(c[1].get("num_seqs", plan.num_segments) == plan.num_segments for c in checked_kernels)
+    assert grads[0].shape == q.shape and (grads[5] is None) == (h0 is None)

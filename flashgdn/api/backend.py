@@ -29,17 +29,18 @@ class Backend:
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         raise NotImplementedError
 
-    def backward(self, q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-                 state_v_first) -> tuple:
-        """``(dq, dk, dv, dg, dbeta, dh0 or None)`` for output gradient ``do`` and final-state gradient ``dht``
-        (None: 0); q and k as the forward used them (normalised when it normalised). Any floating dtype; the
-        caller casts to the inputs' dtypes. The default is the written-out backward of the chunked form in
-        PyTorch (``flashgdn.reference.chunked_backward``; float32, float64 for float64 inputs)."""
+    def backward(self, p: GDNProblem, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
+                 dht: Optional[torch.Tensor]) -> tuple:
+        """``(dq, dk, dv, dg, dbeta, dh0 or None)`` of this backend's forward of ``p``, for output gradient ``do``
+        and final-state gradient ``dht`` (None: 0); ``q``, ``k`` as the forward used them (normalised when it
+        normalised; the L2 norm's backward is the caller's). Any floating dtype; the caller casts to the inputs'
+        dtypes. The default is the written-out backward of the chunked form in PyTorch
+        (``flashgdn.reference.chunked_backward``; float32, float64 for float64 inputs)."""
         from ..reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
         return chunk_gated_delta_rule_backward_reference(
-            q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first)
+            q, k, p.v, p.g, p.beta, do, dht, scale=p.scale, initial_state=p.initial_state,
+            cu_seqlens=p.cu_seqlens, cu_seqlens_cpu=p.cu_seqlens_cpu, state_v_first=p.state_v_first)
 
 
 _REGISTRY: Dict[str, Callable[[], Backend]] = {}

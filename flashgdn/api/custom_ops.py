@@ -89,15 +89,15 @@ def chunk_gdr_bwd(
     scale: float,
     state_v_first: bool,
     backend: str,
+    cp: str,
 ) -> List[Tensor]:
     from .dispatch import known_backends, select_backend
     from .validate import validate
 
     p = validate(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                  cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first, backend=backend,
-                 known_backends=known_backends(), check_values=False, cp="off")
-    grads = select_backend(p, backend).backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens,
-                                                cu_seqlens_cpu, state_v_first)
+                 known_backends=known_backends(), check_values=False, cp=cp)
+    grads = select_backend(p, backend).backward(p, q, k, do, dht)
     res = [gr.to(x.dtype) for x, gr in zip((q, k, v, g, beta), grads[:5])]
     if initial_state is None:
         res.append(q.new_empty((0,), dtype=_state_dtype(q.dtype)))
@@ -108,7 +108,7 @@ def chunk_gdr_bwd(
 
 @chunk_gdr_bwd.register_fake
 def _chunk_gdr_bwd_fake(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
-                        backend):
+                        backend, cp):
     res = [torch.empty_like(x) for x in (q, k, v, g, beta)]
     res.append(q.new_empty((0,), dtype=_state_dtype(q.dtype)) if initial_state is None
                else torch.empty_like(initial_state))
@@ -116,7 +116,7 @@ def _chunk_gdr_bwd_fake(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, cu
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first, backend, _ = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first, backend, cp = inputs
     ctx.has_initial_state = initial_state is not None
     ctx.has_cu_seqlens = cu_seqlens is not None
     ctx.cu_seqlens_cpu = cu_seqlens_cpu  # host copy: the recompute plans its chunks without a device sync
@@ -127,6 +127,7 @@ def _setup_context(ctx, inputs, output):
     ctx.output_final_state = output_final_state
     ctx.state_v_first = state_v_first
     ctx.backend = backend
+    ctx.cp = cp
 
 
 def _backward(ctx, do, dht):
@@ -138,7 +139,7 @@ def _backward(ctx, do, dht):
         do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashgdn.chunk_gdr_bwd(
         do.contiguous(), None if dht is None else dht.contiguous(), q, k, v, g, beta, h0, cu, ctx.cu_seqlens_cpu,
-        ctx.scale, ctx.state_v_first, ctx.backend)
+        ctx.scale, ctx.state_v_first, ctx.backend, ctx.cp)
     return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None), None, None, None, None, None, None, None
 
 

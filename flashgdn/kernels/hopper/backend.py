@@ -52,6 +52,7 @@ class _HopperGDN(torch.autograd.Function):
         ctx.output_final_state = output_final_state
         ctx.state_v_first = state_v_first
         ctx.has_initial_state = initial_state is not None
+        ctx.plan = plan
         if ht is None:
             return o
         return o, ht
@@ -63,20 +64,23 @@ class _HopperGDN(torch.autograd.Function):
             do = torch.zeros_like(v)
         grads = hopper_gradients(q, k, v, g, beta, do.contiguous(),
                                  None if (dht is None or not ctx.output_final_state) else dht.contiguous(),
-                                 ctx.scale, initial_state, cu_seqlens, ctx.cu_seqlens_cpu, ctx.state_v_first)
+                                 ctx.scale, initial_state, cu_seqlens, ctx.cu_seqlens_cpu, ctx.state_v_first, ctx.plan)
         res = [None if gr is None else gr.to(x.dtype)
                for gr, x in zip(grads, (q, k, v, g, beta, initial_state))]
         return (*res, None, None, None, None, None, None, None)
 
 
-def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first):
-    """The backend's backward (``BACKWARD``): ``(dq, dk, dv, dg, dbeta, dh0 or None)``, not yet cast."""
+def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first,
+                     plan=None):
+    """The backend's backward (``BACKWARD``): ``(dq, dk, dv, dg, dbeta, dh0 or None)``, not yet cast. The kernels
+    run on the forward's context-parallel ``plan`` (None: no segments); the PyTorch backward ignores it."""
     if BACKWARD not in BACKWARDS:
         raise ValueError(f"FLASHGDN_HOPPER_BACKWARD must be one of {BACKWARDS}, got {BACKWARD!r}")
     if BACKWARD == "kernels":
         from .backward import hopper_backward
 
-        return hopper_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, state_v_first)
+        return hopper_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, state_v_first, plan,
+                               cu_seqlens_cpu)
     from ...reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     return chunk_gated_delta_rule_backward_reference(
@@ -140,25 +144,28 @@ class HopperBackend(Backend):
             raise NotImplementedError(
                 f"backend='hopper' takes bfloat16 or float16 q/k/v, got {p.dtype}; backend='reference' runs float32/float64")
 
-    def backward(self, q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-                 state_v_first) -> tuple:
-        return hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-                                state_v_first)
+    def backward(self, p: GDNProblem, q, k, do, dht) -> tuple:
+        return hopper_gradients(q, k, p.v, p.g, p.beta, do, dht, p.scale, p.initial_state, p.cu_seqlens,
+                                p.cu_seqlens_cpu, p.state_v_first, self._plan(p))
 
-    def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        # in float32, then back: the kernels take normalised bf16/fp16 q and k
-        q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
+    @staticmethod
+    def _plan(p: GDNProblem):
+        """The context-parallel plan of ``p``: cp="auto" means AUTO_CP (FLASHGDN_HOPPER_CP=auto|off|<chunks>,
+        default auto: the cost model); a segment length always runs CP."""
         from ...cp import plan_for_problem
 
-        # cp="auto" means AUTO_CP (FLASHGDN_HOPPER_CP=auto|off|<chunks>, default auto: the cost model); a
-        # segment length always runs CP
         if p.cp == "auto":
             from dataclasses import replace
 
             from ...cp.plan import parse_cp
 
             p = replace(p, cp=parse_cp(AUTO_CP))
-        plan = plan_for_problem(p, auto=True)
+        return plan_for_problem(p, auto=True)
+
+    def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # in float32, then back: the kernels take normalised bf16/fp16 q and k
+        q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
+        plan = self._plan(p)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
                                p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first, p, plan)
         if p.output_final_state:

@@ -10,6 +10,9 @@ Pipeline, mirroring the forward (``forward.py``) and following ``reference/chunk
   2.  ``chunk_grad``      per (chunk, value head): dv, dq and dk per value head, dg, dbeta; q and k gradients are
                           then summed over each qk head's group (when it has more than one value head)
 
+``HopperBackwardStages`` is these stages in the form ``flashgdn.cp.backward`` drives, so the backward runs with
+exact context parallelism (every segment's walk in parallel) on the forward's segment plan.
+
 Autograd saves the inputs alone (q, k, v, g, beta, the initial state); the backward's largest buffers are the
 chunk states and their gradients, ``[S, Hv, V, K]`` in the io dtype each (S = number of chunk slots, about T/64),
 and with GVA the per-value-head dq and dk in float32. Like the forward, everything here is device-side work with
@@ -112,6 +115,60 @@ def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return st1.A, st1.Ag, st1.bounds
 
 
+class HopperBackwardStages:
+    """The Hopper backward as the three stages of ``flashgdn.cp.backward.BackwardStages`` (packed ``[1, T, ...]``
+    inputs, K-major float32 states): the chunk states (``hopper_chunk_states``), the walk
+    (``hopper_state_gradients``) and ``chunk_grad``. Stages 0 and 1 run once per set of offsets and are shared
+    by the three (the driver hands them the same ``cu`` tensor). States and state gradients pass between the
+    stages as the kernels' per-slot ``[S, Hv, V, K]`` io-dtype tensors."""
+
+    def __init__(self):
+        self._cu = None
+        self._stage1 = None
+
+    def _stage1_for(self, q, k, g, beta, cu):
+        if self._cu is not cu:
+            self._stage1 = _plan_and_stage1(q, k, g, beta, cu, store_inverse=True)
+            self._cu = cu
+        return self._stage1
+
+    def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
+        h0 = None if h0 is None else h0.to(torch.float32).contiguous()
+        return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu))[0]
+
+    def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
+        dht = None if dht is None else dht.to(torch.float32).contiguous()
+        ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu,
+                                                _stage1=self._stage1_for(q, k, g, beta, cu))
+        return ds_end, dh0
+
+    def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
+        from .chunk_grad import build_chunk_grad
+
+        (qf, kf), _, _, st1 = self._stage1_for(q, k, g, beta, cu)
+        _, TT, Hqk, K = q.shape
+        Hv, V = v.shape[2], v.shape[3]
+        group = Hv // Hqk
+        dev = q.device
+        # tokens past the last sequence belong to no chunk and are never written: zeros, unless the host copy of
+        # the offsets says there are none
+        tail = cu_cpu is None or int(cu_cpu[-1]) < TT
+        alloc = torch.zeros if tail else torch.empty
+        qk_grad = q.dtype if group == 1 else torch.float32
+        dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
+        dq = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
+        dk = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
+        dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+        dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), tl_dtype(qk_grad))(
+            qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
+            st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
+        if group > 1:  # each qk head's value heads, summed in a fixed order: deterministic
+            dq = dq.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
+            dk = dk.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
+        return dq, dk, dv, dg, dbeta
+
+
 def hopper_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,46 +181,39 @@ def hopper_backward(
     initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
     state_v_first: bool = False,
+    plan=None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """All gradients of the Hopper forward, by stages 0-2 (module docstring). q, k (normalised as the forward
-    used them), v, do: contiguous bf16/fp16 ``[B, T, H, D]``; g, beta ``[B, T, Hv]``; the states (initial state
-    and ``dht``, the final state's gradient or None) in the ``state_v_first`` layout.
+    """All gradients of the Hopper forward, by stages 0-2 (module docstring), on the segments of ``plan`` (a
+    ``flashgdn.cp`` plan; None or unsplit: the sequences themselves) through ``flashgdn.cp.cp_backward``.
+    q, k (normalised as the forward used them), v, do: contiguous bf16/fp16 ``[B, T, H, D]``; g, beta
+    ``[B, T, Hv]``; the states (initial state and ``dht``, the final state's gradient or None) in the
+    ``state_v_first`` layout; ``cu_seqlens_cpu`` the host copy of ``cu_seqlens`` if there is one.
 
     Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk, dv in q's dtype, dg and dbeta float32 (the caller casts to
     the inputs' dtypes), dh0 float32 in the initial state's layout, or None without an initial state. Gradients
     of tokens past ``cu_seqlens[-1]`` are zero."""
-    from .chunk_grad import build_chunk_grad
+    from ...cp.backward import cp_backward
+    from .backend import CP_PAIRED, _HopperSegmentsForward
+    from .forward import PRECISE
 
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    group = Hv // Hqk
-    dev = q.device
     TT = B * T
-    io = tl_dtype(q.dtype)
-    stage1 = _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=True)
-    (qf, kf), cu, N, st1 = stage1
+    cu, N = packed_offsets(cu_seqlens, B, T, q.device)
+    cu_cpu = cu_seqlens_cpu if cu_seqlens is not None else torch.arange(0, (B + 1) * T, T)
+
+    def packed(x):
+        return x.reshape((1, TT) + tuple(x.shape[2:]))
 
     def k_major(x):
         return None if x is None else (x.transpose(-1, -2) if state_v_first else x).to(torch.float32).contiguous()
 
-    states, _ = hopper_chunk_states(q, k, v, g, beta, k_major(initial_state), cu_seqlens, _stage1=stage1)
-    ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, k_major(dht), scale, cu_seqlens, _stage1=stage1)
-
-    # rows past cu_seqlens[-1] belong to no chunk and are never written: zeros (dense input has no such rows)
-    alloc = torch.empty if cu_seqlens is None else torch.zeros
-    qk_grad = q.dtype if group == 1 else torch.float32
-    dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
-    dq = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
-    dk = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
-    dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-    dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-    kernel = build_chunk_grad(Hqk, Hv, K, V, io, tl_dtype(qk_grad))
-    kernel(qf, kf, v.reshape(1, TT, Hv, V), do.reshape(1, TT, Hv, V).contiguous(), st1.gcum,
-           beta.reshape(1, TT, Hv).to(torch.float32).contiguous(), st1.Ag, st1.A, st1.bounds, states, ds_end,
-           float(scale), dv, dq, dk, dg, dbeta)
-    if group > 1:  # each qk head's value heads, summed in a fixed order: deterministic
-        dq = dq.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
-        dk = dk.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
+    split = plan is not None and plan.split
+    forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE) if split else None
+    dq, dk, dv, dg, dbeta, dh0 = cp_backward(
+        HopperBackwardStages(), forward, packed(q), packed(k), packed(v), packed(g), packed(beta),
+        packed(do).contiguous(), k_major(dht), scale, k_major(initial_state), plan, cu, cu_cpu)
     if initial_state is not None:
         dh0 = dh0.transpose(-1, -2) if state_v_first else dh0
     else:
