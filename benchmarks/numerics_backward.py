@@ -1,0 +1,189 @@
+"""What the Hopper backward's bf16 operands cost in accuracy, predicted on the CPU before the GPU runs it.
+
+    python benchmarks/numerics_backward.py [--tokens 4096] [--heads 2]
+
+Emulates, for one sequence and ``--heads`` value heads of one qk head (K = V = 128), the three stages of the
+Hopper backward with their rounding points (``rnd``): the forward states of the rs loop's store_chunk_states
+variant (S, W, Vn as bf16 register operands, Ag and P bf16 tiles, S stored in bf16), the state-gradient walk
+(``state_grad_walk.py``: dS'^T, X^T and Y^T diag(gamma) as bf16 register operands, P and Qg bf16 tiles, dS' stored
+in bf16) and ``chunk_grad.py`` (every shared-memory operand in bf16: W, gamma KS, Vn, P, dVn, dA, -gamma dW,
+d Vn, dQK, A^T dA, dKK; A in bf16 for its GEMMs and float32 elsewhere; accumulators in float32). Everything else is
+float64. It prints each gradient's relative RMS against the float64 chunked backward on the same (bf16-valued)
+inputs, beside the bars of DESIGN.md §3, for a normal, a strong and a zero gate; and the same with no rounding
+(``rnd`` the identity), which must come out at float64 precision (a check of the emulation itself).
+"""
+import argparse
+
+import torch
+
+C, K, V = 64, 128, 128
+BARS = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dh0": 8e-3}
+
+
+def bf16(x):
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def exact(x):
+    return x
+
+
+def _chunks(T):
+    return [(c0, min(C, T - c0)) for c0 in range(0, T, C)]
+
+
+def _tile(x, n):
+    out = torch.zeros((C,) + tuple(x.shape[1:]), dtype=x.dtype)
+    out[:n] = x
+    return out
+
+
+def _chunk_tensors(kc, gcum, bet, rnd):
+    lower = torch.ones(C, C, dtype=kc.dtype).tril()
+    Gam = (gcum[:, None] - gcum[None, :]).clamp(max=0).exp() * lower
+    A = torch.linalg.inv(torch.eye(C, dtype=kc.dtype) + torch.tril(bet[:, None] * (kc @ kc.T), -1))
+    return Gam, A, rnd(Gam * A * bet[None, :])
+
+
+def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16):
+    """Gradients of one sequence ``(dq, dk, dv, dg, dbeta, dh0)``: q, k ``[T, K]`` (one qk head), v, do
+    ``[T, H, V]``, g, beta ``[T, H]``, h0, dht ``[H, K, V]``; q and k gradients summed over the H value heads."""
+    T, H = v.shape[0], v.shape[1]
+    chunks = _chunks(T)
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    dv, dg, dbeta = torch.zeros_like(v), torch.zeros_like(g), torch.zeros_like(beta)
+    dh0 = torch.zeros_like(h0)
+    for h in range(H):
+        tiles = []
+        for c0, n in chunks:
+            gc = g[c0:c0 + n, h].cumsum(0)
+            G = _tile(gc, n)
+            G[n:] = gc[-1]
+            Q, Kc, Vc, dO, bet = (_tile(x, n) for x in (q[c0:c0 + n], k[c0:c0 + n], v[c0:c0 + n, h],
+                                                         do[c0:c0 + n, h], beta[c0:c0 + n, h]))
+            Gam, A, Ag = _chunk_tensors(Kc, G, bet, rnd)
+            P = rnd(scale * Gam * (Q @ Kc.T))
+            tiles.append((c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P))
+        # the forward states (rs loop, state-only, storing S^T rounded at every chunk's start)
+        S, states = h0[h].clone(), []
+        for (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in tiles:
+            states.append(rnd(S))
+            gam, dec = G.exp(), (G[-1] - G).exp()
+            W = Vc - gam[:, None] * (Kc @ rnd(S))
+            Vn = Ag @ rnd(W)
+            S = G[-1].exp() * S + Kc.T @ rnd(Vn * dec[:, None])
+        # the walk (dS^T in registers), storing dS'^T rounded at every chunk's end
+        dS, ends = dht[h].clone(), [None] * len(tiles)
+        for i in reversed(range(len(tiles))):
+            c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P = tiles[i]
+            ends[i] = rnd(dS)
+            gam, dec = G.exp(), (G[-1] - G).exp()
+            XT = (rnd(dS.T) @ Kc.T) * dec[None, :] + dO.T @ P
+            YT = rnd(XT) @ Ag
+            Qg = rnd(scale * gam[:, None] * Q)
+            dS = (G[-1].exp() * dS.T + rnd(-YT * gam[None, :]) @ Kc + dO.T @ Qg).T
+        dh0[h] = dS
+        # chunk_grad, one chunk at a time
+        for i, (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in enumerate(tiles):
+            St, dSt = states[i].T, ends[i].T  # the kernel's S^T and dS'^T tiles
+            gam, dec = G.exp(), (G[-1] - G).exp()
+            Ab = rnd(A)
+            sd = (dSt * St).sum()
+            gks = gam[:, None] * (Kc @ St.T)
+            W, gks_t = rnd(Vc - gks), rnd(gks)
+            Vn = rnd(Ag @ W)
+            X = dec[:, None] * (Kc @ dSt.T)
+            tdec = (X * Vn).sum(1)
+            dVn = rnd(X + P.T @ dO)
+            E = (dVn @ W.T) * Gam
+            db1 = (E * A).sum(0)
+            EAb = E * A * bet[None, :]
+            ta = EAb.sum(1) - EAb.sum(0)
+            dA = rnd(E * bet[None, :])
+            dW = Ag.T @ dVn
+            tw = (dW * gks_t).sum(1)
+            dWg = rnd(-gam[:, None] * dW)
+            lower = torch.ones(C, C, dtype=q.dtype).tril()
+            dP = (dO @ Vn.T) * lower
+            tp = (dP * P).sum(1) - (dP * P).sum(0)
+            dQK = rnd(scale * Gam * dP)
+            Vnd = rnd(dec[:, None] * Vn)
+            dqs = scale * gam[:, None] * (dO @ St)
+            tq = (dqs * Q).sum(1)
+            dqc = dqs + dQK @ Kc
+            Y = rnd(Ab.T @ dA)
+            dL = -torch.tril(Y @ Ab.T, -1)
+            db2 = (dL * (Kc @ Kc.T)).sum(1)
+            dKK = rnd(bet[:, None] * dL)
+            dkc = dQK.T @ Q + dWg @ St + Vnd @ dSt + dKK @ Kc + dKK.T @ Kc
+            dgc = tq - tw - tdec + tp + ta
+            upper = torch.ones(C, C, dtype=q.dtype).triu()
+            dgt = (upper * dgc[None, :]).sum(1) + tdec.sum() + G[-1].exp() * sd
+            dv[c0:c0 + n, h] = rnd(dW[:n])
+            dq[c0:c0 + n] += dqc[:n]
+            dk[c0:c0 + n] += dkc[:n]
+            dg[c0:c0 + n, h] = dgt[:n]
+            dbeta[c0:c0 + n, h] = (db1 + db2)[:n]
+    return rnd(dq), rnd(dk), dv, dg, dbeta, dh0
+
+
+def inputs(T, H, gate, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = bf16(torch.nn.functional.normalize(randn(T, K), dim=-1))
+    k = bf16(torch.nn.functional.normalize(randn(T, K), dim=-1))
+    v = bf16(randn(T, H, V))
+    if gate == "zero":
+        g = torch.zeros(T, H, dtype=torch.float64)
+    elif gate == "strong":
+        g = -torch.nn.functional.softplus(randn(T, H)) * torch.linspace(1, 16, H, dtype=torch.float64)
+    else:
+        g = torch.nn.functional.logsigmoid(randn(T, H)) / 16
+    beta = torch.sigmoid(randn(T, H))
+    h0 = randn(H, K, V)
+    do = bf16(randn(T, H, V))
+    dht = randn(H, K, V)
+    return q, k, v, g, beta, h0, do, dht
+
+
+def reference(q, k, v, g, beta, h0, do, dht, scale):
+    """The float64 chunked backward on the same inputs (one sequence, Hqk = 1)."""
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    T, H = v.shape[:2]
+    return chunk_gated_delta_rule_backward_reference(
+        q[None, :, None], k[None, :, None], v[None], g[None], beta[None], do[None], dht[None], scale=scale,
+        initial_state=h0[None], cu_seqlens=torch.tensor([0, T]))
+
+
+def rel(x, ref):
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=2, help="value heads of the one qk head (GVA)")
+    args = ap.parse_args(argv)
+    scale = K ** -0.5
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    print(f"{args.tokens} tokens, {args.heads} value heads of one qk head; relative RMS against the float64 "
+          f"chunked backward (bars: {', '.join(f'{n} {BARS[n]:.0e}' for n in names)})")
+    for gate in ("normal", "strong", "zero"):
+        x = inputs(args.tokens, args.heads, gate)
+        want = reference(*x, scale)
+        want = [w[0, :, 0] if i < 2 else w[0] for i, w in enumerate(want)]
+        for label, rnd in (("bf16 (the kernels)", bf16), ("no rounding", exact)):
+            got = emulate(*x, scale, rnd=rnd)
+            errs = {n: rel(a, w) for n, a, w in zip(names, got, want)}
+            over = [n for n in names if errs[n] > BARS[n]]
+            print(f"  gate {gate:6s} {label:18s} " + "  ".join(f"{n} {errs[n]:.1e}" for n in names)
+                  + (f"  OVER THE BAR: {', '.join(over)}" if over and rnd is bf16 else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""The backward's numerics emulation (``benchmarks/numerics_backward.py``, CPU): without rounding it is the float64
+backward (so the emulated stages, the walk's transposed forms included, are the right algebra), and with the
+kernels' bf16 rounding points its gradients stay inside the bars of DESIGN.md §3."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "numerics_backward.py")
+_spec = importlib.util.spec_from_file_location("numerics_backward", _PATH)
+nb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(nb)
+
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+@pytest.mark.parametrize("gate", ["normal", "strong", "zero"])
+def test_emulated_backward_without_rounding_is_the_float64_backward(gate):
+    x = nb.inputs(300, 2, gate)
+    want = nb.reference(*x, nb.K ** -0.5)
+    want = [w[0, :, 0] if i < 2 else w[0] for i, w in enumerate(want)]
+    got = nb.emulate(*x, nb.K ** -0.5, rnd=nb.exact)
+    for n, a, w in zip(NAMES, got, want):
+        assert nb.rel(a, w) < 1e-12, n
+
+
+def test_emulated_bf16_backward_is_inside_the_bars():
+    x = nb.inputs(700, 2, "zero")  # no decay: every rounding stays in the states
+    want = nb.reference(*x, nb.K ** -0.5)
+    want = [w[0, :, 0] if i < 2 else w[0] for i, w in enumerate(want)]
+    got = nb.emulate(*x, nb.K ** -0.5, rnd=nb.bf16)
+    for n, a, w in zip(NAMES, got, want):
+        err = nb.rel(a, w)
+        assert 1e-4 < err < nb.BARS[n], (n, err)  # rounded (not exact), and inside the bar
