@@ -181,7 +181,7 @@ def main(argv=None):
     cols += [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
     if args.backward:
         cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),
-                 ("bwd chunk_grad", "bwd_chunk_grad"), ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto"),
+                 ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto"),
                  ("bwd MiB", "bwd_peak_extra_mib")]
     print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
@@ -211,8 +211,18 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
     p = validate(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                  cu_seqlens_cpu=cu_cpu)
     plan = HopperBackend._plan(p)
+    def chunk_grad_256():
+        from flashgdn.kernels.hopper import backward
+
+        saved, backward.CHUNK_GRAD_THREADS = backward.CHUNK_GRAD_THREADS, 256
+        try:
+            return st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)
+        finally:
+            backward.CHUNK_GRAD_THREADS = saved
+
     return {
         "bwd_stage1": lambda: _plan_and_stage1(q, k, g, beta, cu, store_inverse=True),
+        "bwd_chunk_grad_256": chunk_grad_256,
         "bwd_states": lambda: st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
         "bwd_walk": lambda: st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
         "bwd_chunk_grad": lambda: st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu),

@@ -194,6 +194,26 @@ def test_hopper_backward_with_context_parallelism(opts, paired, monkeypatch, cud
         assert rel_rms(x.double(), w) < bar, name
 
 
+def test_chunk_grad_on_two_warpgroups_matches_one(monkeypatch, cuda):
+    """The 256-thread build of ``chunk_grad`` (backward.CHUNK_GRAD_THREADS, an A/B): the same gradients up to the
+    order of its float32 sums, and on the bars."""
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    inp, do, dht, _ = _backward_inputs(dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), cuda)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
+            inp["cu_seqlens"])
+    one = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "CHUNK_GRAD_THREADS", 256)
+    two = backward.hopper_backward(*args)
+    want = chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
+                                                     cu_seqlens=args[9], compute_dtype=torch.float64)
+    bars = (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR, GRAD_BAR)
+    for name, a, b, w, bar in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), one, two, want, bars):
+        assert rel_rms(b.double(), a.double()) < 1e-3, name
+        assert rel_rms(b.double(), w) < bar, name
+
+
 def test_hopper_backward_is_deterministic(cuda):
     from flashgdn.kernels.hopper.backward import hopper_backward
 

@@ -18,12 +18,18 @@ chunk states and their gradients, ``[S, Hv, V, K]`` in the io dtype each (S = nu
 and with GVA the per-value-head dq and dk in float32. Like the forward, everything here is device-side work with
 shapes known on the host: no synchronisation, capturable in a CUDA graph.
 """
+import os
 from typing import Optional, Tuple
 
 import torch
 
 from .common import tl_dtype
 from .forward import _output, hopper_stage1, packed_offsets
+
+
+#: threads of ``chunk_grad``: 128 (one warpgroup, the default) or 256 (two, splitting every GEMM's N), an A/B
+#: to be measured on the GPU (``benchmarks/stage_timing.py --backward``). FLASHGDN_HOPPER_CHUNK_GRAD_THREADS.
+CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "128"))
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
@@ -160,7 +166,7 @@ class HopperBackwardStages:
         dk = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), tl_dtype(qk_grad))(
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), tl_dtype(qk_grad), CHUNK_GRAD_THREADS)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         if group > 1:  # each qk head's value heads, summed in a fixed order: deterministic

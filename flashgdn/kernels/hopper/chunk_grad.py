@@ -36,8 +36,10 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_dtype: str = "float32"):
-    """Compile (or load) the kernel. Arguments, in order:
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_dtype: str = "float32",
+                     threads: int = 128):
+    """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256, two that split every GEMM's N and
+    every elementwise loop). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -87,7 +89,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
         dg: T.Tensor((1, num_tokens, Hv), "float32"),
         dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
     ):
-        with T.Kernel(num_slots, Hv, threads=128) as (slot, h):
+        with T.Kernel(num_slots, Hv, threads=threads) as (slot, h):
             hq = h // group
             t0 = bounds[slot, 0]
             n_rows = bounds[slot, 1]
