@@ -214,6 +214,33 @@ def test_chunk_grad_on_two_warpgroups_matches_one(monkeypatch, cuda):
         assert rel_rms(b.double(), w) < bar, name
 
 
+@pytest.mark.parametrize("cp", ["off", 4])
+@pytest.mark.parametrize("dense", [False, True])
+def test_kernel_backward_reads_nothing_back_from_the_gpu(dense, cp, monkeypatch, cuda):
+    """Forward and backward through autograd with the kernel backward under sync debug mode "error" (host copy
+    of the offsets given, or dense input), without and with context parallelism."""
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "BACKWARD", "kernels")
+    opts = dict(seqlens=[1024, 1024], dense=True) if dense else dict(seqlens=[2000, 64, 3], pad=7)
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, requires_grad=True, **opts)
+    if not dense:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+
+    def step():
+        o, ht = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=cp)
+        (o.float().square().sum() + ht.square().sum()).backward()
+
+    step()  # compiles and loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_hopper_backward_is_deterministic(cuda):
     from flashgdn.kernels.hopper.backward import hopper_backward
 
