@@ -3,7 +3,7 @@
 #   source .device/setup.sh && tar -xJf .device/kcache.tar.xz -C "$TILELANG_CACHE_DIR" && scripts/gpu_round.sh "$OUT"
 # 1. the tests of the newest kernels (the pytest -k expression GPU_ROUND_NEW: the Hopper backward, the paired
 #    CP pass, the captured training step, torch.compile) in a run of their own (gpu-new.log), so that a hang there
-#    cannot cost the rest their results; 2. stage timings of the forward (rs and uw loops, the op with and without
+#    cannot cost the rest their results (the CP splice kernel too); 2. stage timings of the forward (rs and uw loops, the op with and without
 #    context parallelism) and of the backward's stages (stages.json, stages.log); 3. flashgdn's forward + backward
 #    with the backward kernels (FLASHGDN_HOPPER_BACKWARD=kernels) on the bwd set's part 1/4 (16/32), gradients
 #    checked and memory recorded (bench-bwd.json, bench-bwd.log), if the new tests passed; 4. the rest of the GPU
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 
 deselect=(--deselect tests/test_bench_cli.py::test_harness_on_the_gpu)
 [ "${GPU_ROUND_HARNESS:-0}" = 1 ] && deselect=()
-new=${GPU_ROUND_NEW:-hopper_backward or paired or training_step or fullgraph}
+new=${GPU_ROUND_NEW:-hopper_backward or paired or splice or training_step or fullgraph}
 timeout "${GPU_ROUND_NEW_TEST_S:-160}" python3 -m pytest -m gpu -q -rfEx --durations=10 "${deselect[@]}" -k "$new" \
   > "$out/gpu-new.log" 2>&1
 rc=$?

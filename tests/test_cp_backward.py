@@ -123,3 +123,62 @@ def test_cp_backward_reads_nothing_back_from_the_device(with_dht):
     assert passes == [(8, False)], "the forward transitions: one state-only pass of twice the value heads"
     assert stages.calls == ["state_gradients_from_zero", "chunk_states", "state_gradients", "chunk_gradients"]
     assert dh0.shape == h0.shape and dq.shape == q.shape
+
+
+def _splice_from_pairs(pairs, D, start, plan, reverse):
+    """What the Hopper splice kernel computes (``kernels/hopper/splice.py``), written as its per-sequence loop:
+    from the pairs ``[S, 2 Hv, K, V]`` (head 2h: b, 2h + 1: M)."""
+    out = torch.empty((plan.num_segments,) + tuple(start.shape[1:]), dtype=start.dtype)
+    b, M = pairs[:, 0::2], pairs[:, 1::2]
+    for n in range(start.shape[0]):
+        f, c = int(plan.first[n]), int(plan.count[n])
+        if reverse:
+            state = start[n]
+            out[f + c - 1] = state
+            for s in range(f + c - 1, f, -1):
+                state = M[s].transpose(-1, -2) @ state + D[s]
+                out[s - 1] = state
+        else:
+            out[f] = start[n]
+            for s in range(f, f + c - 1):
+                state = b[s] if s == f else M[s] @ state + b[s]
+                out[s + 1] = state
+    return out
+
+
+class _ForwardWithOwnSplice:
+    """The reference forward with ``splice`` / ``splice_reverse`` hooks (as the Hopper forward offers with its
+    splice kernel), computed by the kernel's loop; records that the drivers used them."""
+
+    def __init__(self):
+        self.used = []
+
+    def __call__(self, *args, **kwargs):
+        return ref_forward(*args, **kwargs)
+
+    def splice(self, pairs, h0, plan, index):
+        self.used.append("splice")
+        return _splice_from_pairs(pairs, None, h0, plan, reverse=False)
+
+    def splice_reverse(self, pairs, D, end, plan, index):
+        self.used.append("splice_reverse")
+        return _splice_from_pairs(pairs, D, end, plan, reverse=True)
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 3])
+@pytest.mark.parametrize("case", [1, 2, 4])
+def test_cp_drivers_use_the_forwards_own_splice(case, segment_chunks):
+    from flashgdn.cp import cp_forward
+
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(case, 16, 16)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    fwd = _ForwardWithOwnSplice()
+    with torch.no_grad():
+        got = cp_backward(ReferenceBackwardStages(), fwd, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+        o, ht = cp_forward(fwd, q, k, v, g, beta, 0.3, h0, True, plan, cu)
+        o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.3, h0, cu, True)
+    assert fwd.used == ["splice", "splice_reverse", "splice"]
+    for name, x, w in zip(NAMES, got, want):
+        if w is not None:
+            assert rel_rms(x, w) < 1e-10, name
+    assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10

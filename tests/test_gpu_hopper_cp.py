@@ -131,3 +131,52 @@ def test_paired_transition_pass_gives_the_same_bits(opts, cuda, monkeypatch):
         monkeypatch.setattr(backend, "CP_PAIRED", True)
         o1, h1 = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
     assert torch.equal(o1, o0) and torch.equal(h1, h0)
+
+
+@pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([640] * 4, 10)])
+def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, cuda):
+    """``splice.py`` (forward and reverse) against the torch splices on random transitions, float32 both: equal up
+    to the order of the float32 sums."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.cp.backward import splice_reverse
+    from flashgdn.cp.exact import _splice
+    from flashgdn.cp.plan import segment_index_tensors
+    from flashgdn.kernels.hopper.forward import hopper_splice
+
+    plan = split_sequences(seqlens, segment_chunks)
+    cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
+    index = segment_index_tensors(plan, cu)
+    S, N, Hv, K = plan.num_segments, len(seqlens), 4, 128
+    gen = torch.Generator(device=cuda).manual_seed(5)
+    pairs = torch.randn((S, 2 * Hv, K, K), generator=gen, device=cuda) / K ** 0.5  # M of norm ~1
+    D = torch.randn((S, Hv, K, K), generator=gen, device=cuda)
+    start = torch.randn((N, Hv, K, K), generator=gen, device=cuda)
+    b, M = pairs[:, 0::2], pairs[:, 1::2]
+    with torch.no_grad():
+        want_fwd = _splice(lambda src: (M.index_select(0, src), b.index_select(0, src)), start, plan, index)
+        want_rev = splice_reverse(lambda src: (M.index_select(0, src).transpose(-1, -2), D.index_select(0, src)),
+                                  start, plan, index)
+        got_fwd = hopper_splice(pairs, start, index.first, index.count, S)
+        got_rev = hopper_splice(pairs, start, index.first, index.count, S, D=D)
+    assert rel_rms(got_fwd, want_fwd) < 1e-5
+    assert rel_rms(got_rev, want_rev) < 1e-5
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
+])
+def test_cp_with_the_splice_kernel(opts, cuda, monkeypatch):
+    """FLASHGDN_HOPPER_CP_SPLICE=kernel: the op's CP forward with the splice kernel equals the torch splice's up to
+    the order of float32 sums in the splice (~1e-6 in the start states; o in bf16 then flips a few last bits)."""
+    from flashgdn.kernels.hopper import backend
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    with torch.no_grad():
+        o0, h0 = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
+        monkeypatch.setattr(backend, "CP_SPLICE_KERNEL", True)
+        o1, h1 = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
+    assert rel_rms(o1.float(), o0.float()) < 1e-3
+    assert rel_rms(h1, h0) < 1e-4

@@ -119,13 +119,19 @@ def cp_backward(
           else torch.zeros((N, Hv, K, V), dtype=sdt, device=q.device))
     # 1. every segment's true start state
     transitions = _transitions_one_pass if K == V else _transitions_two_passes
-    gather = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
-    starts = _splice(gather, h0, plan, index)
-    # 2, 3. every segment's true end gradient
+    gather, pairs = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
+    own, own_reverse = getattr(forward, "splice", None), getattr(forward, "splice_reverse", None)
+    starts = own(pairs, h0, plan, index) if own and pairs is not None else _splice(gather, h0, plan, index)
+    # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan, index)``
+    # when it has one)
     _, D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)
     D = D.to(sdt)
     end = dht.to(sdt) if dht is not None else torch.zeros((N, Hv, K, V), dtype=sdt, device=q.device)
-    ends = splice_reverse(lambda src: (gather(src)[0].transpose(-1, -2), D.index_select(0, src)), end, plan, index)
+    if own_reverse and pairs is not None:
+        ends = own_reverse(pairs, D, end, plan, index)
+    else:
+        ends = splice_reverse(lambda src: (gather(src)[0].transpose(-1, -2), D.index_select(0, src)), end, plan,
+                              index)
     # 4. the stages on every segment from its true states
     states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
     ds_end, ds_start = stages.state_gradients(q, k, g, beta, do, ends, scale, seg_cu, seg_cu_cpu)

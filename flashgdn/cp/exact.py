@@ -98,7 +98,7 @@ def _twice(x: torch.Tensor) -> torch.Tensor:
 
 def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index):
     """Steps 1 and 2 as two passes: b from zero (first segments from h0), M from the identity with v = 0.
-    Returns ``gather`` for the splice."""
+    Returns ``(gather, None)``: ``gather`` for the splice, no pairs tensor."""
     S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
     b_start = h0.new_zeros((S, Hv, K, V))
     b_start[index.first] = h0
@@ -107,7 +107,7 @@ def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index):
     zeros = torch.zeros((1, v.shape[1], Hv, K), dtype=v.dtype, device=v.device)
     _, M = forward(q, k, zeros, g, beta, scale, eye, index.seg_cu, True, plan.seg_cu, need_output=False)
     M, b = M.to(h0.dtype), b.to(h0.dtype)
-    return lambda src: (M.index_select(0, src), b.index_select(0, src))
+    return (lambda src: (M.index_select(0, src), b.index_select(0, src))), None
 
 
 def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
@@ -115,8 +115,9 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
     and head 2h + 1 its M pass (v = 0, identity start). Interleaving keeps both on qk head h // group, since
     (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two. A forward with a
     ``transition_pairs(q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu) -> end`` attribute runs that pass
-    from the undoubled inputs itself (``start``/``end``: ``[S, 2 Hv, K, V]``). Returns ``gather`` for the
-    splice: one gather of both (b, M) pairs per step."""
+    from the undoubled inputs itself (``start``/``end``: ``[S, 2 Hv, K, V]``). Returns ``(gather, pairs)``:
+    ``gather`` for the splice (one gather of both (b, M) pairs per step) and the pairs ``[S, 2 Hv, K, V]`` (head
+    2h: b of value head h, 2h + 1: its M), for a forward's own ``splice`` / ``splice_reverse``."""
     S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
     start = h0.new_empty((S, Hv, 2, K, V))
     start[:, :, 0].zero_()
@@ -134,13 +135,14 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
         v2 = v2.flatten(2, 3)
         _, end = forward(q, k, v2, _twice(g), _twice(beta), scale, start.flatten(1, 2), index.seg_cu, True,
                          plan.seg_cu, need_output=False)
-    end = end.to(h0.dtype).unflatten(1, (Hv, 2))
+    pairs = end.to(h0.dtype)
+    end = pairs.unflatten(1, (Hv, 2))
 
     def gather(src):
         pair = end.index_select(0, src)
         return pair[:, :, 1], pair[:, :, 0]
 
-    return gather
+    return gather, pairs
 
 
 def cp_forward(
@@ -171,9 +173,14 @@ def cp_forward(
 
     if plan.split:
         transitions = _transitions_one_pass if K == V else _transitions_two_passes
-        gather = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
-        # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i
-        starts = _splice(gather, h0, plan, index)
+        gather, pairs = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
+        # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i; by the forward's own splice when it
+        # has one (``splice(pairs, h0, plan, index) -> starts``, e.g. one fused kernel)
+        own = getattr(forward, "splice", None)
+        if own is not None and pairs is not None:
+            starts = own(pairs, h0, plan, index)
+        else:
+            starts = _splice(gather, h0, plan, index)
     else:
         starts = h0
     # 4. every segment from its true start state

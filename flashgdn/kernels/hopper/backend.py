@@ -92,23 +92,43 @@ def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens
 #: with the forward over the segments (FLASHGDN_HOPPER_CP_PAIRED=1); off until it has run on the GPU
 CP_PAIRED = os.environ.get("FLASHGDN_HOPPER_CP_PAIRED", "0") == "1"
 
+#: context parallelism's splice (forward) and reverse splice (backward) as one kernel each (``splice.py``) instead
+#: of three small torch kernels per step (FLASHGDN_HOPPER_CP_SPLICE=kernel); off until it has run on the GPU
+CP_SPLICE_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_SPLICE", "torch") == "kernel"
+
 
 class _HopperSegmentsForward:
     """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp`` (the
     state-only kernel when no output is needed). With ``paired`` it also offers ``transition_pairs``: the
     transition pass from undoubled inputs (``forward.hopper_transition_pairs``), keeping stages 0 and 1 for the
-    forward over the same segments that follows."""
+    forward over the same segments that follows. With the splice kernel (``CP_SPLICE_KERNEL`` by default) it
+    offers ``splice`` and ``splice_reverse``, which the CP drivers then use (``forward.hopper_splice``)."""
 
-    def __init__(self, paired: bool):
+    def __init__(self, paired: bool, splice_kernel: Optional[bool] = None):
         self._stage1 = None
         if paired:
             self.transition_pairs = self._transition_pairs
+        if CP_SPLICE_KERNEL if splice_kernel is None else splice_kernel:
+            self.splice = self._splice
+            self.splice_reverse = self._splice_reverse
 
     def __call__(self, q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu, need_output=True):
         from .forward import hopper_forward
 
         return hopper_forward(q, k, v, g, beta, scale, h0.to(torch.float32).contiguous(), output_final_state,
                               cu.to(torch.int32), False, with_output=need_output, stage1=self._stage1)
+
+    @staticmethod
+    def _splice(pairs, h0, plan, index):
+        from .forward import hopper_splice
+
+        return hopper_splice(pairs, h0, index.first, index.count, plan.num_segments)
+
+    @staticmethod
+    def _splice_reverse(pairs, D, end, plan, index):
+        from .forward import hopper_splice
+
+        return hopper_splice(pairs, end, index.first, index.count, plan.num_segments, D=D)
 
     def _transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu):
         from .forward import hopper_stage1, hopper_transition_pairs

@@ -290,3 +290,22 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     kernel(q, k, v, stage1.gcum, stage1.Ag, cu_seqlens, stage1.first_slot, start.to(torch.float32).contiguous(),
            1.0, o1, end)
     return end
+
+
+def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                  num_segments: int, D: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Context parallelism's splice in one kernel (``splice.py``): from the transition pass's ``pairs``
+    ``[S, 2 Hv, K, V]`` float32, every segment's start state from the sequences' initial states ``start``
+    ``[N, Hv, K, V]`` (forward), or, with ``D`` (the walk of every segment from zero, ``[S, Hv, K, V]``), every
+    segment's end gradient from the final states' gradients ``start`` (backward). ``first``/``count``: each
+    sequence's first segment and segment count (``flashgdn.cp.SegmentIndex``). Returns ``[S, Hv, K, V]``."""
+    from .splice import build_splice
+
+    _, Hv, K, V = start.shape
+    reverse = D is not None
+    out = _output((num_segments, Hv, K, V), torch.float32, start.device)
+    start = start.to(torch.float32).contiguous()
+    build_splice(Hv, K, V, reverse)(pairs.to(torch.float32).contiguous(),
+                                    D.to(torch.float32).contiguous() if reverse else start, start,
+                                    first.to(torch.int64), count.to(torch.int64), out)
+    return out

@@ -37,6 +37,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs"), "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True))
+            for reverse in (False, True):  # context parallelism's splice kernel (FLASHGDN_HOPPER_CP_SPLICE=kernel)
+                yield (f"splice[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
+                       dict(Hv=Hv, K=K, V=V, reverse=reverse))
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False))
@@ -67,6 +70,10 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         for v in forward_variants(Hqk, 2 * Hv, K, V, dtype, "common"):
             name = v[0].split("[")[0]
             if name == "kkt_inverse" or name == "chunk_forward_rs_state":
+                yield v
+    if backend.CP_SPLICE_KERNEL:
+        for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
+            if v[0].startswith("splice[") and v[0].endswith(",forward]"):
                 yield v
 
 
@@ -110,6 +117,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_uw import build_chunk_forward_uw
 
         return build_chunk_forward_uw(**kwargs)
+    if builder == "splice":
+        from .splice import build_splice
+
+        return build_splice(**kwargs)
     if builder == "chunk_grad":
         from .chunk_grad import build_chunk_grad
 
