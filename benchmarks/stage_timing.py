@@ -5,8 +5,8 @@
 For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk plan, the ``kkt_inverse``
 stage, each chunk-loop kernel ("simple", "ws", "rs", "uw" and the state-only
 variants of rs and uw) and the whole op (with the rs and the uw loop), without and with context parallelism
-(``cp=16``, ``cp=64``; with the paired transition pass and with the splice kernel), and prints them beside the
-DESIGN.md floor. With ``--backward`` also the Hopper backward's
+(``cp=16``, ``cp=64``; with the paired transition pass and with CP's fused index and splice kernels), and prints
+them beside the DESIGN.md floor. With ``--backward`` also the Hopper backward's
 stages (stage 1 storing A, the chunk states, the state-gradient walk, ``chunk_grad``), the whole backward
 without and with the context parallelism the cost model picks, and the backward's peak extra memory.
 """
@@ -144,21 +144,22 @@ def main(argv=None):
             finally:
                 backend.CP_PAIRED = saved
 
-        def splice_kernel(cp):  # the splice as one kernel (FLASHGDN_HOPPER_CP_SPLICE=kernel)
+        def fused(cp):  # CP's segment index and splice as one kernel each (FLASHGDN_HOPPER_CP_FUSED=1)
             from flashgdn.kernels.hopper import backend
 
-            saved, backend.CP_SPLICE_KERNEL = backend.CP_SPLICE_KERNEL, True
+            saved, backend.CP_FUSED = backend.CP_FUSED, True
             try:
                 return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                               cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper", cp=cp)
             finally:
-                backend.CP_SPLICE_KERNEL = saved
+                backend.CP_FUSED = saved
 
         if not args.no_paired:  # the kernels not yet run on a GPU when the last tests timed out
             times["op_cpauto_pairs"] = lambda: paired("auto")
             times["op_cp64_pairs"] = lambda: paired(64)
-            times["op_cp16_splice"] = lambda: splice_kernel(16)
-            times["op_cp64_splice"] = lambda: splice_kernel(64)
+            times["op_cp16_fused"] = lambda: fused(16)
+            times["op_cp64_fused"] = lambda: fused(64)
+            times["op_cpauto_fused"] = lambda: fused("auto")
         if args.backward:
             times.update(backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale))
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
@@ -191,7 +192,8 @@ def main(argv=None):
             ("rs state-only", "loop_rs_state"), ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
             ("op", "op"), ("op rs", "op_rs"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto"),
             ("op cp=auto paired", "op_cpauto_pairs"), ("op cp=64 paired", "op_cp64_pairs"),
-            ("op cp=16 splice kernel", "op_cp16_splice"), ("op cp=64 splice kernel", "op_cp64_splice")]
+            ("op cp=16 fused", "op_cp16_fused"), ("op cp=64 fused", "op_cp64_fused"),
+            ("op cp=auto fused", "op_cpauto_fused")]
     cols += [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
     if args.backward:
         cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),

@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 
 deselect=(--deselect tests/test_bench_cli.py::test_harness_on_the_gpu)
 [ "${GPU_ROUND_HARNESS:-0}" = 1 ] && deselect=()
-new=${GPU_ROUND_NEW:-hopper_backward or paired or splice or training_step}
+new=${GPU_ROUND_NEW:-hopper_backward or paired or splice or fused or segment_index or training_step}
 timeout "${GPU_ROUND_NEW_TEST_S:-200}" python3 -m pytest -m gpu -q -rfEx --durations=10 "${deselect[@]}" -k "$new" \
   > "$out/gpu-new.log" 2>&1
 rc=$?

@@ -147,14 +147,20 @@ def _splice_from_pairs(pairs, D, start, plan, reverse):
 
 
 class _ForwardWithOwnSplice:
-    """The reference forward with ``splice`` / ``splice_reverse`` hooks (as the Hopper forward offers with its
-    splice kernel), computed by the kernel's loop; records that the drivers used them."""
+    """The reference forward with ``segment_index`` / ``splice`` / ``splice_reverse`` hooks (as the Hopper forward
+    offers with its CP kernels), the splices computed by the kernel's loop; records that the drivers used them."""
 
     def __init__(self):
         self.used = []
 
     def __call__(self, *args, **kwargs):
         return ref_forward(*args, **kwargs)
+
+    def segment_index(self, plan, cu_seqlens):
+        from flashgdn.cp.plan import segment_index_tensors
+
+        self.used.append("segment_index")
+        return segment_index_tensors(plan, cu_seqlens)
 
     def splice(self, pairs, h0, plan, index):
         self.used.append("splice")
@@ -177,7 +183,7 @@ def test_cp_drivers_use_the_forwards_own_splice(case, segment_chunks):
         got = cp_backward(ReferenceBackwardStages(), fwd, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
         o, ht = cp_forward(fwd, q, k, v, g, beta, 0.3, h0, True, plan, cu)
         o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.3, h0, cu, True)
-    assert fwd.used == ["splice", "splice_reverse", "splice"]
+    assert fwd.used == ["segment_index", "splice", "splice_reverse", "segment_index", "splice"]
     for name, x, w in zip(NAMES, got, want):
         if w is not None:
             assert rel_rms(x, w) < 1e-10, name

@@ -166,9 +166,10 @@ def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, cuda):
     dict(seqlens=[8192]),
     dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
 ])
-def test_cp_with_the_splice_kernel(opts, cuda, monkeypatch):
-    """FLASHGDN_HOPPER_CP_SPLICE=kernel: the op's CP forward with the splice kernel equals the torch splice's up to
-    the order of float32 sums in the splice (~1e-6 in the start states; o in bf16 then flips a few last bits)."""
+def test_cp_with_the_fused_cp_kernels(opts, cuda, monkeypatch):
+    """FLASHGDN_HOPPER_CP_FUSED=1: the op's CP forward with the segment index and splice kernels equals the torch
+    version's up to the order of float32 sums in the splice (~1e-6 in the start states; o in bf16 then flips a
+    few last bits)."""
     from flashgdn.kernels.hopper import backend
 
     inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
@@ -176,7 +177,30 @@ def test_cp_with_the_splice_kernel(opts, cuda, monkeypatch):
         inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
     with torch.no_grad():
         o0, h0 = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
-        monkeypatch.setattr(backend, "CP_SPLICE_KERNEL", True)
+        monkeypatch.setattr(backend, "CP_FUSED", True)
         o1, h1 = chunk_gated_delta_rule(**inp, output_final_state=True, backend="hopper", cp=4)
     assert rel_rms(o1.float(), o0.float()) < 1e-3
     assert rel_rms(h1, h0) < 1e-4
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("segment_chunks", [1, 4, 64])
+def test_segment_index_kernel_equals_the_torch_index(segment_chunks, cu_dtype, cuda):
+    """``segment_index.py`` against ``segment_index_tensors``: the same integers, for empty, short and long
+    sequences and more than one block of 1024 sequences."""
+    import random
+
+    from flashgdn.cp import split_sequences
+    from flashgdn.cp.plan import segment_index_tensors
+    from flashgdn.kernels.hopper.forward import hopper_segment_index
+
+    rnd = random.Random(segment_chunks)
+    for seqlens in ([8192], [0, 5, 64, 65, 3000, 0, 1], [rnd.choice([0, 1, 64, rnd.randint(1, 5000)])
+                                                       for _ in range(2500)]):
+        plan = split_sequences(seqlens, segment_chunks)
+        cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0).to(cu_dtype)
+        want = segment_index_tensors(plan, cu)
+        got = hopper_segment_index(plan, cu)
+        for name in ("seg_cu", "seg_seq", "first", "count"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -47,17 +47,31 @@ class SignatureCheck:
                     bound = sizes.setdefault(str(dim), size)
                     assert bound == size, f"{where}: {dim} = {size} here, {bound} in an earlier argument"
         self.calls.append((self.name, sizes))
+        if self.name == "segment_index":  # later host code indexes with its outputs: give them their values
+            _fill_segment_index(*args)
+
+
+def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
+    """What ``segment_index.py`` writes (its math, in torch on the CPU)."""
+    lens = (cu[1:] - cu[:-1]).long()
+    count.copy_(((lens + step - 1) // step).clamp(min=1))
+    first.copy_(torch.cumsum(count, 0) - count)
+    seg_seq.copy_(torch.repeat_interleave(torch.arange(len(lens)), count))
+    within = torch.arange(seg_seq.numel()) - first[seg_seq]
+    seg_cu[:-1] = (cu[:-1].long()[seg_seq] + within * step).to(seg_cu.dtype)
+    seg_cu[-1] = cu[-1]
 
 
 @pytest.fixture
 def checked_kernels(monkeypatch):
     """Every kernel builder the host code uses, returning SignatureCheck stand-ins; yields the call log."""
-    from flashgdn.kernels.hopper import chunk_forward_rs, chunk_grad, kkt_inverse, splice, state_grad_walk
+    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_grad, kkt_inverse, segment_index, splice,
+                                         state_grad_walk)
 
     calls = []
     for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
                          (state_grad_walk, "build_state_grad_walk"), (chunk_grad, "build_chunk_grad"),
-                         (splice, "build_splice")):
+                         (splice, "build_splice"), (segment_index, "build_segment_index")):
         real = getattr(module, attr)
 
         def builder(*args, _real=real, _name=attr[len("build_"):], **kwargs):
@@ -118,18 +132,18 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, checked_k
     assert (final is None) != output_final_state
 
 
-@pytest.mark.parametrize("splice_kernel", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("with_h0", [True, False])
-def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, splice_kernel, checked_kernels,
-                                                                   monkeypatch):
+def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fused, checked_kernels, monkeypatch):
     """The backward on the forward's segments (``cp.cp_backward``): the paired transition pass, the walk from
-    zero, then the stages from the spliced states and gradients; the splices in torch or by the splice kernel."""
+    zero, then the stages from the spliced states and gradients; the segment index and the splices in torch or
+    by their kernels (FLASHGDN_HOPPER_CP_FUSED)."""
     from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backward import hopper_backward
 
     monkeypatch.setattr(backend, "CP_PAIRED", True)  # the 2/8 kernels test_kernels_compile.py has compiled
-    monkeypatch.setattr(backend, "CP_SPLICE_KERNEL", splice_kernel)
+    monkeypatch.setattr(backend, "CP_FUSED", fused)
     seqlens = [700, 30, 300]
     inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, pad=5,
                       initial_state=with_h0)
@@ -140,14 +154,15 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, spli
     dht = torch.randn((3, 8, 128, 128))
     grads = hopper_backward(q, k, v, g, beta, do, dht, 0.1, h0, cu, False, plan, cu.clone())
     names = [c[0] for c in checked_kernels]
-    splices = ["splice"] if splice_kernel else []
-    assert names == (["kkt_inverse", "chunk_forward_rs"]  # the forward transitions (stage 1 and the paired pass)
+    splices = ["splice"] if fused else []
+    assert names == (["segment_index"] * fused  # the plan's index tensors
+                     + ["kkt_inverse", "chunk_forward_rs"]  # the forward transitions (stage 1 and the paired pass)
                      + splices  # the segments' start states
                      + ["kkt_inverse", "state_grad_walk"]  # stage 1 with A on the segments, the walk from zero
                      + splices  # the segments' end gradients
                      + ["chunk_forward_rs", "state_grad_walk", "chunk_grad"])
     for name, sizes in checked_kernels:  # the loops run on segments; the splice on sequences, writing segments
-        if name == "splice":
+        if name in ("splice", "segment_index"):
             assert sizes["num_seqs"] == len(seqlens) and sizes["num_segments"] == plan.num_segments
         else:
             assert sizes.get("num_seqs", plan.num_segments) == plan.num_segments, name

@@ -45,5 +45,6 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     assert "chunk_forward_uw[2/8,bfloat16,h0=1,ht=1,v_first=0]" in names
     assert "chunk_forward_rs_pairs[2/8,bfloat16,h0=1,ht=1,v_first=0]" in names
     assert not any("2/16" in n for n in names)
-    monkeypatch.setattr(backend, "CP_SPLICE_KERNEL", True)
-    assert "splice[8,forward]" in [v[0] for v in serving_variants(2, 8, flags="common")]
+    monkeypatch.setattr(backend, "CP_FUSED", True)
+    names = [v[0] for v in serving_variants(2, 8, flags="common")]
+    assert "splice[8,forward]" in names and "segment_index[int32]" in names

@@ -28,8 +28,8 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
-from .exact import Forward, Gather, _splice, _transitions_one_pass, _transitions_two_passes
-from .plan import SegmentIndex, SegmentPlan, segment_index_tensors
+from .exact import Forward, Gather, _splice, _transitions_one_pass, _transitions_two_passes, segment_indices
+from .plan import SegmentIndex, SegmentPlan
 
 
 class BackwardStages(Protocol):
@@ -113,7 +113,7 @@ def cp_backward(
         grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu_seqlens, cu_cpu)
         return (*grads, dh0)
 
-    index = segment_index_tensors(plan, cu_seqlens)
+    index = segment_indices(forward, plan, cu_seqlens)
     seg_cu, seg_cu_cpu = index.seg_cu, plan.seg_cu
     h0 = (initial_state.to(sdt) if initial_state is not None
           else torch.zeros((N, Hv, K, V), dtype=sdt, device=q.device))

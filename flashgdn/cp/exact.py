@@ -91,6 +91,13 @@ def _splice(gather: Gather, h0: torch.Tensor, plan: SegmentPlan, index: SegmentI
     return starts[:S]
 
 
+def segment_indices(forward, plan: SegmentPlan, cu_seqlens: torch.Tensor) -> SegmentIndex:
+    """The plan's index tensors on the device: by the forward's own ``segment_index(plan, cu_seqlens)`` when it
+    has one (e.g. one kernel), else ``segment_index_tensors``."""
+    own = getattr(forward, "segment_index", None)
+    return own(plan, cu_seqlens) if own is not None else segment_index_tensors(plan, cu_seqlens)
+
+
 def _twice(x: torch.Tensor) -> torch.Tensor:
     """``[1, T, Hv, ...] -> [1, T, 2 Hv, ...]``, each head repeated."""
     return x.unsqueeze(3).expand(x.shape[:3] + (2,) + x.shape[3:]).flatten(2, 3)
@@ -166,7 +173,7 @@ def cp_forward(
     dev = q.device
     Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
     N = plan.first.numel()
-    index = segment_index_tensors(plan, cu_seqlens)
+    index = segment_indices(forward, plan, cu_seqlens)
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     h0 = (initial_state.to(sdt) if initial_state is not None
           else torch.zeros((N, Hv, K, V), dtype=sdt, device=dev))

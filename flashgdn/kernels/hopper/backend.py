@@ -92,23 +92,28 @@ def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens
 #: with the forward over the segments (FLASHGDN_HOPPER_CP_PAIRED=1); off until it has run on the GPU
 CP_PAIRED = os.environ.get("FLASHGDN_HOPPER_CP_PAIRED", "0") == "1"
 
-#: context parallelism's splice (forward) and reverse splice (backward) as one kernel each (``splice.py``) instead
-#: of three small torch kernels per step (FLASHGDN_HOPPER_CP_SPLICE=kernel); off until it has run on the GPU
-CP_SPLICE_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_SPLICE", "torch") == "kernel"
+#: context parallelism's own small work as one kernel each instead of many small torch kernels: the segment index
+#: tensors (``segment_index.py``, ~16 torch ops) and the splice and reverse splice (``splice.py``, three torch
+#: kernels per step) (FLASHGDN_HOPPER_CP_FUSED=1); off until they have run on the GPU
+CP_FUSED = os.environ.get("FLASHGDN_HOPPER_CP_FUSED", "0") == "1"
 
 
 class _HopperSegmentsForward:
     """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp`` (the
     state-only kernel when no output is needed). With ``paired`` it also offers ``transition_pairs``: the
     transition pass from undoubled inputs (``forward.hopper_transition_pairs``), keeping stages 0 and 1 for the
-    forward over the same segments that follows. With the splice kernel (``CP_SPLICE_KERNEL`` by default) it
-    offers ``splice`` and ``splice_reverse``, which the CP drivers then use (``forward.hopper_splice``)."""
+    forward over the same segments that follows. With ``fused`` (default ``CP_FUSED``) it offers
+    ``segment_index``, ``splice`` and ``splice_reverse``, which the CP drivers then use
+    (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
 
-    def __init__(self, paired: bool, splice_kernel: Optional[bool] = None):
+    def __init__(self, paired: bool, fused: Optional[bool] = None):
         self._stage1 = None
         if paired:
             self.transition_pairs = self._transition_pairs
-        if CP_SPLICE_KERNEL if splice_kernel is None else splice_kernel:
+        if CP_FUSED if fused is None else fused:
+            from .forward import hopper_segment_index
+
+            self.segment_index = hopper_segment_index
             self.splice = self._splice
             self.splice_reverse = self._splice_reverse
 

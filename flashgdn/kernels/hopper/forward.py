@@ -309,3 +309,25 @@ def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor,
                                     D.to(torch.float32).contiguous() if reverse else start, start,
                                     first.to(torch.int64), count.to(torch.int64), out)
     return out
+
+
+def hopper_segment_index(plan, cu_seqlens: torch.Tensor):
+    """Context parallelism's segment index tensors (``flashgdn.cp.SegmentIndex``) by one kernel
+    (``segment_index.py``) instead of ~16 small torch ops; ``flashgdn.cp.plan.segment_index_tensors`` when the
+    plan does not split."""
+    from ...cp.plan import SegmentIndex, segment_index_tensors
+    from .segment_index import build_segment_index
+
+    if plan.segment_chunks is None:
+        return segment_index_tensors(plan, cu_seqlens)
+    N, S = plan.first.numel(), plan.num_segments
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() != N + 1:
+        raise ValueError(f"cu_seqlens must be [N + 1] = [{N + 1}] for this plan, got {tuple(cu_seqlens.shape)}")
+    dev = cu_seqlens.device
+    seg_cu = torch.empty((S + 1,), dtype=cu_seqlens.dtype, device=dev)
+    seg_seq = torch.empty((S,), dtype=torch.int64, device=dev)
+    first = torch.empty((N,), dtype=torch.int64, device=dev)
+    count = torch.empty((N,), dtype=torch.int64, device=dev)
+    build_segment_index(tl_dtype(cu_seqlens.dtype))(cu_seqlens.contiguous(), plan.segment_chunks * CHUNK, seg_cu,
+                                                    seg_seq, first, count)
+    return SegmentIndex(seg_cu, seg_seq, first, count)

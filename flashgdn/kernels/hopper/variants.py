@@ -37,7 +37,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs"), "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True))
-            for reverse in (False, True):  # context parallelism's splice kernel (FLASHGDN_HOPPER_CP_SPLICE=kernel)
+            # context parallelism's own kernels (FLASHGDN_HOPPER_CP_FUSED=1): the segment index, the splices
+            for cu_dtype in ("int32", "int64"):
+                yield (f"segment_index[{cu_dtype}]", "segment_index", dict(cu_dtype=cu_dtype))
+            for reverse in (False, True):
                 yield (f"splice[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
                        dict(Hv=Hv, K=K, V=V, reverse=reverse))
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
@@ -71,9 +74,9 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             name = v[0].split("[")[0]
             if name == "kkt_inverse" or name == "chunk_forward_rs_state":
                 yield v
-    if backend.CP_SPLICE_KERNEL:
+    if backend.CP_FUSED:
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
-            if v[0].startswith("splice[") and v[0].endswith(",forward]"):
+            if v[0].startswith("segment_index[") or (v[0].startswith("splice[") and v[0].endswith(",forward]")):
                 yield v
 
 
@@ -117,6 +120,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_uw import build_chunk_forward_uw
 
         return build_chunk_forward_uw(**kwargs)
+    if builder == "segment_index":
+        from .segment_index import build_segment_index
+
+        return build_segment_index(**kwargs)
     if builder == "splice":
         from .splice import build_splice
 

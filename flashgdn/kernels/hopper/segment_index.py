@@ -1,0 +1,75 @@
+"""Context parallelism's segment index tensors, built on the device in one small kernel.
+
+For sequences n with lengths L_n (from ``cu_seqlens``) cut into segments of ``step`` tokens (a multiple of the
+chunk), a plan's index tensors (``flashgdn.cp.SegmentIndex``) are
+
+    count[n]  = max(1, ceil(L_n / step))        (an empty sequence is one empty segment)
+    first[n]  = sum_{m < n} count[m]
+    seg_seq[first[n] + i] = n,   seg_cu[first[n] + i] = cu[n] + i step,   seg_cu[S] = cu[N]
+
+with S, the number of segments, known on the host from the plan. The torch version
+(``flashgdn.cp.plan.segment_index_tensors``) takes about 16 small kernels; this is one, the chunk plan's pattern
+(``chunk_plan.py``): one CTA of 1024 threads walks the sequences 1024 at a time, an exclusive scan of the counts
+gives each thread its sequence's first segment, and the thread writes that sequence's segments.
+
+PyTorch counterpart: ``flashgdn.cp.plan.segment_index_tensors``.
+"""
+import functools
+
+from .common import TARGET, pass_configs
+
+
+@functools.lru_cache(maxsize=None)
+def build_segment_index(cu_dtype: str):
+    """Compile (or load) the kernel. Arguments: cu_seqlens [N + 1] (``cu_dtype``, int32 or int64), step int32
+    (segment length in tokens), seg_cu [S + 1] (``cu_dtype``), seg_seq [S] int64, first [N] int64, count [N]
+    int64 (all written)."""
+    import tilelang
+    import tilelang.language as T
+
+    NT = 1024
+    num_seqs = T.dynamic("num_seqs")
+    num_segments = T.dynamic("num_segments")
+
+    @T.prim_func
+    def segment_index_kernel(
+        cu_seqlens: T.Tensor((num_seqs + 1,), cu_dtype),
+        step: T.int32,
+        seg_cu: T.Tensor((num_segments + 1,), cu_dtype),
+        seg_seq: T.Tensor((num_segments,), "int64"),
+        first: T.Tensor((num_seqs,), "int64"),
+        count: T.Tensor((num_seqs,), "int64"),
+    ):
+        with T.Kernel(1, threads=NT) as _:
+            counts = T.alloc_shared((NT,), "int32")
+            ends = T.alloc_shared((NT,), "int32")
+            carry = T.alloc_shared((1,), "int32")
+            mine = T.alloc_local((2,), "int32")  # this thread's sequence: segment count, first segment
+            tx = T.get_thread_binding()
+            if tx == 0:
+                carry[0] = 0
+            for blk in T.serial(T.ceildiv(num_seqs, NT)):
+                n = blk * NT + tx
+                T.sync_threads()
+                if n < num_seqs:
+                    counts[tx] = T.max(T.ceildiv(T.cast(cu_seqlens[n + 1] - cu_seqlens[n], "int32"), step), 1)
+                else:
+                    counts[tx] = 0
+                T.sync_threads()
+                T.cumsum(counts, ends, dim=0)
+                T.sync_threads()
+                mine[0] = counts[tx]
+                mine[1] = carry[0] + ends[tx] - counts[tx]
+                if n < num_seqs:
+                    first[n] = T.cast(mine[1], "int64")
+                    count[n] = T.cast(mine[0], "int64")
+                    for i in T.serial(mine[0]):
+                        seg_seq[mine[1] + i] = T.cast(n, "int64")
+                        seg_cu[mine[1] + i] = cu_seqlens[n] + T.cast(i * step, cu_dtype)
+                T.sync_threads()
+                if tx == 0:
+                    carry[0] = carry[0] + ends[NT - 1]
+            if tx == 0:
+                seg_cu[num_segments] = cu_seqlens[num_seqs]
+
+    return tilelang.compile(segment_index_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
