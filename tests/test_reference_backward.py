@@ -71,7 +71,7 @@ def test_state_gradients_alone_match_autograd(case):
 
 def test_the_backward_kernels_transposed_formulas():
     """The per-chunk algebra of ``state_grad_walk`` (dS^T from dS'^T: X^T = (dS'^T K^T) diag(d) + dO^T P,
-    Y^T = X^T Ag, dS^T = gamma_C dS'^T - (Y^T diag(gamma)) K + dO^T Qg) and of ``chunk_grad_dv``
+    Y^T = X^T Ag, dS^T = gamma_C dS'^T - (Y^T diag(gamma)) K + dO^T Qg) and dV as ``chunk_grad`` forms it
     (dV = Ag^T (diag(d) K dS' + P^T dO)), in float64 on zero-padded 64-row chunks with a flat g~ past the end,
     as the kernels see them, against the reference backward."""
     from flashgdn.reference.chunked import chunk_local_cumsum, gated_inverse, kkt_inverse
@@ -120,104 +120,3 @@ def test_the_backward_kernels_transposed_formulas():
         chunk0 += n_chunks
     assert rel_rms(dv, want_dv) < 1e-12
 
-
-def _chunk_grad_tile(Q, Kc, Vc, dO, G, bet, S, dSe, scale):
-    """One CTA of ``chunk_grad`` in float64, in the kernel's order and with its rearrangements (operands scaled
-    before their GEMM, the gate as row dot products, the g~_last terms added to every row of the masked reverse
-    sum, <dS', S> folded onto 64 partial sums). Tiles are zero-padded to 64 rows with a flat g~ past the end."""
-    C = Q.shape[0]
-    lower = torch.ones(C, C, dtype=torch.float64).tril()
-    Gam = (G[:, None] - G[None, :]).clamp(max=0).exp() * lower
-    gam, dec = G.exp(), (G[-1] - G).exp()
-    L = torch.tril(bet[:, None] * (Kc @ Kc.T), -1)
-    A = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + L)  # padded rows: beta = 0, so A's diagonal is 1 there
-    Ag = Gam * A * bet[None, :]
-    sd = torch.zeros(C, dtype=torch.float64)
-    prod = dSe.T * S.T  # [V, K], the kernel's S^T and dS'^T tiles
-    for r in range(prod.shape[0]):
-        sd[r % C] += prod[r].sum()
-    gks = gam[:, None] * (Kc @ S)
-    W = Vc - gks
-    Vn = Ag @ W
-    P = scale * Gam * (Q @ Kc.T)
-    X = dec[:, None] * (Kc @ dSe)
-    tdec = (X * Vn).sum(1)
-    dVn = X + P.T @ dO
-    E = (dVn @ W.T) * Gam
-    db1 = (E * A).sum(0)
-    EAb = E * A * bet[None, :]
-    ta = EAb.sum(1) - EAb.sum(0)
-    dA = E * bet[None, :]
-    dW = Ag.T @ dVn
-    tw = (dW * gks).sum(1)
-    dP = (dO @ Vn.T) * lower
-    tp = (dP * P).sum(1) - (dP * P).sum(0)
-    dQK = scale * Gam * dP
-    dq = scale * gam[:, None] * (dO @ S.T)
-    tq = (dq * Q).sum(1)
-    dq = dq + dQK @ Kc
-    dL = -torch.tril(A.T @ dA @ A.T, -1)
-    db2 = (dL * (Kc @ Kc.T)).sum(1)
-    dKK = bet[:, None] * dL
-    dk = dQK.T @ Q + (-gam[:, None] * dW) @ S.T + (dec[:, None] * Vn) @ dSe.T + dKK @ Kc + dKK.T @ Kc
-    dgc = tq - tw - tdec + tp + ta
-    upper = torch.ones(C, C, dtype=torch.float64).triu()
-    dg = (upper * dgc[None, :]).sum(1) + tdec.sum() + G[-1].exp() * sd.sum()
-    return dW, dq, dk, dg, db1 + db2
-
-
-def test_the_chunk_gradient_kernels_formulas():
-    """``chunk_grad``'s per-chunk algebra (``_chunk_grad_tile``), fed the forward's chunk start states and the
-    walk's end gradients of the reference, gives the reference backward's dq, dk, dv, dg and dbeta (float64,
-    two value heads per qk head, partial last chunks, a padded tail, strong and zero gates)."""
-    from flashgdn.reference.chunked import _chunk_states_chunks, _chunks, _inverse_chunks, _state_pass_chunks
-    from flashgdn.reference.chunked_backward import chunk_state_gradients_reference
-    from flashgdn.reference.layout import chunk_table
-
-    C, K, V, scale = 64, 16, 8, 0.3
-    inp = make_inputs(Hqk=1, Hv=2, K=K, V=V, dtype=torch.float64, seqlens=[200, 70, 5], gate="strong",
-                      zero_gate_heads=(1,), pad=9)
-    q, k, v, g, beta, h0, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
-    gen = torch.Generator().manual_seed(8)
-    do = torch.randn(v.shape, generator=gen, dtype=torch.float64)
-    dht = torch.randn(h0.shape, generator=gen, dtype=torch.float64)
-    want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
-                                                     cu_seqlens=cu)
-    dS_end, _ = chunk_state_gradients_reference(q, k, g, beta, do, dht, scale=scale, cu_seqlens=cu)
-    table = chunk_table(cu, *q.shape[:2])
-    dt = torch.float64
-    kc, vc, bc = (_chunks(x, table, dt) for x in (k, v, beta))
-    gc = _chunks(g, table, dt).cumsum(-1)
-    _, M, b = _state_pass_chunks(kc, vc, gc, _inverse_chunks(kc, bc), bc)
-    states, _ = _chunk_states_chunks(M, b, h0, table)
-
-    dv, dg, dbeta = torch.zeros_like(v), torch.zeros_like(g), torch.zeros_like(beta)
-    dq_h = torch.zeros(q.shape[:2] + (2, K), dtype=dt)  # per value head, as the kernel writes them
-    dk_h = torch.zeros_like(dq_h)
-    chunk = 0
-    for n in range(len(cu) - 1):
-        bos, eos = int(cu[n]), int(cu[n + 1])
-        for c in range((eos - bos + C - 1) // C):
-            t0 = bos + c * C
-            rows = min(C, eos - t0)
-
-            def tile(x):
-                out = torch.zeros((C,) + tuple(x.shape[1:]), dtype=dt)
-                out[:rows] = x[t0:t0 + rows]
-                return out
-
-            for h in range(2):
-                G = torch.cat([g[0, t0:t0 + rows, h].cumsum(0), g[0, t0:t0 + rows, h].sum().expand(C - rows)])
-                dW, dq, dk, dgt, dbt = _chunk_grad_tile(
-                    tile(q[0, :, 0]), tile(k[0, :, 0]), tile(v[0, :, h]), tile(do[0, :, h]), G,
-                    tile(beta[0, :, h]), states[chunk, h], dS_end[chunk, h], scale)
-                dv[0, t0:t0 + rows, h] = dW[:rows]
-                dq_h[0, t0:t0 + rows, h] = dq[:rows]
-                dk_h[0, t0:t0 + rows, h] = dk[:rows]
-                dg[0, t0:t0 + rows, h] = dgt[:rows]
-                dbeta[0, t0:t0 + rows, h] = dbt[:rows]
-            chunk += 1
-    dq_sum, dk_sum = dq_h.sum(2, keepdim=True), dk_h.sum(2, keepdim=True)  # the host's group sum
-    for name, x, w in (("dq", dq_sum, want[0]), ("dk", dk_sum, want[1]), ("dv", dv, want[2]),
-                       ("dg", dg, want[3]), ("dbeta", dbeta, want[4])):
-        assert rel_rms(x, w) < 1e-10, name
