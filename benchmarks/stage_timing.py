@@ -160,8 +160,12 @@ def main(argv=None):
             times["op_cp16_fused"] = lambda: fused(16)
             times["op_cp64_fused"] = lambda: fused(64)
             times["op_cpauto_fused"] = lambda: fused("auto")
+        bwd_error = None
         if args.backward:
-            times.update(backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale))
+            try:
+                times.update(backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale))
+            except Exception as e:  # noqa: BLE001 - report and go on with the forward's timings
+                bwd_error = f"{type(e).__name__}: {e}"[:300]
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
                "kkt_finite": bool(Ag[bounds[:, 1] > 0].isfinite().all())}
@@ -184,7 +188,13 @@ def main(argv=None):
                     row[name] = None
                     row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
         if args.backward:
-            row["bwd_peak_extra_mib"] = backward_peak_mib(q, k, v, g, beta, h0, cu, cu_cpu, scale)
+            if bwd_error is not None:
+                row["bwd_error"] = bwd_error
+            else:
+                try:
+                    row["bwd_peak_extra_mib"] = backward_peak_mib(q, k, v, g, beta, h0, cu, cu_cpu, scale)
+                except Exception as e:  # noqa: BLE001
+                    row["bwd_peak_extra_mib_error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"),
