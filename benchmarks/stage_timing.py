@@ -197,6 +197,9 @@ def main(argv=None):
                     row["bwd_peak_extra_mib_error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.out:  # after every shape, so that a time limit leaves the shapes done
+            with open(args.out, "w") as fh:
+                json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
             ("rs state-only", "loop_rs_state"), ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
@@ -215,9 +218,6 @@ def main(argv=None):
         f = lambda x: "-" if r.get(x) is None else f"{r[x]:.3f}"  # noqa: E731
         mix = f"{r['seqlens'][0]}x{len(r['seqlens'])}"
         print(f"| {r['h_qk']}/{r['h_v']} | {mix} | {r['floor_ms']:.3f} | " + " | ".join(f(c[1]) for c in cols) + " |")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     return 0
 
 
