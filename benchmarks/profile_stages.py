@@ -3,7 +3,9 @@
     ncu --clock-control none -k regex:"kkt_inverse|chunk_forward" --section SpeedOfLight ... \
         python benchmarks/profile_stages.py --heads 16/32 --seqlens 32768
 
-Runs the stages twice (the first call loads the kernels) with a synchronisation in between.
+Runs the stages twice (the first call loads the kernels) with a synchronisation in between. With ``--backward``
+it runs the Hopper backward (``backward.hopper_backward``: stage 1 with A, the chunk states, the walk,
+``chunk_grad``) instead.
 """
 import argparse
 import sys
@@ -16,6 +18,7 @@ def main(argv=None):
     ap.add_argument("--heads", default="16/32")
     ap.add_argument("--seqlens", default="32768", help="comma-separated lengths")
     ap.add_argument("--loops", default="rs,ws,simple")
+    ap.add_argument("--backward", action="store_true", help="run the Hopper backward instead of the forward")
     args = ap.parse_args(argv)
     sys.path.insert(0, "benchmarks")
     from stage_timing import make
@@ -23,6 +26,7 @@ def main(argv=None):
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
     from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
+    from flashgdn.kernels.hopper.chunk_forward_uw import build_chunk_forward_uw
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
@@ -30,11 +34,21 @@ def main(argv=None):
     seqlens = [int(x) for x in args.seqlens.split(",")]
     q, k, v, g, beta, h0, cu = make(Hqk, Hv, seqlens)
     T, N = q.shape[1], len(seqlens)
+    if args.backward:
+        from flashgdn.kernels.hopper.backward import hopper_backward
+
+        do, dht = torch.randn_like(v), torch.randn_like(h0)
+        with torch.no_grad():
+            for _ in range(2):
+                hopper_backward(q, k, v, g, beta, do, dht, 128 ** -0.5, h0, cu, False, None, cu.cpu())
+                torch.cuda.synchronize()
+        return 0
     prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
     loops = {
         "simple": build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False),
         "ws": build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
         "rs": build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+        "uw": build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
     }
     bounds, first_slot = fw.chunk_plan(cu, T, N)
     S = bounds.shape[0]
