@@ -23,10 +23,10 @@ and the gate, by what each g~_i multiplies (every term below is a row dot produc
 terms reach every token of the chunk through the reverse cumsum, so they are added to all of them).
 
 Every chunk at once: one CTA per chunk slot and value head, 128 threads (one warpgroup; 256, two, as an A/B),
-18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head (``dq``, ``dk`` are
-``[T, Hv, K]``): the host sums each qk head's group in a fixed order, so results are deterministic. Operands
-that need a row scaling after their GEMM is shared with another term are scaled before it instead
-(-gamma ⊙ dW, d ⊙ Vn), so dk is one accumulator. Rows past a sequence's end are not written.
+18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
+(``dq``, ``dk`` are ``[T, Hv, K]``): the host sums each qk head's group in a fixed order, so results are
+deterministic. Operands that need a row scaling after their GEMM is shared with another term are scaled before
+it instead (-gamma ⊙ dW, d ⊙ Vn), so dk is one accumulator. Rows past a sequence's end are not written.
 
 PyTorch counterpart: step 2 of ``chunk_gated_delta_rule_backward_reference``.
 """
