@@ -7,8 +7,8 @@ Hopper backward with their rounding points (``rnd``): the forward states of the 
 variant (S, W, Vn as bf16 register operands, Ag and P bf16 tiles, S stored in bf16), the state-gradient walk
 (``state_grad_walk.py``: dS'^T, X^T and Y^T diag(gamma) as bf16 register operands, P and Qg bf16 tiles, dS' stored
 in bf16) and ``chunk_grad.py`` (every shared-memory operand in bf16: W, gamma KS, Vn, P, dVn, dA, -gamma dW,
-d Vn, dQK, A^T dA, dKK; A in bf16 for its GEMMs and float32 elsewhere; accumulators in float32). Everything else is
-float64. It prints each gradient's relative RMS against the float64 chunked backward on the same (bf16-valued)
+d Vn, dQK, A^T dA, dKK, and A; accumulators in float32; dq and dk per value head in bf16, summed over the group).
+Everything else is float64. It prints each gradient's relative RMS against the float64 chunked backward on the same (bf16-valued)
 inputs, beside the bars of DESIGN.md §3, for a normal, a strong and a zero gate; and the same with no rounding
 (``rnd`` the identity), which must come out at float64 precision (a check of the emulation itself).
 """
@@ -87,7 +87,8 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16):
         for i, (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in enumerate(tiles):
             St, dSt = states[i].T, ends[i].T  # the kernel's S^T and dS'^T tiles
             gam, dec = G.exp(), (G[-1] - G).exp()
-            Ab = rnd(A)
+            A = rnd(A)  # stored in the io dtype by stage 1
+            Ab = A
             sd = (dSt * St).sum()
             gks = gam[:, None] * (Kc @ St.T)
             W, gks_t = rnd(Vc - gks), rnd(gks)
@@ -120,8 +121,8 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16):
             upper = torch.ones(C, C, dtype=q.dtype).triu()
             dgt = (upper * dgc[None, :]).sum(1) + tdec.sum() + G[-1].exp() * sd
             dv[c0:c0 + n, h] = rnd(dW[:n])
-            dq[c0:c0 + n] += dqc[:n]
-            dk[c0:c0 + n] += dkc[:n]
+            dq[c0:c0 + n] += rnd(dqc[:n])  # written per value head in the io dtype, summed over the group
+            dk[c0:c0 + n] += rnd(dkc[:n])
             dg[c0:c0 + n, h] = dgt[:n]
             dbeta[c0:c0 + n, h] = (db1 + db2)[:n]
     return rnd(dq), rnd(dk), dv, dg, dbeta, dh0

@@ -286,7 +286,7 @@ def test_op_gradients_through_the_kernel_backward(ratio, l2norm, cp, monkeypatch
 @pytest.mark.parametrize("heads", [(2, 8), (3, 3), (2, 6)])  # head pairs, a single head per qk head
 @pytest.mark.parametrize("seqlens", [[64], [1000, 3, 130], [63, 65, 200]])
 def test_stage1_stores_the_ungated_inverse(heads, seqlens, cuda):
-    """Stage 1c: A itself beside Ag; Ag bitwise that of the forward's build."""
+    """Stage 1 with ``store_inverse``: A itself (bf16) beside Ag; Ag bitwise that of the forward's build."""
     from flashgdn.kernels.hopper.backward import hopper_inverse
     from flashgdn.kernels.hopper.forward import slots_to_tokens
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
@@ -301,7 +301,8 @@ def test_stage1_stores_the_ungated_inverse(heads, seqlens, cuda):
     got = slots_to_tokens(A.permute(0, 2, 1, 3), bounds, T)  # [T, Hv, 64]
     want = kkt_inverse(k, beta, cu, compute_dtype=torch.float64)[0]
     assert torch.isfinite(got).all()
-    assert rel_rms(got, want) < 2e-3  # fp32 substitution, one tf32 merge (A21); a layout slip would be O(1)
+    # fp32 substitution, one tf32 merge (A21), stored in bf16 (~1.1e-3 by itself); a layout slip would be O(1)
+    assert rel_rms(got, want) < 4e-3
     S = bounds.shape[0]
     gcum2 = torch.empty((heads[1], S * 64), device=cuda)
     Ag2 = torch.zeros_like(Ag)

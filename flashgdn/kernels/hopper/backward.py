@@ -15,7 +15,7 @@ exact context parallelism (every segment's walk in parallel) on the forward's se
 
 Autograd saves the inputs alone (q, k, v, g, beta, the initial state); the backward's largest buffers are the
 chunk states and their gradients, ``[S, Hv, V, K]`` in the io dtype each (S = number of chunk slots, about T/64),
-and with GVA the per-value-head dq and dk in float32. Like the forward, everything here is device-side work with
+A and Ag (``[S, Hv, 64, 64]``, io dtype), and with GVA the per-value-head dq and dk (io dtype). Like the forward, everything here is device-side work with
 shapes known on the host: no synchronisation, capturable in a CUDA graph.
 """
 import os
@@ -110,7 +110,7 @@ def hopper_state_gradients(
 def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    cu_seqlens: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1 with the ungated inverse stored too (``kkt_inverse(..., store_inverse=True)``), for the per-chunk
-    gradients: ``(A [S, Hv, 64, 64] float32, Ag [S, Hv, 64, 64] in k's dtype, bounds)``; k ``[B, T, Hqk, K]``
+    gradients: ``(A [S, Hv, 64, 64] and Ag [S, Hv, 64, 64] in k's dtype, bounds)``; k ``[B, T, Hqk, K]``
     normalised as the forward used it. Idle slots are not written."""
     B, T, Hqk, K = k.shape
     Hv = g.shape[2]
@@ -160,18 +160,19 @@ class HopperBackwardStages:
         # the offsets says there are none
         tail = cu_cpu is None or int(cu_cpu[-1]) < TT
         alloc = torch.zeros if tail else torch.empty
-        qk_grad = q.dtype if group == 1 else torch.float32
+        # dq and dk per value head in the io dtype (half of float32's memory; +0.4e-3 on their error,
+        # benchmarks/numerics_backward.py), summed over each group below with float32 accumulation
         dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
-        dq = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
-        dk = alloc((1, TT, Hv, K), dtype=qk_grad, device=dev)
+        dq = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
+        dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), tl_dtype(qk_grad), CHUNK_GRAD_THREADS)(
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         if group > 1:  # each qk head's value heads, summed in a fixed order: deterministic
-            dq = dq.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
-            dk = dk.view(1, TT, Hqk, group, K).sum(3).to(q.dtype)
+            dq = dq.view(1, TT, Hqk, group, K).sum(3, dtype=torch.float32).to(q.dtype)
+            dk = dk.view(1, TT, Hqk, group, K).sum(3, dtype=torch.float32).to(q.dtype)
         return dq, dk, dv, dg, dbeta
 
 

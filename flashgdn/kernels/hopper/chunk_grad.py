@@ -2,7 +2,7 @@
 
 Math (``reference/chunked_backward.py``, step 2). One chunk of one value head, S its start state (the forward's,
 recomputed by the rs loop's ``store_chunk_states`` variant), dS' the state gradient at its end
-(``state_grad_walk``), A the ungated inverse and Ag the gated one (``kkt_inverse`` with ``store_inverse``),
+(``state_grad_walk``), A the ungated inverse and Ag the gated one (``kkt_inverse`` with ``store_inverse``, both in the io dtype),
 gamma_i = exp(g~_i), d_i = exp(g~_last - g~_i), Gam_ij = exp(g~_i - g~_j):
 
     forward, again:  KS = K S      W = V - diag(gamma) KS      Vn = Ag W      P = scale Gam ⊙ Q K^T (i >= j)
@@ -24,19 +24,20 @@ terms reach every token of the chunk through the reverse cumsum, so they are add
 
 Every chunk at once: one CTA per chunk slot and value head, 128 threads (one warpgroup; 256, two, as an A/B),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
-(``dq``, ``dk`` are ``[T, Hv, K]``): the host sums each qk head's group in a fixed order, so results are
-deterministic. Operands that need a row scaling after their GEMM is shared with another term are scaled before
+(``dq``, ``dk`` are ``[T, Hv, K]`` in the io dtype, as FlashQLA's): the host sums each qk head's group in a fixed
+order, so results are deterministic. Operands that need a row scaling after their GEMM is shared with another term are scaled before
 it instead (-gamma ⊙ dW, d ⊙ Vn), so dk is one accumulator. Rows past a sequence's end are not written.
 
 PyTorch counterpart: step 2 of ``chunk_gated_delta_rule_backward_reference``.
 """
 import functools
+from typing import Optional
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_dtype: str = "float32",
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_dtype: Optional[str] = None,
                      threads: int = 128):
     """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256, two that split every GEMM's N and
     every elementwise loop). Arguments, in order:
@@ -46,19 +47,20 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
       gcum      [Hv, 64 S]       float32, stage 1's per-slot cumsum
       beta      [1, T, Hv]       float32
       Ag        [S, Hv, 64, 64]  io dtype, stage 1's gated inverse
-      A         [S, Hv, 64, 64]  float32, stage 1's ungated inverse (``store_inverse``)
+      A         [S, Hv, 64, 64]  io dtype, stage 1's ungated inverse (``store_inverse``)
       bounds    [S, 2]           int32, stage 0's chunk slots
       states    [S, Hv, V, K]    io dtype: S^T at every chunk's start
       ds_end    [S, Hv, V, K]    io dtype: dS'^T at every chunk's end (``state_grad_walk``)
       scale     float32
       dv        [1, T, Hv, V]    io dtype, written
-      dq, dk    [1, T, Hv, K]    qk grad dtype, written: per value head (summed over a group by the caller;
-                                 the io dtype serves when each qk head has one value head)
+      dq, dk    [1, T, Hv, K]    qk grad dtype (default: the io dtype), written: per value head (summed over a
+                                 group by the caller, in float32, as FlashQLA does with its bf16 per-head dq/dk)
       dg, dbeta [1, T, Hv]       float32, written
     """
     import tilelang
     import tilelang.language as T
 
+    qk_grad_dtype = qk_grad_dtype or io_dtype
     C = CHUNK
     # <dS', S> is kept as V row sums and folded onto the chunk's 64 columns in the last reduction
     assert V == 2 * CHUNK, "the kernel is written for V = 128"
@@ -78,7 +80,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
         gcum: T.Tensor((Hv, slot_rows), "float32"),
         beta: T.Tensor((1, num_tokens, Hv), "float32"),
         Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
-        A: T.Tensor((num_slots, Hv, C, C), "float32"),
+        A: T.Tensor((num_slots, Hv, C, C), io_dtype),
         bounds: T.Tensor((num_slots, 2), "int32"),
         states: T.Tensor((num_slots, Hv, V, K), io_dtype),
         ds_end: T.Tensor((num_slots, Hv, V, K), io_dtype),
@@ -147,7 +149,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
                     do_s[i, j] = T.if_then_else(i < n_rows, do[0, t0 + i, h, j], T.cast(0, io_dtype))
                 for i, j in T.Parallel(C, C):
                     ag_s[i, j] = Ag[slot, h, i, j]
-                    a_s[i, j] = T.cast(A[slot, h, i, j], io_dtype)
+                    a_s[i, j] = A[slot, h, i, j]
                 for i in T.Parallel(C):
                     gc_s[i] = gcum[h, slot * C + i]
                     beta_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
@@ -190,7 +192,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
                 T.gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                    prodc_f[i, j] = cc_f[i, j] * A[slot, h, i, j]
+                    prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
                     da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
                 T.reduce_sum(prodc_f, red_c, dim=0)
                 T.copy(red_c, db1_s)

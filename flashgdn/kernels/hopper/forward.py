@@ -252,7 +252,7 @@ def hopper_forward(
 def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
                   store_inverse: bool = False) -> Stage1:
     """Stages 0 and 1 on packed ``[1, T, ...]`` k, g, beta with offsets ``cu_seqlens`` (device, int32): the chunk
-    plan, then ``kkt_inverse`` (also storing the ungated A, float32, with ``store_inverse``)."""
+    plan, then ``kkt_inverse`` (also storing the ungated A, in k's dtype, with ``store_inverse``)."""
     from .kkt_inverse import build_kkt_inverse
 
     _, TT, Hqk, K = k.shape
@@ -266,7 +266,7 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     io = tl_dtype(k.dtype)
     args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
     if store_inverse:
-        A = _output((S, Hv, CHUNK, CHUNK), torch.float32, dev)
+        A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
         build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True)(*args, A)
         return Stage1(bounds, first_slot, gcum, Ag, A)
     build_kkt_inverse(Hqk, Hv, K, io, io)(*args)

@@ -54,9 +54,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     registers are capped so that 4 (the default) or 3 CTAs fit an SM. (The earlier build, 101 KB and 2 CTAs per
     SM, gave bitwise the same outputs 1.5-1.6x slower: ``benchmarks/results/h200/stages-hopper-v0.3.json``.)
 
-    ``store_inverse`` adds a last argument ``A [S, Hv, 64, 64]`` float32 that receives the
-    ungated inverse A as well: the backward needs it (dL = -A^T dA A^T), and it cannot be had back from Ag once
-    the decay underflows.
+    ``store_inverse`` adds a last argument ``A [S, Hv, 64, 64]`` (a dtype) that receives the ungated inverse A as
+    well: the backward needs it (dL = -A^T dA A^T), and it cannot be had back from Ag once the decay underflows.
+    The backward's GEMMs read it in the io dtype anyway, and its elementwise uses lose nothing measurable to that
+    rounding (``benchmarks/numerics_backward.py``).
     """
     if blocks_per_sm not in (3, 4):
         raise ValueError(f"blocks_per_sm must be 3 or 4, got {blocks_per_sm}")
@@ -162,10 +163,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
                     if store_inverse:
                         for p, i, j in T.Parallel(pair, B, B):
-                            A_out[slot, h + p, i, j] = d_s[p, 0, i, j]
-                            A_out[slot, h + p, B + i, j] = d_s[p, 2, i, j]
-                            A_out[slot, h + p, B + i, B + j] = d_s[p, 1, i, j]
-                            A_out[slot, h + p, i, B + j] = 0.0
+                            A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
+                            A_out[slot, h + p, B + i, j] = T.cast(d_s[p, 2, i, j], a_dtype)
+                            A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
+                            A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
 
 
     if store_inverse:
@@ -178,7 +179,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             bounds: T.Tensor((num_slots, 2), "int32"),
             gcum: T.Tensor((Hv, slot_rows), "float32"),
             Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
-            A_out: T.Tensor((num_slots, Hv, C, C), "float32"),
+            A_out: T.Tensor((num_slots, Hv, C, C), a_dtype),
         ):
             kernel_body(k, g, beta, bounds, gcum, Ag, A_out)
 

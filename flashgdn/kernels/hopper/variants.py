@@ -92,8 +92,7 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
     for threads in (128, 256):  # the default and its A/B (backward.CHUNK_GRAD_THREADS)
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}]", "chunk_grad",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, qk_grad_dtype=dtype if Hv == Hqk else "float32",
-                    threads=threads))
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads))
     for has_dht in (True, False):
         yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
