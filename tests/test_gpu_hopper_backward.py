@@ -127,6 +127,68 @@ def _backward_inputs(opts, cuda, seed=4, with_dht=True):
     return inp, do, dht, svf
 
 
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[1000, 3, 130], Hqk=2, Hv=4),
+    dict(seqlens=[700, 64, 5], Hqk=1, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70),
+    dict(seqlens=[300], Hqk=2, Hv=2, gate="mixed"),
+])
+def test_chunk_grad_alone_from_float64_inputs(opts, cuda):
+    """``chunk_grad`` isolated from the kernels before it: fed stage 1's tiles, the chunk states and the state
+    gradients from the float64 reference (in the kernels' slot layout and dtypes), its dv, dq, dk, dg and dbeta
+    against the float64 backward. A failure here is this kernel's; one only in the whole backward is another's."""
+    from flashgdn.kernels.hopper.chunk_grad import build_chunk_grad
+    from flashgdn.kernels.hopper.forward import chunk_plan_torch
+    from flashgdn.reference.chunked import (_chunks, _gated_inverse_chunks, _inverse_chunks)
+    from flashgdn.reference.chunked_backward import (ReferenceBackwardStages, chunk_gated_delta_rule_backward_reference,
+                                                     chunk_state_gradients_reference)
+    from flashgdn.reference.layout import chunk_table
+
+    inp, do, dht, _ = _backward_inputs(opts, cuda)
+    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    scale = 128 ** -0.5
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    f64 = torch.float64
+    table = chunk_table(cu.cpu(), B, T)
+    NC, N = table.NC, table.N
+    bounds, _ = chunk_plan_torch(cu, T, N)
+    S = bounds.shape[0]
+    kc, bc = _chunks(k.to(f64), table, f64), _chunks(beta.to(f64), table, f64)
+    gc = _chunks(g.to(f64), table, f64).cumsum(-1)  # [NC, Hv, 64], flat past a chunk's end
+    A = _inverse_chunks(kc, bc)  # [NC, Hv, 64, 64], the identity past a chunk's end, as stage 1 makes it
+    Ag = _gated_inverse_chunks(A, gc, bc)
+    stages = ReferenceBackwardStages(f64)
+    states = stages.chunk_states(q, k, v, g, beta, h0, cu, cu.cpu())  # [NC, Hv, K, V]
+    ds_end, _ = chunk_state_gradients_reference(q, k, g, beta, do, dht, scale=scale, cu_seqlens=cu,
+                                                compute_dtype=f64)
+
+    def slots(x, dtype):
+        out = torch.zeros((S,) + tuple(x.shape[1:]), dtype=dtype, device=cuda)
+        out[:NC] = x.to(dtype)
+        return out.contiguous()
+
+    gcum = torch.zeros((Hv, S, 64), device=cuda)
+    gcum[:, :NC] = gc.permute(1, 0, 2).float()
+    bf = torch.bfloat16
+    dv = torch.zeros_like(v)
+    dq = torch.zeros((1, T, Hv, K), dtype=bf, device=cuda)
+    dk = torch.zeros_like(dq)
+    dg = torch.zeros((1, T, Hv), device=cuda)
+    dbeta = torch.zeros_like(dg)
+    build_chunk_grad(Hqk, Hv, K, V, "bfloat16")(
+        q, k, v, do, gcum.reshape(Hv, S * 64), beta.float().contiguous(), slots(Ag, bf), slots(A, bf),
+        bounds.to(cuda), slots(states.transpose(-1, -2), bf), slots(ds_end.transpose(-1, -2), bf), scale,
+        dv, dq, dk, dg, dbeta)
+    group = Hv // Hqk
+    got = (dq.view(1, T, Hqk, group, K).double().sum(3), dk.view(1, T, Hqk, group, K).double().sum(3), dv, dg, dbeta)
+    want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
+                                                     cu_seqlens=cu, compute_dtype=f64)
+    errs = {n: rel_rms(x.double(), w) for n, x, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want)}
+    print(errs)
+    for n, bar in zip(errs, (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR)):
+        assert errs[n] < bar, (n, errs)
+
+
 @pytest.mark.parametrize("case", range(len(BACKWARD_CASES)))
 @pytest.mark.parametrize("with_dht", [True, False])
 def test_hopper_backward_matches_the_float64_backward(case, with_dht, cuda):
