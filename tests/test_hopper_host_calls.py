@@ -135,9 +135,9 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, checked_k
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("with_h0", [True, False])
 def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fused, checked_kernels, monkeypatch):
-    """The backward on the forward's segments (``cp.cp_backward``): the paired transition pass, the walk from
-    zero, then the stages from the spliced states and gradients; the segment index and the splices in torch or
-    by their kernels (FLASHGDN_HOPPER_CP_FUSED)."""
+    """The backward on the forward's segments (``cp.cp_backward``): stage 1 once (with A) for the paired transition
+    pass and every stage after it, the walk from zero, then the stages from the spliced states and gradients; the
+    segment index and the splices in torch or by their kernels (FLASHGDN_HOPPER_CP_FUSED)."""
     from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backward import hopper_backward
@@ -156,9 +156,9 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
     names = [c[0] for c in checked_kernels]
     splices = ["splice"] if fused else []
     assert names == (["segment_index"] * fused  # the plan's index tensors
-                     + ["kkt_inverse", "chunk_forward_rs"]  # the forward transitions (stage 1 and the paired pass)
+                     + ["kkt_inverse", "chunk_forward_rs"]  # stage 1 with A on the segments, the paired pass
                      + splices  # the segments' start states
-                     + ["kkt_inverse", "state_grad_walk"]  # stage 1 with A on the segments, the walk from zero
+                     + ["state_grad_walk"]  # the walk from zero, on the same stage 1
                      + splices  # the segments' end gradients
                      + ["chunk_forward_rs", "state_grad_walk", "chunk_grad"])
     for name, sizes in checked_kernels:  # the loops run on segments; the splice on sequences, writing segments

@@ -106,8 +106,11 @@ class _HopperSegmentsForward:
     ``segment_index``, ``splice`` and ``splice_reverse``, which the CP drivers then use
     (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
 
-    def __init__(self, paired: bool, fused: Optional[bool] = None):
+    def __init__(self, paired: bool, fused: Optional[bool] = None, stage1_source=None):
         self._stage1 = None
+        # ``stage1_source(q, k, g, beta, seg_cu) -> Stage1``: where the paired pass takes stages 0 and 1 from
+        # instead of running them (the backward's, which stores A as well and serves its own stages too)
+        self._stage1_source = stage1_source
         if paired:
             self.transition_pairs = self._transition_pairs
         if CP_FUSED if fused is None else fused:
@@ -139,7 +142,10 @@ class _HopperSegmentsForward:
         from .forward import hopper_stage1, hopper_transition_pairs
 
         cu = seg_cu.to(torch.int32)
-        self._stage1 = hopper_stage1(k, g, beta, cu)
+        if self._stage1_source is not None:
+            self._stage1 = self._stage1_source(q, k, g, beta, seg_cu)
+        else:
+            self._stage1 = hopper_stage1(k, g, beta, cu)
         return hopper_transition_pairs(q, k, v, self._stage1, start, cu)
 
 

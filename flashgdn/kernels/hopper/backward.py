@@ -217,9 +217,13 @@ def hopper_backward(
         return None if x is None else (x.transpose(-1, -2) if state_v_first else x).to(torch.float32).contiguous()
 
     split = plan is not None and plan.split
-    forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE) if split else None
+    stages = HopperBackwardStages()
+    forward = None
+    if split:  # the paired transition pass takes the stages' stage 1 (with A) instead of running its own
+        forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE,
+                                         stage1_source=lambda *a: stages._stage1_for(*a)[3])
     dq, dk, dv, dg, dbeta, dh0 = cp_backward(
-        HopperBackwardStages(), forward, packed(q), packed(k), packed(v), packed(g), packed(beta),
+        stages, forward, packed(q), packed(k), packed(v), packed(g), packed(beta),
         packed(do).contiguous(), k_major(dht), scale, k_major(initial_state), plan, cu, cu_cpu)
     if initial_state is not None:
         dh0 = dh0.transpose(-1, -2) if state_v_first else dh0
