@@ -138,3 +138,11 @@ def chunked64(inp: Dict[str, object], output_final_state: bool = True):
     x = copy_inputs(inp, dtype=torch.float64)
     with torch.no_grad():
         return chunk_gated_delta_rule_reference(**x, output_final_state=output_final_state)
+
+
+def assert_same_computation(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Two CPU runs of the same math agree up to the last bits. Not bitwise: the CPU BLAS may split a product
+    differently between calls (its thread count can change with the machine's load), which moves a result by
+    an ulp; bitwise determinism is a property of the GPU kernels, tested on the GPU."""
+    rtol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[a.dtype]
+    torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 1e-2)

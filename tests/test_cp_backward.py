@@ -8,7 +8,7 @@ from flashgdn.cp import split_sequences
 from flashgdn.cp.backward import cp_backward, splice_reverse
 from flashgdn.cp.plan import segment_index_tensors
 from flashgdn.reference.chunked_backward import ReferenceBackwardStages, chunk_gated_delta_rule_backward_reference
-from helpers import rel_rms
+from helpers import assert_same_computation, rel_rms
 from test_cp import CASES, DeviceOps, _meta_forward, _meta_inputs, _packed_case, ref_forward
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -58,7 +58,7 @@ def test_cp_backward_without_segments_runs_the_stages_once(plan_kind):
     plan = None if plan_kind == "none" else split_sequences((cu[1:] - cu[:-1]).tolist(), None)
     got = cp_backward(ReferenceBackwardStages(), None, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
     for name, x, w in zip(NAMES, got, want):
-        assert torch.equal(x, w), name  # the same computation as the backward itself (case 0 has h0)
+        assert_same_computation(x, w)  # the same computation as the backward itself (case 0 has h0)
 
 
 def test_splice_reverse_matches_a_loop_over_each_sequence():
