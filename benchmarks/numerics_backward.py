@@ -10,7 +10,9 @@ in bf16) and ``chunk_grad.py`` (every shared-memory operand in bf16: W, gamma KS
 d Vn, dQK, A^T dA, dKK, and A; accumulators in float32; dq and dk per value head in bf16, summed over the group).
 Everything else is float64. It prints each gradient's relative RMS against the float64 chunked backward on the same (bf16-valued)
 inputs, beside the bars of DESIGN.md §3, for a normal, a strong and a zero gate; and the same with no rounding
-(``rnd`` the identity), which must come out at float64 precision (a check of the emulation itself).
+(``rnd`` the identity), which must come out at float64 precision (a check of the emulation itself). With ``--cp
+N`` also the backward through exact context parallelism (segments of N chunks, ``flashgdn/cp/backward.py``): how
+far its gradients are from those without, the issue's bar being 1e-3.
 """
 import argparse
 
@@ -45,9 +47,65 @@ def _chunk_tensors(kc, gcum, bet, rnd):
     return Gam, A, rnd(Gam * A * bet[None, :])
 
 
-def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16):
+def _states_pass(tiles, S, rnd, zero_v=False):
+    """The rs loop's state-only pass from S (its register operands rounded): the state at every chunk's start
+    (rounded, as stored) and at the end. ``zero_v``: with v = 0 (from the identity: the transition M)."""
+    states = []
+    for (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in tiles:
+        states.append(rnd(S))
+        gam, dec = G.exp(), (G[-1] - G).exp()
+        W = (0 if zero_v else Vc) - gam[:, None] * (Kc @ rnd(S))
+        Vn = Ag @ rnd(W)
+        S = G[-1].exp() * S + Kc.T @ rnd(Vn * dec[:, None])
+    return states, S
+
+
+def _walk(tiles, dS, scale, rnd):
+    """``state_grad_walk`` from dS (dS^T in registers): the gradient at every chunk's end (rounded, as stored)
+    and at the start."""
+    ends = [None] * len(tiles)
+    for i in reversed(range(len(tiles))):
+        c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P = tiles[i]
+        ends[i] = rnd(dS)
+        gam, dec = G.exp(), (G[-1] - G).exp()
+        XT = (rnd(dS.T) @ Kc.T) * dec[None, :] + dO.T @ P
+        YT = rnd(XT) @ Ag
+        Qg = rnd(scale * gam[:, None] * Q)
+        dS = (G[-1].exp() * dS.T + rnd(-YT * gam[None, :]) @ Kc + dO.T @ Qg).T
+    return ends, dS
+
+
+def _cp_states_and_ends(tiles, h0, dht, scale, rnd, seg):
+    """The same through exact context parallelism with segments of ``seg`` chunks (``flashgdn.cp``): the
+    transitions b and M by the state-only pass (b of the first segment from h0), the splices in float32 (the
+    forward's, and the backward's reverse one with M^T and the walks from zero), then the passes on every
+    segment from its true start state / end gradient."""
+    segs = [tiles[i:i + seg] for i in range(0, len(tiles), seg)]
+    K = h0.shape[0]
+    f32 = torch.float32
+    bs = [_states_pass(t, h0 if i == 0 else torch.zeros_like(h0), rnd)[1] for i, t in enumerate(segs)]
+    Ms = [_states_pass(t, torch.eye(K, dtype=h0.dtype), rnd, zero_v=True)[1] for t in segs]
+    Ds = [_walk(t, torch.zeros_like(dht), scale, rnd)[1] for t in segs]
+    starts = [h0, bs[0].to(f32).to(h0.dtype)]
+    for i in range(1, len(segs) - 1):
+        starts.append((Ms[i].to(f32) @ starts[-1].to(f32) + bs[i].to(f32)).to(h0.dtype))
+    seg_ends = [None] * len(segs)
+    seg_ends[-1] = dht
+    for i in range(len(segs) - 1, 0, -1):
+        seg_ends[i - 1] = (Ms[i].to(f32).T @ seg_ends[i].to(f32) + Ds[i].to(f32)).to(h0.dtype)
+    states, ends, dS = [], [], None
+    for i, t in enumerate(segs):
+        states += _states_pass(t, starts[i], rnd)[0]
+        e, d = _walk(t, seg_ends[i], scale, rnd)
+        ends += e
+        dS = d if i == 0 else dS
+    return states, ends, dS
+
+
+def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None):
     """Gradients of one sequence ``(dq, dk, dv, dg, dbeta, dh0)``: q, k ``[T, K]`` (one qk head), v, do
-    ``[T, H, V]``, g, beta ``[T, H]``, h0, dht ``[H, K, V]``; q and k gradients summed over the H value heads."""
+    ``[T, H, V]``, g, beta ``[T, H]``, h0, dht ``[H, K, V]``; q and k gradients summed over the H value heads.
+    ``cp``: through exact context parallelism with segments of that many chunks."""
     T, H = v.shape[0], v.shape[1]
     chunks = _chunks(T)
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
@@ -64,24 +122,11 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16):
             Gam, A, Ag = _chunk_tensors(Kc, G, bet, rnd)
             P = rnd(scale * Gam * (Q @ Kc.T))
             tiles.append((c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P))
-        # the forward states (rs loop, state-only, storing S^T rounded at every chunk's start)
-        S, states = h0[h].clone(), []
-        for (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in tiles:
-            states.append(rnd(S))
-            gam, dec = G.exp(), (G[-1] - G).exp()
-            W = Vc - gam[:, None] * (Kc @ rnd(S))
-            Vn = Ag @ rnd(W)
-            S = G[-1].exp() * S + Kc.T @ rnd(Vn * dec[:, None])
-        # the walk (dS^T in registers), storing dS'^T rounded at every chunk's end
-        dS, ends = dht[h].clone(), [None] * len(tiles)
-        for i in reversed(range(len(tiles))):
-            c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P = tiles[i]
-            ends[i] = rnd(dS)
-            gam, dec = G.exp(), (G[-1] - G).exp()
-            XT = (rnd(dS.T) @ Kc.T) * dec[None, :] + dO.T @ P
-            YT = rnd(XT) @ Ag
-            Qg = rnd(scale * gam[:, None] * Q)
-            dS = (G[-1].exp() * dS.T + rnd(-YT * gam[None, :]) @ Kc + dO.T @ Qg).T
+        if cp is None:
+            states, _ = _states_pass(tiles, h0[h], rnd)
+            ends, dS = _walk(tiles, dht[h], scale, rnd)
+        else:
+            states, ends, dS = _cp_states_and_ends(tiles, h0[h], dht[h], scale, rnd, cp)
         dh0[h] = dS
         # chunk_grad, one chunk at a time
         for i, (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in enumerate(tiles):
@@ -168,6 +213,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=2, help="value heads of the one qk head (GVA)")
+    ap.add_argument("--cp", type=int, default=None,
+                    help="also run through exact context parallelism with segments of this many chunks, and print "
+                         "how far its gradients are from those without (issue bar: 1e-3)")
     args = ap.parse_args(argv)
     scale = K ** -0.5
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -183,6 +231,11 @@ def main(argv=None):
             over = [n for n in names if errs[n] > BARS[n]]
             print(f"  gate {gate:6s} {label:18s} " + "  ".join(f"{n} {errs[n]:.1e}" for n in names)
                   + (f"  OVER THE BAR: {', '.join(over)}" if over and rnd is bf16 else ""), flush=True)
+            if args.cp:
+                got_cp = emulate(*x, scale, rnd=rnd, cp=args.cp)
+                diffs = {n: rel(a, b) for n, a, b in zip(names, got_cp, got)}
+                print(f"  gate {gate:6s} {label:18s} CP {args.cp} vs none: "
+                      + "  ".join(f"{n} {diffs[n]:.1e}" for n in names), flush=True)
     return 0
 
 

@@ -33,3 +33,14 @@ def test_emulated_bf16_backward_is_inside_the_bars():
     for n, a, w in zip(NAMES, got, want):
         err = nb.rel(a, w)
         assert 1e-4 < err < nb.BARS[n], (n, err)  # rounded (not exact), and inside the bar
+
+
+def test_emulated_backward_through_context_parallelism_is_the_same_backward():
+    """The emulation's CP path (transitions, the two splices, the passes from the true states, as
+    ``flashgdn/cp/backward.py``) without rounding: the backward without segments up to the splices' float32."""
+    x = nb.inputs(700, 2, "zero")  # no decay: nothing of the splice's inputs fades
+    plain = nb.emulate(*x, nb.K ** -0.5, rnd=nb.exact)
+    for seg in (1, 3):
+        got = nb.emulate(*x, nb.K ** -0.5, rnd=nb.exact, cp=seg)
+        for n, a, w in zip(NAMES, got, plain):
+            assert nb.rel(a, w) < 1e-6, (seg, n)
