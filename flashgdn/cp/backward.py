@@ -28,7 +28,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
-from .exact import Forward, Gather, _splice, _transitions_one_pass, _transitions_two_passes, segment_indices
+from .exact import Forward, Gather, float_states, segment_indices, segment_starts
 from .plan import SegmentIndex, SegmentPlan
 
 
@@ -103,37 +103,29 @@ def cp_backward(
     plan's segments (module docstring). ``forward`` (``exact.cp_forward``'s kind) runs the forward transitions;
     it is not called when the plan does not split. ``dht``: the final state's gradient or None; ``dh0`` is the
     initial state's gradient, float, also without an initial state (the caller drops it)."""
-    Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
-    N = cu_seqlens.shape[0] - 1
-    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if plan is None or not plan.split:
-        cu_cpu = plan.seg_cu if plan is not None else cu_seqlens_cpu
-        states = stages.chunk_states(q, k, v, g, beta, initial_state, cu_seqlens, cu_cpu)
-        ds_end, dh0 = stages.state_gradients(q, k, g, beta, do, dht, scale, cu_seqlens, cu_cpu)
-        grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu_seqlens, cu_cpu)
-        return (*grads, dh0)
-
-    index = segment_indices(forward, plan, cu_seqlens)
-    seg_cu, seg_cu_cpu = index.seg_cu, plan.seg_cu
-    h0 = (initial_state.to(sdt) if initial_state is not None
-          else torch.zeros((N, Hv, K, V), dtype=sdt, device=q.device))
-    # 1. every segment's true start state
-    transitions = _transitions_one_pass if K == V else _transitions_two_passes
-    gather, pairs = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
-    own, own_reverse = getattr(forward, "splice", None), getattr(forward, "splice_reverse", None)
-    starts = own(pairs, h0, plan, index) if own and pairs is not None else _splice(gather, h0, plan, index)
-    # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan, index)``
-    # when it has one)
-    _, D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)
-    D = D.to(sdt)
-    end = dht.to(sdt) if dht is not None else torch.zeros((N, Hv, K, V), dtype=sdt, device=q.device)
-    if own_reverse and pairs is not None:
-        ends = own_reverse(pairs, D, end, plan, index)
+    if plan is None or not plan.split:  # step 4 alone, on the sequences themselves
+        seg_cu, seg_cu_cpu = cu_seqlens, (plan.seg_cu if plan is not None else cu_seqlens_cpu)
+        starts, ends, first = initial_state, dht, None
     else:
-        ends = splice_reverse(lambda src: (gather(src)[0].transpose(-1, -2), D.index_select(0, src)), end, plan,
-                              index)
-    # 4. the stages on every segment from its true states
+        index = segment_indices(forward, plan, cu_seqlens)
+        seg_cu, seg_cu_cpu, first = index.seg_cu, plan.seg_cu, index.first
+        N = cu_seqlens.shape[0] - 1
+        h0 = float_states(initial_state, q, v, N)
+        # 1. every segment's true start state
+        starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index)
+        # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan,
+        # index)`` when it has one)
+        _, D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)
+        D = D.to(h0.dtype)
+        end = float_states(dht, q, v, N)
+        own_reverse = getattr(forward, "splice_reverse", None)
+        if own_reverse is not None and pairs is not None:
+            ends = own_reverse(pairs, D, end, plan, index)
+        else:
+            ends = splice_reverse(lambda src: (gather(src)[0].transpose(-1, -2), D.index_select(0, src)), end,
+                                  plan, index)
+    # 4. the stages on every segment (or sequence) from its true states
     states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
     ds_end, ds_start = stages.state_gradients(q, k, g, beta, do, ends, scale, seg_cu, seg_cu_cpu)
     grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, seg_cu, seg_cu_cpu)
-    return (*grads, ds_start.index_select(0, index.first))
+    return (*grads, ds_start if first is None else ds_start.index_select(0, first))

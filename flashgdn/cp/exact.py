@@ -152,6 +152,29 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
     return gather, pairs
 
 
+def float_states(x: Optional[torch.Tensor], q: torch.Tensor, v: torch.Tensor, N: int) -> torch.Tensor:
+    """States ``[N, Hv, K, V]`` in the drivers' float dtype (float64 for float64 inputs, else float32): ``x``
+    converted, or zeros when it is None."""
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if x is not None:
+        return x.to(sdt)
+    return torch.zeros((N, v.shape[2], q.shape[3], v.shape[3]), dtype=sdt, device=q.device)
+
+
+def segment_starts(forward: Forward, q, k, v, g, beta, scale, h0: torch.Tensor, plan: SegmentPlan,
+                   index: SegmentIndex):
+    """Steps 1-3: every segment's true start state. Returns ``(starts, gather, pairs)``, the transitions'
+    ``gather`` and ``pairs`` too (the backward splices with them again). The splice is the forward's own when it
+    has one (``splice(pairs, h0, plan, index) -> starts``, e.g. one fused kernel) and the pairs exist."""
+    transitions = _transitions_one_pass if k.shape[3] == v.shape[3] else _transitions_two_passes
+    gather, pairs = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
+    # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i
+    own = getattr(forward, "splice", None)
+    if own is not None and pairs is not None:
+        return own(pairs, h0, plan, index), gather, pairs
+    return _splice(gather, h0, plan, index), gather, pairs
+
+
 def cp_forward(
     forward: Forward,
     q: torch.Tensor,
@@ -170,26 +193,9 @@ def cp_forward(
     segments' index tensors are built from it there (``segment_index_tensors``), so nothing is copied from
     the host and nothing synchronises; the host plan gives only sizes and the host copy of the segments'
     offsets. Returns ``(o, final_state or None)`` as the forward without segments would."""
-    dev = q.device
-    Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
-    N = plan.first.numel()
     index = segment_indices(forward, plan, cu_seqlens)
-    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    h0 = (initial_state.to(sdt) if initial_state is not None
-          else torch.zeros((N, Hv, K, V), dtype=sdt, device=dev))
-
-    if plan.split:
-        transitions = _transitions_one_pass if K == V else _transitions_two_passes
-        gather, pairs = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
-        # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i; by the forward's own splice when it
-        # has one (``splice(pairs, h0, plan, index) -> starts``, e.g. one fused kernel)
-        own = getattr(forward, "splice", None)
-        if own is not None and pairs is not None:
-            starts = own(pairs, h0, plan, index)
-        else:
-            starts = _splice(gather, h0, plan, index)
-    else:
-        starts = h0
+    h0 = float_states(initial_state, q, v, plan.first.numel())
+    starts = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index)[0] if plan.split else h0
     # 4. every segment from its true start state
     o, seg_final = forward(q, k, v, g, beta, scale, starts, index.seg_cu, output_final_state, plan.seg_cu)
     final = None
