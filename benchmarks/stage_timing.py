@@ -79,6 +79,7 @@ def main(argv=None):
     from flashgdn import chunk_gated_delta_rule
     from flashgdn.bench.inputs import floor_ms
     from flashgdn.bench.shapes import Shape
+    from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
     from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
@@ -129,31 +130,18 @@ def main(argv=None):
         if "uw" in loops:
             times["op_uw"] = lambda: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="uw")
             times["op_rs"] = lambda: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
+
+        def op(cp):
+            return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                          cu_seqlens_cpu=cu_cpu, backend="hopper", cp=cp)
+
         for cp in CP_SEGMENTS:
-            times[f"op_cp{cp}"] = (lambda cp=cp: chunk_gated_delta_rule(
-                q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-                backend="hopper", cp=cp))
+            times[f"op_cp{cp}"] = lambda cp=cp: op(cp)
 
-        def paired(cp):  # the transition pass on the paired kernel, stages 0 and 1 shared (FLASHGDN_HOPPER_CP_PAIRED)
-            from flashgdn.kernels.hopper import backend
-
-            saved, backend.CP_PAIRED = backend.CP_PAIRED, True
-            try:
-                return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                              cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper", cp=cp)
-            finally:
-                backend.CP_PAIRED = saved
-
-        def fused(cp):  # CP's segment index and splice as one kernel each (FLASHGDN_HOPPER_CP_FUSED=1)
-            from flashgdn.kernels.hopper import backend
-
-            saved, backend.CP_FUSED = backend.CP_FUSED, True
-            try:
-                return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                              cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper", cp=cp)
-            finally:
-                backend.CP_FUSED = saved
-
+        # the transition pass on the paired kernel, stages 0 and 1 shared (FLASHGDN_HOPPER_CP_PAIRED)
+        paired = lambda cp: switched(backend, "CP_PAIRED", True, lambda: op(cp))  # noqa: E731
+        # CP's segment index and splice as one kernel each (FLASHGDN_HOPPER_CP_FUSED=1)
+        fused = lambda cp: switched(backend, "CP_FUSED", True, lambda: op(cp))  # noqa: E731
         if not args.no_paired:  # the kernels not yet run on a GPU when the last tests timed out
             times["op_cpauto_pairs"] = lambda: paired("auto")
             times["op_cp64_pairs"] = lambda: paired(64)
@@ -210,7 +198,8 @@ def main(argv=None):
     cols += [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
     if args.backward:
         cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),
-                 ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto"),
+                 ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 256 thr", "bwd_chunk_grad_256"),
+                 ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto"),
                  ("bwd MiB", "bwd_peak_extra_mib")]
     print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
@@ -219,6 +208,17 @@ def main(argv=None):
         mix = f"{r['seqlens'][0]}x{len(r['seqlens'])}"
         print(f"| {r['h_qk']}/{r['h_v']} | {mix} | {r['floor_ms']:.3f} | " + " | ".join(f(c[1]) for c in cols) + " |")
     return 0
+
+
+def switched(module, name: str, value, fn):
+    """``fn()`` with the switch ``module.name`` (a module-level setting such as ``backend.CP_PAIRED``) set to
+    ``value`` for the call, then restored."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, saved)
 
 
 def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
@@ -237,18 +237,12 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
     p = validate(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                  cu_seqlens_cpu=cu_cpu)
     plan = HopperBackend._plan(p)
-    def chunk_grad_256():
-        from flashgdn.kernels.hopper import backward
-
-        saved, backward.CHUNK_GRAD_THREADS = backward.CHUNK_GRAD_THREADS, 256
-        try:
-            return st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)
-        finally:
-            backward.CHUNK_GRAD_THREADS = saved
+    from flashgdn.kernels.hopper import backward
 
     return {
         "bwd_stage1": lambda: _plan_and_stage1(q, k, g, beta, cu, store_inverse=True),
-        "bwd_chunk_grad_256": chunk_grad_256,
+        "bwd_chunk_grad_256": lambda: switched(backward, "CHUNK_GRAD_THREADS", 256, lambda: st.chunk_gradients(
+            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
         "bwd_states": lambda: st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
         "bwd_walk": lambda: st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
         "bwd_chunk_grad": lambda: st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu),
