@@ -52,14 +52,17 @@ class SignatureCheck:
 
 
 def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
-    """What ``segment_index.py`` writes (its math, in torch on the CPU)."""
-    lens = (cu[1:] - cu[:-1]).long()
-    count.copy_(((lens + step - 1) // step).clamp(min=1))
-    first.copy_(torch.cumsum(count, 0) - count)
-    seg_seq.copy_(torch.repeat_interleave(torch.arange(len(lens)), count))
-    within = torch.arange(seg_seq.numel()) - first[seg_seq]
-    seg_cu[:-1] = (cu[:-1].long()[seg_seq] + within * step).to(seg_cu.dtype)
-    seg_cu[-1] = cu[-1]
+    """What ``segment_index.py`` writes: its PyTorch counterpart's values, for the sizes of this call."""
+    from types import SimpleNamespace
+
+    from flashgdn.cp.plan import segment_index_tensors
+    from flashgdn.kernels.hopper.common import CHUNK
+
+    plan = SimpleNamespace(first=first, num_segments=seg_seq.numel(), segment_chunks=step // CHUNK)
+    index = segment_index_tensors(plan, cu)
+    for out, value in ((seg_cu, index.seg_cu), (seg_seq, index.seg_seq), (first, index.first),
+                       (count, index.count)):
+        out.copy_(value)
 
 
 @pytest.fixture
