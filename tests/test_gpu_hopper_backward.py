@@ -104,6 +104,25 @@ def test_chunk_states_recompute_matches_the_reference(opts, with_h0, cuda):
 
 GRAD_BAR = 8e-3  # DESIGN.md §3: dq, dk, dv, dh0
 GATE_GRAD_BAR = 2e-2  # dg, dbeta
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+BARS = dict(dq=GRAD_BAR, dk=GRAD_BAR, dv=GRAD_BAR, dg=GATE_GRAD_BAR, dbeta=GATE_GRAD_BAR, dh0=GRAD_BAR)
+
+
+def _assert_on_the_bars(got, want) -> dict:
+    """Gradients in ``GRADIENTS`` order (as many as given) against the float64 ones: None where the reference has
+    none, else the reference's shape, finite, and within the bar. Prints and returns the errors."""
+    errs = {}
+    for name, x, w in zip(GRADIENTS, got, want):
+        if w is None:
+            assert x is None, name
+            continue
+        assert x.shape == w.shape, name
+        assert torch.isfinite(x).all(), name
+        errs[name] = rel_rms(x.double(), w)
+    print(errs)
+    for name, err in errs.items():
+        assert err < BARS[name], (name, errs)
+    return errs
 
 BACKWARD_CASES = [
     dict(seqlens=[1000, 3, 130], Hqk=2, Hv=4),
@@ -183,10 +202,7 @@ def test_chunk_grad_alone_from_float64_inputs(opts, cuda):
     got = (dq.view(1, T, Hqk, group, K).double().sum(3), dk.view(1, T, Hqk, group, K).double().sum(3), dv, dg, dbeta)
     want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
                                                      cu_seqlens=cu, compute_dtype=f64)
-    errs = {n: rel_rms(x.double(), w) for n, x, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want)}
-    print(errs)
-    for n, bar in zip(errs, (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR)):
-        assert errs[n] < bar, (n, errs)
+    _assert_on_the_bars(got, want)
 
 
 @pytest.mark.parametrize("case", range(len(BACKWARD_CASES)))
@@ -205,23 +221,10 @@ def test_hopper_backward_matches_the_float64_backward(case, with_dht, cuda):
     got = hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf)
     want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
                                                      cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-    bars = (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR, GRAD_BAR)
-    errs = {}
-    for name, x, w, bar in zip(names, got, want, bars):
-        if w is None:
-            assert x is None, name
-            continue
-        assert x.shape == w.shape, name
-        assert torch.isfinite(x).all(), name
-        errs[name] = rel_rms(x.double(), w)
-    print(errs)
-    for name, bar in zip(names, bars):
-        if name in errs:
-            assert errs[name] < bar, (name, errs)
+    _assert_on_the_bars(got, want)
     if cu is not None and int(cu[-1]) < q.shape[1]:  # padded tail
         end = int(cu[-1])
-        for name, x in zip(names[:5], got[:5]):
+        for name, x in zip(GRADIENTS[:5], got[:5]):
             assert (x[:, end:] == 0).all(), name
 
 
@@ -247,13 +250,7 @@ def test_hopper_backward_with_context_parallelism(opts, paired, monkeypatch, cud
     got = hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf, plan, None if cu is None else cu.cpu())
     want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
                                                      cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
-    bars = (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR, GRAD_BAR)
-    for name, x, w, bar in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want, bars):
-        if w is None:
-            assert x is None, name
-            continue
-        assert torch.isfinite(x).all(), name
-        assert rel_rms(x.double(), w) < bar, name
+    _assert_on_the_bars(got, want)
 
 
 def test_chunk_grad_on_two_warpgroups_matches_one(monkeypatch, cuda):
@@ -270,10 +267,9 @@ def test_chunk_grad_on_two_warpgroups_matches_one(monkeypatch, cuda):
     two = backward.hopper_backward(*args)
     want = chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
                                                      cu_seqlens=args[9], compute_dtype=torch.float64)
-    bars = (GRAD_BAR, GRAD_BAR, GRAD_BAR, GATE_GRAD_BAR, GATE_GRAD_BAR, GRAD_BAR)
-    for name, a, b, w, bar in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), one, two, want, bars):
+    for name, a, b in zip(GRADIENTS, one, two):
         assert rel_rms(b.double(), a.double()) < 1e-3, name
-        assert rel_rms(b.double(), w) < bar, name
+    _assert_on_the_bars(two, want)
 
 
 @pytest.mark.parametrize("cp", ["off", 4])
