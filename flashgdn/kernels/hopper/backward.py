@@ -139,11 +139,9 @@ class HopperBackwardStages:
         return self._stage1
 
     def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
-        h0 = None if h0 is None else h0.to(torch.float32).contiguous()
         return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu))[0]
 
     def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
-        dht = None if dht is None else dht.to(torch.float32).contiguous()
         ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu,
                                                 _stage1=self._stage1_for(q, k, g, beta, cu))
         return ds_end, dh0
@@ -213,8 +211,8 @@ def hopper_backward(
     def packed(x):
         return x.reshape((1, TT) + tuple(x.shape[2:]))
 
-    def k_major(x):
-        return None if x is None else (x.transpose(-1, -2) if state_v_first else x).to(torch.float32).contiguous()
+    def k_major(x):  # the kernels' host calls make it float32 and contiguous
+        return x.transpose(-1, -2) if x is not None and state_v_first else x
 
     split = plan is not None and plan.split
     stages = HopperBackwardStages()
