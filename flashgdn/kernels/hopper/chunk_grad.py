@@ -31,14 +31,12 @@ it instead (-gamma ⊙ dW, d ⊙ Vn), so dk is one accumulator. Rows past a sequ
 PyTorch counterpart: step 2 of ``chunk_gated_delta_rule_backward_reference``.
 """
 import functools
-from typing import Optional
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_dtype: Optional[str] = None,
-                     threads: int = 128):
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 128):
     """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256, two that split every GEMM's N and
     every elementwise loop). Arguments, in order:
 
@@ -53,14 +51,13 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
       ds_end    [S, Hv, V, K]    io dtype: dS'^T at every chunk's end (``state_grad_walk``)
       scale     float32
       dv        [1, T, Hv, V]    io dtype, written
-      dq, dk    [1, T, Hv, K]    qk grad dtype (default: the io dtype), written: per value head (summed over a
-                                 group by the caller, in float32, as FlashQLA does with its bf16 per-head dq/dk)
+      dq, dk    [1, T, Hv, K]    io dtype, written: per value head (summed over a group by the caller with
+                                 float32 accumulation, as FlashQLA does with its bf16 per-head dq/dk)
       dg, dbeta [1, T, Hv]       float32, written
     """
     import tilelang
     import tilelang.language as T
 
-    qk_grad_dtype = qk_grad_dtype or io_dtype
     C = CHUNK
     # <dS', S> is kept as V row sums and folded onto the chunk's 64 columns in the last reduction
     assert V == 2 * CHUNK, "the kernel is written for V = 128"
@@ -86,8 +83,8 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
         ds_end: T.Tensor((num_slots, Hv, V, K), io_dtype),
         scale: T.float32,
         dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        dq: T.Tensor((1, num_tokens, Hv, K), qk_grad_dtype),
-        dk: T.Tensor((1, num_tokens, Hv, K), qk_grad_dtype),
+        dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
         dg: T.Tensor((1, num_tokens, Hv), "float32"),
         dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
     ):
@@ -238,7 +235,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
                 T.gemm(dqk_s, k_s, ck_f)
                 for i, j in T.Parallel(C, K):
                     if i < n_rows:
-                        dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], qk_grad_dtype)
+                        dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
 
                 # ---- dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                 T.gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
@@ -260,7 +257,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, qk_grad_d
                 T.gemm(dkk_s, k_s, ck_f, transpose_A=True)
                 for i, j in T.Parallel(C, K):
                     if i < n_rows:
-                        dk[0, t0 + i, h, j] = T.cast(ck_f[i, j], qk_grad_dtype)
+                        dk[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
 
                 # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them);
                 # row i of the masked sum: sum_{j >= i} dg~_j + sum_j d_j <(K dS')_j, Vn_j> + gamma_C <dS', S>
