@@ -198,9 +198,9 @@ def main(argv=None):
     cols += [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
     if args.backward:
         cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),
-                 ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 256 thr", "bwd_chunk_grad_256"),
-                 ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto"),
-                 ("bwd MiB", "bwd_peak_extra_mib")]
+                 ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 128 thr", "bwd_chunk_grad_128"),
+                 ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto")]
+        cols += [(f"bwd cp={c}", f"bwd_cp{c}") for c in CP_SEGMENTS] + [("bwd MiB", "bwd_peak_extra_mib")]
     print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for r in rows:
@@ -237,10 +237,19 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
     p = validate(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                  cu_seqlens_cpu=cu_cpu)
     plan = HopperBackend._plan(p)
+    from dataclasses import replace
+
     from flashgdn.kernels.hopper import backward
 
-    return {
+    # the backward on forced segment lengths (the forward's plan for cp=<chunks>), None where that does not split
+    forced = {c: HopperBackend._plan(replace(p, cp=c)) for c in CP_SEGMENTS}
+    times = {f"bwd_cp{c}": (lambda pl=pl: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, pl,
+                                                           cu_cpu))
+             for c, pl in forced.items() if pl is not None}
+    return times | {
         "bwd_stage1": lambda: _plan_and_stage1(q, k, g, beta, cu, store_inverse=True),
+        "bwd_chunk_grad_128": lambda: switched(backward, "CHUNK_GRAD_THREADS", 128, lambda: st.chunk_gradients(
+            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
         "bwd_chunk_grad_256": lambda: switched(backward, "CHUNK_GRAD_THREADS", 256, lambda: st.chunk_gradients(
             q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
         "bwd_states": lambda: st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),

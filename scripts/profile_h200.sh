@@ -7,7 +7,8 @@
 #    of the chunk loop named by $LOOP (default rs) (ncu.txt: speed of light, occupancy, warp states;
 #    ncu-sass.csv.xz, ncu-sass-kkt.csv.xz); with PROFILE=backward, of the backward's walk and chunk_grad instead
 #    (ncu-sass.csv.xz: chunk_grad, ncu-sass-kkt.csv.xz: the walk).
-# Steps 2 and 3 run even when a test fails, so one call gives the whole picture.
+# Steps 2 and 3 run even when a test fails, so one call gives the whole picture. STEPS (default "tests stages ncu")
+# picks which run.
 set -uo pipefail
 out=${1:?usage: scripts/profile_h200.sh OUTDIR [HEADS SEQLENS]}
 heads=${2:-16/64}
@@ -18,18 +19,23 @@ export PYTHONUNBUFFERED=1
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 loop=${LOOP:-rs}
 if [ "${PROFILE:-forward}" = backward ]; then
-  kernels="state_grad_walk|chunk_grad"; main="chunk_grad"; second="state_grad_walk"; extra=(--backward)
+  kernels="state_grad_walk|chunk_grad|chunk_forward_rs"; main="chunk_grad"; second="state_grad_walk"; extra=(--backward)
 else
   kernels="kkt_inverse|chunk_forward_$loop"; main="chunk_forward_$loop"; second="kkt_inverse"; extra=(--loops "$loop")
 fi
 
-python3 -m pytest -m gpu -q -x tests/test_gpu_hopper_forward.py 2>&1 | tail -40 > "$out/gpu-hopper.log"
-echo "# exit status ${PIPESTATUS[0]}" >> "$out/gpu-hopper.log"
+steps=${STEPS:-tests stages ncu}
+if [[ $steps == *tests* ]]; then
+  python3 -m pytest -m gpu -q -x tests/test_gpu_hopper_forward.py 2>&1 | tail -40 > "$out/gpu-hopper.log"
+  echo "# exit status ${PIPESTATUS[0]}" >> "$out/gpu-hopper.log"
+fi
 
-python3 benchmarks/stage_timing.py --out "$out/stages.json" > "$out/stages.log" 2>&1
+[[ $steps == *stages* ]] && python3 benchmarks/stage_timing.py --out "$out/stages.json" > "$out/stages.log" 2>&1
 
-if [ -x "$ncu" ]; then
-  "$ncu" --clock-control none -k regex:"$kernels" --launch-skip 2 --launch-count 2 \
+if [[ $steps != *ncu* ]]; then
+  :
+elif [ -x "$ncu" ]; then
+  "$ncu" --clock-control none -k regex:"$kernels" --launch-skip "${NCU_SKIP:-2}" --launch-count "${NCU_COUNT:-2}" \
     --set full --import-source yes -f -o /tmp/prof \
     python3 benchmarks/profile_stages.py --heads "$heads" --seqlens "$seqlens" "${extra[@]}" > /tmp/ncu-run.log 2>&1
   {

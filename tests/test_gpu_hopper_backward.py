@@ -253,17 +253,19 @@ def test_hopper_backward_with_context_parallelism(opts, paired, monkeypatch, cud
     _assert_on_the_bars(got, want)
 
 
-def test_chunk_grad_on_two_warpgroups_matches_one(monkeypatch, cuda):
-    """The 256-thread build of ``chunk_grad`` (backward.CHUNK_GRAD_THREADS, an A/B): the same gradients up to the
-    order of its float32 sums, and on the bars."""
+@pytest.mark.parametrize("threads", [128, 256])
+def test_chunk_grad_on_fewer_warpgroups_matches_four(threads, monkeypatch, cuda):
+    """The 128- and 256-thread builds of ``chunk_grad`` (backward.CHUNK_GRAD_THREADS, A/Bs of the 512-thread
+    default): the same gradients up to the order of their float32 sums, and on the bars."""
     from flashgdn.kernels.hopper import backward
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     inp, do, dht, _ = _backward_inputs(dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), cuda)
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
             inp["cu_seqlens"])
+    monkeypatch.setattr(backward, "CHUNK_GRAD_THREADS", threads)
     one = backward.hopper_backward(*args)
-    monkeypatch.setattr(backward, "CHUNK_GRAD_THREADS", 256)
+    monkeypatch.setattr(backward, "CHUNK_GRAD_THREADS", 512)
     two = backward.hopper_backward(*args)
     want = chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
                                                      cu_seqlens=args[9], compute_dtype=torch.float64)

@@ -27,9 +27,11 @@ from .common import tl_dtype
 from .forward import _output, hopper_stage1, packed_offsets
 
 
-#: threads of ``chunk_grad``: 128 (one warpgroup, the default) or 256 (two, splitting every GEMM's N), an A/B
-#: to be measured on the GPU (``benchmarks/stage_timing.py --backward``). FLASHGDN_HOPPER_CHUNK_GRAD_THREADS.
-CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "128"))
+#: threads of ``chunk_grad``: 512 (four warpgroups splitting every GEMM's N and every elementwise loop; the
+#: default), 256 or 128. On the H200 (``benchmarks/stage_timing.py --backward``) 512 took 0.55x the time of 128 and
+#: 0.92x that of 256: the kernel is a chain of latency-bound steps at one CTA per SM, and more warps hide more of it.
+#: FLASHGDN_HOPPER_CHUNK_GRAD_THREADS.
+CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "512"))
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):

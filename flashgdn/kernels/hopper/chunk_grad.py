@@ -22,7 +22,7 @@ and the gate, by what each g~_i multiplies (every term below is a row dot produc
 (scale gamma_i <dO_i, (QS)_i> is <q_i, scale gamma_i (dO S^T)_i>, a row dot of dq's state term with q; the g~_last
 terms reach every token of the chunk through the reverse cumsum, so they are added to all of them).
 
-Every chunk at once: one CTA per chunk slot and value head, 128 threads (one warpgroup; 256, two, as an A/B),
+Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
 (``dq``, ``dk`` are ``[T, Hv, K]`` in the io dtype, as FlashQLA's): the host sums each qk head's group in a fixed
 order, so results are deterministic. Operands that need a row scaling after their GEMM is shared with another term are scaled before
@@ -36,9 +36,9 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 128):
-    """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256, two that split every GEMM's N and
-    every elementwise loop). Arguments, in order:
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512):
+    """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256 / 512, two / four that split every
+    GEMM's N and every elementwise loop). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -61,6 +61,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     C = CHUNK
     # <dS', S> is kept as V row sums and folded onto the chunk's 64 columns in the last reduction
     assert V == 2 * CHUNK, "the kernel is written for V = 128"
+    assert threads in (128, 256, 512), threads
     group = Hv // Hqk
     RB = 16  # rows of S per step of <dS', S>
     num_tokens = T.dynamic("num_tokens")

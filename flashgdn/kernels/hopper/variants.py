@@ -90,7 +90,7 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                     state_v_first=False, with_output=False, precise=False, store_chunk_states=True))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    for threads in (128, 256):  # the default and its A/B (backward.CHUNK_GRAD_THREADS)
+    for threads in (512, 256, 128):  # the default and its A/Bs (backward.CHUNK_GRAD_THREADS)
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}]", "chunk_grad",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads))
     for has_dht in (True, False):
