@@ -176,12 +176,17 @@ def test_new_sequence_mixes_do_not_compile_again():
     from flashgdn.kernels.hopper.chunk_forward_uw import build_chunk_forward_uw
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+    from flashgdn.kernels.hopper.segment_index import build_segment_index
+    from flashgdn.kernels.hopper.splice import build_splice
 
     builders = (build_chunk_forward, build_chunk_forward_rs, build_chunk_forward_uw, build_chunk_forward_ws,
-                build_kkt_inverse)
+                build_kkt_inverse, build_splice, build_segment_index)
+    # one mix run whole and one that cp="auto" splits: the latter compiles context parallelism's own variants
+    # (the paired transition pass, the splice, the segment index) once; after both, no mix compiles anything
     run_hopper(inputs([100, 200], Hqk=2, Hv=4))
+    run_hopper(inputs([16384], Hqk=2, Hv=4))
     before = [b.cache_info().misses for b in builders]
-    for mix in ([5], [64, 64, 64], [1000, 1, 2, 3], [4096], [129] * 30):
+    for mix in ([5], [64, 64, 64], [1000, 1, 2, 3], [4096], [129] * 30, [20000, 9000]):
         run_hopper(inputs(mix, Hqk=2, Hv=4))
     assert [b.cache_info().misses for b in builders] == before
 

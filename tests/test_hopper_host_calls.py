@@ -113,10 +113,12 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, checked_kernels
         assert all((x[:, end:] == 0).all() for x in (dq, dk, dv, dg, dbeta)), "the padded tail's gradients are 0"
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("output_final_state", [True, False])
-def test_paired_cp_forward_calls_match_the_kernels(output_final_state, checked_kernels):
+def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, checked_kernels):
     """Context parallelism's paired transition pass (stage 1 run once, shared with the forward over the
-    segments; FLASHGDN_HOPPER_CP_PAIRED=1) and the forward after it."""
+    segments; FLASHGDN_HOPPER_CP_PAIRED) and the forward after it, with the segment index and the splice in torch
+    or by their kernels (FLASHGDN_HOPPER_CP_FUSED)."""
     from flashgdn.api.validate import validate
     from flashgdn.cp import plan_for_problem
     from flashgdn.cp.exact import cp_problem_forward
@@ -127,10 +129,12 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, checked_k
     p = validate(**inp, output_final_state=output_final_state, cp=4)
     plan = plan_for_problem(p, auto=True)
     assert plan is not None and plan.split
-    o, final = cp_problem_forward(_HopperSegmentsForward(paired=True), p, plan, p.q, p.k)
+    o, final = cp_problem_forward(_HopperSegmentsForward(paired=True, fused=fused), p, plan, p.q, p.k)
     names = [c[0] for c in checked_kernels]
-    assert names == ["kkt_inverse", "chunk_forward_rs", "chunk_forward_rs"], "stage 1 once, then the two loops"
-    assert checked_kernels[1][1]["num_seqs"] == plan.num_segments
+    # stage 1 once, then the two loops, the splice between them
+    assert names == (["segment_index"] * fused + ["kkt_inverse", "chunk_forward_rs"] + ["splice"] * fused
+                     + ["chunk_forward_rs"])
+    assert all(sizes["num_seqs"] == plan.num_segments for name, sizes in checked_kernels if name == "chunk_forward_rs")
     assert o.shape == p.v.shape
     assert (final is None) != output_final_state
 

@@ -30,15 +30,22 @@ def test_precompile_rejects_bad_heads():
 
 
 def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
-    """The default chunk loop for the flags, stage 1, and CP's transition pass on twice the value heads (or the
-    paired kernel when that is switched on); none of the comparison loops or the backward's kernels."""
+    """The default chunk loop for the flags, stage 1, and CP's kernels: by default the paired transition pass,
+    the segment index and the splice; with those switched off the transition pass on twice the value heads. None
+    of the comparison loops or the backward's kernels."""
     from flashgdn.kernels.hopper import backend, forward
     from flashgdn.kernels.hopper.variants import serving_variants
 
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
     assert names == ["chunk_plan", "kkt_inverse[2/8,bfloat16]", "chunk_forward_rs[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                     "kkt_inverse[2/16,bfloat16]", "chunk_forward_rs_state[2/16,bfloat16,h0=1,ht=1,v_first=0]"]
+                     "chunk_forward_rs_pairs[2/8,bfloat16,h0=1,ht=1,v_first=0]", "segment_index[int32]",
+                     "segment_index[int64]", "splice[8,forward]"]
     assert len([n for n in serving_variants(2, 8, flags="all") if n[0].startswith("chunk_forward_rs[")]) == 8
+    monkeypatch.setattr(backend, "CP_PAIRED", False)
+    monkeypatch.setattr(backend, "CP_FUSED", False)
+    names = [v[0] for v in serving_variants(2, 8, flags="common")]
+    assert names == ["chunk_plan", "kkt_inverse[2/8,bfloat16]", "chunk_forward_rs[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+                     "kkt_inverse[2/16,bfloat16]", "chunk_forward_rs_state[2/16,bfloat16,h0=1,ht=1,v_first=0]"]
     monkeypatch.setattr(backend, "CP_PAIRED", True)
     monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "uw")
     names = [v[0] for v in serving_variants(2, 8, flags="common")]

@@ -88,13 +88,26 @@ class CostModel:
     cp_launches: int = 37
     splice_step_us: float = 13.0
     cp_token_head_us: float = 0.0002
+    # the paired transition pass (``paired``; A/B in stages-hopper-v0.4-ab.json): stages 0 and 1 run once, for
+    # the forward over the segments, and the doubled inputs are never made (their cp_token_head_us and 8 launches
+    # go). At cp=64 the model then gives 1.25 ms for 16/32 32768x1 (1.20 measured, 1.98 unpaired), 0.55 for 2/8
+    # 32768x1 (0.49) and 0.50 for 32/32 8192x1 (0.46): 4-12% pessimistic.
+    paired: bool = False
+    paired_launches_saved: int = 8
+    # the fused segment index and splice kernels (``fused``): on 2/8 32768x1 they took 0.10 ms off cp=64 (7
+    # splice steps) and 0.31 ms off cp=16 (31 steps), i.e. 8.7 us per step and 39 us of launches (~10)
+    fused: bool = False
+    fused_launches_saved: int = 10
+    fused_splice_step_us: float = 4.3
 
     @staticmethod
-    def for_device(device: Optional[torch.device] = None) -> "CostModel":
-        """The model for a CUDA device (its SM count; stage times measured on the H200), or the default."""
+    def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False) -> "CostModel":
+        """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
+        ``paired``/``fused``: which of CP's kernels the backend runs."""
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
-            return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
-        return CostModel()
+            return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, paired=paired,
+                             fused=fused)
+        return CostModel(paired=paired, fused=fused)
 
     def loop_us(self, item_chunks: Sequence[int], heads: int, state_only: bool = False) -> float:
         """One chunk loop over work items of the given chunk counts, each for ``heads`` value heads."""
@@ -228,10 +241,17 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
         pieces = math.ceil(c / segment_chunks)
         segs += [min(segment_chunks, c - i * segment_chunks) for i in range(pieces)]
         steps = max(steps, pieces - 1)
-    driver = model.cp_launches * model.launch_us + sum(seqlens) * heads * model.cp_token_head_us
-    # b and M: one state-only pass over twice the value heads (stage 1 included), then the splice
-    transitions = model.pass_us(segs, 2 * heads, qk_heads, state_only=True)
-    return driver + transitions + steps * model.splice_step_us + model.pass_us(segs, heads, qk_heads)
+    launches = (model.cp_launches - model.paired_launches_saved * model.paired
+                - model.fused_launches_saved * model.fused)
+    driver = launches * model.launch_us + (0 if model.paired else sum(seqlens) * heads * model.cp_token_head_us)
+    # b and M: one state-only pass over twice the value heads (with its own stages 0 and 1 unless paired), then
+    # the splice
+    if model.paired:
+        transitions = model.loop_us(segs, 2 * heads, state_only=True)
+    else:
+        transitions = model.pass_us(segs, 2 * heads, qk_heads, state_only=True)
+    splice = model.fused_splice_step_us if model.fused else model.splice_step_us
+    return driver + transitions + steps * splice + model.pass_us(segs, heads, qk_heads)
 
 
 def plan_segments(
