@@ -29,6 +29,8 @@ SHAPES = [
 
 #: segment lengths (chunks) at which the op is also timed with context parallelism
 CP_SEGMENTS = (16, 64)
+#: what --backward-only times
+BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd", "bwd_cpauto")
 
 
 def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
@@ -71,6 +73,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--loops", default="simple,ws,rs", help="chunk-loop kernels to time: simple,ws,rs,uw")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
+    ap.add_argument("--backward-only", action="store_true",
+                    help="only the backward's stages, the whole backward with and without CP and its memory")
     ap.add_argument("--no-paired", action="store_true",
                     help="leave out the op with the paired CP transition pass (FLASHGDN_HOPPER_CP_PAIRED)")
     args = ap.parse_args(argv)
@@ -149,9 +153,15 @@ def main(argv=None):
             times["op_cp64_fused"] = lambda: fused(64)
             times["op_cpauto_fused"] = lambda: fused("auto")
         bwd_error = None
+        if args.backward_only:
+            args.backward = True
+            times = {}
         if args.backward:
             try:
-                times.update(backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale))
+                bwd = backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale)
+                if args.backward_only:
+                    bwd = {name: fn for name, fn in bwd.items() if name in BACKWARD_CORE}
+                times.update(bwd)
             except Exception as e:  # noqa: BLE001 - report and go on with the forward's timings
                 bwd_error = f"{type(e).__name__}: {e}"[:300]
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")

@@ -59,11 +59,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     import tilelang.language as T
 
     C = CHUNK
-    # <dS', S> is kept as V row sums and folded onto the chunk's 64 columns in the last reduction
+    # <dS', S> is folded onto the chunk's 64 rows (V's two halves added) and totalled by the last reduction
     assert V == 2 * CHUNK, "the kernel is written for V = 128"
     assert threads in (128, 256, 512), threads
     group = Hv // Hqk
-    RB = 16  # rows of S per step of <dS', S>
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
     slot_rows = T.dynamic("slot_rows")
@@ -112,15 +111,12 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             dkk_s = T.alloc_shared((C, C), io_dtype)
             gc_s = T.alloc_shared((C,), acc)
             beta_s = T.alloc_shared((C,), acc)
-            sd_s = T.alloc_shared((V,), acc)  # row sums of dS'^T ⊙ S^T
+            sd_s = T.alloc_shared((C,), acc)  # <dS', S> in 64 partial sums
             # the gate's row terms (see the module docstring), and dbeta's two sums
-            tq_s = T.alloc_shared((C,), acc)
-            tw_s = T.alloc_shared((C,), acc)
+            tqw_s = T.alloc_shared((C,), acc)  # scale gamma_i <dO_i, (QS)_i> - gamma_i <dW_i, KS_i>
             tdec_s = T.alloc_shared((C,), acc)
-            tp_r_s = T.alloc_shared((C,), acc)
-            tp_c_s = T.alloc_shared((C,), acc)
-            ta_r_s = T.alloc_shared((C,), acc)
-            ta_c_s = T.alloc_shared((C,), acc)
+            xr_s = T.alloc_shared((C,), acc)  # row and column sums of X = P ⊙ dP + E ⊙ A ⊙ beta
+            xc_s = T.alloc_shared((C,), acc)
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
             dgc_s = T.alloc_shared((C,), acc)
@@ -131,37 +127,40 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             kk_f = T.alloc_fragment((C, C), acc)
             prod_f = T.alloc_fragment((C, V), acc)
             prodc_f = T.alloc_fragment((C, C), acc)
-            sd_f = T.alloc_fragment((RB, K), acc)
+            x_f = T.alloc_fragment((C, C), acc)
             # reductions' outputs, one per source layout: rows of a [C, V|K] tile, rows / columns of a [C, C] one
             red_f = T.alloc_fragment((C,), acc)
             red_r = T.alloc_fragment((C,), acc)
             red_c = T.alloc_fragment((C,), acc)
-            red_rb = T.alloc_fragment((RB,), acc)
 
             if n_rows > 0:
-                for i, j in T.Parallel(C, K):
-                    q_s[i, j] = T.if_then_else(i < n_rows, q[0, t0 + i, hq, j], T.cast(0, io_dtype))
-                    k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
-                for i, j in T.Parallel(C, V):
-                    v_s[i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
-                    do_s[i, j] = T.if_then_else(i < n_rows, do[0, t0 + i, h, j], T.cast(0, io_dtype))
-                for i, j in T.Parallel(C, C):
-                    ag_s[i, j] = Ag[slot, h, i, j]
-                    a_s[i, j] = A[slot, h, i, j]
+                # whole tiles by bulk copies (rows past the tensor's end read as zeros); the rows of a chunk past
+                # its sequence's end belong to the next sequence and are zeroed after
+                T.copy(q[0, t0:t0 + C, hq, :], q_s)
+                T.copy(k[0, t0:t0 + C, hq, :], k_s)
+                T.copy(v[0, t0:t0 + C, h, :], v_s)
+                T.copy(do[0, t0:t0 + C, h, :], do_s)
+                T.copy(Ag[slot, h, :, :], ag_s)
+                T.copy(A[slot, h, :, :], a_s)
+                T.copy(states[slot, h, :, :], st_s)
+                T.copy(ds_end[slot, h, :, :], ds_s)
                 for i in T.Parallel(C):
                     gc_s[i] = gcum[h, slot * C + i]
                     beta_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
-                # S^T and dS'^T to shared memory, and the row sums of <dS', S> (each written once: a reduction's
-                # output is replicated over threads, so no read-modify-write of shared memory from it)
-                for r in T.serial(V // RB):
-                    for i, j in T.Parallel(RB, K):
-                        st_s[r * RB + i, j] = states[slot, h, r * RB + i, j]
-                        ds_s[r * RB + i, j] = ds_end[slot, h, r * RB + i, j]
-                        sd_f[i, j] = (T.cast(states[slot, h, r * RB + i, j], acc)
-                                      * T.cast(ds_end[slot, h, r * RB + i, j], acc))
-                    T.reduce_sum(sd_f, red_rb, dim=1)
-                    for i in T.Parallel(RB):
-                        sd_s[r * RB + i] = red_rb[i]
+                if n_rows < C:
+                    for i, j in T.Parallel(C, K):
+                        if i >= n_rows:
+                            q_s[i, j] = T.cast(0, io_dtype)
+                            k_s[i, j] = T.cast(0, io_dtype)
+                            v_s[i, j] = T.cast(0, io_dtype)
+                            do_s[i, j] = T.cast(0, io_dtype)
+                # <dS', S> as 64 partial sums (V's two halves folded onto the chunk's rows): the gate's g~_last
+                # term needs only their total, which the last reduction makes
+                for i, j in T.Parallel(C, K):
+                    prod_f[i, j] = (T.cast(st_s[i, j], acc) * T.cast(ds_s[i, j], acc)
+                                    + T.cast(st_s[i + C, j], acc) * T.cast(ds_s[i + C, j], acc))
+                T.reduce_sum(prod_f, red_f, dim=1)
+                T.copy(red_f, sd_s)
 
                 # ---- the forward's tiles again: W = V - diag(gamma) K S, Vn = Ag W, P
                 T.gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)
@@ -192,14 +191,9 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                     prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
                     da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
+                    x_f[i, j] = prodc_f[i, j] * beta_s[j]
                 T.reduce_sum(prodc_f, red_c, dim=0)
                 T.copy(red_c, db1_s)
-                for i, j in T.Parallel(C, C):
-                    prodc_f[i, j] = prodc_f[i, j] * beta_s[j]
-                T.reduce_sum(prodc_f, red_r, dim=1)
-                T.copy(red_r, ta_r_s)
-                T.reduce_sum(prodc_f, red_c, dim=0)
-                T.copy(red_c, ta_c_s)
 
                 # ---- dV = dW = Ag^T dVn, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
                 T.gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
@@ -207,22 +201,20 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     if i < n_rows:
                         dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
                 for i, j in T.Parallel(C, V):
-                    prod_f[i, j] = cv_f[i, j] * T.cast(v_s[i, j], acc)
+                    prod_f[i, j] = -cv_f[i, j] * T.cast(v_s[i, j], acc)
                     w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
-                T.reduce_sum(prod_f, red_f, dim=1)
-                T.copy(red_f, tw_s)
 
                 # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
                 T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    prodc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+                    x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, cc_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
                     dqk_s[i, j] = T.cast(
                         T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
                         io_dtype)
-                T.reduce_sum(prodc_f, red_r, dim=1)
-                T.copy(red_r, tp_r_s)
-                T.reduce_sum(prodc_f, red_c, dim=0)
-                T.copy(red_c, tp_c_s)
+                T.reduce_sum(x_f, red_r, dim=1)
+                T.copy(red_r, xr_s)
+                T.reduce_sum(x_f, red_c, dim=0)
+                T.copy(red_c, xc_s)
                 for i, j in T.Parallel(C, V):
                     vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
 
@@ -230,9 +222,9 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 T.gemm(do_s, st_s, ck_f, clear_accum=True)
                 for i, j in T.Parallel(C, K):
                     ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
-                    prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
+                    prod_f[i, j] = prod_f[i, j] + ck_f[i, j] * T.cast(q_s[i, j], acc)
                 T.reduce_sum(prod_f, red_f, dim=1)
-                T.copy(red_f, tq_s)
+                T.copy(red_f, tqw_s)
                 T.gemm(dqk_s, k_s, ck_f)
                 for i, j in T.Parallel(C, K):
                     if i < n_rows:
@@ -263,10 +255,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them);
                 # row i of the masked sum: sum_{j >= i} dg~_j + sum_j d_j <(K dS')_j, Vn_j> + gamma_C <dS', S>
                 for i in T.Parallel(C):
-                    dgc_s[i] = tq_s[i] - tw_s[i] - tdec_s[i] + tp_r_s[i] - tp_c_s[i] + ta_r_s[i] - ta_c_s[i]
+                    dgc_s[i] = tqw_s[i] - tdec_s[i] + xr_s[i] - xc_s[i]
                 for i, j in T.Parallel(C, C):
                     prodc_f[i, j] = (T.if_then_else(j >= i, dgc_s[j], 0.0) + tdec_s[j]
-                                     + T.exp2(gc_s[C - 1] * LOG2E) * (sd_s[j] + sd_s[j + C]))
+                                     + T.exp2(gc_s[C - 1] * LOG2E) * sd_s[j])
                 T.reduce_sum(prodc_f, red_r, dim=1)
                 for i in T.Parallel(C):
                     if i < n_rows:
