@@ -274,6 +274,29 @@ def test_chunk_grad_on_fewer_warpgroups_matches_four(threads, monkeypatch, cuda)
     _assert_on_the_bars(two, want)
 
 
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
+def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
+    """``chunk_grad`` with its GEMMs issued in batches (backward.CHUNK_GRAD_BATCHED, an A/B): the same arithmetic
+    as the default build in another order of issue, so the same gradients up to the order of float32 sums (the
+    batched build adds d K dS' and P^T dO in registers instead of in one accumulator), and on the bars."""
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    inp, do, dht, _ = _backward_inputs(opts, cuda)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
+            inp["cu_seqlens"])
+    waited = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "CHUNK_GRAD_BATCHED", True)
+    batched = backward.hopper_backward(*args)
+    want = chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
+                                                     cu_seqlens=args[9], compute_dtype=torch.float64)
+    for name, a, b in zip(GRADIENTS, waited, batched):
+        assert rel_rms(b.double(), a.double()) < 1e-3, name
+    _assert_on_the_bars(batched, want)
+    assert torch.equal(batched[0], backward.hopper_backward(*args)[0]), "deterministic"
+
+
 @pytest.mark.parametrize("cp", ["off", 4])
 @pytest.mark.parametrize("dense", [False, True])
 def test_kernel_backward_reads_nothing_back_from_the_gpu(dense, cp, monkeypatch, cuda):

@@ -33,6 +33,10 @@ from .forward import _output, hopper_stage1, packed_offsets
 #: FLASHGDN_HOPPER_CHUNK_GRAD_THREADS.
 CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "512"))
 
+#: ``chunk_grad`` with its independent GEMMs issued together and waited on in six batches instead of one by one
+#: (``chunk_grad.py``; 256 or 512 threads); an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED=1.
+CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "0") == "1"
+
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
     """The forward's stages 0 and 1 (``forward.hopper_stage1``) on packed views:
@@ -167,7 +171,7 @@ class HopperBackwardStages:
         dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS)(
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS, batched=CHUNK_GRAD_BATCHED)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         if group > 1:  # each qk head's value heads, summed in a fixed order: deterministic

@@ -22,6 +22,11 @@ and the gate, by what each g~_i multiplies (every term below is a row dot produc
 (scale gamma_i <dO_i, (QS)_i> is <q_i, scale gamma_i (dO S^T)_i>, a row dot of dq's state term with q; the g~_last
 terms reach every token of the chunk through the reverse cumsum, so they are added to all of them).
 
+With ``batched`` (an A/B, ``backward.CHUNK_GRAD_BATCHED``) the GEMMs that need only what is ready are issued
+together as asynchronous wgmma and waited on once, in six batches: (A) K S, K dS', Q K^T, dO S^T, K K^T from the
+loaded tiles; (B) Ag W and P^T dO; (C) dVn W^T, Ag^T dVn and dO Vn^T; (D) dQK K, A^T dA and dk's first three
+terms into one accumulator; (E) (A^T dA) A^T; (F) dk's dKK terms. The unbatched build waits on each of the 18.
+
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
 (``dq``, ``dk`` are ``[T, Hv, K]`` in the io dtype, as FlashQLA's): the host sums each qk head's group in a fixed
@@ -36,9 +41,10 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512):
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512, batched: bool = False):
     """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256 / 512, two / four that split every
-    GEMM's N and every elementwise loop). Arguments, in order:
+    GEMM's N and every elementwise loop; ``batched``: independent GEMMs issued together, six waits instead of 18,
+    module docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -62,6 +68,8 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     # <dS', S> is folded onto the chunk's 64 rows (V's two halves added) and totalled by the last reduction
     assert V == 2 * CHUNK, "the kernel is written for V = 128"
     assert threads in (128, 256, 512), threads
+    # the batches' extra accumulators do not fit beside one warpgroup's 252 registers
+    assert not batched or threads >= 256, "batched GEMMs need 256 or 512 threads"
     group = Hv // Hqk
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
@@ -122,6 +130,11 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             dgc_s = T.alloc_shared((C,), acc)
 
             cv_f = T.alloc_fragment((C, V), acc)
+            if batched:  # the accumulators of GEMMs issued together
+                cv2_f = T.alloc_fragment((C, V), acc)
+                kd_f = T.alloc_fragment((C, V), acc)
+                dk_f = T.alloc_fragment((C, K), acc)
+                cc2_f = T.alloc_fragment((C, C), acc)
             ck_f = T.alloc_fragment((C, K), acc)
             cc_f = T.alloc_fragment((C, C), acc)
             kk_f = T.alloc_fragment((C, C), acc)
@@ -162,96 +175,192 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 T.reduce_sum(prod_f, red_f, dim=1)
                 T.copy(red_f, sd_s)
 
-                # ---- the forward's tiles again: W = V - diag(gamma) K S, Vn = Ag W, P
-                T.gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, V):
-                    cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
-                    w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
-                    v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
-                T.gemm(ag_s, w_s, cv_f, clear_accum=True)
-                T.copy(cv_f, vn_s)
-                T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                T.copy(cc_f, p_s)
+                if batched:
+                    # A: every product of loaded tiles alone, issued together
+                    T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
+                    T.wgmma_gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                    T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
+                    T.wgmma_gemm(do_s, st_s, ck_f, clear_accum=True)  # dO S^T
+                    T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
+                        w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
+                        v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                    T.copy(cc_f, p_s)
+                    for i, j in T.Parallel(C, V):
+                        kd_f[i, j] = kd_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                    # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
+                        prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
 
-                # ---- dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
-                T.gemm(k_s, ds_s, cv_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, V):
-                    cv_f[i, j] = cv_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    prod_f[i, j] = cv_f[i, j] * T.cast(vn_s[i, j], acc)
-                T.reduce_sum(prod_f, red_f, dim=1)
-                T.copy(red_f, tdec_s)
-                T.gemm(p_s, do_s, cv_f, transpose_A=True)
-                T.copy(cv_f, dvn_s)
+                    # B: Vn = Ag W and P^T dO; then dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
+                    T.wgmma_gemm(ag_s, w_s, cv_f, clear_accum=True)
+                    T.wgmma_gemm(p_s, do_s, cv2_f, transpose_A=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.copy(cv_f, vn_s)
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
+                        dvn_s[i, j] = T.cast(kd_f[i, j] + cv2_f[i, j], io_dtype)
+                    T.reduce_sum(cv_f, red_f, dim=1)
+                    T.copy(red_f, tdec_s)
 
-                # ---- dAg = (dVn W^T) lower; E = dAg ⊙ Gam; dA = E ⊙ beta_j; dbeta's first sum; the gate's E terms
-                T.gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                    prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
-                    da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
-                    x_f[i, j] = prodc_f[i, j] * beta_s[j]
-                T.reduce_sum(prodc_f, red_c, dim=0)
-                T.copy(red_c, db1_s)
+                    # C: dAg = dVn W^T, dW = Ag^T dVn, dP = dO Vn^T
+                    T.wgmma_gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    # E = dAg ⊙ Gam (lower); dA = E ⊙ beta_j; dbeta's first sum; the gate's E terms
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                        prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
+                        da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
+                        x_f[i, j] = prodc_f[i, j] * beta_s[j]
+                    T.reduce_sum(prodc_f, red_c, dim=0)
+                    T.copy(red_c, db1_s)
+                    # dV = dW, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
+                    for i, j in T.Parallel(C, V):
+                        if i < n_rows:
+                            dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
+                    for i, j in T.Parallel(C, V):
+                        prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
+                        w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+                    T.reduce_sum(prod_f, red_f, dim=1)
+                    T.copy(red_f, tqw_s)
+                    # dP (lower): the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
+                    for i, j in T.Parallel(C, C):
+                        x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, cc2_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+                        dqk_s[i, j] = T.cast(
+                            T.if_then_else(i >= j, cc2_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
+                            io_dtype)
+                    T.reduce_sum(x_f, red_r, dim=1)
+                    T.copy(red_r, xr_s)
+                    T.reduce_sum(x_f, red_c, dim=0)
+                    T.copy(red_c, xc_s)
+                    for i, j in T.Parallel(C, V):
+                        vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
 
-                # ---- dV = dW = Ag^T dVn, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
-                T.gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, V):
-                    if i < n_rows:
-                        dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
-                for i, j in T.Parallel(C, V):
-                    prod_f[i, j] = -cv_f[i, j] * T.cast(v_s[i, j], acc)
-                    w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+                    # D: dQ += dQK K; A^T dA; dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T (one accumulator)
+                    T.wgmma_gemm(dqk_s, k_s, ck_f)
+                    T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(dqk_s, q_s, dk_f, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(w_s, st_s, dk_f)
+                    T.wgmma_gemm(vn_s, ds_s, dk_f)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
+                    T.copy(cc_f, y_s)
 
-                # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
-                T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, cc_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-                    dqk_s[i, j] = T.cast(
-                        T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
-                        io_dtype)
-                T.reduce_sum(x_f, red_r, dim=1)
-                T.copy(red_r, xr_s)
-                T.reduce_sum(x_f, red_c, dim=0)
-                T.copy(red_c, xc_s)
-                for i, j in T.Parallel(C, V):
-                    vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
+                    # E: dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
+                    T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
+                        prodc_f[i, j] = cc_f[i, j] * kk_f[i, j]
+                        dkk_s[i, j] = T.cast(cc_f[i, j] * beta_s[i], io_dtype)
+                    T.reduce_sum(prodc_f, red_r, dim=1)
+                    T.copy(red_r, db2_s)
 
-                # ---- dQ = scale diag(gamma) dO S^T + dQK K, with the gate's <q_i, scale gamma_i (dO S^T)_i>
-                T.gemm(do_s, st_s, ck_f, clear_accum=True)
-                for i, j in T.Parallel(C, K):
-                    ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
-                    prod_f[i, j] = prod_f[i, j] + ck_f[i, j] * T.cast(q_s[i, j], acc)
-                T.reduce_sum(prod_f, red_f, dim=1)
-                T.copy(red_f, tqw_s)
-                T.gemm(dqk_s, k_s, ck_f)
-                for i, j in T.Parallel(C, K):
-                    if i < n_rows:
-                        dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
+                    # F: dK += dKK K + dKK^T K
+                    T.wgmma_gemm(dkk_s, k_s, dk_f)
+                    T.wgmma_gemm(dkk_s, k_s, dk_f, transpose_A=True)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dk[0, t0 + i, h, j] = T.cast(dk_f[i, j], io_dtype)
+                else:
+                    # ---- the forward's tiles again: W = V - diag(gamma) K S, Vn = Ag W, P
+                    T.gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
+                        w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
+                        v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+                    T.gemm(ag_s, w_s, cv_f, clear_accum=True)
+                    T.copy(cv_f, vn_s)
+                    T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                    T.copy(cc_f, p_s)
 
-                # ---- dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
-                T.gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
-                T.copy(cc_f, y_s)
-                T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
-                    prodc_f[i, j] = cc_f[i, j] * kk_f[i, j]
-                    dkk_s[i, j] = T.cast(cc_f[i, j] * beta_s[i], io_dtype)
-                T.reduce_sum(prodc_f, red_r, dim=1)
-                T.copy(red_r, db2_s)
+                    # ---- dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
+                    T.gemm(k_s, ds_s, cv_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = cv_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                        prod_f[i, j] = cv_f[i, j] * T.cast(vn_s[i, j], acc)
+                    T.reduce_sum(prod_f, red_f, dim=1)
+                    T.copy(red_f, tdec_s)
+                    T.gemm(p_s, do_s, cv_f, transpose_A=True)
+                    T.copy(cv_f, dvn_s)
 
-                # ---- dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T + dKK K + dKK^T K
-                T.gemm(dqk_s, q_s, ck_f, transpose_A=True, clear_accum=True)
-                T.gemm(w_s, st_s, ck_f)
-                T.gemm(vn_s, ds_s, ck_f)
-                T.gemm(dkk_s, k_s, ck_f)
-                T.gemm(dkk_s, k_s, ck_f, transpose_A=True)
-                for i, j in T.Parallel(C, K):
-                    if i < n_rows:
-                        dk[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
+                    # ---- dAg = (dVn W^T) lower; E = dAg ⊙ Gam; dA = E ⊙ beta_j; dbeta's first sum; the gate's E terms
+                    T.gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                        prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
+                        da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
+                        x_f[i, j] = prodc_f[i, j] * beta_s[j]
+                    T.reduce_sum(prodc_f, red_c, dim=0)
+                    T.copy(red_c, db1_s)
 
+                    # ---- dV = dW = Ag^T dVn, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
+                    T.gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        if i < n_rows:
+                            dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
+                    for i, j in T.Parallel(C, V):
+                        prod_f[i, j] = -cv_f[i, j] * T.cast(v_s[i, j], acc)
+                        w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+
+                    # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
+                    T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, cc_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+                        dqk_s[i, j] = T.cast(
+                            T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
+                            io_dtype)
+                    T.reduce_sum(x_f, red_r, dim=1)
+                    T.copy(red_r, xr_s)
+                    T.reduce_sum(x_f, red_c, dim=0)
+                    T.copy(red_c, xc_s)
+                    for i, j in T.Parallel(C, V):
+                        vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
+
+                    # ---- dQ = scale diag(gamma) dO S^T + dQK K, with the gate's <q_i, scale gamma_i (dO S^T)_i>
+                    T.gemm(do_s, st_s, ck_f, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
+                        prod_f[i, j] = prod_f[i, j] + ck_f[i, j] * T.cast(q_s[i, j], acc)
+                    T.reduce_sum(prod_f, red_f, dim=1)
+                    T.copy(red_f, tqw_s)
+                    T.gemm(dqk_s, k_s, ck_f)
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
+
+                    # ---- dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
+                    T.gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
+                    T.copy(cc_f, y_s)
+                    T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
+                    T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
+                        prodc_f[i, j] = cc_f[i, j] * kk_f[i, j]
+                        dkk_s[i, j] = T.cast(cc_f[i, j] * beta_s[i], io_dtype)
+                    T.reduce_sum(prodc_f, red_r, dim=1)
+                    T.copy(red_r, db2_s)
+
+                    # ---- dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T + dKK K + dKK^T K
+                    T.gemm(dqk_s, q_s, ck_f, transpose_A=True, clear_accum=True)
+                    T.gemm(w_s, st_s, ck_f)
+                    T.gemm(vn_s, ds_s, ck_f)
+                    T.gemm(dkk_s, k_s, ck_f)
+                    T.gemm(dkk_s, k_s, ck_f, transpose_A=True)
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dk[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
                 # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them);
                 # row i of the masked sum: sum_{j >= i} dg~_j + sum_j d_j <(K dS')_j, Vn_j> + gamma_C <dS', S>
                 for i in T.Parallel(C):

@@ -93,6 +93,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     for threads in (512, 256, 128):  # the default and its A/Bs (backward.CHUNK_GRAD_THREADS)
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}]", "chunk_grad",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads))
+    for threads in (512, 256):  # GEMMs issued in batches (backward.CHUNK_GRAD_BATCHED)
+        yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads},batched]", "chunk_grad",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, batched=True))
     for has_dht in (True, False):
         yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
