@@ -297,6 +297,24 @@ def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
     assert torch.equal(batched[0], backward.hopper_backward(*args)[0]), "deterministic"
 
 
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
+def test_staged_state_stores_give_the_same_bits(opts, monkeypatch, cuda):
+    """The states pass and the walk with their stores staged through shared memory and sent by TMA
+    (backward.STAGED_STATE_STORES, an A/B): the same values reach the same places, so every gradient is the same
+    bits as with element-wise stores."""
+    from flashgdn.kernels.hopper import backward
+
+    inp, do, dht, _ = _backward_inputs(opts, cuda)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
+            inp["cu_seqlens"])
+    plain = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "STAGED_STATE_STORES", True)
+    staged = backward.hopper_backward(*args)
+    for name, a, b in zip(GRADIENTS, plain, staged):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("cp", ["off", 4])
 @pytest.mark.parametrize("dense", [False, True])
 def test_kernel_backward_reads_nothing_back_from_the_gpu(dense, cp, monkeypatch, cuda):

@@ -37,6 +37,12 @@ CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "5
 #: (``chunk_grad.py``; 256 or 512 threads); an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED=1.
 CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "0") == "1"
 
+#: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
+#: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
+#: stall samples, and the states pass at 2.4x the time of the same loop without them); an A/B until measured on
+#: the GPU. FLASHGDN_HOPPER_STAGED_STATE_STORES=1.
+STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "0") == "1"
+
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
     """The forward's stages 0 and 1 (``forward.hopper_stage1``) on packed views:
@@ -74,7 +80,8 @@ def hopper_chunk_states(
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty((1, Hv, K, V), device=dev)
     states = _output((S, Hv, V, K), q.dtype, dev)
     o1 = torch.empty((1, 1, Hv, V), dtype=q.dtype, device=dev)  # not touched by a state-only pass
-    kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, False, True)
+    kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, False, True,
+                                    staged_stores=STAGED_STATE_STORES)
     kernel(qf, kf, v.reshape(1, B * T, Hv, V), st1.gcum, st1.Ag, cu, st1.first_slot, h0, 1.0, o1, states)
     return states, st1.bounds
 
@@ -108,7 +115,7 @@ def hopper_state_gradients(
     dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
     ds_end = _output((S, Hv, V, K), q.dtype, dev)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
-    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht)(
+    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht, staged_stores=STAGED_STATE_STORES)(
         qf, kf, dof, st1.gcum, st1.Ag, cu, st1.first_slot, dht_in, float(scale), ds_end, dh0)
     return ds_end, dh0, st1.bounds
 

@@ -57,6 +57,7 @@ def build_chunk_forward_rs(
     precise: bool = False,
     store_chunk_states: bool = False,
     transition_pairs: bool = False,
+    staged_stores: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -70,7 +71,9 @@ def build_chunk_forward_rs(
 
     ``store_chunk_states=True`` (state-only, no final state) is the backward's recompute of the forward states:
     ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major), in the io dtype:
-    the rounding this loop's own GEMMs read it with, at half float32's memory.
+    the rounding this loop's own GEMMs read it with, at half float32's memory. ``staged_stores=True`` writes each
+    state warpgroup's 64 rows to shared memory and sends them with one TMA store per chunk (as O leaves), instead
+    of element-wise stores from the registers (an A/B: ``backward.STAGED_STATE_STORES``).
 
     ``transition_pairs=True`` (state-only, initial and final state, K-major) is context parallelism's transition
     pass with stage 1 shared: 2 Hv CTAs per sequence, head 2h running value head h from ``h0[:, 2h]`` (b) and head
@@ -100,6 +103,8 @@ def build_chunk_forward_rs(
         heads = 2 * Hv
         state_shape_h0 = (n_h0, heads, K, V)
         state_shape_ht = (n_ht, heads, K, V)
+    if staged_stores and not store_chunk_states:
+        raise ValueError("staged_stores is an option of store_chunk_states")
     if store_chunk_states:
         if with_output or store_final_state or precise:
             raise ValueError("store_chunk_states is a state-only pass without a final state or precise mode")
@@ -111,7 +116,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
-                   o_s, full, empty, p_ready, first_slot):
+                   o_s, full, empty, p_ready, first_slot, hs_s):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -128,8 +133,14 @@ def build_chunk_forward_rs(
             t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
             if store_chunk_states:
-                for i, j in T.Parallel(HV2, K):
-                    ht[first_slot[n] + c, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
+                if staged_stores:
+                    for i, j in T.Parallel(HV2, K):
+                        hs_s[w, i, j] = T.cast(st_f[i, j], io_dtype)
+                    T.fence_proxy_async()
+                    T.copy(hs_s[w, :, :], ht[first_slot[n] + c, h, c0:c0 + HV2, :])
+                else:
+                    for i, j in T.Parallel(HV2, K):
+                        ht[first_slot[n] + c, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             # S^T K^T and S^T Q^T, register A operand
@@ -222,6 +233,8 @@ def build_chunk_forward_rs(
             gam_s = T.alloc_shared((2, C), acc)
             dec_s = T.alloc_shared((2, C), acc)
             o_s = T.alloc_shared((2, C, HV2), io_dtype)  # O of each state path, for the TMA store
+            if staged_stores:
+                hs_s = T.alloc_shared((2, HV2, K), io_dtype)  # each state path's S^T rows, for the TMA store
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
@@ -231,12 +244,20 @@ def build_chunk_forward_rs(
 
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
-                state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready, first_slot)
+                if staged_stores:
+                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, hs_s)
+                else:
+                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, o_s)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
-                state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready, first_slot)
+                if staged_stores:
+                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, hs_s)
+                else:
+                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, o_s)
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)

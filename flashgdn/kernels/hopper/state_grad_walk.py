@@ -16,7 +16,9 @@ the forward's rs loop (``chunk_forward_rs.py``), every GEMM on the chain takes i
 
 Neither v nor the initial state enters: only q, k, dO, stage 1's Ag and g~ (``kkt_inverse``) and the final
 state's gradient. Outputs: the state gradient at the end of every chunk (what the per-chunk gradients need) and
-at every sequence's start (d initial state).
+at every sequence's start (d initial state). With ``staged_stores`` (an A/B, ``backward.STAGED_STATE_STORES``)
+each state warpgroup writes its 64 rows of dS'^T to shared memory and sends them with one TMA store per chunk,
+instead of element-wise stores from its registers.
 
 Roles (one CTA = one sequence x one value head, 512 threads), as in the forward's rs loop:
 * warpgroups 0 and 1: each owns 64 rows of dS^T in registers and walks the chunks last to first;
@@ -35,7 +37,8 @@ STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
 
 
 @functools.lru_cache(maxsize=None)
-def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool):
+def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
+                          staged_stores: bool = False):
     """Compile (or load) the walk. Arguments of the returned kernel, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -64,7 +67,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
 
     @T.macro
     def state_path(w, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s, gam_s,
-                   dec_s, full, empty, p_ready):
+                   dec_s, full, empty, p_ready, dss_s):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # dS^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -80,8 +83,14 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             st = c % 2
             slot = first_slot[n] + (n_chunks - 1 - c)
             # the gradient at this chunk's end, for the per-chunk gradients
-            for i, j in T.Parallel(HV2, K):
-                ds_end[slot, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
+            if staged_stores:
+                for i, j in T.Parallel(HV2, K):
+                    dss_s[w, i, j] = T.cast(st_f[i, j], io_dtype)
+                T.fence_proxy_async()
+                T.copy(dss_s[w, :, :], ds_end[slot, h, c0:c0 + HV2, :])
+            else:
+                for i, j in T.Parallel(HV2, K):
+                    ds_end[slot, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)  # dS'^T K^T
@@ -134,6 +143,8 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             qg_s = T.alloc_shared((2, C, K), io_dtype)
             gam_s = T.alloc_shared((2, C), acc)
             dec_s = T.alloc_shared((2, C), acc)
+            if staged_stores:
+                dss_s = T.alloc_shared((2, HV2, K), io_dtype)  # each state path's dS^T rows, for the TMA store
 
             full = T.alloc_barrier(arrive_count=[96] * 2)
             empty = T.alloc_barrier(arrive_count=[384] * 2)
@@ -143,12 +154,20 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
 
             if tx < 128:
                 T.set_max_nreg(STATE_REGS, 1)
-                state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
-                           gam_s, dec_s, full, empty, p_ready)
+                if staged_stores:
+                    state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                               gam_s, dec_s, full, empty, p_ready, dss_s)
+                else:
+                    state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                               gam_s, dec_s, full, empty, p_ready, dec_s)
             elif tx < 256:
                 T.set_max_nreg(STATE_REGS, 1)
-                state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
-                           gam_s, dec_s, full, empty, p_ready)
+                if staged_stores:
+                    state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                               gam_s, dec_s, full, empty, p_ready, dss_s)
+                else:
+                    state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                               gam_s, dec_s, full, empty, p_ready, dec_s)
             elif tx < 384:
                 # ---------------- gate path, one chunk ahead
                 T.set_max_nreg(GATE_REGS, 0)

@@ -88,6 +88,12 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}]", "chunk_forward_rs",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
                     state_v_first=False, with_output=False, precise=False, store_chunk_states=True))
+    # the stores staged through shared memory (backward.STAGED_STATE_STORES), the states pass and the walk
+    yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0=1,staged]", "chunk_forward_rs",
+           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=False,
+                state_v_first=False, with_output=False, precise=False, store_chunk_states=True, staged_stores=True))
+    yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged]", "state_grad_walk",
+           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
     for threads in (512, 256, 128):  # the default and its A/Bs (backward.CHUNK_GRAD_THREADS)
