@@ -5,7 +5,8 @@
 #    run on the GPU: chunk_grad's batched GEMMs and the staged state stores), verbose so that a time limit still
 #    leaves each test's outcome, in a run of their own (gpu-new.log), so that a hang there cannot cost the rest their
 #    results; 2. stage timings of the backward with those A/Bs beside the defaults (stages.json, stages.log;
-#    `stage_timing.py --backward-only`); 3. flashgdn's forward + backward with the A/Bs switched on, on the bwd
+#    `stage_timing.py --backward-only`) and where a training step's peak memory is (memory-peak.json, .log;
+#    `benchmarks/memory_peak.py`); 3. flashgdn's forward + backward with the A/Bs switched on, on the bwd
 #    set's part 1/4 (16/32), to set beside parts/bwd-f.json (bench-bwd.json, bench-bwd.log), if the new tests
 #    passed; 4. the rest of the GPU suite (gpu-suite.log) without the harness test, which runs every anchor (~5 min
 #    of FlashQLA compiles; GPU_ROUND_HARNESS=1 includes it). Later steps run even when a test fails; each has a time
@@ -29,6 +30,11 @@ if [ "$rc" != 124 ]; then  # a time limit there may be a hang: leave the new ker
   echo "# exit status $?" >> "$out/stages.log"
 fi
 
+# where the training step's peak memory is (the backward's memory is above FlashQLA's)
+timeout 60 python3 benchmarks/memory_peak.py --heads 16/32 --seqlens 32768 --out "$out/memory-peak.json" \
+  > "$out/memory-peak.log" 2>&1
+echo "# exit status $?" >> "$out/memory-peak.log"
+
 if [ "$rc" = 0 ]; then
   FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED=1 FLASHGDN_HOPPER_STAGED_STATE_STORES=1 timeout 70 python3 -m flashgdn.bench \
     --set bwd --part 1/4 --impls flashgdn --time-budget 50 --no-plots --out-dir /tmp/bench-bwd --name bench-bwd \
@@ -37,6 +43,6 @@ if [ "$rc" = 0 ]; then
   cp /tmp/bench-bwd/bench-bwd.json "$out/" 2>/dev/null
 fi
 
-timeout "${GPU_ROUND_TEST_S:-250}" python3 -m pytest -m gpu -q -rfEx --durations=10 "${deselect[@]}" -k "not ($new)" \
+timeout "${GPU_ROUND_TEST_S:-220}" python3 -m pytest -m gpu -q -rfEx --durations=10 "${deselect[@]}" -k "not ($new)" \
   > "$out/gpu-suite.log" 2>&1
 echo "# exit status $?" >> "$out/gpu-suite.log"
