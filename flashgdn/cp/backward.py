@@ -28,7 +28,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
-from .exact import Forward, Gather, float_states, segment_indices, segment_starts
+from .exact import Forward, Gather, float_states, segment_indices, segment_starts, splice_steps
 from .plan import SegmentIndex, SegmentPlan
 
 
@@ -55,31 +55,7 @@ def splice_reverse(gather: Gather, end: torch.Tensor, plan: SegmentPlan, index: 
 
     The mirror of ``exact._splice``: step i of every sequence at once writes row ``last - i``; a sequence with no
     such row writes a spare row past the segments. No mask, no count read back from the device."""
-    S, N = plan.num_segments, plan.first.numel()
-    first, count = index.first, index.count
-    last = first + count - 1
-    ends = end.new_empty((S + N,) + tuple(end.shape[1:]))  # every row < S is written exactly once
-    ends[last] = end
-    steps = int(plan.count.max()) - 1
-    if steps <= 0:
-        return ends[:S]
-    dev = first.device
-    i = torch.arange(1, steps + 1, device=dev).unsqueeze(1)  # [steps, 1]
-    row = last - i  # [steps, N]
-    dst = torch.where(i < count, row, torch.arange(S, S + N, device=dev))
-    src = torch.maximum(row + 1, first)  # past a sequence's first segment: its first (unused)
-    K, V = end.shape[-2], end.shape[-1]
-    in_place = not torch.is_grad_enabled()
-    state = end
-    for j in range(steps):
-        Mt, D = gather(src[j])
-        if in_place:
-            D.view(-1, K, V).baddbmm_(Mt.reshape(-1, K, K), state.reshape(-1, K, V))
-        else:
-            D = torch.baddbmm(D.reshape(-1, K, V), Mt.reshape(-1, K, K), state.reshape(-1, K, V)).view(D.shape)
-        state = D
-        ends.index_copy_(0, dst[j], state)
-    return ends[:S]
+    return splice_steps(gather, end, plan, index, reverse=True)
 
 
 def cp_backward(

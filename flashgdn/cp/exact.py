@@ -60,35 +60,49 @@ def _splice(gather: Gather, h0: torch.Tensor, plan: SegmentPlan, index: SegmentI
     """``splice_segments`` with ``gather(src) -> (M[src], b[src])`` (fresh tensors, ``[N, Hv, K, ·]``).
 
     Step i (i = 1, 2, ...) of every sequence n at once: ``state = M[first + i - 1] state + b[first + i - 1]``
-    (just ``b[first]`` for i = 1), written to row ``first + i``. A sequence with no segment i writes its row
-    of the step to a spare row of its own past the segments, dropped at the end, so no step needs a mask or
-    a count read back from the device. The number of steps comes from the host plan."""
+    (just ``b[first]`` for i = 1), written to row ``first + i``."""
+    return splice_steps(gather, h0, plan, index, reverse=False)
+
+
+def splice_steps(gather: Gather, init: torch.Tensor, plan: SegmentPlan, index: SegmentIndex,
+                 reverse: bool) -> torch.Tensor:
+    """The sequential part of both splices, every sequence at once, one row per segment (``[num_segments, ...]``).
+
+    Forward (``exact._splice``): row ``first`` is ``init``; step i writes row ``first + i`` from segment
+    ``first + i - 1``'s pair, and its first step is ``b[first]`` alone (the first segment's b already holds the
+    sequence's initial state). Reverse (``backward.splice_reverse``): row ``last`` is ``init``; step i writes row
+    ``last - i`` as ``Mt[last - i + 1] state + D[last - i + 1]``, from ``state = init``. A sequence with no step i
+    writes that step's row to a spare row of its own past the segments, dropped at the end, so no step needs a
+    mask or a count read back from the device; the number of steps comes from the host plan."""
     S, N = plan.num_segments, plan.first.numel()
     first, count = index.first, index.count
-    starts = h0.new_empty((S + N,) + tuple(h0.shape[1:]))  # every row < S is written exactly once
-    starts[first] = h0
+    last = first + count - 1
+    out = init.new_empty((S + N,) + tuple(init.shape[1:]))  # every row < S is written exactly once
+    out[last if reverse else first] = init
     steps = int(plan.count.max()) - 1
     if steps <= 0:
-        return starts[:S]
+        return out[:S]
     dev = first.device
     i = torch.arange(1, steps + 1, device=dev).unsqueeze(1)  # [steps, 1]
-    row = first + i  # [steps, N]
+    row = last - i if reverse else first + i  # [steps, N]
     dst = torch.where(i < count, row, torch.arange(S, S + N, device=dev))
-    src = torch.minimum(row - 1, first + (count - 1))  # past a sequence's end: its last segment (unused)
-    K, V = h0.shape[-2], h0.shape[-1]
+    # past a sequence's own segments: its first (reverse) or last one, whose result goes to the spare row
+    src = torch.maximum(row + 1, first) if reverse else torch.minimum(row - 1, last)
+    K, V = init.shape[-2], init.shape[-1]
     # under autograd the product may not overwrite the gathered b: its M may be a view of the same tensor
     in_place = not torch.is_grad_enabled()
-    state = None
+    state = init if reverse else None
     for j in range(steps):
         Mj, bj = gather(src[j])
         if state is not None:
             if in_place:
-                bj.view(-1, K, V).baddbmm_(Mj.view(-1, K, K), state.view(-1, K, V))
+                # bj in place (a view); Mj may be a transposed view (reverse), so reshape, not view
+                bj.view(-1, K, V).baddbmm_(Mj.reshape(-1, K, K), state.reshape(-1, K, V))
             else:
                 bj = torch.baddbmm(bj.reshape(-1, K, V), Mj.reshape(-1, K, K), state.reshape(-1, K, V)).view(bj.shape)
         state = bj
-        starts.index_copy_(0, dst[j], state)
-    return starts[:S]
+        out.index_copy_(0, dst[j], state)
+    return out[:S]
 
 
 def segment_indices(forward, plan: SegmentPlan, cu_seqlens: torch.Tensor) -> SegmentIndex:
