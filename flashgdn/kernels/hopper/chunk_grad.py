@@ -76,6 +76,80 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     slot_rows = T.dynamic("slot_rows")
     acc = "float32"
 
+    # element-wise steps both builds run, each right after the GEMM that feeds it (the batched build issues the
+    # GEMMs in another order and into other accumulators; the steps are the same)
+    @T.macro
+    def w_and_gamma_ks(cv_f, v_s, w_s, gc_s):
+        # cv_f holds K S: W = V - diag(gamma) K S to w_s, and diag(gamma) K S over V in v_s
+        for i, j in T.Parallel(C, V):
+            cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
+            w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
+            v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+
+    @T.macro
+    def gated_p(cc_f, p_s, gc_s, scale):
+        # cc_f holds Q K^T: P = scale Gam ⊙ Q K^T (lower) to p_s
+        for i, j in T.Parallel(C, C):
+            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+        T.copy(cc_f, p_s)
+
+    @T.macro
+    def e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s):
+        # cc_f holds dVn W^T: E = dAg ⊙ Gam (lower), dA = E ⊙ beta_j to da_s, dbeta's first sum, X = E ⊙ A ⊙ beta
+        for i, j in T.Parallel(C, C):
+            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+            prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
+            da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
+            x_f[i, j] = prodc_f[i, j] * beta_s[j]
+        T.reduce_sum(prodc_f, red_c, dim=0)
+        T.copy(red_c, db1_s)
+
+    @T.macro
+    def dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, onto_prod):
+        # cv_f holds dW = dV: written out; -gamma_i <dW_i, KS_i>'s products into prod_f (onto what it holds, or
+        # fresh); -gamma ⊙ dW to w_s for dk
+        for i, j in T.Parallel(C, V):
+            if i < n_rows:
+                dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
+        for i, j in T.Parallel(C, V):
+            if onto_prod:
+                prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
+            else:
+                prod_f[i, j] = -cv_f[i, j] * T.cast(v_s[i, j], acc)
+            w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+
+    @T.macro
+    def dp_terms(dp_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale):
+        # dp_f holds dO Vn^T: P ⊙ dP joins X, whose row and column sums are taken; dQK = scale Gam ⊙ dP (lower)
+        # to dqk_s; then d ⊙ Vn in vn_s for dk
+        for i, j in T.Parallel(C, C):
+            x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+            dqk_s[i, j] = T.cast(
+                T.if_then_else(i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
+                io_dtype)
+        T.reduce_sum(x_f, red_r, dim=1)
+        T.copy(red_r, xr_s)
+        T.reduce_sum(x_f, red_c, dim=0)
+        T.copy(red_c, xc_s)
+        for i, j in T.Parallel(C, V):
+            vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
+
+    @T.macro
+    def dl_terms(cc_f, prodc_f, kk_f, dkk_s, beta_s, red_r, db2_s):
+        # cc_f holds (A^T dA) A^T: dL = -that, strictly lower; dKK = diag(beta) dL to dkk_s; dbeta's second sum
+        for i, j in T.Parallel(C, C):
+            cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
+            prodc_f[i, j] = cc_f[i, j] * kk_f[i, j]
+            dkk_s[i, j] = T.cast(cc_f[i, j] * beta_s[i], io_dtype)
+        T.reduce_sum(prodc_f, red_r, dim=1)
+        T.copy(red_r, db2_s)
+
+    @T.macro
+    def store_rows(f, out, t0, n_rows, h):
+        for i, j in T.Parallel(C, K):
+            if i < n_rows:
+                out[0, t0 + i, h, j] = T.cast(f[i, j], io_dtype)
+
     @T.prim_func
     def chunk_grad_kernel(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
@@ -183,13 +257,8 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(do_s, st_s, ck_f, clear_accum=True)  # dO S^T
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
                     T.wait_wgmma(0)
-                    for i, j in T.Parallel(C, V):
-                        cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
-                        w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
-                        v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                    T.copy(cc_f, p_s)
+                    w_and_gamma_ks(cv_f, v_s, w_s, gc_s)
+                    gated_p(cc_f, p_s, gc_s, scale)
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = kd_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
                     # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
@@ -213,35 +282,11 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
                     T.wgmma_gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    # E = dAg ⊙ Gam (lower); dA = E ⊙ beta_j; dbeta's first sum; the gate's E terms
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                        prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
-                        da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
-                        x_f[i, j] = prodc_f[i, j] * beta_s[j]
-                    T.reduce_sum(prodc_f, red_c, dim=0)
-                    T.copy(red_c, db1_s)
-                    # dV = dW, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
-                    for i, j in T.Parallel(C, V):
-                        if i < n_rows:
-                            dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
-                    for i, j in T.Parallel(C, V):
-                        prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
-                        w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+                    e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s)
+                    dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, True)  # prod_f holds dQ's term
                     T.reduce_sum(prod_f, red_f, dim=1)
                     T.copy(red_f, tqw_s)
-                    # dP (lower): the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
-                    for i, j in T.Parallel(C, C):
-                        x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, cc2_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-                        dqk_s[i, j] = T.cast(
-                            T.if_then_else(i >= j, cc2_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
-                            io_dtype)
-                    T.reduce_sum(x_f, red_r, dim=1)
-                    T.copy(red_r, xr_s)
-                    T.reduce_sum(x_f, red_c, dim=0)
-                    T.copy(red_c, xc_s)
-                    for i, j in T.Parallel(C, V):
-                        vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
+                    dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
 
                     # D: dQ += dQK K; A^T dA; dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T (one accumulator)
                     T.wgmma_gemm(dqk_s, k_s, ck_f)
@@ -250,40 +295,26 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(w_s, st_s, dk_f)
                     T.wgmma_gemm(vn_s, ds_s, dk_f)
                     T.wait_wgmma(0)
-                    for i, j in T.Parallel(C, K):
-                        if i < n_rows:
-                            dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
+                    store_rows(ck_f, dq, t0, n_rows, h)
                     T.copy(cc_f, y_s)
 
                     # E: dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                     T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
-                        prodc_f[i, j] = cc_f[i, j] * kk_f[i, j]
-                        dkk_s[i, j] = T.cast(cc_f[i, j] * beta_s[i], io_dtype)
-                    T.reduce_sum(prodc_f, red_r, dim=1)
-                    T.copy(red_r, db2_s)
+                    dl_terms(cc_f, prodc_f, kk_f, dkk_s, beta_s, red_r, db2_s)
 
                     # F: dK += dKK K + dKK^T K
                     T.wgmma_gemm(dkk_s, k_s, dk_f)
                     T.wgmma_gemm(dkk_s, k_s, dk_f, transpose_A=True)
                     T.wait_wgmma(0)
-                    for i, j in T.Parallel(C, K):
-                        if i < n_rows:
-                            dk[0, t0 + i, h, j] = T.cast(dk_f[i, j], io_dtype)
+                    store_rows(dk_f, dk, t0, n_rows, h)
                 else:
                     # ---- the forward's tiles again: W = V - diag(gamma) K S, Vn = Ag W, P
                     T.gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, V):
-                        cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
-                        w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
-                        v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+                    w_and_gamma_ks(cv_f, v_s, w_s, gc_s)
                     T.gemm(ag_s, w_s, cv_f, clear_accum=True)
                     T.copy(cv_f, vn_s)
                     T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                    T.copy(cc_f, p_s)
+                    gated_p(cc_f, p_s, gc_s, scale)
 
                     # ---- dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
                     T.gemm(k_s, ds_s, cv_f, transpose_B=True, clear_accum=True)
@@ -297,36 +328,15 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
 
                     # ---- dAg = (dVn W^T) lower; E = dAg ⊙ Gam; dA = E ⊙ beta_j; dbeta's first sum; the gate's E terms
                     T.gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                        prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
-                        da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
-                        x_f[i, j] = prodc_f[i, j] * beta_s[j]
-                    T.reduce_sum(prodc_f, red_c, dim=0)
-                    T.copy(red_c, db1_s)
+                    e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s)
 
                     # ---- dV = dW = Ag^T dVn, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
                     T.gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                    for i, j in T.Parallel(C, V):
-                        if i < n_rows:
-                            dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
-                    for i, j in T.Parallel(C, V):
-                        prod_f[i, j] = -cv_f[i, j] * T.cast(v_s[i, j], acc)
-                        w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+                    dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, False)
 
                     # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
                     T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, cc_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-                        dqk_s[i, j] = T.cast(
-                            T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
-                            io_dtype)
-                    T.reduce_sum(x_f, red_r, dim=1)
-                    T.copy(red_r, xr_s)
-                    T.reduce_sum(x_f, red_c, dim=0)
-                    T.copy(red_c, xc_s)
-                    for i, j in T.Parallel(C, V):
-                        vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
+                    dp_terms(cc_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
 
                     # ---- dQ = scale diag(gamma) dO S^T + dQK K, with the gate's <q_i, scale gamma_i (dO S^T)_i>
                     T.gemm(do_s, st_s, ck_f, clear_accum=True)
@@ -336,21 +346,14 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.reduce_sum(prod_f, red_f, dim=1)
                     T.copy(red_f, tqw_s)
                     T.gemm(dqk_s, k_s, ck_f)
-                    for i, j in T.Parallel(C, K):
-                        if i < n_rows:
-                            dq[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
+                    store_rows(ck_f, dq, t0, n_rows, h)
 
                     # ---- dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                     T.gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
                     T.copy(cc_f, y_s)
                     T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
                     T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
-                        prodc_f[i, j] = cc_f[i, j] * kk_f[i, j]
-                        dkk_s[i, j] = T.cast(cc_f[i, j] * beta_s[i], io_dtype)
-                    T.reduce_sum(prodc_f, red_r, dim=1)
-                    T.copy(red_r, db2_s)
+                    dl_terms(cc_f, prodc_f, kk_f, dkk_s, beta_s, red_r, db2_s)
 
                     # ---- dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T + dKK K + dKK^T K
                     T.gemm(dqk_s, q_s, ck_f, transpose_A=True, clear_accum=True)
@@ -358,9 +361,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.gemm(vn_s, ds_s, ck_f)
                     T.gemm(dkk_s, k_s, ck_f)
                     T.gemm(dkk_s, k_s, ck_f, transpose_A=True)
-                    for i, j in T.Parallel(C, K):
-                        if i < n_rows:
-                            dk[0, t0 + i, h, j] = T.cast(ck_f[i, j], io_dtype)
+                    store_rows(ck_f, dk, t0, n_rows, h)
                 # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them);
                 # row i of the masked sum: sum_{j >= i} dg~_j + sum_j d_j <(K dS')_j, Vn_j> + gamma_C <dS', S>
                 for i in T.Parallel(C):
