@@ -253,25 +253,38 @@ def test_hopper_backward_with_context_parallelism(opts, paired, monkeypatch, cud
     _assert_on_the_bars(got, want)
 
 
+def _backward_ab(opts, cuda, monkeypatch, name, value, base=None):
+    """The kernel backward on one set of inputs, run with ``backward.<name>`` at ``base`` (None: as it is), then at
+    ``value``. Returns ``(rerun, base gradients, switched gradients, want)``: ``rerun()`` runs the switched
+    backward once more, ``want()`` gives the float64 gradients."""
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    inp, do, dht, _ = _backward_inputs(opts, cuda)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
+            inp["cu_seqlens"])
+    if base is not None:
+        monkeypatch.setattr(backward, name, base)
+    one = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, name, value)
+    two = backward.hopper_backward(*args)
+
+    def want():
+        return chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
+                                                         cu_seqlens=args[9], compute_dtype=torch.float64)
+
+    return (lambda: backward.hopper_backward(*args)), one, two, want
+
+
 @pytest.mark.parametrize("threads", [128, 256])
 def test_chunk_grad_on_fewer_warpgroups_matches_four(threads, monkeypatch, cuda):
     """The 128- and 256-thread builds of ``chunk_grad`` (backward.CHUNK_GRAD_THREADS, A/Bs of the 512-thread
     default): the same gradients up to the order of their float32 sums, and on the bars."""
-    from flashgdn.kernels.hopper import backward
-    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
-
-    inp, do, dht, _ = _backward_inputs(dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), cuda)
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
-            inp["cu_seqlens"])
-    monkeypatch.setattr(backward, "CHUNK_GRAD_THREADS", threads)
-    one = backward.hopper_backward(*args)
-    monkeypatch.setattr(backward, "CHUNK_GRAD_THREADS", 512)
-    two = backward.hopper_backward(*args)
-    want = chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
-                                                     cu_seqlens=args[9], compute_dtype=torch.float64)
+    _, one, two, want = _backward_ab(dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), cuda, monkeypatch,
+                                     "CHUNK_GRAD_THREADS", 512, base=threads)
     for name, a, b in zip(GRADIENTS, one, two):
         assert rel_rms(b.double(), a.double()) < 1e-3, name
-    _assert_on_the_bars(two, want)
+    _assert_on_the_bars(two, want())
 
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
@@ -280,21 +293,11 @@ def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
     """``chunk_grad`` with its GEMMs issued in batches (backward.CHUNK_GRAD_BATCHED, an A/B): the same arithmetic
     as the default build in another order of issue, so the same gradients up to the order of float32 sums (the
     batched build adds d K dS' and P^T dO in registers instead of in one accumulator), and on the bars."""
-    from flashgdn.kernels.hopper import backward
-    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
-
-    inp, do, dht, _ = _backward_inputs(opts, cuda)
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
-            inp["cu_seqlens"])
-    waited = backward.hopper_backward(*args)
-    monkeypatch.setattr(backward, "CHUNK_GRAD_BATCHED", True)
-    batched = backward.hopper_backward(*args)
-    want = chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
-                                                     cu_seqlens=args[9], compute_dtype=torch.float64)
+    rerun, waited, batched, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_BATCHED", True)
     for name, a, b in zip(GRADIENTS, waited, batched):
         assert rel_rms(b.double(), a.double()) < 1e-3, name
-    _assert_on_the_bars(batched, want)
-    assert torch.equal(batched[0], backward.hopper_backward(*args)[0]), "deterministic"
+    _assert_on_the_bars(batched, want())
+    assert torch.equal(batched[0], rerun()[0]), "deterministic"
 
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
@@ -303,14 +306,7 @@ def test_staged_state_stores_give_the_same_bits(opts, monkeypatch, cuda):
     """The states pass and the walk with their stores staged through shared memory and sent by TMA
     (backward.STAGED_STATE_STORES, an A/B): the same values reach the same places, so every gradient is the same
     bits as with element-wise stores."""
-    from flashgdn.kernels.hopper import backward
-
-    inp, do, dht, _ = _backward_inputs(opts, cuda)
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
-            inp["cu_seqlens"])
-    plain = backward.hopper_backward(*args)
-    monkeypatch.setattr(backward, "STAGED_STATE_STORES", True)
-    staged = backward.hopper_backward(*args)
+    _, plain, staged, _ = _backward_ab(opts, cuda, monkeypatch, "STAGED_STATE_STORES", True)
     for name, a, b in zip(GRADIENTS, plain, staged):
         assert torch.equal(a, b), name
 
