@@ -17,6 +17,46 @@ import functools
 
 from .common import CHUNK, TARGET, pass_configs
 
+#: threads of the one CTA that scans the sequences (a block of this many sequences per step)
+SCAN_THREADS = 1024
+
+
+def make_sequence_scan():
+    """The block scan this kernel and ``segment_index.py`` share, as a TileLang macro
+    ``sequence_scan(num_seqs, count_of, per_sequence, counts, ends, carry, mine)``: the CTA's SCAN_THREADS threads
+    take the sequences a block at a time; ``count_of(n)`` is sequence n's item count (chunks, segments), an
+    exclusive scan of the counts gives its first item, and ``per_sequence(n, mine)`` writes sequence n's items
+    with ``mine[0]`` its count and ``mine[1]`` its first item. ``counts``/``ends`` are shared ``[SCAN_THREADS]``
+    int32, ``carry`` shared ``[1]`` int32 (the items of the blocks before; the total after), ``mine`` local ``[2]``."""
+    import tilelang.language as T
+
+    NT = SCAN_THREADS
+
+    @T.macro
+    def sequence_scan(num_seqs, count_of, per_sequence, counts, ends, carry, mine):
+        tx = T.get_thread_binding()
+        if tx == 0:
+            carry[0] = 0
+        for blk in T.serial(T.ceildiv(num_seqs, NT)):
+            n = blk * NT + tx
+            T.sync_threads()
+            if n < num_seqs:
+                counts[tx] = count_of(n)
+            else:
+                counts[tx] = 0
+            T.sync_threads()
+            T.cumsum(counts, ends, dim=0)
+            T.sync_threads()
+            mine[0] = counts[tx]
+            mine[1] = carry[0] + ends[tx] - counts[tx]
+            if n < num_seqs:
+                per_sequence(n, mine)
+            T.sync_threads()
+            if tx == 0:
+                carry[0] = carry[0] + ends[NT - 1]
+
+    return sequence_scan
+
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_plan():
@@ -26,9 +66,17 @@ def build_chunk_plan():
     import tilelang.language as T
 
     C = CHUNK
-    NT = 1024
+    NT = SCAN_THREADS
+    sequence_scan = make_sequence_scan()
     num_seqs = T.dynamic("num_seqs")
     num_slots = T.dynamic("num_slots")
+
+    @T.macro
+    def write_slots(n, mine, cu_seqlens, bounds, first_slot):
+        first_slot[n] = mine[1]
+        for c in T.serial(mine[0]):
+            bounds[mine[1] + c, 0] = cu_seqlens[n] + c * C
+            bounds[mine[1] + c, 1] = T.min(cu_seqlens[n + 1] - cu_seqlens[n] - c * C, C)
 
     @T.prim_func
     def chunk_plan_kernel(
@@ -42,28 +90,9 @@ def build_chunk_plan():
             carry = T.alloc_shared((1,), "int32")
             mine = T.alloc_local((2,), "int32")  # this thread's sequence: chunk count, first slot
             tx = T.get_thread_binding()
-            if tx == 0:
-                carry[0] = 0
-            for blk in T.serial(T.ceildiv(num_seqs, NT)):
-                n = blk * NT + tx
-                T.sync_threads()
-                if n < num_seqs:
-                    counts[tx] = T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
-                else:
-                    counts[tx] = 0
-                T.sync_threads()
-                T.cumsum(counts, ends, dim=0)
-                T.sync_threads()
-                mine[0] = counts[tx]
-                mine[1] = carry[0] + ends[tx] - counts[tx]
-                if n < num_seqs:
-                    first_slot[n] = mine[1]
-                    for c in T.serial(mine[0]):
-                        bounds[mine[1] + c, 0] = cu_seqlens[n] + c * C
-                        bounds[mine[1] + c, 1] = T.min(cu_seqlens[n + 1] - cu_seqlens[n] - c * C, C)
-                T.sync_threads()
-                if tx == 0:
-                    carry[0] = carry[0] + ends[NT - 1]
+            sequence_scan(num_seqs, lambda n: T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C),
+                          lambda n, mine: write_slots(n, mine, cu_seqlens, bounds, first_slot),
+                          counts, ends, carry, mine)
             T.sync_threads()
             mine[0] = carry[0]
             for blk in T.serial(T.ceildiv(num_slots, NT)):

@@ -8,14 +8,16 @@ chunk), a plan's index tensors (``flashgdn.cp.SegmentIndex``) are
     seg_seq[first[n] + i] = n,   seg_cu[first[n] + i] = cu[n] + i step,   seg_cu[S] = cu[N]
 
 with S, the number of segments, known on the host from the plan. The torch version
-(``flashgdn.cp.plan.segment_index_tensors``) takes about 16 small kernels; this is one, the chunk plan's pattern
-(``chunk_plan.py``): one CTA of 1024 threads walks the sequences 1024 at a time, an exclusive scan of the counts
-gives each thread its sequence's first segment, and the thread writes that sequence's segments.
+(``flashgdn.cp.plan.segment_index_tensors``) takes about 16 small kernels; this is one, on the chunk plan's block
+scan (``chunk_plan.make_sequence_scan``): one CTA of 1024 threads walks the sequences 1024 at a time, an exclusive
+scan of the counts gives each thread its sequence's first segment, and the thread writes that sequence's
+segments.
 
 PyTorch counterpart: ``flashgdn.cp.plan.segment_index_tensors``.
 """
 import functools
 
+from .chunk_plan import SCAN_THREADS, make_sequence_scan
 from .common import TARGET, pass_configs
 
 
@@ -27,9 +29,18 @@ def build_segment_index(cu_dtype: str):
     import tilelang
     import tilelang.language as T
 
-    NT = 1024
+    NT = SCAN_THREADS
+    sequence_scan = make_sequence_scan()
     num_seqs = T.dynamic("num_seqs")
     num_segments = T.dynamic("num_segments")
+
+    @T.macro
+    def write_segments(n, mine, cu_seqlens, step, seg_cu, seg_seq, first, count):
+        first[n] = T.cast(mine[1], "int64")
+        count[n] = T.cast(mine[0], "int64")
+        for i in T.serial(mine[0]):
+            seg_seq[mine[1] + i] = T.cast(n, "int64")
+            seg_cu[mine[1] + i] = cu_seqlens[n] + T.cast(i * step, cu_dtype)
 
     @T.prim_func
     def segment_index_kernel(
@@ -46,29 +57,10 @@ def build_segment_index(cu_dtype: str):
             carry = T.alloc_shared((1,), "int32")
             mine = T.alloc_local((2,), "int32")  # this thread's sequence: segment count, first segment
             tx = T.get_thread_binding()
-            if tx == 0:
-                carry[0] = 0
-            for blk in T.serial(T.ceildiv(num_seqs, NT)):
-                n = blk * NT + tx
-                T.sync_threads()
-                if n < num_seqs:
-                    counts[tx] = T.max(T.ceildiv(T.cast(cu_seqlens[n + 1] - cu_seqlens[n], "int32"), step), 1)
-                else:
-                    counts[tx] = 0
-                T.sync_threads()
-                T.cumsum(counts, ends, dim=0)
-                T.sync_threads()
-                mine[0] = counts[tx]
-                mine[1] = carry[0] + ends[tx] - counts[tx]
-                if n < num_seqs:
-                    first[n] = T.cast(mine[1], "int64")
-                    count[n] = T.cast(mine[0], "int64")
-                    for i in T.serial(mine[0]):
-                        seg_seq[mine[1] + i] = T.cast(n, "int64")
-                        seg_cu[mine[1] + i] = cu_seqlens[n] + T.cast(i * step, cu_dtype)
-                T.sync_threads()
-                if tx == 0:
-                    carry[0] = carry[0] + ends[NT - 1]
+            sequence_scan(num_seqs,
+                          lambda n: T.max(T.ceildiv(T.cast(cu_seqlens[n + 1] - cu_seqlens[n], "int32"), step), 1),
+                          lambda n, mine: write_segments(n, mine, cu_seqlens, step, seg_cu, seg_seq, first, count),
+                          counts, ends, carry, mine)
             if tx == 0:
                 seg_cu[num_segments] = cu_seqlens[num_seqs]
 
