@@ -116,10 +116,12 @@ def build_chunk_forward_rs(
 
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
-                   o_s, full, empty, p_ready, first_slot, hs_s):
+                   o_s, full, empty, p_ready, first_slot):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
+        if staged_stores:  # this warpgroup's S^T rows, for the TMA store
+            hs_s = T.alloc_shared((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
         if precise:
@@ -135,9 +137,9 @@ def build_chunk_forward_rs(
             if store_chunk_states:
                 if staged_stores:
                     for i, j in T.Parallel(HV2, K):
-                        hs_s[w, i, j] = T.cast(st_f[i, j], io_dtype)
+                        hs_s[i, j] = T.cast(st_f[i, j], io_dtype)
                     T.fence_proxy_async()
-                    T.copy(hs_s[w, :, :], ht[first_slot[n] + c, h, c0:c0 + HV2, :])
+                    T.copy(hs_s, ht[first_slot[n] + c, h, c0:c0 + HV2, :])
                 else:
                     for i, j in T.Parallel(HV2, K):
                         ht[first_slot[n] + c, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
@@ -233,8 +235,6 @@ def build_chunk_forward_rs(
             gam_s = T.alloc_shared((2, C), acc)
             dec_s = T.alloc_shared((2, C), acc)
             o_s = T.alloc_shared((2, C, HV2), io_dtype)  # O of each state path, for the TMA store
-            if staged_stores:
-                hs_s = T.alloc_shared((2, HV2, K), io_dtype)  # each state path's S^T rows, for the TMA store
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
@@ -244,20 +244,12 @@ def build_chunk_forward_rs(
 
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
-                if staged_stores:
-                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, hs_s)
-                else:
-                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, o_s)
+                state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                           dec_s, o_s, full, empty, p_ready, first_slot)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
-                if staged_stores:
-                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, hs_s)
-                else:
-                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, o_s)
+                state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                           dec_s, o_s, full, empty, p_ready, first_slot)
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)

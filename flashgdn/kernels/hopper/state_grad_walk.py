@@ -67,10 +67,12 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
 
     @T.macro
     def state_path(w, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s, gam_s,
-                   dec_s, full, empty, p_ready, dss_s):
+                   dec_s, full, empty, p_ready):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # dS^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
+        if staged_stores:  # this warpgroup's dS^T rows, for the TMA store
+            dss_s = T.alloc_shared((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # X^T, then Y^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
         if has_final_grad:
@@ -85,9 +87,9 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             # the gradient at this chunk's end, for the per-chunk gradients
             if staged_stores:
                 for i, j in T.Parallel(HV2, K):
-                    dss_s[w, i, j] = T.cast(st_f[i, j], io_dtype)
+                    dss_s[i, j] = T.cast(st_f[i, j], io_dtype)
                 T.fence_proxy_async()
-                T.copy(dss_s[w, :, :], ds_end[slot, h, c0:c0 + HV2, :])
+                T.copy(dss_s, ds_end[slot, h, c0:c0 + HV2, :])
             else:
                 for i, j in T.Parallel(HV2, K):
                     ds_end[slot, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
@@ -143,8 +145,6 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             qg_s = T.alloc_shared((2, C, K), io_dtype)
             gam_s = T.alloc_shared((2, C), acc)
             dec_s = T.alloc_shared((2, C), acc)
-            if staged_stores:
-                dss_s = T.alloc_shared((2, HV2, K), io_dtype)  # each state path's dS^T rows, for the TMA store
 
             full = T.alloc_barrier(arrive_count=[96] * 2)
             empty = T.alloc_barrier(arrive_count=[384] * 2)
@@ -154,20 +154,12 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
 
             if tx < 128:
                 T.set_max_nreg(STATE_REGS, 1)
-                if staged_stores:
-                    state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
-                               gam_s, dec_s, full, empty, p_ready, dss_s)
-                else:
-                    state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
-                               gam_s, dec_s, full, empty, p_ready, dec_s)
+                state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                           gam_s, dec_s, full, empty, p_ready)
             elif tx < 256:
                 T.set_max_nreg(STATE_REGS, 1)
-                if staged_stores:
-                    state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
-                               gam_s, dec_s, full, empty, p_ready, dss_s)
-                else:
-                    state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
-                               gam_s, dec_s, full, empty, p_ready, dec_s)
+                state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
+                           gam_s, dec_s, full, empty, p_ready)
             elif tx < 384:
                 # ---------------- gate path, one chunk ahead
                 T.set_max_nreg(GATE_REGS, 0)
