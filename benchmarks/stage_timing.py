@@ -30,8 +30,8 @@ SHAPES = [
 #: segment lengths (chunks) at which the op is also timed with context parallelism
 CP_SEGMENTS = (16, 64)
 #: what --backward-only times
-BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_batched",
-                 "bwd_states_staged", "bwd_walk_staged", "bwd", "bwd_cpauto")
+BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_waited",
+                 "bwd_states_unstaged", "bwd_walk_unstaged", "bwd", "bwd_cpauto")
 
 
 def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
@@ -210,8 +210,8 @@ def main(argv=None):
     if args.backward:
         cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),
                  ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 128 thr", "bwd_chunk_grad_128"),
-                 ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("chunk_grad batched", "bwd_chunk_grad_batched"),
-                 ("states staged", "bwd_states_staged"), ("walk staged", "bwd_walk_staged"),
+                 ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("chunk_grad waited", "bwd_chunk_grad_waited"),
+                 ("states unstaged", "bwd_states_unstaged"), ("walk unstaged", "bwd_walk_unstaged"),
                  ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto")]
         cols += [(f"bwd cp={c}", f"bwd_cp{c}") for c in CP_SEGMENTS] + [("bwd MiB", "bwd_peak_extra_mib")]
     print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
@@ -265,12 +265,12 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
             q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
         "bwd_chunk_grad_256": lambda: switched(backward, "CHUNK_GRAD_THREADS", 256, lambda: st.chunk_gradients(
             q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
-        "bwd_chunk_grad_batched": lambda: switched(backward, "CHUNK_GRAD_BATCHED", True, lambda: st.chunk_gradients(
+        "bwd_chunk_grad_waited": lambda: switched(backward, "CHUNK_GRAD_BATCHED", False, lambda: st.chunk_gradients(
             q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
         "bwd_states": lambda: st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
-        "bwd_states_staged": lambda: switched(backward, "STAGED_STATE_STORES", True, lambda: st.chunk_states(
+        "bwd_states_unstaged": lambda: switched(backward, "STAGED_STATE_STORES", False, lambda: st.chunk_states(
             q, k, v, g, beta, h0, cu, cu_cpu)),
-        "bwd_walk_staged": lambda: switched(backward, "STAGED_STATE_STORES", True, lambda: st.state_gradients(
+        "bwd_walk_unstaged": lambda: switched(backward, "STAGED_STATE_STORES", False, lambda: st.state_gradients(
             q, k, g, beta, do, dht, scale, cu, cu_cpu)),
         "bwd_walk": lambda: st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
         "bwd_chunk_grad": lambda: st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu),

@@ -1,6 +1,8 @@
 """Exact context parallelism for the backward on the CPU (``flashgdn.cp.backward``): the segment driver around the
 float64 reference stages equals the backward without segments up to rounding, for any gate and unnormalised
 keys, with and without initial state and final-state gradient; and it reads nothing back from the device."""
+import weakref
+
 import pytest
 import torch
 
@@ -82,10 +84,12 @@ def test_splice_reverse_matches_a_loop_over_each_sequence():
 
 
 class _MetaStages:
-    """Backward stages on meta tensors with the shapes of the real ones; records what the driver hands them."""
+    """Backward stages on meta tensors with the shapes of the real ones; records what the driver hands them, and
+    holds only weak references to the per-chunk tensors it hands out, so that ``finish_gradients`` sees whether the
+    driver still holds them."""
 
     def __init__(self, plan):
-        self.plan, self.calls = plan, []
+        self.plan, self.calls, self.per_chunk = plan, [], []
 
     def _check(self, name, cu, cu_cpu):
         assert cu.device.type == "meta" and cu_cpu.device.type == "cpu"
@@ -95,17 +99,28 @@ class _MetaStages:
     def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
         self._check("chunk_states", cu, cu_cpu)
         assert h0.shape[0] == self.plan.num_segments
-        return q.new_empty((1,))
+        states = q.new_empty((1,))
+        self.per_chunk.append(weakref.ref(states))
+        return states
 
     def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
         self._check("state_gradients" if dht is not None else "state_gradients_from_zero", cu, cu_cpu)
         S, Hv, K, V = self.plan.num_segments, do.shape[2], k.shape[3], do.shape[3]
-        return q.new_empty((1,)), torch.empty((S, Hv, K, V), device="meta")
+        ds_end = q.new_empty((1,))
+        if dht is not None:  # the walk from the true end gradients: its ds_end reaches chunk_gradients
+            self.per_chunk.append(weakref.ref(ds_end))
+        return ds_end, torch.empty((S, Hv, K, V), device="meta")
 
     def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
         self._check("chunk_gradients", cu, cu_cpu)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
                 torch.empty_like(beta))
+
+    def finish_gradients(self, grads):
+        self.calls.append("finish_gradients")
+        # the driver let go of the states and state gradients before the last step allocates
+        assert len(self.per_chunk) == 2 and all(ref() is None for ref in self.per_chunk)
+        return grads
 
 
 @pytest.mark.parametrize("with_dht", [True, False])
@@ -121,7 +136,8 @@ def test_cp_backward_reads_nothing_back_from_the_device(with_dht):
         dq, dk, dv, dg, dbeta, dh0 = cp_backward(stages, _meta_forward(plan, passes), q, k, v, g, beta, do, dht,
                                                  0.1, h0, plan, cu, torch.tensor([0] + seqlens).cumsum(0))
     assert passes == [(8, False)], "the forward transitions: one state-only pass of twice the value heads"
-    assert stages.calls == ["state_gradients_from_zero", "chunk_states", "state_gradients", "chunk_gradients"]
+    assert stages.calls == ["state_gradients_from_zero", "chunk_states", "state_gradients", "chunk_gradients",
+                            "finish_gradients"]
     assert dh0.shape == h0.shape and dq.shape == q.shape
 
 

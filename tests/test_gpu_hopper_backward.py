@@ -290,10 +290,11 @@ def test_chunk_grad_on_fewer_warpgroups_matches_four(threads, monkeypatch, cuda)
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
 def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
-    """``chunk_grad`` with its GEMMs issued in batches (backward.CHUNK_GRAD_BATCHED, an A/B): the same arithmetic
-    as the default build in another order of issue, so the same gradients up to the order of float32 sums (the
+    """``chunk_grad`` with its GEMMs issued in batches (backward.CHUNK_GRAD_BATCHED, the default) against the build
+    that waits on each (its A/B): the same arithmetic in another order of issue, so the same gradients up to the order of float32 sums (the
     batched build adds d K dS' and P^T dO in registers instead of in one accumulator), and on the bars."""
-    rerun, waited, batched, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_BATCHED", True)
+    rerun, waited, batched, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_BATCHED", True,
+                                                base=False)
     for name, a, b in zip(GRADIENTS, waited, batched):
         assert rel_rms(b.double(), a.double()) < 1e-3, name
     _assert_on_the_bars(batched, want())
@@ -304,9 +305,9 @@ def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
 def test_staged_state_stores_give_the_same_bits(opts, monkeypatch, cuda):
     """The states pass and the walk with their stores staged through shared memory and sent by TMA
-    (backward.STAGED_STATE_STORES, an A/B): the same values reach the same places, so every gradient is the same
+    (backward.STAGED_STATE_STORES, the default) against element-wise stores (its A/B): the same values reach the same places, so every gradient is the same
     bits as with element-wise stores."""
-    _, plain, staged, _ = _backward_ab(opts, cuda, monkeypatch, "STAGED_STATE_STORES", True)
+    _, plain, staged, _ = _backward_ab(opts, cuda, monkeypatch, "STAGED_STATE_STORES", True, base=False)
     for name, a, b in zip(GRADIENTS, plain, staged):
         assert torch.equal(a, b), name
 

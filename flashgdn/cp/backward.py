@@ -45,7 +45,13 @@ class BackwardStages(Protocol):
         sequence's start, from end gradients ``dht`` (None: zero)."""
 
     def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
-        """``(dq, dk, dv, dg, dbeta)`` token-major ``[1, T, ...]``; tokens in no sequence get zeros."""
+        """``(dq, dk, dv, dg, dbeta)`` token-major ``[1, T, ...]``, tokens in no sequence zero, in a form that
+        ``finish_gradients`` completes (a backend may leave dq and dk per value head for it to sum)."""
+
+    def finish_gradients(self, grads):
+        """The gradients of ``chunk_gradients`` made final (dq, dk per qk head), called once the per-chunk
+        ``states`` and ``ds_end`` are no longer referenced, so that what this step allocates is not live beside
+        them; it may also let go of what the stages kept for each other."""
 
 
 def splice_reverse(gather: Gather, end: torch.Tensor, plan: SegmentPlan, index: SegmentIndex) -> torch.Tensor:
@@ -104,4 +110,8 @@ def cp_backward(
     states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
     ds_end, ds_start = stages.state_gradients(q, k, g, beta, do, ends, scale, seg_cu, seg_cu_cpu)
     grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, seg_cu, seg_cu_cpu)
+    # the per-chunk states and state gradients are the backward's largest tensors: released before the last
+    # step's allocations (the sums of dq and dk over each group), not beside them
+    del states, ds_end
+    grads = stages.finish_gradients(grads)
     return (*grads, ds_start if first is None else ds_start.index_select(0, first))

@@ -34,14 +34,17 @@ from .forward import _output, hopper_stage1, packed_offsets
 CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "512"))
 
 #: ``chunk_grad`` with its independent GEMMs issued together and waited on in six batches instead of one by one
-#: (``chunk_grad.py``; 256 or 512 threads); an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED=1.
-CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "0") == "1"
+#: (``chunk_grad.py``; 256 or 512 threads, the 128-thread build always waits on each). On the H200 it took 0.965x to
+#: 0.977x the time of the waited build (``stages-hopper-v0.6-bwd.json``): the default.
+#: FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED=0 turns it off.
+CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "1") == "1"
 
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
-#: stall samples, and the states pass at 2.4x the time of the same loop without them); an A/B until measured on
-#: the GPU. FLASHGDN_HOPPER_STAGED_STATE_STORES=1.
-STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "0") == "1"
+#: stall samples, and the states pass at 2.4x the time of the same loop without them). On the H200 the states pass
+#: took 0.52x to 0.59x and the walk 0.56x to 0.70x of their time with element-wise stores
+#: (``stages-hopper-v0.6-bwd.json``): the default. FLASHGDN_HOPPER_STAGED_STATE_STORES=0 turns it off.
+STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1") == "1"
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
@@ -144,6 +147,7 @@ class HopperBackwardStages:
     def __init__(self):
         self._cu = None
         self._stage1 = None
+        self._Hqk = None
 
     def _stage1_for(self, q, k, g, beta, cu):
         if self._cu is not cu:
@@ -165,7 +169,7 @@ class HopperBackwardStages:
         (qf, kf), _, _, st1 = self._stage1_for(q, k, g, beta, cu)
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
-        group = Hv // Hqk
+        self._Hqk = Hqk  # finish_gradients sums dq and dk over each group of Hv // Hqk value heads
         dev = q.device
         # tokens past the last sequence belong to no chunk and are never written: zeros, unless the host copy of
         # the offsets says there are none
@@ -178,12 +182,24 @@ class HopperBackwardStages:
         dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS, batched=CHUNK_GRAD_BATCHED)(
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS,
+                         batched=CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
+        return dq, dk, dv, dg, dbeta
+
+    def finish_gradients(self, grads):
+        """dq and dk summed over each qk head's group of value heads; the stage-1 tensors kept for the three stages
+        (A and Ag: 256 B per token and value head) are let go first, so the sums' allocations are not live beside
+        them either."""
+        dq, dk, dv, dg, dbeta = grads
+        self._stage1 = self._cu = None
+        _, TT, Hv, K = dq.shape
+        Hqk = self._Hqk
+        group = Hv // Hqk
         if group > 1:  # each qk head's value heads, summed in a fixed order: deterministic
-            dq = dq.view(1, TT, Hqk, group, K).sum(3, dtype=torch.float32).to(q.dtype)
-            dk = dk.view(1, TT, Hqk, group, K).sum(3, dtype=torch.float32).to(q.dtype)
+            dq = dq.view(1, TT, Hqk, group, K).sum(3, dtype=torch.float32).to(dv.dtype)
+            dk = dk.view(1, TT, Hqk, group, K).sum(3, dtype=torch.float32).to(dv.dtype)
         return dq, dk, dv, dg, dbeta
 
 

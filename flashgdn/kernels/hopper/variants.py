@@ -84,27 +84,26 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     """The Hopper backward's kernels (``backward.hopper_backward``): the forward states' recompute (rs state-only
     loop storing every chunk's start state), stage 1 storing the ungated inverse too, the state-gradient walk and
     the per-chunk gradients, each with and without its optional input."""
-    for has_h0 in (True, False):
-        yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}]", "chunk_forward_rs",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
-                    state_v_first=False, with_output=False, precise=False, store_chunk_states=True))
-    # the stores staged through shared memory (backward.STAGED_STATE_STORES), the states pass and the walk
-    yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0=1,staged]", "chunk_forward_rs",
-           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=False,
-                state_v_first=False, with_output=False, precise=False, store_chunk_states=True, staged_stores=True))
-    yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged]", "state_grad_walk",
-           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True))
+    # the states pass and the walk with their stores staged through shared memory (the default,
+    # backward.STAGED_STATE_STORES) and with element-wise stores (its A/B)
+    for staged in (True, False):
+        tag = ",staged" if staged else ""
+        for has_h0 in (True, False):
+            yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}{tag}]", "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
+                        state_v_first=False, with_output=False, precise=False, store_chunk_states=True,
+                        staged_stores=staged))
+        for has_dht in (True, False):
+            yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    for threads in (512, 256, 128):  # the default and its A/Bs (backward.CHUNK_GRAD_THREADS)
-        yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}]", "chunk_grad",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads))
-    for threads in (512, 256):  # GEMMs issued in batches (backward.CHUNK_GRAD_BATCHED)
+    for threads in (512, 256):  # GEMMs issued in batches: the default (backward.CHUNK_GRAD_BATCHED) and its A/B
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads},batched]", "chunk_grad",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, batched=True))
-    for has_dht in (True, False):
-        yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "state_grad_walk",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
+    for threads in (512, 256, 128):  # each GEMM waited on (backward.CHUNK_GRAD_BATCHED=0, CHUNK_GRAD_THREADS=128)
+        yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}]", "chunk_grad",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads))
 
 
 def build(builder: str, kwargs: dict):
