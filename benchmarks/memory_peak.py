@@ -6,7 +6,7 @@ Runs a forward and backward of ``chunk_gated_delta_rule`` (Hopper backend, autog
 included) once to load the kernels, then once more with torch's allocator history recorded. The recorded trace
 is replayed to the peak of allocated bytes (counted from the step's start, as ``max_memory_allocated`` minus what
 was allocated before it), and the allocations live there are printed largest first, grouped by the innermost
-flashgdn frame that made them (file:line function), beside what torch itself reports as the peak. GPU only.
+two flashgdn frames that made them (file:line function < its caller), beside what torch itself reports as the peak. GPU only.
 """
 import argparse
 import json
@@ -36,17 +36,21 @@ def peak_allocations(trace: Iterable[dict]) -> Tuple[int, List[dict]]:
     return peak, at_peak
 
 
+def _frame(f: dict) -> str:
+    name = f.get("filename", "")
+    short = name.split("flashgdn/")[-1] if "flashgdn/" in name else name
+    return f"{short}:{f.get('line')} {f.get('name')}"
+
+
 def made_by(event: dict) -> str:
-    """The innermost flashgdn frame of an allocation's Python stack (``file:line function``), else its innermost
-    frame outside torch, else "?"."""
-    frames = event.get("frames") or []
-    for want in ("flashgdn", ""):
-        for f in frames:
-            name = f.get("filename", "")
-            if want in name and "/torch/" not in name and name:
-                short = name.split("flashgdn/")[-1] if "flashgdn/" in name else name
-                return f"{short}:{f.get('line')} {f.get('name')}"
-    return "?"
+    """The innermost flashgdn frame of an allocation's Python stack (``file:line function``) and, after " < ", the
+    flashgdn frame that called it (so allocations made by a shared helper are told apart by their call sites);
+    without a flashgdn frame, the innermost frame outside torch; else "?"."""
+    frames = [f for f in event.get("frames") or [] if f.get("filename") and "/torch/" not in f["filename"]]
+    ours = [f for f in frames if "flashgdn" in f["filename"]]
+    if ours:
+        return " < ".join(_frame(f) for f in ours[:2])
+    return _frame(frames[0]) if frames else "?"
 
 
 def by_origin(live: Iterable[dict]) -> List[Tuple[str, int, int]]:

@@ -36,18 +36,22 @@ def test_peak_is_the_most_bytes_live_at_once_and_counts_frees_of_older_blocks():
     assert peak == 151 and sorted(e["addr"] for e in live) == [2, 3, 4, 5]
 
 
-def test_allocations_are_grouped_by_their_innermost_flashgdn_frame():
+def test_allocations_are_grouped_by_their_innermost_two_flashgdn_frames():
     live = [
+        {"size": 128, "frames": _frames("/repo/flashgdn/kernels/hopper/forward.py", "/site/torch/utils/_contextlib.py",
+                                        "/repo/flashgdn/kernels/hopper/backward.py", "/repo/flashgdn/cp/backward.py")},
         {"size": 64, "frames": _frames("/site/torch/nn/functional.py", "/repo/flashgdn/kernels/hopper/backward.py")},
         {"size": 32, "frames": _frames("/repo/flashgdn/kernels/hopper/backward.py")},
         {"size": 8, "frames": _frames("/site/torch/autograd/graph.py", "/repo/benchmarks/memory_peak.py")},
         {"size": 4, "frames": []},
     ]
     rows = mp.by_origin(live)
-    assert rows[0] == ("kernels/hopper/backward.py:2 f1", 64, 1)
-    assert rows[1] == ("kernels/hopper/backward.py:1 f0", 32, 1)
-    assert rows[2] == ("/repo/benchmarks/memory_peak.py:2 f1", 8, 1)
-    assert rows[3] == ("?", 4, 1)
+    # a helper's allocation is named with its caller; torch's frames between them are skipped
+    assert rows[0] == ("kernels/hopper/forward.py:1 f0 < kernels/hopper/backward.py:3 f2", 128, 1)
+    assert rows[1] == ("kernels/hopper/backward.py:2 f1", 64, 1)
+    assert rows[2] == ("kernels/hopper/backward.py:1 f0", 32, 1)
+    assert rows[3] == ("/repo/benchmarks/memory_peak.py:2 f1", 8, 1)
+    assert rows[4] == ("?", 4, 1)
 
 
 @pytest.mark.gpu
