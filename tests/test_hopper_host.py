@@ -62,3 +62,27 @@ def test_slots_to_tokens_inverts_the_slot_layout(seqlens):
     n = int(cu[-1])
     assert torch.equal(tokens[:n], torch.arange(n))
     assert (tokens[n:] == 0).all()
+
+
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_cp_forward_object_offers_its_hooks_and_dies_with_its_last_reference(paired, fused):
+    """The Hopper CP forward offers the drivers' hooks it has and None for the others, and holds no reference to
+    itself: the stage-1 tensors it keeps go when the pass that made it ends, not at the garbage collector's next
+    run (an instance attribute holding a bound method kept them past the backward's memory peak)."""
+    import gc
+    import weakref
+
+    from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
+
+    forward = _HopperSegmentsForward(paired=paired, fused=fused)
+    for name, offered in (("transition_pairs", paired), ("segment_index", fused), ("splice", fused),
+                          ("splice_reverse", fused)):
+        assert (getattr(forward, name, None) is not None) == offered, name
+    ref = weakref.ref(forward)
+    gc.disable()
+    try:
+        del forward
+        assert ref() is None
+    finally:
+        gc.enable()

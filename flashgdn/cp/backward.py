@@ -97,8 +97,8 @@ def cp_backward(
         starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index)
         # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan,
         # index)`` when it has one)
-        _, D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)
-        D = D.to(h0.dtype)
+        # (only the start gradients are kept: a name for the per-chunk ones would keep them alive to the end)
+        D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
         end = float_states(dht, q, v, N)
         own_reverse = getattr(forward, "splice_reverse", None)
         if own_reverse is not None and pairs is not None:

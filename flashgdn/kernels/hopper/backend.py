@@ -112,14 +112,29 @@ class _HopperSegmentsForward:
         # ``stage1_source(q, k, g, beta, seg_cu) -> Stage1``: where the paired pass takes stages 0 and 1 from
         # instead of running them (the backward's, which stores A as well and serves its own stages too)
         self._stage1_source = stage1_source
-        if paired:
-            self.transition_pairs = self._transition_pairs
-        if CP_FUSED if fused is None else fused:
-            from .forward import hopper_segment_index
+        self._paired = paired
+        self._fused = CP_FUSED if fused is None else fused
 
-            self.segment_index = hopper_segment_index
-            self.splice = self._splice
-            self.splice_reverse = self._splice_reverse
+    # What the CP drivers look up with ``getattr(forward, name, None)``, as properties: a bound method stored on
+    # the instance would be a reference cycle, which keeps the instance and the stage-1 tensors it holds alive
+    # until the garbage collector runs, past the end of the pass that needed them.
+    @property
+    def transition_pairs(self):
+        return self._transition_pairs if self._paired else None
+
+    @property
+    def segment_index(self):
+        from .forward import hopper_segment_index
+
+        return hopper_segment_index if self._fused else None
+
+    @property
+    def splice(self):
+        return self._splice if self._fused else None
+
+    @property
+    def splice_reverse(self):
+        return self._splice_reverse if self._fused else None
 
     def __call__(self, q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu, need_output=True):
         from .forward import hopper_forward
