@@ -303,6 +303,18 @@ def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
+def test_async_chunk_grad_loads_give_the_same_bits(opts, monkeypatch, cuda):
+    """``chunk_grad`` with its tiles loaded by cp.async (backward.CHUNK_GRAD_ASYNC_LOADS, the default) against
+    register-staged loads (its A/B): the same values
+    in the same tiles (zero past the tensor's end, and past a sequence's end after the masking), so every gradient
+    is the same bits as with the register-staged loads."""
+    _, plain, loaded, _ = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_ASYNC_LOADS", True, base=False)
+    for name, a, b in zip(GRADIENTS, plain, loaded):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
 def test_staged_state_stores_give_the_same_bits(opts, monkeypatch, cuda):
     """The states pass and the walk with their stores staged through shared memory and sent by TMA
     (backward.STAGED_STATE_STORES, the default) against element-wise stores (its A/B): the same values reach the same places, so every gradient is the same

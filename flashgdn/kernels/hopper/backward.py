@@ -39,6 +39,12 @@ CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "5
 #: FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED=0 turns it off.
 CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "1") == "1"
 
+#: ``chunk_grad`` loading its eight tiles by cp.async, all in flight before one wait, instead of through registers
+#: (``chunk_grad.py``). On the H200 it took 0.917x to 0.952x the time of the register-staged loads with the same
+#: bits out (``stages-hopper-v0.6c-bwd.json``, ``gpu-ab-v0.6c.log``): the default with 512 threads (the 256- and
+#: 128-thread A/Bs keep register-staged loads). FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS=0 turns it off.
+CHUNK_GRAD_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS", "1") == "1"
+
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
 #: stall samples, and the states pass at 2.4x the time of the same loop without them). On the H200 the states pass
@@ -183,7 +189,8 @@ class HopperBackwardStages:
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS,
-                         batched=CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256)(
+                         batched=CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256,
+                         async_loads=CHUNK_GRAD_ASYNC_LOADS and CHUNK_GRAD_THREADS == 512)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         return dq, dk, dv, dg, dbeta

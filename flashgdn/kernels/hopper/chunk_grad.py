@@ -22,10 +22,15 @@ and the gate, by what each g~_i multiplies (every term below is a row dot produc
 (scale gamma_i <dO_i, (QS)_i> is <q_i, scale gamma_i (dO S^T)_i>, a row dot of dq's state term with q; the g~_last
 terms reach every token of the chunk through the reverse cumsum, so they are added to all of them).
 
-With ``batched`` (an A/B, ``backward.CHUNK_GRAD_BATCHED``) the GEMMs that need only what is ready are issued
+With ``batched`` (the default, ``backward.CHUNK_GRAD_BATCHED``) the GEMMs that need only what is ready are issued
 together as asynchronous wgmma and waited on once, in six batches: (A) K S, K dS', Q K^T, dO S^T, K K^T from the
 loaded tiles; (B) Ag W and P^T dO; (C) dVn W^T, Ag^T dVn and dO Vn^T; (D) dQK K, A^T dA and dk's first three
 terms into one accumulator; (E) (A^T dA) A^T; (F) dk's dKK terms. The unbatched build waits on each of the 18.
+With ``async_loads`` (the default at 512 threads, ``backward.CHUNK_GRAD_ASYNC_LOADS``) the eight tiles arrive by
+cp.async (16 bytes per thread and instruction, zero-filled past the tensor's end), all in flight before one wait,
+instead of through registers: the load phase was ~20% of the stall samples at 512 threads (``profiles/backward-v0.6-*``). TMA would
+be the other way, but a kernel with TMA loads loses TileLang's reuse of shared memory between buffers (256 KB,
+over the limit). Measured: 0.92x-0.95x the time of the register-staged loads, the same bits out.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
@@ -41,10 +46,11 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512, batched: bool = False):
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512, batched: bool = False,
+                     async_loads: bool = False):
     """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256 / 512, two / four that split every
-    GEMM's N and every elementwise loop; ``batched``: independent GEMMs issued together, six waits instead of 18,
-    module docstring). Arguments, in order:
+    GEMM's N and every elementwise loop; ``batched``: independent GEMMs issued together, six waits instead of 18;
+    ``async_loads``: the eight tiles by cp.async, all in flight at once, module docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -223,17 +229,30 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             if n_rows > 0:
                 # whole tiles by bulk copies (rows past the tensor's end read as zeros); the rows of a chunk past
                 # its sequence's end belong to the next sequence and are zeroed after
-                T.copy(q[0, t0:t0 + C, hq, :], q_s)
-                T.copy(k[0, t0:t0 + C, hq, :], k_s)
-                T.copy(v[0, t0:t0 + C, h, :], v_s)
-                T.copy(do[0, t0:t0 + C, h, :], do_s)
-                T.copy(Ag[slot, h, :, :], ag_s)
-                T.copy(A[slot, h, :, :], a_s)
-                T.copy(states[slot, h, :, :], st_s)
-                T.copy(ds_end[slot, h, :, :], ds_s)
+                if async_loads:  # cp.async: no register staging, every tile in flight before the first wait
+                    T.async_copy(q[0, t0:t0 + C, hq, :], q_s)
+                    T.async_copy(k[0, t0:t0 + C, hq, :], k_s)
+                    T.async_copy(v[0, t0:t0 + C, h, :], v_s)
+                    T.async_copy(do[0, t0:t0 + C, h, :], do_s)
+                    T.async_copy(Ag[slot, h, :, :], ag_s)
+                    T.async_copy(A[slot, h, :, :], a_s)
+                    T.async_copy(states[slot, h, :, :], st_s)
+                    T.async_copy(ds_end[slot, h, :, :], ds_s)
+                else:
+                    T.copy(q[0, t0:t0 + C, hq, :], q_s)
+                    T.copy(k[0, t0:t0 + C, hq, :], k_s)
+                    T.copy(v[0, t0:t0 + C, h, :], v_s)
+                    T.copy(do[0, t0:t0 + C, h, :], do_s)
+                    T.copy(Ag[slot, h, :, :], ag_s)
+                    T.copy(A[slot, h, :, :], a_s)
+                    T.copy(states[slot, h, :, :], st_s)
+                    T.copy(ds_end[slot, h, :, :], ds_s)
                 for i in T.Parallel(C):
                     gc_s[i] = gcum[h, slot * C + i]
                     beta_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
+                if async_loads:
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
                 if n_rows < C:
                     for i, j in T.Parallel(C, K):
                         if i >= n_rows:

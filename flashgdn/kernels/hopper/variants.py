@@ -98,10 +98,14 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    for threads in (512, 256):  # GEMMs issued in batches: the default (backward.CHUNK_GRAD_BATCHED) and its A/B
+    # the default: four warpgroups, GEMMs issued in batches, tiles by cp.async (backward.CHUNK_GRAD_BATCHED,
+    # CHUNK_GRAD_ASYNC_LOADS); then its A/Bs: register-staged loads, two warpgroups, each GEMM waited on
+    yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async]", "chunk_grad",
+           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True))
+    for threads in (512, 256):
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads},batched]", "chunk_grad",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, batched=True))
-    for threads in (512, 256, 128):  # each GEMM waited on (backward.CHUNK_GRAD_BATCHED=0, CHUNK_GRAD_THREADS=128)
+    for threads in (512, 256, 128):
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}]", "chunk_grad",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads))
 
