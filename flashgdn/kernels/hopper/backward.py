@@ -207,8 +207,9 @@ class HopperBackwardStages:
         if group > 1:
             # each qk head's value heads, summed in a fixed order (deterministic) by one reduction that accumulates
             # in float32 and writes the io dtype: the same values as a float32 sum cast afterwards, without its
-            # float32 [T, Hqk, K] temporary and the second pass over it (0.76 ms of 16/32 32768x1's backward went
-            # to the two steps, stages-hopper-v0.6-bwd.json against -v0.5-bwd.json)
+            # float32 [T, Hqk, K] temporary and the second pass over it (the two steps took 0.75 ms of 16/32
+            # 32768x1's backward: waited chunk_grad with them 4.09 ms in stages-hopper-v0.6-bwd.json, without them
+            # 3.34 ms in -v0.6b-bwd.json)
             dq = dq.view(1, TT, Hqk, group, K).sum(3)
             dk = dk.view(1, TT, Hqk, group, K).sum(3)
         return dq, dk, dv, dg, dbeta

@@ -28,9 +28,10 @@ loaded tiles; (B) Ag W and P^T dO; (C) dVn W^T, Ag^T dVn and dO Vn^T; (D) dQK K,
 terms into one accumulator; (E) (A^T dA) A^T; (F) dk's dKK terms. The unbatched build waits on each of the 18.
 With ``async_loads`` (the default at 512 threads, ``backward.CHUNK_GRAD_ASYNC_LOADS``) the eight tiles arrive by
 cp.async (16 bytes per thread and instruction, zero-filled past the tensor's end), all in flight before one wait,
-instead of through registers: the load phase was ~20% of the stall samples at 512 threads (``profiles/backward-v0.6-*``). TMA would
-be the other way, but a kernel with TMA loads loses TileLang's reuse of shared memory between buffers (256 KB,
-over the limit). Measured: 0.92x-0.95x the time of the register-staged loads, the same bits out.
+instead of through registers: the load phase was ~20% of the stall samples at 512 threads
+(``profiles/backward-v0.6-*``). TMA would be the other way, but a kernel with TMA loads loses TileLang's reuse of
+shared memory between buffers (256 KB, over the limit). Measured: 0.92x-0.95x the time of the register-staged
+loads, the same bits out.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
@@ -151,6 +152,13 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
         T.copy(red_r, db2_s)
 
     @T.macro
+    def load_tile(src, dst):
+        if async_loads:  # cp.async: no register staging, every tile in flight before the first wait
+            T.async_copy(src, dst)
+        else:
+            T.copy(src, dst)
+
+    @T.macro
     def store_rows(f, out, t0, n_rows, h):
         for i, j in T.Parallel(C, K):
             if i < n_rows:
@@ -229,24 +237,14 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             if n_rows > 0:
                 # whole tiles by bulk copies (rows past the tensor's end read as zeros); the rows of a chunk past
                 # its sequence's end belong to the next sequence and are zeroed after
-                if async_loads:  # cp.async: no register staging, every tile in flight before the first wait
-                    T.async_copy(q[0, t0:t0 + C, hq, :], q_s)
-                    T.async_copy(k[0, t0:t0 + C, hq, :], k_s)
-                    T.async_copy(v[0, t0:t0 + C, h, :], v_s)
-                    T.async_copy(do[0, t0:t0 + C, h, :], do_s)
-                    T.async_copy(Ag[slot, h, :, :], ag_s)
-                    T.async_copy(A[slot, h, :, :], a_s)
-                    T.async_copy(states[slot, h, :, :], st_s)
-                    T.async_copy(ds_end[slot, h, :, :], ds_s)
-                else:
-                    T.copy(q[0, t0:t0 + C, hq, :], q_s)
-                    T.copy(k[0, t0:t0 + C, hq, :], k_s)
-                    T.copy(v[0, t0:t0 + C, h, :], v_s)
-                    T.copy(do[0, t0:t0 + C, h, :], do_s)
-                    T.copy(Ag[slot, h, :, :], ag_s)
-                    T.copy(A[slot, h, :, :], a_s)
-                    T.copy(states[slot, h, :, :], st_s)
-                    T.copy(ds_end[slot, h, :, :], ds_s)
+                load_tile(q[0, t0:t0 + C, hq, :], q_s)
+                load_tile(k[0, t0:t0 + C, hq, :], k_s)
+                load_tile(v[0, t0:t0 + C, h, :], v_s)
+                load_tile(do[0, t0:t0 + C, h, :], do_s)
+                load_tile(Ag[slot, h, :, :], ag_s)
+                load_tile(A[slot, h, :, :], a_s)
+                load_tile(states[slot, h, :, :], st_s)
+                load_tile(ds_end[slot, h, :, :], ds_s)
                 for i in T.Parallel(C):
                     gc_s[i] = gcum[h, slot * C + i]
                     beta_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
