@@ -314,6 +314,17 @@ def test_async_chunk_grad_loads_give_the_same_bits(opts, monkeypatch, cuda):
 
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
+def test_chunk_grad_row_factors_give_the_same_bits(opts, monkeypatch, cuda):
+    """``chunk_grad`` with gamma_i and d_i held per row in registers (backward.CHUNK_GRAD_ROW_FACTORS, an A/B):
+    the same factors by the same expressions, multiplied in the same order, so every gradient is the same bits as
+    the default's (a difference would mean the compiler contracted a product into an FMA differently)."""
+    _, plain, rows, _ = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_ROW_FACTORS", True, base=False)
+    for name, a, b in zip(GRADIENTS, plain, rows):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
 def test_staged_state_stores_give_the_same_bits(opts, monkeypatch, cuda):
     """The states pass and the walk with their stores staged through shared memory and sent by TMA

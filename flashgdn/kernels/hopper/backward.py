@@ -45,6 +45,10 @@ CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "1") =
 #: 128-thread A/Bs keep register-staged loads). FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS=0 turns it off.
 CHUNK_GRAD_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS", "1") == "1"
 
+#: ``chunk_grad`` (batched) with gamma_i and d_i computed once per row into registers instead of per element from
+#: shared memory (``chunk_grad.py``); an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=1.
+CHUNK_GRAD_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS", "0") == "1"
+
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
 #: stall samples, and the states pass at 2.4x the time of the same loop without them). On the H200 the states pass
@@ -188,9 +192,10 @@ class HopperBackwardStages:
         dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS,
-                         batched=CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256,
-                         async_loads=CHUNK_GRAD_ASYNC_LOADS and CHUNK_GRAD_THREADS == 512)(
+        batched = CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS, batched=batched,
+                         async_loads=CHUNK_GRAD_ASYNC_LOADS and CHUNK_GRAD_THREADS == 512,
+                         row_factors=CHUNK_GRAD_ROW_FACTORS and batched)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         return dq, dk, dv, dg, dbeta

@@ -32,6 +32,9 @@ instead of through registers: the load phase was ~20% of the stall samples at 51
 (``profiles/backward-v0.6-*``). TMA would be the other way, but a kernel with TMA loads loses TileLang's reuse of
 shared memory between buffers (256 KB, over the limit). Measured: 0.92x-0.95x the time of the register-staged
 loads, the same bits out.
+With ``row_factors`` (an A/B, ``backward.CHUNK_GRAD_ROW_FACTORS``, batched build) gamma_i and d_i, which scale
+rows of the [C, V] accumulators in four steps, are computed once per row into a two-element register fragment
+instead of once per element from g~ in shared memory (16 elements per thread, two rows).
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
@@ -48,10 +51,11 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512, batched: bool = False,
-                     async_loads: bool = False):
+                     async_loads: bool = False, row_factors: bool = False):
     """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256 / 512, two / four that split every
     GEMM's N and every elementwise loop; ``batched``: independent GEMMs issued together, six waits instead of 18;
-    ``async_loads``: the eight tiles by cp.async, all in flight at once, module docstring). Arguments, in order:
+    ``async_loads``: the eight tiles by cp.async, all in flight at once; ``row_factors``: gamma_i and d_i computed
+    once per row into registers, batched build only; module docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -77,6 +81,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     assert threads in (128, 256, 512), threads
     # the batches' extra accumulators do not fit beside one warpgroup's 252 registers
     assert not batched or threads >= 256, "batched GEMMs need 256 or 512 threads"
+    assert not row_factors or batched, "row factors are written for the batched build"
     group = Hv // Hqk
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
@@ -92,6 +97,26 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
             w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
             v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+
+    # the same two steps with gamma_i from a row fragment (``row_factors``): each thread holds two rows of a
+    # [C, V] accumulator, so exp2 runs twice per thread instead of once per element, and g~ is not re-read from
+    # shared memory for every element (the compiler cannot keep it: stores to other tiles of the same buffer
+    # come between)
+    @T.macro
+    def w_and_gamma_ks_rows(cv_f, v_s, w_s, gam_f):
+        for i, j in T.Parallel(C, V):
+            cv_f[i, j] = cv_f[i, j] * gam_f[i]
+            w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
+            v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+
+    @T.macro
+    def dw_terms_rows(cv_f, prod_f, v_s, w_s, gam_f, dv, t0, n_rows, h):
+        for i, j in T.Parallel(C, V):
+            if i < n_rows:
+                dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
+        for i, j in T.Parallel(C, V):
+            prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
+            w_s[i, j] = T.cast(-cv_f[i, j] * gam_f[i], io_dtype)
 
     @T.macro
     def gated_p(cc_f, p_s, gc_s, scale):
@@ -218,6 +243,9 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             dgc_s = T.alloc_shared((C,), acc)
 
             cv_f = T.alloc_fragment((C, V), acc)
+            if row_factors:  # gamma_i and d_i for the rows of the [C, V] accumulators
+                gam_f = T.alloc_fragment((C,), acc)
+                dec_f = T.alloc_fragment((C,), acc)
             if batched:  # the accumulators of GEMMs issued together
                 cv2_f = T.alloc_fragment((C, V), acc)
                 kd_f = T.alloc_fragment((C, V), acc)
@@ -274,14 +302,26 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(do_s, st_s, ck_f, clear_accum=True)  # dO S^T
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
                     T.wait_wgmma(0)
-                    w_and_gamma_ks(cv_f, v_s, w_s, gc_s)
-                    gated_p(cc_f, p_s, gc_s, scale)
-                    for i, j in T.Parallel(C, V):
-                        kd_f[i, j] = kd_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
-                    for i, j in T.Parallel(C, K):
-                        ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
-                        prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
+                    if row_factors:
+                        for i in T.Parallel(C):
+                            gam_f[i] = T.exp2(gc_s[i] * LOG2E)
+                            dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                        w_and_gamma_ks_rows(cv_f, v_s, w_s, gam_f)
+                        gated_p(cc_f, p_s, gc_s, scale)
+                        for i, j in T.Parallel(C, V):
+                            kd_f[i, j] = kd_f[i, j] * dec_f[i]
+                        for i, j in T.Parallel(C, K):
+                            ck_f[i, j] = ck_f[i, j] * scale * gam_f[i]
+                            prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
+                    else:
+                        w_and_gamma_ks(cv_f, v_s, w_s, gc_s)
+                        gated_p(cc_f, p_s, gc_s, scale)
+                        for i, j in T.Parallel(C, V):
+                            kd_f[i, j] = kd_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                        # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
+                        for i, j in T.Parallel(C, K):
+                            ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
+                            prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
 
                     # B: Vn = Ag W and P^T dO; then dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
                     T.wgmma_gemm(ag_s, w_s, cv_f, clear_accum=True)
@@ -300,7 +340,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s)
-                    dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, True)  # prod_f holds dQ's term
+                    if row_factors:
+                        dw_terms_rows(cv_f, prod_f, v_s, w_s, gam_f, dv, t0, n_rows, h)
+                    else:
+                        dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, True)  # prod_f holds dQ's term
                     T.reduce_sum(prod_f, red_f, dim=1)
                     T.copy(red_f, tqw_s)
                     dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale)

@@ -102,6 +102,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     # CHUNK_GRAD_ASYNC_LOADS); then its A/Bs: register-staged loads, two warpgroups, each GEMM waited on
     yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async]", "chunk_grad",
            dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True))
+    # row factors in registers (backward.CHUNK_GRAD_ROW_FACTORS, an A/B on the default)
+    yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async,rows]", "chunk_grad",
+           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True,
+                row_factors=True))
     for threads in (512, 256):
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads},batched]", "chunk_grad",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, batched=True))
