@@ -46,7 +46,8 @@ CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "1") =
 CHUNK_GRAD_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS", "1") == "1"
 
 #: ``chunk_grad`` (batched) with gamma_i and d_i computed once per row into registers instead of per element from
-#: shared memory (``chunk_grad.py``); an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=1.
+#: shared memory, and Gam once instead of three times (``chunk_grad.py``); an A/B until measured on the GPU.
+#: FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=1.
 CHUNK_GRAD_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS", "0") == "1"
 
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per

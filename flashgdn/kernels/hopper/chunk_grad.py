@@ -34,7 +34,8 @@ shared memory between buffers (256 KB, over the limit). Measured: 0.92x-0.95x th
 loads, the same bits out.
 With ``row_factors`` (an A/B, ``backward.CHUNK_GRAD_ROW_FACTORS``, batched build) gamma_i and d_i, which scale
 rows of the [C, V] accumulators in four steps, are computed once per row into a two-element register fragment
-instead of once per element from g~ in shared memory (16 elements per thread, two rows).
+instead of once per element from g~ in shared memory (16 elements per thread, two rows), and Gam, which P, E and
+dQK are each scaled by, once per element into an eight-element fragment instead of three times.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
@@ -117,6 +118,36 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
         for i, j in T.Parallel(C, V):
             prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
             w_s[i, j] = T.cast(-cv_f[i, j] * gam_f[i], io_dtype)
+
+    # and Gam_ij = exp2((g~_i - g~_j) log2 e), which P, E and dQK each scale by, once per element into registers
+    # (``row_factors``) instead of three times
+    @T.macro
+    def gated_p_rows(cc_f, p_s, gmat_f, scale):
+        for i, j in T.Parallel(C, C):
+            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * gmat_f[i, j], 0.0)
+        T.copy(cc_f, p_s)
+
+    @T.macro
+    def e_terms_rows(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f, red_c, db1_s):
+        for i, j in T.Parallel(C, C):
+            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * gmat_f[i, j], 0.0)
+            prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
+            da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
+            x_f[i, j] = prodc_f[i, j] * beta_s[j]
+        T.reduce_sum(prodc_f, red_c, dim=0)
+        T.copy(red_c, db1_s)
+
+    @T.macro
+    def dp_terms_rows(dp_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f, red_r, red_c, xr_s, xc_s, scale):
+        for i, j in T.Parallel(C, C):
+            x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+            dqk_s[i, j] = T.cast(T.if_then_else(i >= j, dp_f[i, j] * scale * gmat_f[i, j], 0.0), io_dtype)
+        T.reduce_sum(x_f, red_r, dim=1)
+        T.copy(red_r, xr_s)
+        T.reduce_sum(x_f, red_c, dim=0)
+        T.copy(red_c, xc_s)
+        for i, j in T.Parallel(C, V):
+            vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
 
     @T.macro
     def gated_p(cc_f, p_s, gc_s, scale):
@@ -246,6 +277,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             if row_factors:  # gamma_i and d_i for the rows of the [C, V] accumulators
                 gam_f = T.alloc_fragment((C,), acc)
                 dec_f = T.alloc_fragment((C,), acc)
+                gmat_f = T.alloc_fragment((C, C), acc)
             if batched:  # the accumulators of GEMMs issued together
                 cv2_f = T.alloc_fragment((C, V), acc)
                 kd_f = T.alloc_fragment((C, V), acc)
@@ -306,8 +338,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                         for i in T.Parallel(C):
                             gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                             dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                        for i, j in T.Parallel(C, C):
+                            gmat_f[i, j] = T.exp2((gc_s[i] - gc_s[j]) * LOG2E)
                         w_and_gamma_ks_rows(cv_f, v_s, w_s, gam_f)
-                        gated_p(cc_f, p_s, gc_s, scale)
+                        gated_p_rows(cc_f, p_s, gmat_f, scale)
                         for i, j in T.Parallel(C, V):
                             kd_f[i, j] = kd_f[i, j] * dec_f[i]
                         for i, j in T.Parallel(C, K):
@@ -339,14 +373,20 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
                     T.wgmma_gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s)
+                    if row_factors:
+                        e_terms_rows(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f, red_c, db1_s)
+                    else:
+                        e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s)
                     if row_factors:
                         dw_terms_rows(cv_f, prod_f, v_s, w_s, gam_f, dv, t0, n_rows, h)
                     else:
                         dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, True)  # prod_f holds dQ's term
                     T.reduce_sum(prod_f, red_f, dim=1)
                     T.copy(red_f, tqw_s)
-                    dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
+                    if row_factors:
+                        dp_terms_rows(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f, red_r, red_c, xr_s, xc_s, scale)
+                    else:
+                        dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
 
                     # D: dQ += dQK K; A^T dA; dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T (one accumulator)
                     T.wgmma_gemm(dqk_s, k_s, ck_f)
