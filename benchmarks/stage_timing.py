@@ -32,6 +32,7 @@ CP_SEGMENTS = (16, 64)
 #: what --backward-only times
 BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_waited",
                  "bwd_chunk_grad_async", "bwd_chunk_grad_rows",
+                 "bwd_chunk_grad_scan",
                  "bwd_states_unstaged", "bwd_walk_unstaged", "bwd", "bwd_cpauto")
 
 
@@ -214,6 +215,7 @@ def main(argv=None):
                  ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("chunk_grad waited", "bwd_chunk_grad_waited"),
                  ("chunk_grad async loads", "bwd_chunk_grad_async"),
                  ("chunk_grad row factors", "bwd_chunk_grad_rows"),
+                 ("chunk_grad dg scan", "bwd_chunk_grad_scan"),
                  ("states unstaged", "bwd_states_unstaged"), ("walk unstaged", "bwd_walk_unstaged"),
                  ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto")]
         cols += [(f"bwd cp={c}", f"bwd_cp{c}") for c in CP_SEGMENTS] + [("bwd MiB", "bwd_peak_extra_mib")]
@@ -274,6 +276,8 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
         "bwd_chunk_grad_async": lambda: switched(backward, "CHUNK_GRAD_ASYNC_LOADS", True, lambda: st.chunk_gradients(
             q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
         "bwd_chunk_grad_rows": lambda: switched(backward, "CHUNK_GRAD_ROW_FACTORS", True, lambda: st.chunk_gradients(
+            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
+        "bwd_chunk_grad_scan": lambda: switched(backward, "CHUNK_GRAD_SCAN_DG", True, lambda: st.chunk_gradients(
             q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
         "bwd_states_unstaged": lambda: switched(backward, "STAGED_STATE_STORES", False, lambda: st.chunk_states(
             q, k, v, g, beta, h0, cu, cu_cpu)),

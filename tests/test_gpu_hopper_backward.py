@@ -325,6 +325,23 @@ def test_chunk_grad_row_factors_give_the_same_bits(opts, monkeypatch, cuda):
 
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
+def test_chunk_grad_dg_scan_matches_the_masked_sum(opts, monkeypatch, cuda):
+    """``chunk_grad`` with dg's reverse cumsum by a scan (backward.CHUNK_GRAD_SCAN_DG, an A/B): every other
+    gradient is the same bits as the default's; dg is the same sums in another order (float32 rounding apart:
+    1e-5 relative RMS), on the bar against float64, and zero on the padded tail."""
+    _, plain, scanned, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_SCAN_DG", True, base=False)
+    for name, a, b in zip(GRADIENTS, plain, scanned):
+        if name == "dg":
+            assert rel_rms(b.double(), a.double()) < 1e-5, name
+        else:
+            assert torch.equal(a, b), name
+    _assert_on_the_bars(scanned, want())
+    if opts.get("pad"):
+        assert not scanned[3][:, -opts["pad"]:].any(), "dg of padded-tail tokens"
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
 def test_staged_state_stores_give_the_same_bits(opts, monkeypatch, cuda):
     """The states pass and the walk with their stores staged through shared memory and sent by TMA

@@ -50,6 +50,10 @@ CHUNK_GRAD_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS"
 #: FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=1.
 CHUNK_GRAD_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS", "0") == "1"
 
+#: ``chunk_grad`` with dg's reverse cumsum by a scan of a [2, C] tile instead of a [C, C] masked sum
+#: (``chunk_grad.py``); an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG=1.
+CHUNK_GRAD_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG", "0") == "1"
+
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
 #: stall samples, and the states pass at 2.4x the time of the same loop without them). On the H200 the states pass
@@ -196,7 +200,7 @@ class HopperBackwardStages:
         batched = CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256
         build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS, batched=batched,
                          async_loads=CHUNK_GRAD_ASYNC_LOADS and CHUNK_GRAD_THREADS == 512,
-                         row_factors=CHUNK_GRAD_ROW_FACTORS and batched)(
+                         row_factors=CHUNK_GRAD_ROW_FACTORS and batched, scan_dg=CHUNK_GRAD_SCAN_DG)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         return dq, dk, dv, dg, dbeta

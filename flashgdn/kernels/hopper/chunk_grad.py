@@ -36,6 +36,10 @@ With ``row_factors`` (an A/B, ``backward.CHUNK_GRAD_ROW_FACTORS``, batched build
 rows of the [C, V] accumulators in four steps, are computed once per row into a two-element register fragment
 instead of once per element from g~ in shared memory (16 elements per thread, two rows), and Gam, which P, E and
 dQK are each scaled by, once per element into an eight-element fragment instead of three times.
+With ``scan_dg`` (an A/B, ``backward.CHUNK_GRAD_SCAN_DG``) dg's reverse cumsum is one scan of a [2, C] tile in
+shared memory (TileLang's ``T.cumsum``; the second row carries the g~_last terms, whose total is its reverse
+cumsum at 0) instead of a [C, C] masked sum and a cross-warp reduction (that phase was ~6% of the stall samples
+at v0.6). The sums run in another order, so dg differs from the default's in float32 rounding only.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
@@ -52,11 +56,12 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512, batched: bool = False,
-                     async_loads: bool = False, row_factors: bool = False):
+                     async_loads: bool = False, row_factors: bool = False, scan_dg: bool = False):
     """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256 / 512, two / four that split every
     GEMM's N and every elementwise loop; ``batched``: independent GEMMs issued together, six waits instead of 18;
     ``async_loads``: the eight tiles by cp.async, all in flight at once; ``row_factors``: gamma_i and d_i computed
-    once per row into registers, batched build only; module docstring). Arguments, in order:
+    once per row into registers, batched build only; ``scan_dg``: dg's reverse cumsum by a scan; module
+    docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -271,7 +276,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
             xc_s = T.alloc_shared((C,), acc)
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
-            dgc_s = T.alloc_shared((C,), acc)
+            if scan_dg:
+                scan_s = T.alloc_shared((2, C), acc)
+            else:
+                dgc_s = T.alloc_shared((C,), acc)
 
             cv_f = T.alloc_fragment((C, V), acc)
             if row_factors:  # gamma_i and d_i for the rows of the [C, V] accumulators
@@ -462,17 +470,30 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.gemm(dkk_s, k_s, ck_f)
                     T.gemm(dkk_s, k_s, ck_f, transpose_A=True)
                     store_rows(ck_f, dk, t0, n_rows, h)
-                # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them);
-                # row i of the masked sum: sum_{j >= i} dg~_j + sum_j d_j <(K dS')_j, Vn_j> + gamma_C <dS', S>
-                for i in T.Parallel(C):
-                    dgc_s[i] = tqw_s[i] - tdec_s[i] + xr_s[i] - xc_s[i]
-                for i, j in T.Parallel(C, C):
-                    prodc_f[i, j] = (T.if_then_else(j >= i, dgc_s[j], 0.0) + tdec_s[j]
-                                     + T.exp2(gc_s[C - 1] * LOG2E) * sd_s[j])
-                T.reduce_sum(prodc_f, red_r, dim=1)
-                for i in T.Parallel(C):
-                    if i < n_rows:
-                        dg[0, t0 + i, h] = red_r[i]
-                        dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
+                # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them)
+                if scan_dg:
+                    # row 0: dg~, whose reverse cumsum is the first part; row 1: the g~_last terms per token,
+                    # whose reverse cumsum at 0 is their total: one scan of a [2, C] tile instead of a [C, C] masked
+                    # sum and its cross-warp reduction
+                    for i in T.Parallel(C):
+                        scan_s[0, i] = tqw_s[i] - tdec_s[i] + xr_s[i] - xc_s[i]
+                        scan_s[1, i] = tdec_s[i] + T.exp2(gc_s[C - 1] * LOG2E) * sd_s[i]
+                    T.cumsum(scan_s, dim=1, reverse=True)
+                    for i in T.Parallel(C):
+                        if i < n_rows:
+                            dg[0, t0 + i, h] = scan_s[0, i] + scan_s[1, 0]
+                            dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
+                else:
+                    # row i of the masked sum: sum_{j >= i} dg~_j + sum_j d_j <(K dS')_j, Vn_j> + gamma_C <dS', S>
+                    for i in T.Parallel(C):
+                        dgc_s[i] = tqw_s[i] - tdec_s[i] + xr_s[i] - xc_s[i]
+                    for i, j in T.Parallel(C, C):
+                        prodc_f[i, j] = (T.if_then_else(j >= i, dgc_s[j], 0.0) + tdec_s[j]
+                                         + T.exp2(gc_s[C - 1] * LOG2E) * sd_s[j])
+                    T.reduce_sum(prodc_f, red_r, dim=1)
+                    for i in T.Parallel(C):
+                        if i < n_rows:
+                            dg[0, t0 + i, h] = red_r[i]
+                            dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
 
     return tilelang.compile(chunk_grad_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

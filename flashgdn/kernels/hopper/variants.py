@@ -106,6 +106,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async,rows]", "chunk_grad",
            dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True,
                 row_factors=True))
+    # dg's reverse cumsum by a scan (backward.CHUNK_GRAD_SCAN_DG, an A/B on the default)
+    yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async,scan]", "chunk_grad",
+           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True,
+                scan_dg=True))
     for threads in (512, 256):
         yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads},batched]", "chunk_grad",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, batched=True))
