@@ -94,78 +94,41 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     slot_rows = T.dynamic("slot_rows")
     acc = "float32"
 
+    # The gate's factors, from g~ in shared memory (an exp2 per element), or with ``row_factors`` from register
+    # fragments made once: gamma_i and d_i per row (each thread holds two rows of a [C, V] accumulator; the
+    # compiler cannot keep g~ in registers itself, stores to other tiles of the same buffer come between) and Gam
+    # per element (P, E and dQK each scale by it). ``gam``, ``dec``, ``gmat`` are g~'s tile or those fragments.
+    def gamma_at(gam, i):
+        return gam[i] if row_factors else T.exp2(gam[i] * LOG2E)
+
+    def decay_at(dec, i):
+        return dec[i] if row_factors else T.exp2((dec[C - 1] - dec[i]) * LOG2E)
+
+    def gam_at(gmat, i, j):
+        return gmat[i, j] if row_factors else T.exp2((gmat[i] - gmat[j]) * LOG2E)
+
     # element-wise steps both builds run, each right after the GEMM that feeds it (the batched build issues the
     # GEMMs in another order and into other accumulators; the steps are the same)
     @T.macro
-    def w_and_gamma_ks(cv_f, v_s, w_s, gc_s):
+    def w_and_gamma_ks(cv_f, v_s, w_s, gam):
         # cv_f holds K S: W = V - diag(gamma) K S to w_s, and diag(gamma) K S over V in v_s
         for i, j in T.Parallel(C, V):
-            cv_f[i, j] = cv_f[i, j] * T.exp2(gc_s[i] * LOG2E)
-            w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
-            v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
-
-    # the same two steps with gamma_i from a row fragment (``row_factors``): each thread holds two rows of a
-    # [C, V] accumulator, so exp2 runs twice per thread instead of once per element, and g~ is not re-read from
-    # shared memory for every element (the compiler cannot keep it: stores to other tiles of the same buffer
-    # come between)
-    @T.macro
-    def w_and_gamma_ks_rows(cv_f, v_s, w_s, gam_f):
-        for i, j in T.Parallel(C, V):
-            cv_f[i, j] = cv_f[i, j] * gam_f[i]
+            cv_f[i, j] = cv_f[i, j] * gamma_at(gam, i)
             w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
             v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
 
     @T.macro
-    def dw_terms_rows(cv_f, prod_f, v_s, w_s, gam_f, dv, t0, n_rows, h):
-        for i, j in T.Parallel(C, V):
-            if i < n_rows:
-                dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
-        for i, j in T.Parallel(C, V):
-            prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
-            w_s[i, j] = T.cast(-cv_f[i, j] * gam_f[i], io_dtype)
-
-    # and Gam_ij = exp2((g~_i - g~_j) log2 e), which P, E and dQK each scale by, once per element into registers
-    # (``row_factors``) instead of three times
-    @T.macro
-    def gated_p_rows(cc_f, p_s, gmat_f, scale):
-        for i, j in T.Parallel(C, C):
-            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * gmat_f[i, j], 0.0)
-        T.copy(cc_f, p_s)
-
-    @T.macro
-    def e_terms_rows(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f, red_c, db1_s):
-        for i, j in T.Parallel(C, C):
-            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * gmat_f[i, j], 0.0)
-            prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
-            da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
-            x_f[i, j] = prodc_f[i, j] * beta_s[j]
-        T.reduce_sum(prodc_f, red_c, dim=0)
-        T.copy(red_c, db1_s)
-
-    @T.macro
-    def dp_terms_rows(dp_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f, red_r, red_c, xr_s, xc_s, scale):
-        for i, j in T.Parallel(C, C):
-            x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-            dqk_s[i, j] = T.cast(T.if_then_else(i >= j, dp_f[i, j] * scale * gmat_f[i, j], 0.0), io_dtype)
-        T.reduce_sum(x_f, red_r, dim=1)
-        T.copy(red_r, xr_s)
-        T.reduce_sum(x_f, red_c, dim=0)
-        T.copy(red_c, xc_s)
-        for i, j in T.Parallel(C, V):
-            vn_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
-
-    @T.macro
-    def gated_p(cc_f, p_s, gc_s, scale):
+    def gated_p(cc_f, p_s, gmat, scale):
         # cc_f holds Q K^T: P = scale Gam ⊙ Q K^T (lower) to p_s
         for i, j in T.Parallel(C, C):
-            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * scale * gam_at(gmat, i, j), 0.0)
         T.copy(cc_f, p_s)
 
     @T.macro
-    def e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s):
+    def e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat, red_c, db1_s):
         # cc_f holds dVn W^T: E = dAg ⊙ Gam (lower), dA = E ⊙ beta_j to da_s, dbeta's first sum, X = E ⊙ A ⊙ beta
         for i, j in T.Parallel(C, C):
-            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+            cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * gam_at(gmat, i, j), 0.0)
             prodc_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
             da_s[i, j] = T.cast(cc_f[i, j] * beta_s[j], io_dtype)
             x_f[i, j] = prodc_f[i, j] * beta_s[j]
@@ -173,7 +136,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
         T.copy(red_c, db1_s)
 
     @T.macro
-    def dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, onto_prod):
+    def dw_terms(cv_f, prod_f, v_s, w_s, gam, dv, t0, n_rows, h, onto_prod):
         # cv_f holds dW = dV: written out; -gamma_i <dW_i, KS_i>'s products into prod_f (onto what it holds, or
         # fresh); -gamma ⊙ dW to w_s for dk
         for i, j in T.Parallel(C, V):
@@ -184,17 +147,15 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
             else:
                 prod_f[i, j] = -cv_f[i, j] * T.cast(v_s[i, j], acc)
-            w_s[i, j] = T.cast(-cv_f[i, j] * T.exp2(gc_s[i] * LOG2E), io_dtype)
+            w_s[i, j] = T.cast(-cv_f[i, j] * gamma_at(gam, i), io_dtype)
 
     @T.macro
-    def dp_terms(dp_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale):
+    def dp_terms(dp_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat, red_r, red_c, xr_s, xc_s, scale):
         # dp_f holds dO Vn^T: P ⊙ dP joins X, whose row and column sums are taken; dQK = scale Gam ⊙ dP (lower)
         # to dqk_s; then d ⊙ Vn in vn_s for dk
         for i, j in T.Parallel(C, C):
             x_f[i, j] = x_f[i, j] + T.if_then_else(i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-            dqk_s[i, j] = T.cast(
-                T.if_then_else(i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0),
-                io_dtype)
+            dqk_s[i, j] = T.cast(T.if_then_else(i >= j, dp_f[i, j] * scale * gam_at(gmat, i, j), 0.0), io_dtype)
         T.reduce_sum(x_f, red_r, dim=1)
         T.copy(red_r, xr_s)
         T.reduce_sum(x_f, red_c, dim=0)
@@ -282,7 +243,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 dgc_s = T.alloc_shared((C,), acc)
 
             cv_f = T.alloc_fragment((C, V), acc)
-            if row_factors:  # gamma_i and d_i for the rows of the [C, V] accumulators
+            if row_factors:  # gamma_i and d_i for the rows of the [C, V] accumulators, Gam per element
                 gam_f = T.alloc_fragment((C,), acc)
                 dec_f = T.alloc_fragment((C,), acc)
                 gmat_f = T.alloc_fragment((C, C), acc)
@@ -342,28 +303,20 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(do_s, st_s, ck_f, clear_accum=True)  # dO S^T
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
                     T.wait_wgmma(0)
-                    if row_factors:
+                    if row_factors:  # the factors once; without them the helpers read g~ itself
                         for i in T.Parallel(C):
                             gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                             dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
                         for i, j in T.Parallel(C, C):
                             gmat_f[i, j] = T.exp2((gc_s[i] - gc_s[j]) * LOG2E)
-                        w_and_gamma_ks_rows(cv_f, v_s, w_s, gam_f)
-                        gated_p_rows(cc_f, p_s, gmat_f, scale)
-                        for i, j in T.Parallel(C, V):
-                            kd_f[i, j] = kd_f[i, j] * dec_f[i]
-                        for i, j in T.Parallel(C, K):
-                            ck_f[i, j] = ck_f[i, j] * scale * gam_f[i]
-                            prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
-                    else:
-                        w_and_gamma_ks(cv_f, v_s, w_s, gc_s)
-                        gated_p(cc_f, p_s, gc_s, scale)
-                        for i, j in T.Parallel(C, V):
-                            kd_f[i, j] = kd_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                        # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
-                        for i, j in T.Parallel(C, K):
-                            ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
-                            prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
+                    w_and_gamma_ks(cv_f, v_s, w_s, gam_f if row_factors else gc_s)
+                    gated_p(cc_f, p_s, gmat_f if row_factors else gc_s, scale)
+                    for i, j in T.Parallel(C, V):
+                        kd_f[i, j] = kd_f[i, j] * decay_at(dec_f if row_factors else gc_s, i)
+                    # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * scale * gamma_at(gam_f if row_factors else gc_s, i)
+                        prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
 
                     # B: Vn = Ag W and P^T dO; then dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
                     T.wgmma_gemm(ag_s, w_s, cv_f, clear_accum=True)
@@ -381,20 +334,13 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
                     T.wgmma_gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    if row_factors:
-                        e_terms_rows(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f, red_c, db1_s)
-                    else:
-                        e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s)
-                    if row_factors:
-                        dw_terms_rows(cv_f, prod_f, v_s, w_s, gam_f, dv, t0, n_rows, h)
-                    else:
-                        dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, True)  # prod_f holds dQ's term
+                    e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f if row_factors else gc_s, red_c, db1_s)
+                    # prod_f holds dQ's term
+                    dw_terms(cv_f, prod_f, v_s, w_s, gam_f if row_factors else gc_s, dv, t0, n_rows, h, True)
                     T.reduce_sum(prod_f, red_f, dim=1)
                     T.copy(red_f, tqw_s)
-                    if row_factors:
-                        dp_terms_rows(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f, red_r, red_c, xr_s, xc_s, scale)
-                    else:
-                        dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
+                    dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f if row_factors else gc_s, red_r, red_c, xr_s,
+                             xc_s, scale)
 
                     # D: dQ += dQK K; A^T dA; dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T (one accumulator)
                     T.wgmma_gemm(dqk_s, k_s, ck_f)
@@ -444,7 +390,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
 
                     # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
                     T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
-                    dp_terms(cc_f, x_f, p_s, dqk_s, vn_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
+                    dp_terms(cc_f, x_f, p_s, dqk_s, vn_s, gc_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
 
                     # ---- dQ = scale diag(gamma) dO S^T + dQK K, with the gate's <q_i, scale gamma_i (dO S^T)_i>
                     T.gemm(do_s, st_s, ck_f, clear_accum=True)
