@@ -301,27 +301,27 @@ def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
     assert torch.equal(batched[0], rerun()[0]), "deterministic"
 
 
-@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
-                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
-def test_async_chunk_grad_loads_give_the_same_bits(opts, monkeypatch, cuda):
-    """``chunk_grad`` with its tiles loaded by cp.async (backward.CHUNK_GRAD_ASYNC_LOADS, the default) against
-    register-staged loads (its A/B): the same values
-    in the same tiles (zero past the tensor's end, and past a sequence's end after the masking), so every gradient
-    is the same bits as with the register-staged loads."""
-    _, plain, loaded, _ = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_ASYNC_LOADS", True, base=False)
-    for name, a, b in zip(GRADIENTS, plain, loaded):
-        assert torch.equal(a, b), name
+# backward switches whose two settings must give the same bits, and why
+SAME_BITS = {
+    "STAGED_STATE_STORES": "the states pass and the walk send S^T / dS'^T through shared memory by TMA instead of "
+                           "element-wise stores: the same values reach the same places",
+    "CHUNK_GRAD_ASYNC_LOADS": "chunk_grad's tiles by cp.async instead of register-staged loads: the same values in the "
+                              "same tiles (zero past the tensor's end, and past a sequence's end after the masking)",
+    "CHUNK_GRAD_ROW_FACTORS": "gamma_i, d_i and Gam from register fragments made once: the same factors by the same "
+                              "expressions, multiplied in the same order (a difference would mean the compiler "
+                              "contracted a product into an FMA differently)",
+}
 
 
+@pytest.mark.parametrize("switch", sorted(SAME_BITS))
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
-def test_chunk_grad_row_factors_give_the_same_bits(opts, monkeypatch, cuda):
-    """``chunk_grad`` with gamma_i and d_i held per row in registers (backward.CHUNK_GRAD_ROW_FACTORS, an A/B):
-    the same factors by the same expressions, multiplied in the same order, so every gradient is the same bits as
-    the default's (a difference would mean the compiler contracted a product into an FMA differently)."""
-    _, plain, rows, _ = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_ROW_FACTORS", True, base=False)
-    for name, a, b in zip(GRADIENTS, plain, rows):
-        assert torch.equal(a, b), name
+def test_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
+    """Each switch of ``SAME_BITS`` (``backward.<switch>``) off, then on: every gradient is the same bits (why,
+    beside each)."""
+    _, off, on, _ = _backward_ab(opts, cuda, monkeypatch, switch, True, base=False)
+    for name, a, b in zip(GRADIENTS, off, on):
+        assert torch.equal(a, b), f"{name} ({SAME_BITS[switch]})"
 
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
@@ -339,17 +339,6 @@ def test_chunk_grad_dg_scan_matches_the_masked_sum(opts, monkeypatch, cuda):
     _assert_on_the_bars(scanned, want())
     if opts.get("pad"):
         assert not scanned[3][:, -opts["pad"]:].any(), "dg of padded-tail tokens"
-
-
-@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
-                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", pad=70)])
-def test_staged_state_stores_give_the_same_bits(opts, monkeypatch, cuda):
-    """The states pass and the walk with their stores staged through shared memory and sent by TMA
-    (backward.STAGED_STATE_STORES, the default) against element-wise stores (its A/B): the same values reach the same places, so every gradient is the same
-    bits as with element-wise stores."""
-    _, plain, staged, _ = _backward_ab(opts, cuda, monkeypatch, "STAGED_STATE_STORES", True, base=False)
-    for name, a, b in zip(GRADIENTS, plain, staged):
-        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("cp", ["off", 4])
