@@ -10,15 +10,9 @@ mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 
-timeout "${GPU_ROUND_TEST_S:-200}" python3 -m pytest -m gpu -q -rfEx --durations=10 -n "${GPU_ROUND_WORKERS:-8}" \
-  --deselect tests/test_bench_cli.py::test_harness_on_the_gpu > "$out/gpu-suite.log" 2>&1
-echo "# exit status $?" >> "$out/gpu-suite.log"
-
-for cp in auto off; do
-  timeout 60 python3 benchmarks/memory_peak.py --heads 16/32 --seqlens 32768 --cp "$cp" \
-    --out "$out/memory-peak-$cp.json" >> "$out/memory-peak.log" 2>&1
-  echo "# exit status $?" >> "$out/memory-peak.log"
-done
+. scripts/gpu_steps.sh
+gpu_suite "$out" "${GPU_ROUND_TEST_S:-200}"
+memory_peaks "$out"
 
 timeout 190 python3 -m flashgdn.bench --set bwd --impls flashgdn --time-budget 170 --no-plots --out-dir /tmp/b \
   --name bwd >> "$out/bench.log" 2>&1
