@@ -162,7 +162,6 @@ class HopperBackwardStages:
     def __init__(self):
         self._cu = None
         self._stage1 = None
-        self._Hqk = None
 
     def _stage1_for(self, q, k, g, beta, cu):
         if self._cu is not cu:
@@ -184,14 +183,13 @@ class HopperBackwardStages:
         (qf, kf), _, _, st1 = self._stage1_for(q, k, g, beta, cu)
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
-        self._Hqk = Hqk  # finish_gradients sums dq and dk over each group of Hv // Hqk value heads
         dev = q.device
         # tokens past the last sequence belong to no chunk and are never written: zeros, unless the host copy of
         # the offsets says there are none
         tail = cu_cpu is None or int(cu_cpu[-1]) < TT
         alloc = torch.zeros if tail else torch.empty
         # dq and dk per value head in the io dtype (half of float32's memory; +0.4e-3 on their error,
-        # benchmarks/numerics_backward.py), summed over each group below with float32 accumulation
+        # benchmarks/numerics_backward.py), returned as [1, T, Hqk, group, K] for finish_gradients to sum
         dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
         dq = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
         dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
@@ -203,25 +201,22 @@ class HopperBackwardStages:
                          row_factors=CHUNK_GRAD_ROW_FACTORS and batched, scan_dg=CHUNK_GRAD_SCAN_DG)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
-        return dq, dk, dv, dg, dbeta
+        group = Hv // Hqk
+        return dq.view(1, TT, Hqk, group, K), dk.view(1, TT, Hqk, group, K), dv, dg, dbeta
 
     def finish_gradients(self, grads):
         """dq and dk summed over each qk head's group of value heads; the stage-1 tensors kept for the three stages
         (A and Ag: 256 B per token and value head) are let go first, so the sums' allocations are not live beside
         them either."""
-        dq, dk, dv, dg, dbeta = grads
+        dq, dk, dv, dg, dbeta = grads  # dq, dk: [1, T, Hqk, group, K]
         self._stage1 = self._cu = None
-        _, TT, Hv, K = dq.shape
-        Hqk = self._Hqk
-        group = Hv // Hqk
-        if group > 1:
-            # each qk head's value heads, summed in a fixed order (deterministic) by one reduction that accumulates
-            # in float32 and writes the io dtype: the same values as a float32 sum cast afterwards, without its
-            # float32 [T, Hqk, K] temporary and the second pass over it (the two steps took 0.75 ms of 16/32
-            # 32768x1's backward: waited chunk_grad with them 4.09 ms in stages-hopper-v0.6-bwd.json, without them
-            # 3.34 ms in -v0.6b-bwd.json)
-            dq = dq.view(1, TT, Hqk, group, K).sum(3)
-            dk = dk.view(1, TT, Hqk, group, K).sum(3)
+        # each qk head's value heads, summed in a fixed order (deterministic) by one reduction that accumulates in
+        # float32 and writes the io dtype: the same values as a float32 sum cast afterwards, without its float32
+        # [T, Hqk, K] temporary and the second pass over it (the two steps took 0.75 ms of 16/32 32768x1's
+        # backward: waited chunk_grad with them 4.09 ms in stages-hopper-v0.6-bwd.json, without them 3.34 ms in
+        # -v0.6b-bwd.json); a group of one is a view
+        dq = dq.sum(3) if dq.shape[3] > 1 else dq.squeeze(3)
+        dk = dk.sum(3) if dk.shape[3] > 1 else dk.squeeze(3)
         return dq, dk, dv, dg, dbeta
 
 
