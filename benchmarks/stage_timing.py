@@ -264,27 +264,32 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
     times = {f"bwd_cp{c}": (lambda pl=pl: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, pl,
                                                            cu_cpu))
              for c, pl in forced.items() if pl is not None}
+
+    def states_pass():
+        return st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu)
+
+    def walk():
+        return st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu)
+
+    def chunk_grad():
+        return st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)
+
+    def with_switch(name, value, stage):  # a stage with one of backward's switches set otherwise (its A/B)
+        return lambda: switched(backward, name, value, stage)
+
     return times | {
         "bwd_stage1": lambda: _plan_and_stage1(q, k, g, beta, cu, store_inverse=True),
-        "bwd_chunk_grad_128": lambda: switched(backward, "CHUNK_GRAD_THREADS", 128, lambda: st.chunk_gradients(
-            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
-        "bwd_chunk_grad_256": lambda: switched(backward, "CHUNK_GRAD_THREADS", 256, lambda: st.chunk_gradients(
-            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
-        "bwd_chunk_grad_waited": lambda: switched(backward, "CHUNK_GRAD_BATCHED", False, lambda: st.chunk_gradients(
-            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
-        "bwd_states": lambda: st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
-        "bwd_chunk_grad_async": lambda: switched(backward, "CHUNK_GRAD_ASYNC_LOADS", True, lambda: st.chunk_gradients(
-            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
-        "bwd_chunk_grad_rows": lambda: switched(backward, "CHUNK_GRAD_ROW_FACTORS", True, lambda: st.chunk_gradients(
-            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
-        "bwd_chunk_grad_scan": lambda: switched(backward, "CHUNK_GRAD_SCAN_DG", True, lambda: st.chunk_gradients(
-            q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu)),
-        "bwd_states_unstaged": lambda: switched(backward, "STAGED_STATE_STORES", False, lambda: st.chunk_states(
-            q, k, v, g, beta, h0, cu, cu_cpu)),
-        "bwd_walk_unstaged": lambda: switched(backward, "STAGED_STATE_STORES", False, lambda: st.state_gradients(
-            q, k, g, beta, do, dht, scale, cu, cu_cpu)),
-        "bwd_walk": lambda: st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
-        "bwd_chunk_grad": lambda: st.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu),
+        "bwd_states": states_pass,
+        "bwd_walk": walk,
+        "bwd_chunk_grad": chunk_grad,
+        "bwd_chunk_grad_128": with_switch("CHUNK_GRAD_THREADS", 128, chunk_grad),
+        "bwd_chunk_grad_256": with_switch("CHUNK_GRAD_THREADS", 256, chunk_grad),
+        "bwd_chunk_grad_waited": with_switch("CHUNK_GRAD_BATCHED", False, chunk_grad),
+        "bwd_chunk_grad_async": with_switch("CHUNK_GRAD_ASYNC_LOADS", True, chunk_grad),
+        "bwd_chunk_grad_rows": with_switch("CHUNK_GRAD_ROW_FACTORS", True, chunk_grad),
+        "bwd_chunk_grad_scan": with_switch("CHUNK_GRAD_SCAN_DG", True, chunk_grad),
+        "bwd_states_unstaged": with_switch("STAGED_STATE_STORES", False, states_pass),
+        "bwd_walk_unstaged": with_switch("STAGED_STATE_STORES", False, walk),
         "bwd": lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu),
         "bwd_cpauto": lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, plan, cu_cpu),
     }
