@@ -98,25 +98,16 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    # the default: four warpgroups, GEMMs issued in batches, tiles by cp.async (backward.CHUNK_GRAD_BATCHED,
-    # CHUNK_GRAD_ASYNC_LOADS); then its A/Bs: register-staged loads, two warpgroups, each GEMM waited on
-    yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async]", "chunk_grad",
-           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True))
-    # row factors in registers (backward.CHUNK_GRAD_ROW_FACTORS, an A/B on the default)
-    yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async,rows]", "chunk_grad",
-           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True,
-                row_factors=True))
-    # dg's reverse cumsum by a scan (backward.CHUNK_GRAD_SCAN_DG, an A/B on the default)
-    yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads=512,batched,async,scan]", "chunk_grad",
-           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=512, batched=True, async_loads=True,
-                scan_dg=True))
-    for threads in (512, 256):
-        yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads},batched]", "chunk_grad",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, batched=True))
-    for threads in (512, 256, 128):
-        yield (f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}]", "chunk_grad",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads))
-
+    # chunk_grad: the default (four warpgroups, GEMMs issued in batches, tiles by cp.async: backward.CHUNK_GRAD_BATCHED,
+    # CHUNK_GRAD_ASYNC_LOADS), then its A/Bs: row factors in registers, dg by a scan, register-staged loads, two
+    # warpgroups, each GEMM waited on, one warpgroup
+    tags = dict(batched="batched", async_loads="async", row_factors="rows", scan_dg="scan")
+    default = ("batched", "async_loads")
+    for threads, flags in ((512, default), (512, default + ("row_factors",)), (512, default + ("scan_dg",)),
+                           (512, ("batched",)), (256, ("batched",)), (512, ()), (256, ()), (128, ())):
+        name = f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}" + "".join("," + tags[f] for f in flags) + "]"
+        yield (name, "chunk_grad",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, **dict.fromkeys(flags, True)))
 
 def build(builder: str, kwargs: dict):
     if builder == "chunk_plan":
