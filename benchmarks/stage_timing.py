@@ -30,10 +30,10 @@ SHAPES = [
 #: segment lengths (chunks) at which the op is also timed with context parallelism
 CP_SEGMENTS = (16, 64)
 #: what --backward-only times
-BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_waited",
-                 "bwd_chunk_grad_async", "bwd_chunk_grad_rows",
-                 "bwd_chunk_grad_scan",
-                 "bwd_states_unstaged", "bwd_walk_unstaged", "bwd", "bwd_cpauto")
+BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_staged_loads",
+                 "bwd_chunk_grad_element_factors", "bwd_chunk_grad_masked_dg", "bwd_chunk_grad_wide_stores",
+                 "bwd_states_precise",
+                 "bwd_walk_precise", "bwd", "bwd_cpauto")
 
 
 def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
@@ -213,9 +213,11 @@ def main(argv=None):
         cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),
                  ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 128 thr", "bwd_chunk_grad_128"),
                  ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("chunk_grad waited", "bwd_chunk_grad_waited"),
-                 ("chunk_grad async loads", "bwd_chunk_grad_async"),
-                 ("chunk_grad row factors", "bwd_chunk_grad_rows"),
-                 ("chunk_grad dg scan", "bwd_chunk_grad_scan"),
+                 ("chunk_grad reg-staged loads", "bwd_chunk_grad_staged_loads"),
+                 ("chunk_grad per-element factors", "bwd_chunk_grad_element_factors"),
+                 ("chunk_grad masked dg sum", "bwd_chunk_grad_masked_dg"),
+                 ("chunk_grad wide stores", "bwd_chunk_grad_wide_stores"),
+                 ("states precise", "bwd_states_precise"), ("walk precise", "bwd_walk_precise"),
                  ("states unstaged", "bwd_states_unstaged"), ("walk unstaged", "bwd_walk_unstaged"),
                  ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto")]
         cols += [(f"bwd cp={c}", f"bwd_cp{c}") for c in CP_SEGMENTS] + [("bwd MiB", "bwd_peak_extra_mib")]
@@ -249,6 +251,7 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
     do = torch.randn(v.shape, generator=gen, device=q.device).to(v.dtype)
     dht = torch.randn(h0.shape, generator=gen, device=q.device)
     st = HopperBackwardStages()
+    precise = HopperBackwardStages(precise=True)  # the precise mode's states pass and walk (forward.PRECISE)
     with torch.no_grad():
         states = st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu)
         ds_end, _ = st.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu)
@@ -285,9 +288,12 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
         "bwd_chunk_grad_128": with_switch("CHUNK_GRAD_THREADS", 128, chunk_grad),
         "bwd_chunk_grad_256": with_switch("CHUNK_GRAD_THREADS", 256, chunk_grad),
         "bwd_chunk_grad_waited": with_switch("CHUNK_GRAD_BATCHED", False, chunk_grad),
-        "bwd_chunk_grad_async": with_switch("CHUNK_GRAD_ASYNC_LOADS", True, chunk_grad),
-        "bwd_chunk_grad_rows": with_switch("CHUNK_GRAD_ROW_FACTORS", True, chunk_grad),
-        "bwd_chunk_grad_scan": with_switch("CHUNK_GRAD_SCAN_DG", True, chunk_grad),
+        "bwd_chunk_grad_staged_loads": with_switch("CHUNK_GRAD_ASYNC_LOADS", False, chunk_grad),
+        "bwd_chunk_grad_element_factors": with_switch("CHUNK_GRAD_ROW_FACTORS", False, chunk_grad),
+        "bwd_chunk_grad_masked_dg": with_switch("CHUNK_GRAD_SCAN_DG", False, chunk_grad),
+        "bwd_chunk_grad_wide_stores": with_switch("CHUNK_GRAD_WIDE_STORES", True, chunk_grad),
+        "bwd_states_precise": lambda: precise.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
+        "bwd_walk_precise": lambda: precise.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
         "bwd_states_unstaged": with_switch("STAGED_STATE_STORES", False, states_pass),
         "bwd_walk_unstaged": with_switch("STAGED_STATE_STORES", False, walk),
         "bwd": lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu),

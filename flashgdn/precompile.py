@@ -1,7 +1,7 @@
 """Fill the kernel cache ahead of time, so a server's first request does not wait for compiles.
 
     python -m flashgdn.precompile --heads 16/32,16/64 [--dtypes bfloat16,float16] [--flags all|common]
-                                  [--export DIR]
+                                  [--kernels all|forward|serving|training] [--export DIR]
 
 Kernels are compiled for sm_90a whether or not a GPU is present, into TileLang's cache
 (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``); a cache built on a GPU-less machine loads on an H100/H200.
@@ -49,24 +49,28 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--flags", choices=("all", "common"), default="all",
                     help="all flag combinations, or only initial state in / final state out / K-major state")
-    ap.add_argument("--kernels", choices=("all", "serving"), default="all",
-                    help="every variant (all chunk loops, the backward's kernels: for tests and comparisons), or "
-                         "only what the operator with its default settings asks for (serving)")
+    ap.add_argument("--kernels", choices=("all", "forward", "serving", "training"), default="all",
+                    help="every variant (all chunk loops, the backward's kernels and their A/Bs: for tests and "
+                         "comparisons), every forward variant, or only what the operator with its default settings "
+                         "asks for: the forward (serving), the forward and the backward (training)")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
     ap.add_argument("--report", action="store_true", help="print registers and spills (needs ptxas)")
     ap.add_argument("--export", metavar="DIR", default=None,
                     help="copy these kernels' cache entries into DIR (a TileLang cache directory of just them)")
     args = ap.parse_args(argv)
 
-    from flashgdn.kernels.hopper.variants import backward_variants, forward_variants, serving_variants
+    from flashgdn.kernels.hopper.variants import (backward_variants, forward_variants, serving_variants,
+                                                  training_variants)
 
     jobs = []
     for hqk, hv in _parse_heads(args.heads):
         for dt in args.dtypes.split(","):
             if dt not in ("bfloat16", "float16"):
                 raise SystemExit(f"--dtypes: expected bfloat16 or float16, got {dt!r}")
-            if args.kernels == "serving":
-                variants = list(serving_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags))
+            if args.kernels != "all":
+                chosen = dict(forward=forward_variants, serving=serving_variants,
+                              training=training_variants)[args.kernels]
+                variants = list(chosen(hqk, hv, args.head_dim, args.head_dim, dt, args.flags))
             else:
                 variants = (list(forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags))
                             + list(backward_variants(hqk, hv, args.head_dim, args.head_dim, dt)))

@@ -174,3 +174,42 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
         else:
             assert sizes.get("num_seqs", plan.num_segments) == plan.num_segments, name
     assert grads[0].shape == q.shape and (grads[5] is None) == (h0 is None)
+
+
+def test_precise_mode_reaches_every_loop_of_the_backward(checked_kernels, monkeypatch):
+    """The precise mode (forward.PRECISE, FLASHGDN_HOPPER_PRECISE=1) also puts the backward's loops in theirs: with
+    CP, the forward transitions, the walk from zero, the states pass and the walk are all built with
+    ``precise=True`` (what exact CP at g = 0 needs, docs/context-parallel.md); float16 inputs are refused before
+    any kernel is built."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import chunk_forward_rs, forward, state_grad_walk
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(forward, "PRECISE", True)
+    built = []
+    for module, attr in ((chunk_forward_rs, "build_chunk_forward_rs"), (state_grad_walk, "build_state_grad_walk")):
+        checked = getattr(module, attr)  # the fixture's signature-checking builder
+
+        def recording(*args, _checked=checked, _name=attr, **kwargs):
+            built.append((_name, args, kwargs))
+            return _checked(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, recording)
+    seqlens = [700, 30, 300]
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, zero_gate_heads=(0, 1))
+    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    plan = split_sequences(seqlens, 4)
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone())
+    names = [c[0] for c in checked_kernels]
+    assert names.count("state_grad_walk") == 2 and names.count("chunk_forward_rs") >= 2, names
+    assert len(built) == names.count("state_grad_walk") + names.count("chunk_forward_rs")
+    for name, args, kwargs in built:
+        # build_chunk_forward_rs(Hqk, Hv, K, V, io_dtype, has_h0, store_final, state_v_first, with_output, precise)
+        precise = kwargs["precise"] if "precise" in kwargs else (args[9] if name.endswith("rs") else None)
+        assert precise is True, (name, args, kwargs)
+
+    checked_kernels.clear()
+    with pytest.raises(NotImplementedError, match="bfloat16"):
+        hopper_backward(q.half(), k.half(), v.half(), g, beta, do.half(), None, 0.1, h0, cu, False, plan, cu.clone())
+    assert checked_kernels == []

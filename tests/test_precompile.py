@@ -55,3 +55,29 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     monkeypatch.setattr(backend, "CP_FUSED", True)
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
     assert "splice[8,forward]" in names and "segment_index[int32]" in names
+
+
+def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
+    """The serving kernels, the reverse splice of the backward's CP, and the backward's kernels as its switches
+    are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
+    with their default stores, in the precise mode when that is on."""
+    from flashgdn.kernels.hopper import backward, forward
+    from flashgdn.kernels.hopper.variants import serving_variants, training_variants
+
+    serving = [v[0] for v in serving_variants(2, 8, flags="common")]
+    names = [v[0] for v in training_variants(2, 8, flags="common")]
+    assert names == serving + ["splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
+                               "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
+                               "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A[2/8,bfloat16]",
+                               "chunk_grad[2/8,bfloat16,threads=512,batched,async,rows,scan]"]
+    monkeypatch.setattr(backward, "CHUNK_GRAD_ROW_FACTORS", False)
+    monkeypatch.setattr(backward, "CHUNK_GRAD_WIDE_STORES", True)
+    monkeypatch.setattr(forward, "PRECISE", True)
+    names = [v[0] for v in training_variants(2, 8, flags="common")]
+    assert [v for v in training_variants(2, 8, flags="common") if v[1] == "chunk_grad"] == [
+        ("chunk_grad[2/8,bfloat16,threads=512,batched,async,scan,wide]", "chunk_grad",
+         dict(Hqk=2, Hv=8, K=128, V=128, io_dtype="bfloat16", threads=512, batched=True, async_loads=True,
+              scan_dg=True, wide_stores=True))]
+    assert [n for n in names if n.startswith(("chunk_states", "state_grad_walk"))] == [
+        "chunk_states[2/8,bfloat16,h0=1,staged,precise]", "chunk_states[2/8,bfloat16,h0=0,staged,precise]",
+        "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]"]

@@ -46,13 +46,21 @@ CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "1") =
 CHUNK_GRAD_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS", "1") == "1"
 
 #: ``chunk_grad`` (batched) with gamma_i and d_i computed once per row into registers instead of per element from
-#: shared memory, and Gam once instead of three times (``chunk_grad.py``); an A/B until measured on the GPU.
-#: FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=1.
-CHUNK_GRAD_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS", "0") == "1"
+#: shared memory, and Gam once instead of three times (``chunk_grad.py``). On the H200 it took 0.960x to 0.970x the
+#: time of the per-element factors with the same bits out (``stages-hopper-v0.7-bwd.json``, ``gpu-suite-v0.7.log``):
+#: the default. FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=0 turns it off.
+CHUNK_GRAD_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS", "1") == "1"
 
 #: ``chunk_grad`` with dg's reverse cumsum by a scan of a [2, C] tile instead of a [C, C] masked sum
-#: (``chunk_grad.py``); an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG=1.
-CHUNK_GRAD_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG", "0") == "1"
+#: (``chunk_grad.py``). On the H200 it took 0.979x to 0.990x the time of the masked sum, dg within 1e-5 of it and
+#: every other gradient the same bits (``stages-hopper-v0.7-bwd.json``, ``gpu-suite-v0.7.log``): the default.
+#: FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG=0 turns it off.
+CHUNK_GRAD_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG", "1") == "1"
+
+#: ``chunk_grad`` (batched) writing dv, dq and dk through a shared tile that is dead by then, in 16-byte stores,
+#: instead of from the accumulators in 4-byte ones (the profile's LG-queue stalls, ``chunk_grad.py``); an A/B until
+#: measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES=1.
+CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES", "0") == "1"
 
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
@@ -60,6 +68,17 @@ CHUNK_GRAD_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG", "0") =
 #: took 0.52x to 0.59x and the walk 0.56x to 0.70x of their time with element-wise stores
 #: (``stages-hopper-v0.6-bwd.json``): the default. FLASHGDN_HOPPER_STAGED_STATE_STORES=0 turns it off.
 STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1") == "1"
+
+
+def chunk_grad_options() -> dict:
+    """``build_chunk_grad``'s options as the switches above set them (what the backward builds, and what
+    ``variants.training_variants`` precompiles); options a build cannot take are off (batched GEMMs need 256 or
+    more threads, the row factors and wide stores a batched build, cp.async loads 512 threads)."""
+    batched = CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256
+    return dict(threads=CHUNK_GRAD_THREADS, batched=batched,
+                async_loads=CHUNK_GRAD_ASYNC_LOADS and CHUNK_GRAD_THREADS == 512,
+                row_factors=CHUNK_GRAD_ROW_FACTORS and batched, scan_dg=CHUNK_GRAD_SCAN_DG,
+                wide_stores=CHUNK_GRAD_WIDE_STORES and batched)
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
@@ -83,10 +102,11 @@ def hopper_chunk_states(
     initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
     _stage1=None,
+    precise: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward's state at the start of every chunk slot, recomputed by the rs loop's state-only variant with
     ``store_chunk_states``: ``(states [S, Hv, V, K] V-major in q's dtype, bounds)``; ``initial_state`` K-major
-    ``[N, Hv, K, V]`` or None (zero). Idle slots are not written."""
+    ``[N, Hv, K, V]`` or None (zero). Idle slots are not written. ``precise``: the rs loop's precise mode (bf16)."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     B, T, Hqk, K = q.shape
@@ -98,7 +118,7 @@ def hopper_chunk_states(
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty((1, Hv, K, V), device=dev)
     states = _output((S, Hv, V, K), q.dtype, dev)
     o1 = torch.empty((1, 1, Hv, V), dtype=q.dtype, device=dev)  # not touched by a state-only pass
-    kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, False, True,
+    kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, precise, True,
                                     staged_stores=STAGED_STATE_STORES)
     kernel(qf, kf, v.reshape(1, B * T, Hv, V), st1.gcum, st1.Ag, cu, st1.first_slot, h0, 1.0, o1, states)
     return states, st1.bounds
@@ -114,13 +134,15 @@ def hopper_state_gradients(
     scale: float,
     cu_seqlens: Optional[torch.Tensor],
     _stage1=None,
+    precise: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The state gradients by the walk kernel. q, k (normalised as the forward used them), do: contiguous
     bf16/fp16 ``[B, T, H, D]``; g, beta ``[B, T, Hv]``; dht ``[N, Hv, K, V]`` float32 K-major, or None.
 
     Returns ``(ds_end, dh0, bounds)``: ``ds_end [S, Hv, V, K]`` in q's dtype, the gradient at the end of every
     chunk slot, V-major (slot s holds chunk ``bounds[s]``; idle slots are not written); ``dh0 [N, Hv, K, V]`` float32,
-    K-major, the gradient at every sequence's start; ``bounds`` the chunk plan (``forward.chunk_plan``)."""
+    K-major, the gradient at every sequence's start; ``bounds`` the chunk plan (``forward.chunk_plan``).
+    ``precise``: the walk's precise mode (bf16; ``state_grad_walk.py``)."""
     from .state_grad_walk import build_state_grad_walk
 
     B, T, Hqk, K = q.shape
@@ -133,7 +155,8 @@ def hopper_state_gradients(
     dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
     ds_end = _output((S, Hv, V, K), q.dtype, dev)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
-    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht, staged_stores=STAGED_STATE_STORES)(
+    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht, staged_stores=STAGED_STATE_STORES,
+                          precise=precise)(
         qf, kf, dof, st1.gcum, st1.Ag, cu, st1.first_slot, dht_in, float(scale), ds_end, dh0)
     return ds_end, dh0, st1.bounds
 
@@ -157,9 +180,11 @@ class HopperBackwardStages:
     inputs, K-major float32 states): the chunk states (``hopper_chunk_states``), the walk
     (``hopper_state_gradients``) and ``chunk_grad``. Stages 0 and 1 run once per set of offsets and are shared
     by the three (the driver hands them the same ``cu`` tensor). States and state gradients pass between the
-    stages as the kernels' per-slot ``[S, Hv, V, K]`` io-dtype tensors."""
+    stages as the kernels' per-slot ``[S, Hv, V, K]`` io-dtype tensors. ``precise``: the states pass and the walk
+    in their precise mode (``forward.PRECISE``; bf16)."""
 
-    def __init__(self):
+    def __init__(self, precise: bool = False):
+        self.precise = precise
         self._cu = None
         self._stage1 = None
 
@@ -170,11 +195,12 @@ class HopperBackwardStages:
         return self._stage1
 
     def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
-        return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu))[0]
+        return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu),
+                                   precise=self.precise)[0]
 
     def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
         ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu,
-                                                _stage1=self._stage1_for(q, k, g, beta, cu))
+                                                _stage1=self._stage1_for(q, k, g, beta, cu), precise=self.precise)
         return ds_end, dh0
 
     def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
@@ -195,10 +221,7 @@ class HopperBackwardStages:
         dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        batched = CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256
-        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), threads=CHUNK_GRAD_THREADS, batched=batched,
-                         async_loads=CHUNK_GRAD_ASYNC_LOADS and CHUNK_GRAD_THREADS == 512,
-                         row_factors=CHUNK_GRAD_ROW_FACTORS and batched, scan_dg=CHUNK_GRAD_SCAN_DG)(
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), **chunk_grad_options())(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         group = Hv // Hqk
@@ -260,8 +283,11 @@ def hopper_backward(
     def k_major(x):  # the kernels' host calls make it float32 and contiguous
         return x.transpose(-1, -2) if x is not None and state_v_first else x
 
+    if PRECISE and q.dtype != torch.bfloat16:
+        raise NotImplementedError(f"the Hopper backend's precise mode (FLASHGDN_HOPPER_PRECISE=1) takes bfloat16 "
+                                  f"q/k/v, got {q.dtype}")
     split = plan is not None and plan.split
-    stages = HopperBackwardStages()
+    stages = HopperBackwardStages(precise=PRECISE)
     forward = None
     if split:  # the paired transition pass takes the stages' stage 1 (with A) instead of running its own
         forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE,

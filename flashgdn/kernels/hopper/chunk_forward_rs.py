@@ -73,7 +73,9 @@ def build_chunk_forward_rs(
     ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major), in the io dtype:
     the rounding this loop's own GEMMs read it with, at half float32's memory. ``staged_stores=True`` writes each
     state warpgroup's 64 rows to shared memory and sends them with one TMA store per chunk (as O leaves), instead
-    of element-wise stores from the registers (an A/B: ``backward.STAGED_STATE_STORES``).
+    of element-wise stores from the registers (an A/B: ``backward.STAGED_STATE_STORES``). With ``precise`` the stored
+    S^T is the bf16 rounding of a state that no longer depends on the register operands' rounding, so it is the same
+    bits with and without context parallelism but where the two float32 states straddle a rounding boundary.
 
     ``transition_pairs=True`` (state-only, initial and final state, K-major) is context parallelism's transition
     pass with stage 1 shared: 2 Hv CTAs per sequence, head 2h running value head h from ``h0[:, 2h]`` (b) and head
@@ -106,8 +108,8 @@ def build_chunk_forward_rs(
     if staged_stores and not store_chunk_states:
         raise ValueError("staged_stores is an option of store_chunk_states")
     if store_chunk_states:
-        if with_output or store_final_state or precise:
-            raise ValueError("store_chunk_states is a state-only pass without a final state or precise mode")
+        if with_output or store_final_state:
+            raise ValueError("store_chunk_states is a state-only pass without a final state")
         state_shape_ht = (n_ht, Hv, V, K)  # one S^T per chunk slot
     # chunk states are stored as the GEMMs here and in the backward read them: rounded to the io dtype
     ht_dtype = io_dtype if store_chunk_states else "float32"

@@ -32,14 +32,20 @@ instead of through registers: the load phase was ~20% of the stall samples at 51
 (``profiles/backward-v0.6-*``). TMA would be the other way, but a kernel with TMA loads loses TileLang's reuse of
 shared memory between buffers (256 KB, over the limit). Measured: 0.92x-0.95x the time of the register-staged
 loads, the same bits out.
-With ``row_factors`` (an A/B, ``backward.CHUNK_GRAD_ROW_FACTORS``, batched build) gamma_i and d_i, which scale
-rows of the [C, V] accumulators in four steps, are computed once per row into a two-element register fragment
-instead of once per element from g~ in shared memory (16 elements per thread, two rows), and Gam, which P, E and
-dQK are each scaled by, once per element into an eight-element fragment instead of three times.
-With ``scan_dg`` (an A/B, ``backward.CHUNK_GRAD_SCAN_DG``) dg's reverse cumsum is one scan of a [2, C] tile in
+With ``row_factors`` (the default, ``backward.CHUNK_GRAD_ROW_FACTORS``, batched build) gamma_i and d_i, which
+scale rows of the [C, V] accumulators in four steps, are computed once per row into a two-element register
+fragment instead of once per element from g~ in shared memory (16 elements per thread, two rows), and Gam, which
+P, E and dQK are each scaled by, once per element into an eight-element fragment instead of three times.
+Measured: 0.96x-0.97x the time of the per-element factors, the same bits out.
+With ``scan_dg`` (the default, ``backward.CHUNK_GRAD_SCAN_DG``) dg's reverse cumsum is one scan of a [2, C] tile in
 shared memory (TileLang's ``T.cumsum``; the second row carries the g~_last terms, whose total is its reverse
 cumsum at 0) instead of a [C, C] masked sum and a cross-warp reduction (that phase was ~6% of the stall samples
-at v0.6). The sums run in another order, so dg differs from the default's in float32 rounding only.
+at v0.6). The sums run in another order, so dg differs from the masked sum's in float32 rounding only. Measured:
+0.98x-0.99x the time of the masked sum.
+With ``wide_stores`` (an A/B, ``backward.CHUNK_GRAD_WIDE_STORES``, batched build) dv, dq and dk go to a shared
+tile that is dead by then (dVn's, dO's, Q's: TileLang's stmatrix), and from there out in 16-byte stores, instead of
+from the accumulators' layout in 4-byte ones (400 store instructions per CTA, and LG-queue stalls ~8% of the
+samples at v0.6); the cost is a pass through shared memory and a barrier per tile.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
@@ -56,12 +62,14 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512, batched: bool = False,
-                     async_loads: bool = False, row_factors: bool = False, scan_dg: bool = False):
+                     async_loads: bool = False, row_factors: bool = False, scan_dg: bool = False,
+                     wide_stores: bool = False):
     """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256 / 512, two / four that split every
     GEMM's N and every elementwise loop; ``batched``: independent GEMMs issued together, six waits instead of 18;
     ``async_loads``: the eight tiles by cp.async, all in flight at once; ``row_factors``: gamma_i and d_i computed
-    once per row into registers, batched build only; ``scan_dg``: dg's reverse cumsum by a scan; module
-    docstring). Arguments, in order:
+    once per row into registers, batched build only; ``scan_dg``: dg's reverse cumsum by a scan; ``wide_stores``:
+    dv, dq and dk out through a dead shared tile in 16-byte stores, batched build only; module docstring).
+    Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -88,6 +96,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     # the batches' extra accumulators do not fit beside one warpgroup's 252 registers
     assert not batched or threads >= 256, "batched GEMMs need 256 or 512 threads"
     assert not row_factors or batched, "row factors are written for the batched build"
+    assert not wide_stores or batched, "wide stores are written for the batched build"
     group = Hv // Hqk
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
@@ -136,12 +145,24 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
         T.copy(red_c, db1_s)
 
     @T.macro
-    def dw_terms(cv_f, prod_f, v_s, w_s, gam, dv, t0, n_rows, h, onto_prod):
-        # cv_f holds dW = dV: written out; -gamma_i <dW_i, KS_i>'s products into prod_f (onto what it holds, or
-        # fresh); -gamma ⊙ dW to w_s for dk
-        for i, j in T.Parallel(C, V):
+    def store_through(f, tile_s, out, t0, n_rows, h):
+        # a [C, 128] accumulator to a shared tile no longer read, then its rows out in 16-byte stores instead of
+        # the accumulator layout's 4-byte ones (the profile's LG-queue stalls); rows past the sequence stay unwritten
+        T.copy(f, tile_s)
+        for i, j in T.Parallel(C, K):
             if i < n_rows:
-                dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
+                out[0, t0 + i, h, j] = tile_s[i, j]
+
+    @T.macro
+    def dw_terms(cv_f, prod_f, v_s, w_s, gam, dv, t0, n_rows, h, onto_prod, dvn_s):
+        # cv_f holds dW = dV: written out (with ``wide_stores`` through dVn's tile, dead by now); -gamma_i <dW_i,
+        # KS_i>'s products into prod_f (onto what it holds, or fresh); -gamma ⊙ dW to w_s for dk
+        if wide_stores:
+            store_through(cv_f, dvn_s, dv, t0, n_rows, h)
+        else:
+            for i, j in T.Parallel(C, V):
+                if i < n_rows:
+                    dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
         for i, j in T.Parallel(C, V):
             if onto_prod:
                 prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
@@ -336,7 +357,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wait_wgmma(0)
                     e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f if row_factors else gc_s, red_c, db1_s)
                     # prod_f holds dQ's term
-                    dw_terms(cv_f, prod_f, v_s, w_s, gam_f if row_factors else gc_s, dv, t0, n_rows, h, True)
+                    dw_terms(cv_f, prod_f, v_s, w_s, gam_f if row_factors else gc_s, dv, t0, n_rows, h, True, dvn_s)
                     T.reduce_sum(prod_f, red_f, dim=1)
                     T.copy(red_f, tqw_s)
                     dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f if row_factors else gc_s, red_r, red_c, xr_s,
@@ -349,7 +370,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(w_s, st_s, dk_f)
                     T.wgmma_gemm(vn_s, ds_s, dk_f)
                     T.wait_wgmma(0)
-                    store_rows(ck_f, dq, t0, n_rows, h)
+                    if wide_stores:  # dO's tile is dead since batch C
+                        store_through(ck_f, do_s, dq, t0, n_rows, h)
+                    else:
+                        store_rows(ck_f, dq, t0, n_rows, h)
                     T.copy(cc_f, y_s)
 
                     # E: dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
@@ -360,7 +384,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                     T.wgmma_gemm(dkk_s, k_s, dk_f)
                     T.wgmma_gemm(dkk_s, k_s, dk_f, transpose_A=True)
                     T.wait_wgmma(0)
-                    store_rows(dk_f, dk, t0, n_rows, h)
+                    if wide_stores:  # Q's tile is dead since batch D
+                        store_through(dk_f, q_s, dk, t0, n_rows, h)
+                    else:
+                        store_rows(dk_f, dk, t0, n_rows, h)
                 else:
                     # ---- the forward's tiles again: W = V - diag(gamma) K S, Vn = Ag W, P
                     T.gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)
@@ -386,7 +413,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
 
                     # ---- dV = dW = Ag^T dVn, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
                     T.gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                    dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, False)
+                    dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, False, dvn_s)
 
                     # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
                     T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)

@@ -30,7 +30,8 @@ CHUNK_LOOPS = ("rs", "uw", "ws", "simple")
 DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
 
 #: Precise mode of the rs chunk loop: register operands as bf16 hi + lo pairs (``chunk_forward_rs.py``), for
-#: results that do not depend on their rounding (exact context parallelism to 1e-3). FLASHGDN_HOPPER_PRECISE=1.
+#: results that do not depend on their rounding (exact context parallelism to 1e-3); the backward's states pass
+#: and walk follow it (``backward.hopper_backward``). FLASHGDN_HOPPER_PRECISE=1.
 PRECISE = os.environ.get("FLASHGDN_HOPPER_PRECISE", "0") == "1"
 
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.

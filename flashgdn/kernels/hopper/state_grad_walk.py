@@ -20,6 +20,12 @@ at every sequence's start (d initial state). With ``staged_stores`` (an A/B, ``b
 each state warpgroup writes its 64 rows of dS'^T to shared memory and sends them with one TMA store per chunk,
 instead of element-wise stores from its registers.
 
+With ``precise`` (bfloat16 only; the forward's precise mode, ``forward.PRECISE``) every register operand (dS'^T,
+X^T, -Y^T diag(gamma)) goes to the tensor cores as a bf16 hi + lo pair, two wgmma per GEMM on the chain, as in the
+rs loop's precise mode: the walk's result then depends on the rounding of its tiles (K, P, Ag, Qg, dO) only, which
+are the same values with and without context parallelism, so the two runs agree far below bf16's rounding (what
+exact context parallelism at g = 0 needs, ``docs/context-parallel.md``).
+
 Roles (one CTA = one sequence x one value head, 512 threads), as in the forward's rs loop:
 * warpgroups 0 and 1: each owns 64 rows of dS^T in registers and walks the chunks last to first;
 * warpgroup 2, one chunk ahead: P = scale Gam ⊙ Q K^T (masked), Qg, gamma and the decays d;
@@ -34,11 +40,13 @@ from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
+#: the precise mode keeps the low halves of X^T and Y^T live on the state path
+PRECISE_REGS = (200, 72, 40)
 
 
 @functools.lru_cache(maxsize=None)
 def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
-                          staged_stores: bool = False):
+                          staged_stores: bool = False, precise: bool = False):
     """Compile (or load) the walk. Arguments of the returned kernel, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -55,8 +63,11 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     import tilelang
     import tilelang.language as T
 
+    if precise and io_dtype != "bfloat16":
+        raise ValueError("the precise mode is bfloat16 only, as the forward's (forward.PRECISE)")
     C = CHUNK
     group = Hv // Hqk
+    state_regs, gate_regs, producer_regs = PRECISE_REGS if precise else (STATE_REGS, GATE_REGS, PRODUCER_REGS)
     HV2 = V // 2
     num_tokens = T.dynamic("num_tokens")
     num_seqs = T.dynamic("num_seqs")
@@ -75,6 +86,8 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             dss_s = T.alloc_shared((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # X^T, then Y^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
+        if precise:
+            lb_f = T.alloc_fragment((HV2, C), io_dtype)  # low halves of X^T and -Y^T diag(gamma)
         if has_final_grad:
             for i, j in T.Parallel(HV2, K):
                 st_f[i, j] = dht[n, h, j, c0 + i]
@@ -96,17 +109,31 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)  # dS'^T K^T
+            if precise:  # the low half of dS'^T, in the same registers
+                for i, j in T.Parallel(HV2, K):
+                    sb_f[i, j] = st_f[i, j] - sb_f[i, j]
+                T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
             for i, j in T.Parallel(HV2, C):
                 u_f[i, j] = u_f[i, j] * dec_s[st, j]
             T.gemm(do_s[st, :, c0:c0 + HV2], p_s[st, :, :], u_f, transpose_A=True)  # + dO^T P
             T.copy(u_f, ub_f)
+            if precise:
+                for i, j in T.Parallel(HV2, C):
+                    lb_f[i, j] = u_f[i, j] - ub_f[i, j]
             T.gemm(ub_f, a_s[st, :, :], u_f, clear_accum=True)  # Y^T = X^T Ag
+            if precise:
+                T.gemm(lb_f, a_s[st, :, :], u_f)
             for i, j in T.Parallel(HV2, C):
                 ub_f[i, j] = -u_f[i, j] * gam_s[st, j]
+            if precise:
+                for i, j in T.Parallel(HV2, C):
+                    lb_f[i, j] = -u_f[i, j] * gam_s[st, j] - ub_f[i, j]
             for i, j in T.Parallel(HV2, K):
                 st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.gemm(ub_f, k_s[st, :, :], st_f)  # - (Y^T diag(gamma)) K
+            if precise:
+                T.gemm(lb_f, k_s[st, :, :], st_f)
             T.gemm(do_s[st, :, c0:c0 + HV2], qg_s[st, :, :], st_f, transpose_A=True)  # + dO^T Qg
             T.barrier_arrive(empty[st])
 
@@ -153,16 +180,16 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             tx = T.get_thread_binding()
 
             if tx < 128:
-                T.set_max_nreg(STATE_REGS, 1)
+                T.set_max_nreg(state_regs, 1)
                 state_path(0, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
                            gam_s, dec_s, full, empty, p_ready)
             elif tx < 256:
-                T.set_max_nreg(STATE_REGS, 1)
+                T.set_max_nreg(state_regs, 1)
                 state_path(1, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s,
                            gam_s, dec_s, full, empty, p_ready)
             elif tx < 384:
                 # ---------------- gate path, one chunk ahead
-                T.set_max_nreg(GATE_REGS, 0)
+                T.set_max_nreg(gate_regs, 0)
                 p_f = T.alloc_fragment((C, C), acc)
                 for c in T.serial(n_chunks):
                     st = c % 2
@@ -177,7 +204,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
                     T.barrier_arrive(empty[st])
             else:
                 # ---------------- producer, last chunk first
-                T.set_max_nreg(PRODUCER_REGS, 0)
+                T.set_max_nreg(producer_regs, 0)
                 producer(tx, n, h, hq, bos, eos, n_chunks, q, k, do, gcum, Ag, first_slot, q_s, k_s, do_s, a_s,
                          gc_s, full, empty)
 

@@ -80,6 +80,38 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                 yield v
 
 
+def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
+                      flags: str = "all") -> Iterator[Variant]:
+    """``serving_variants`` and the backward's kernels as its switches are set (``backward.chunk_grad_options``,
+    ``STAGED_STATE_STORES``, ``forward.PRECISE``): what a training step with those settings asks for."""
+    from . import backend, backward, forward
+
+    yield from serving_variants(Hqk, Hv, K, V, dtype, flags)
+    if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
+        yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common") if v[0].endswith(",reverse]"))
+    options = backward.chunk_grad_options()
+    threads = options.pop("threads")
+    for v in backward_variants(Hqk, Hv, K, V, dtype):
+        name, builder, kw = v
+        if builder == "chunk_grad":
+            continue
+        elif builder in ("chunk_forward_rs", "state_grad_walk"):
+            wanted = kw["staged_stores"] == backward.STAGED_STATE_STORES and kw.get("precise", False) == (
+                forward.PRECISE and dtype == "bfloat16")
+        else:
+            wanted = True
+        if wanted:
+            yield v
+    yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, threads, tuple(f for f, on in options.items() if on))
+
+
+def _chunk_grad_variant(Hqk, Hv, K, V, dtype, threads, flags) -> Variant:
+    tags = dict(batched="batched", async_loads="async", row_factors="rows", scan_dg="scan", wide_stores="wide")
+    name = f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}" + "".join("," + tags[f] for f in flags) + "]"
+    return name, "chunk_grad", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads,
+                                    **dict.fromkeys(flags, True))
+
+
 def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16") -> Iterator[Variant]:
     """The Hopper backward's kernels (``backward.hopper_backward``): the forward states' recompute (rs state-only
     loop storing every chunk's start state), stage 1 storing the ungated inverse too, the state-gradient walk and
@@ -96,18 +128,28 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         for has_dht in (True, False):
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged))
+    if dtype == "bfloat16":  # the precise mode (forward.PRECISE, bf16 only) of both, with the default stores
+        for has_h0 in (True, False):
+            yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)},staged,precise]", "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
+                        state_v_first=False, with_output=False, precise=True, store_chunk_states=True,
+                        staged_stores=True))
+        for has_dht in (True, False):
+            yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)},staged,precise]", "state_grad_walk",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=True,
+                        precise=True))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    # chunk_grad: the default (four warpgroups, GEMMs issued in batches, tiles by cp.async: backward.CHUNK_GRAD_BATCHED,
-    # CHUNK_GRAD_ASYNC_LOADS), then its A/Bs: row factors in registers, dg by a scan, register-staged loads, two
-    # warpgroups, each GEMM waited on, one warpgroup
-    tags = dict(batched="batched", async_loads="async", row_factors="rows", scan_dg="scan")
-    default = ("batched", "async_loads")
-    for threads, flags in ((512, default), (512, default + ("row_factors",)), (512, default + ("scan_dg",)),
-                           (512, ("batched",)), (256, ("batched",)), (512, ()), (256, ()), (128, ())):
-        name = f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}" + "".join("," + tags[f] for f in flags) + "]"
-        yield (name, "chunk_grad",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads, **dict.fromkeys(flags, True)))
+    # chunk_grad: the default (four warpgroups, GEMMs issued in batches, tiles by cp.async, row factors in registers,
+    # dg by a scan: backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: per-element factors, dg by a
+    # masked sum, register-staged loads, each GEMM waited on (which also drops the row factors, written for the
+    # batched build), two warpgroups, one warpgroup (never batched); and one switch the other way: wide stores
+    default = ("batched", "async_loads", "row_factors", "scan_dg")
+    for threads, flags in ((512, default), *((512, tuple(f for f in default if f != off)) for off in default[1:]),
+                           (512, ("async_loads", "scan_dg")), (256, ("batched", "row_factors", "scan_dg")),
+                           (128, ("scan_dg",)), (512, default + ("wide_stores",))):
+        yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, threads, flags)
+
 
 def build(builder: str, kwargs: dict):
     if builder == "chunk_plan":
