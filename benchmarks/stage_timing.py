@@ -31,7 +31,7 @@ SHAPES = [
 CP_SEGMENTS = (16, 64)
 #: what --backward-only times
 BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_staged_loads",
-                 "bwd_chunk_grad_element_factors", "bwd_chunk_grad_masked_dg", "bwd_chunk_grad_wide_stores",
+                 "bwd_chunk_grad_element_factors", "bwd_chunk_grad_masked_dg", "bwd_chunk_grad_narrow_stores",
                  "bwd_states_precise",
                  "bwd_walk_precise", "bwd", "bwd_cpauto")
 
@@ -216,7 +216,7 @@ def main(argv=None):
                  ("chunk_grad reg-staged loads", "bwd_chunk_grad_staged_loads"),
                  ("chunk_grad per-element factors", "bwd_chunk_grad_element_factors"),
                  ("chunk_grad masked dg sum", "bwd_chunk_grad_masked_dg"),
-                 ("chunk_grad wide stores", "bwd_chunk_grad_wide_stores"),
+                 ("chunk_grad 4-byte stores", "bwd_chunk_grad_narrow_stores"),
                  ("states precise", "bwd_states_precise"), ("walk precise", "bwd_walk_precise"),
                  ("states unstaged", "bwd_states_unstaged"), ("walk unstaged", "bwd_walk_unstaged"),
                  ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto")]
@@ -291,7 +291,7 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
         "bwd_chunk_grad_staged_loads": with_switch("CHUNK_GRAD_ASYNC_LOADS", False, chunk_grad),
         "bwd_chunk_grad_element_factors": with_switch("CHUNK_GRAD_ROW_FACTORS", False, chunk_grad),
         "bwd_chunk_grad_masked_dg": with_switch("CHUNK_GRAD_SCAN_DG", False, chunk_grad),
-        "bwd_chunk_grad_wide_stores": with_switch("CHUNK_GRAD_WIDE_STORES", True, chunk_grad),
+        "bwd_chunk_grad_narrow_stores": with_switch("CHUNK_GRAD_WIDE_STORES", False, chunk_grad),
         "bwd_states_precise": lambda: precise.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
         "bwd_walk_precise": lambda: precise.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
         "bwd_states_unstaged": with_switch("STAGED_STATE_STORES", False, states_pass),

@@ -47,20 +47,21 @@ CHUNK_GRAD_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS"
 
 #: ``chunk_grad`` (batched) with gamma_i and d_i computed once per row into registers instead of per element from
 #: shared memory, and Gam once instead of three times (``chunk_grad.py``). On the H200 it took 0.960x to 0.970x the
-#: time of the per-element factors with the same bits out (``stages-hopper-v0.7-bwd.json``, ``gpu-suite-v0.7.log``):
+#: time of the per-element factors with the same bits out (``stages-hopper-v0.7a-bwd.json``, ``gpu-suite-v0.7a.log``):
 #: the default. FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=0 turns it off.
 CHUNK_GRAD_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS", "1") == "1"
 
 #: ``chunk_grad`` with dg's reverse cumsum by a scan of a [2, C] tile instead of a [C, C] masked sum
 #: (``chunk_grad.py``). On the H200 it took 0.979x to 0.990x the time of the masked sum, dg within 1e-5 of it and
-#: every other gradient the same bits (``stages-hopper-v0.7-bwd.json``, ``gpu-suite-v0.7.log``): the default.
+#: every other gradient the same bits (``stages-hopper-v0.7a-bwd.json``, ``gpu-suite-v0.7a.log``): the default.
 #: FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG=0 turns it off.
 CHUNK_GRAD_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG", "1") == "1"
 
 #: ``chunk_grad`` (batched) writing dv, dq and dk through a shared tile that is dead by then, in 16-byte stores,
-#: instead of from the accumulators in 4-byte ones (the profile's LG-queue stalls, ``chunk_grad.py``); an A/B until
-#: measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES=1.
-CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES", "0") == "1"
+#: instead of from the accumulators in 4-byte ones (the profile's LG-queue stalls, ``chunk_grad.py``). On the H200
+#: it took 0.901x to 0.942x the time of the 4-byte stores with the same bits out (``stages-hopper-v0.7b-bwd.json``,
+#: ``gpu-suite-v0.7b.log``): the default. FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES=0 turns it off.
+CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES", "1") == "1"
 
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's

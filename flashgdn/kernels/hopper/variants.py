@@ -141,13 +141,13 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
     # chunk_grad: the default (four warpgroups, GEMMs issued in batches, tiles by cp.async, row factors in registers,
-    # dg by a scan: backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: per-element factors, dg by a
-    # masked sum, register-staged loads, each GEMM waited on (which also drops the row factors, written for the
-    # batched build), two warpgroups, one warpgroup (never batched); and one switch the other way: wide stores
-    default = ("batched", "async_loads", "row_factors", "scan_dg")
+    # dg by a scan, 16-byte stores: backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-
+    # staged loads, per-element factors, dg by a masked sum, 4-byte stores, each GEMM waited on (which also drops the
+    # row factors and wide stores, written for the batched build), two warpgroups, one warpgroup (never batched)
+    default = ("batched", "async_loads", "row_factors", "scan_dg", "wide_stores")
     for threads, flags in ((512, default), *((512, tuple(f for f in default if f != off)) for off in default[1:]),
-                           (512, ("async_loads", "scan_dg")), (256, ("batched", "row_factors", "scan_dg")),
-                           (128, ("scan_dg",)), (512, default + ("wide_stores",))):
+                           (512, ("async_loads", "scan_dg")), (256, ("batched", "row_factors", "scan_dg", "wide_stores")),
+                           (128, ("scan_dg",))):
         yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, threads, flags)
 
 
