@@ -1,6 +1,6 @@
 """What the Hopper backward's bf16 operands cost in accuracy, predicted on the CPU before the GPU runs it.
 
-    python benchmarks/numerics_backward.py [--tokens 4096] [--heads 2]
+    python benchmarks/numerics_backward.py [--tokens 4096] [--heads 2] [--cp N] [--precise 2|3]
 
 Emulates, for one sequence and ``--heads`` value heads of one qk head (K = V = 128), the three stages of the
 Hopper backward with their rounding points (``rnd``): the forward states of the rs loop's store_chunk_states
@@ -12,7 +12,9 @@ Everything else is float64. It prints each gradient's relative RMS against the f
 inputs, beside the bars of DESIGN.md §3, for a normal, a strong and a zero gate; and the same with no rounding
 (``rnd`` the identity), which must come out at float64 precision (a check of the emulation itself). With ``--cp
 N`` also the backward through exact context parallelism (segments of N chunks, ``flashgdn/cp/backward.py``): how
-far its gradients are from those without, the issue's bar being 1e-3.
+far its gradients are from those without, the issue's bar being 1e-3. With ``--precise T`` the register operands
+of the states pass, the walk and CP's transitions (the passes whose state lives in registers) are split into T
+bf16 terms (2: hi + lo; 3: hi + mid + lo, what the kernels' precise mode does in those passes).
 """
 import argparse
 
@@ -28,6 +30,22 @@ def bf16(x):
 
 def exact(x):
     return x
+
+
+def split2(x):  # a bf16 hi + lo pair, summed back
+    hi = bf16(x)
+    return hi + bf16(x - hi)
+
+
+def split3(x):  # hi + mid + lo
+    hi = bf16(x)
+    mid = bf16(x - hi)
+    return hi + mid + bf16(x - hi - mid)
+
+
+#: the rounding of the register operands of the passes whose state lives in registers (None: the same as the
+#: tiles'); ``--precise`` sets it
+REGISTER_OPERANDS = {"rnd": None}
 
 
 def _chunks(T):
@@ -53,10 +71,11 @@ def _states_pass(tiles, S, rnd, zero_v=False):
     states = []
     for (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in tiles:
         states.append(rnd(S))
+        reg = REGISTER_OPERANDS["rnd"] or rnd
         gam, dec = G.exp(), (G[-1] - G).exp()
-        W = (0 if zero_v else Vc) - gam[:, None] * (Kc @ rnd(S))
-        Vn = Ag @ rnd(W)
-        S = G[-1].exp() * S + Kc.T @ rnd(Vn * dec[:, None])
+        W = (0 if zero_v else Vc) - gam[:, None] * (Kc @ reg(S))
+        Vn = Ag @ reg(W)
+        S = G[-1].exp() * S + Kc.T @ reg(Vn * dec[:, None])
     return states, S
 
 
@@ -67,11 +86,12 @@ def _walk(tiles, dS, scale, rnd):
     for i in reversed(range(len(tiles))):
         c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P = tiles[i]
         ends[i] = rnd(dS)
+        reg = REGISTER_OPERANDS["rnd"] or rnd
         gam, dec = G.exp(), (G[-1] - G).exp()
-        XT = (rnd(dS.T) @ Kc.T) * dec[None, :] + dO.T @ P
-        YT = rnd(XT) @ Ag
+        XT = (reg(dS.T) @ Kc.T) * dec[None, :] + dO.T @ P
+        YT = reg(XT) @ Ag
         Qg = rnd(scale * gam[:, None] * Q)
-        dS = (G[-1].exp() * dS.T + rnd(-YT * gam[None, :]) @ Kc + dO.T @ Qg).T
+        dS = (G[-1].exp() * dS.T + reg(-YT * gam[None, :]) @ Kc + dO.T @ Qg).T
     return ends, dS
 
 
@@ -216,7 +236,12 @@ def main(argv=None):
     ap.add_argument("--cp", type=int, default=None,
                     help="also run through exact context parallelism with segments of this many chunks, and print "
                          "how far its gradients are from those without (issue bar: 1e-3)")
+    ap.add_argument("--precise", type=int, choices=(2, 3), default=None,
+                    help="register operands of the states pass, the walk and the transitions as this many bf16 "
+                         "terms (the kernels' precise mode)")
     args = ap.parse_args(argv)
+    if args.precise:
+        print(f"precise: register operands of the state passes as {args.precise} bf16 terms")
     scale = K ** -0.5
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
     print(f"{args.tokens} tokens, {args.heads} value heads of one qk head; relative RMS against the float64 "
@@ -226,6 +251,7 @@ def main(argv=None):
         want = reference(*x, scale)
         want = [w[0, :, 0] if i < 2 else w[0] for i, w in enumerate(want)]
         for label, rnd in (("bf16 (the kernels)", bf16), ("no rounding", exact)):
+            REGISTER_OPERANDS["rnd"] = dict([(2, split2), (3, split3)]).get(args.precise) if rnd is bf16 else None
             got = emulate(*x, scale, rnd=rnd)
             errs = {n: rel(a, w) for n, a, w in zip(names, got, want)}
             over = [n for n in names if errs[n] > BARS[n]]

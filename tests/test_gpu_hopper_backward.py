@@ -256,11 +256,11 @@ def test_hopper_backward_with_context_parallelism(opts, paired, monkeypatch, cud
 @pytest.mark.parametrize("segment_chunks", [4, 16])
 def test_backward_with_cp_equals_without_in_the_precise_mode(segment_chunks, monkeypatch, cuda):
     """Exact CP at g = 0, the hard case (no decay: every rounding of the state path lives on), in the precise mode
-    (forward.PRECISE: the transitions, the states pass and the walk with bf16 hi + lo register operands). The
-    backward on segments against the one without: within 1e-3 (the issue's bar) on dv, dg, dbeta and dh0, within
-    2e-3 on dq and dk, whose last difference is ``chunk_grad`` reading S and dS' as bf16 tiles rounded from two
-    float32 states that differ in their last bits (docs/context-parallel.md); and closer than the bf16 mode's
-    ~4e-3, so the test tells the two modes apart. Both runs on the bars against float64."""
+    (forward.PRECISE: the transitions, the states pass and the walk with their register operands as three bf16
+    terms). The backward on segments against the one without: every gradient within 1e-3 (the issue's bar;
+    ``benchmarks/numerics_backward.py --cp 8 --precise 3`` predicts 1.7e-4 at most, two terms 1.4e-3), and much
+    closer than the bf16 mode's ~4e-3, so the test tells the two modes apart. Both runs on the bars against
+    float64."""
     from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import forward
     from flashgdn.kernels.hopper.backward import hopper_backward
@@ -284,11 +284,9 @@ def test_backward_with_cp_equals_without_in_the_precise_mode(segment_chunks, mon
     print(f"\nCP ({segment_chunks} chunks) vs no CP, g = 0: bf16 mode "
           + ", ".join(f"{n} {e:.1e}" for n, e in bf16.items()) + "; precise mode "
           + ", ".join(f"{n} {e:.1e}" for n, e in precise.items()))
-    for name in ("dv", "dg", "dbeta", "dh0"):
+    for name in GRADIENTS:
         assert precise[name] < 1e-3, (name, precise)
-    for name in ("dq", "dk"):
-        assert precise[name] < 2e-3, (name, precise)
-    assert max(precise.values()) < max(bf16.values()) / 2, (precise, bf16)
+    assert max(precise.values()) < max(bf16.values()) / 4, (precise, bf16)
     want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
                                                      cu_seqlens=cu, compute_dtype=torch.float64)
     _assert_on_the_bars(got, want)

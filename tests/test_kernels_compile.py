@@ -19,8 +19,12 @@ os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 from flashgdn.kernels.hopper.common import MAX_SMEM_SM90, resource_usage  # noqa: E402
 from flashgdn.kernels.hopper.variants import backward_variants, build, forward_variants  # noqa: E402
 
-#: kernel-name prefix -> why a spill there is accepted (none today)
-EXPLAINED_SPILLS = {}
+#: kernel-name prefix -> why a spill there is accepted
+EXPLAINED_SPILLS = {
+    "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]":
+        "4 bytes in the opt-in precise mode's walk from a zero end gradient (three-term operands at the register "
+        "split 200/72/40; every other split tried spills more, and the walk from dht has none)",
+}
 
 VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_variants(2, 8, dtype="float16", flags="common"))
             + list(backward_variants(2, 8, dtype="bfloat16")) + list(backward_variants(2, 8, dtype="float16")))

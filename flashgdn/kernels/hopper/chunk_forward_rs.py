@@ -39,8 +39,10 @@ from .ring_producer import make_ring_producer
 # file at 512 threads). ptxas ignores every setmaxnreg when a role's code needs more than its share, and
 # serialises wgmma when a state path keeps too much live across one in flight (why the GEMMs here wait).
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
-#: the precise mode keeps two more bf16 operand halves live on the state path
+#: the precise mode keeps two more bf16 operand halves live on the state path; its state-only passes, which split
+#: in three, one more (and have no output to make: a lighter gate role)
 PRECISE_REGS = (200, 72, 40)
+PRECISE_STATE_ONLY_REGS = (208, 64, 32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +69,9 @@ def build_chunk_forward_rs(
     ``precise=True`` gives every register operand (S^T, W^T, Vn^T) as a bf16 hi + lo pair, two wgmma per GEMM on
     the state path: the state's error no longer depends on their rounding, only on the tiles' (Ag, P), so runs
     with and without context parallelism agree to ~1e-5 instead of ~4e-3 (``benchmarks/numerics_study.py``).
+    A state-only pass (``with_output=False``: CP's transitions, the backward's states pass) splits them in three,
+    hi + mid + lo (a float32's 24 bits), three wgmma per GEMM: with two, the last bits of the state still set the
+    backward's CP agreement at g = 0 to ~1.5e-3 (``benchmarks/numerics_backward.py --precise``).
     bfloat16 only: with float16 operands it spills at this register budget.
 
     ``store_chunk_states=True`` (state-only, no final state) is the backward's recompute of the forward states:
@@ -95,7 +100,11 @@ def build_chunk_forward_rs(
     n_ht = T.dynamic("n_ht")
     o_tokens = num_tokens if with_output else T.dynamic("o_tokens")
     acc = "float32"
-    state_regs, gate_regs, producer_regs = PRECISE_REGS if precise else (STATE_REGS, GATE_REGS, PRODUCER_REGS)
+    state_regs, gate_regs, producer_regs = ((PRECISE_REGS if with_output else PRECISE_STATE_ONLY_REGS) if precise
+                                            else (STATE_REGS, GATE_REGS, PRODUCER_REGS))
+    # state-only passes in the precise mode split their register operands in three (hi + mid + lo, 24 bits): what
+    # the backward's exact CP at g = 0 needs (docs/context-parallel.md); the loop with an output keeps two
+    third = precise and not with_output
     state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
     heads = Hv  # CTAs per sequence, and heads of h0 / ht
@@ -127,7 +136,9 @@ def build_chunk_forward_rs(
         u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
         if precise:
-            lb_f = T.alloc_fragment((HV2, C), io_dtype)  # low halves of W^T and Vn^T
+            lb_f = T.alloc_fragment((HV2, C), io_dtype)  # second terms of W^T and Vn^T (then Vn^T's third)
+        if third:
+            xb_f = T.alloc_fragment((HV2, C), io_dtype)  # W^T's third term (its GEMM overwrites W^T)
         if with_output:
             o_f = T.alloc_fragment((HV2, C), acc)  # O^T
         parts.load_state(st_f, h0, n, h, c0)
@@ -157,6 +168,10 @@ def build_chunk_forward_rs(
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
                 if with_output:
                     T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True)
+            if third:  # S^T - hi - mid, hi made again from S^T
+                for i, j in T.Parallel(HV2, K):
+                    sb_f[i, j] = st_f[i, j] - T.cast(T.cast(st_f[i, j], io_dtype), acc) - sb_f[i, j]
+                T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
             # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma), in one pass over the tile
             if with_output:
@@ -170,10 +185,15 @@ def build_chunk_forward_rs(
             if precise:
                 for i, j in T.Parallel(HV2, C):
                     lb_f[i, j] = u_f[i, j] - ub_f[i, j]
+            if third:
+                for i, j in T.Parallel(HV2, C):
+                    xb_f[i, j] = u_f[i, j] - ub_f[i, j] - lb_f[i, j]
             # Vn^T = W^T Ag^T
             T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
             if precise:
                 T.gemm(lb_f, a_s[st, :, :], u_f, transpose_B=True)
+            if third:
+                T.gemm(xb_f, a_s[st, :, :], u_f, transpose_B=True)
             T.copy(u_f, ub_f)
             if precise:
                 for i, j in T.Parallel(HV2, C):
@@ -194,6 +214,10 @@ def build_chunk_forward_rs(
                 st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.gemm(ub_f, k_s[st, :, :], st_f)
             if precise:
+                T.gemm(lb_f, k_s[st, :, :], st_f)
+            if third:  # Vn^T diag(d) - hi - mid, in the second term's registers
+                for i, j in T.Parallel(HV2, C):
+                    lb_f[i, j] = u_f[i, j] - ub_f[i, j] - lb_f[i, j]
                 T.gemm(lb_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])
             if with_output:

@@ -21,8 +21,8 @@ each state warpgroup writes its 64 rows of dS'^T to shared memory and sends them
 instead of element-wise stores from its registers.
 
 With ``precise`` (bfloat16 only; the forward's precise mode, ``forward.PRECISE``) every register operand (dS'^T,
-X^T, -Y^T diag(gamma)) goes to the tensor cores as a bf16 hi + lo pair, two wgmma per GEMM on the chain, as in the
-rs loop's precise mode: the walk's result then depends on the rounding of its tiles (K, P, Ag, Qg, dO) only, which
+X^T, -Y^T diag(gamma)) goes to the tensor cores as three bf16 terms, hi + mid + lo (a float32's 24 bits), three
+wgmma per GEMM on the chain, as in the rs loop's state-only passes in their precise mode: the walk's result then depends on the rounding of its tiles (K, P, Ag, Qg, dO) only, which
 are the same values with and without context parallelism, so the two runs agree far below bf16's rounding (what
 exact context parallelism at g = 0 needs, ``docs/context-parallel.md``).
 
@@ -40,7 +40,7 @@ from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
-#: the precise mode keeps the low halves of X^T and Y^T live on the state path
+#: the precise mode keeps the second and third terms of X^T and Y^T live on the state path
 PRECISE_REGS = (200, 72, 40)
 
 
@@ -86,8 +86,9 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             dss_s = T.alloc_shared((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # X^T, then Y^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
-        if precise:
-            lb_f = T.alloc_fragment((HV2, C), io_dtype)  # low halves of X^T and -Y^T diag(gamma)
+        if precise:  # second terms of X^T and -Y^T diag(gamma) (then the latter's third), X^T's third
+            lb_f = T.alloc_fragment((HV2, C), io_dtype)
+            xb_f = T.alloc_fragment((HV2, C), io_dtype)
         if has_final_grad:
             for i, j in T.Parallel(HV2, K):
                 st_f[i, j] = dht[n, h, j, c0 + i]
@@ -109,21 +110,27 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)  # dS'^T K^T
-            if precise:  # the low half of dS'^T, in the same registers
+            if precise:  # the second and third terms of dS'^T, in the same registers
                 for i, j in T.Parallel(HV2, K):
                     sb_f[i, j] = st_f[i, j] - sb_f[i, j]
+                T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
+                for i, j in T.Parallel(HV2, K):
+                    sb_f[i, j] = st_f[i, j] - T.cast(T.cast(st_f[i, j], io_dtype), acc) - sb_f[i, j]
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
             for i, j in T.Parallel(HV2, C):
                 u_f[i, j] = u_f[i, j] * dec_s[st, j]
             T.gemm(do_s[st, :, c0:c0 + HV2], p_s[st, :, :], u_f, transpose_A=True)  # + dO^T P
             T.copy(u_f, ub_f)
-            if precise:
+            if precise:  # all three terms first: this GEMM overwrites X^T
                 for i, j in T.Parallel(HV2, C):
                     lb_f[i, j] = u_f[i, j] - ub_f[i, j]
+                for i, j in T.Parallel(HV2, C):
+                    xb_f[i, j] = u_f[i, j] - ub_f[i, j] - lb_f[i, j]
             T.gemm(ub_f, a_s[st, :, :], u_f, clear_accum=True)  # Y^T = X^T Ag
             if precise:
                 T.gemm(lb_f, a_s[st, :, :], u_f)
+                T.gemm(xb_f, a_s[st, :, :], u_f)
             for i, j in T.Parallel(HV2, C):
                 ub_f[i, j] = -u_f[i, j] * gam_s[st, j]
             if precise:
@@ -133,6 +140,9 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
                 st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.gemm(ub_f, k_s[st, :, :], st_f)  # - (Y^T diag(gamma)) K
             if precise:
+                T.gemm(lb_f, k_s[st, :, :], st_f)
+                for i, j in T.Parallel(HV2, C):
+                    lb_f[i, j] = -u_f[i, j] * gam_s[st, j] - ub_f[i, j] - lb_f[i, j]
                 T.gemm(lb_f, k_s[st, :, :], st_f)
             T.gemm(do_s[st, :, c0:c0 + HV2], qg_s[st, :, :], st_f, transpose_A=True)  # + dO^T Qg
             T.barrier_arrive(empty[st])
