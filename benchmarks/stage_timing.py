@@ -211,8 +211,7 @@ def main(argv=None):
     cols += [(f"op cp={c}", f"op_cp{c}") for c in CP_SEGMENTS]
     if args.backward:
         cols += [("bwd stage 1", "bwd_stage1"), ("bwd states", "bwd_states"), ("bwd walk", "bwd_walk"),
-                 ("bwd chunk_grad", "bwd_chunk_grad"), ("chunk_grad 128 thr", "bwd_chunk_grad_128"),
-                 ("chunk_grad 256 thr", "bwd_chunk_grad_256"), ("chunk_grad waited", "bwd_chunk_grad_waited"),
+                 ("bwd chunk_grad", "bwd_chunk_grad"),
                  ("chunk_grad reg-staged loads", "bwd_chunk_grad_staged_loads"),
                  ("chunk_grad per-element factors", "bwd_chunk_grad_element_factors"),
                  ("chunk_grad masked dg sum", "bwd_chunk_grad_masked_dg"),
@@ -285,9 +284,6 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
         "bwd_states": states_pass,
         "bwd_walk": walk,
         "bwd_chunk_grad": chunk_grad,
-        "bwd_chunk_grad_128": with_switch("CHUNK_GRAD_THREADS", 128, chunk_grad),
-        "bwd_chunk_grad_256": with_switch("CHUNK_GRAD_THREADS", 256, chunk_grad),
-        "bwd_chunk_grad_waited": with_switch("CHUNK_GRAD_BATCHED", False, chunk_grad),
         "bwd_chunk_grad_staged_loads": with_switch("CHUNK_GRAD_ASYNC_LOADS", False, chunk_grad),
         "bwd_chunk_grad_element_factors": with_switch("CHUNK_GRAD_ROW_FACTORS", False, chunk_grad),
         "bwd_chunk_grad_masked_dg": with_switch("CHUNK_GRAD_SCAN_DG", False, chunk_grad),

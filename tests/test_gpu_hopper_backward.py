@@ -155,6 +155,7 @@ def test_chunk_grad_alone_from_float64_inputs(opts, cuda):
     """``chunk_grad`` isolated from the kernels before it: fed stage 1's tiles, the chunk states and the state
     gradients from the float64 reference (in the kernels' slot layout and dtypes), its dv, dq, dk, dg and dbeta
     against the float64 backward. A failure here is this kernel's; one only in the whole backward is another's."""
+    from flashgdn.kernels.hopper.backward import chunk_grad_options
     from flashgdn.kernels.hopper.chunk_grad import build_chunk_grad
     from flashgdn.kernels.hopper.forward import chunk_plan_torch
     from flashgdn.reference.chunked import (_chunks, _gated_inverse_chunks, _inverse_chunks)
@@ -194,7 +195,7 @@ def test_chunk_grad_alone_from_float64_inputs(opts, cuda):
     dk = torch.zeros_like(dq)
     dg = torch.zeros((1, T, Hv), device=cuda)
     dbeta = torch.zeros_like(dg)
-    build_chunk_grad(Hqk, Hv, K, V, "bfloat16")(
+    build_chunk_grad(Hqk, Hv, K, V, "bfloat16", **chunk_grad_options())(
         q, k, v, do, gcum.reshape(Hv, S * 64), beta.float().contiguous(), slots(Ag, bf), slots(A, bf),
         bounds.to(cuda), slots(states.transpose(-1, -2), bf), slots(ds_end.transpose(-1, -2), bf), scale,
         dv, dq, dk, dg, dbeta)
@@ -315,31 +316,6 @@ def _backward_ab(opts, cuda, monkeypatch, name, value, base=None):
     return (lambda: backward.hopper_backward(*args)), one, two, want
 
 
-@pytest.mark.parametrize("threads", [128, 256])
-def test_chunk_grad_on_fewer_warpgroups_matches_four(threads, monkeypatch, cuda):
-    """The 128- and 256-thread builds of ``chunk_grad`` (backward.CHUNK_GRAD_THREADS, A/Bs of the 512-thread
-    default): the same gradients up to the order of their float32 sums, and on the bars."""
-    _, one, two, want = _backward_ab(dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), cuda, monkeypatch,
-                                     "CHUNK_GRAD_THREADS", 512, base=threads)
-    for name, a, b in zip(GRADIENTS, one, two):
-        assert rel_rms(b.double(), a.double()) < 1e-3, name
-    _assert_on_the_bars(two, want())
-
-
-@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
-                                  dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
-def test_batched_chunk_grad_matches_the_waited_one(opts, monkeypatch, cuda):
-    """``chunk_grad`` with its GEMMs issued in batches (backward.CHUNK_GRAD_BATCHED, the default) against the build
-    that waits on each (its A/B): the same arithmetic in another order of issue, so the same gradients up to the order of float32 sums (the
-    batched build adds d K dS' and P^T dO in registers instead of in one accumulator), and on the bars."""
-    rerun, waited, batched, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_BATCHED", True,
-                                                base=False)
-    for name, a, b in zip(GRADIENTS, waited, batched):
-        assert rel_rms(b.double(), a.double()) < 1e-3, name
-    _assert_on_the_bars(batched, want())
-    assert torch.equal(batched[0], rerun()[0]), "deterministic"
-
-
 # backward switches whose two settings must give the same bits, and why
 SAME_BITS = {
     "STAGED_STATE_STORES": "the states pass and the walk send S^T / dS'^T through shared memory by TMA instead of "
@@ -368,7 +344,7 @@ def test_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
 def test_chunk_grad_dg_scan_matches_the_masked_sum(opts, monkeypatch, cuda):
-    """``chunk_grad`` with dg's reverse cumsum by a scan (backward.CHUNK_GRAD_SCAN_DG, an A/B): every other
+    """``chunk_grad`` with dg's reverse cumsum by a scan (backward.CHUNK_GRAD_SCAN_DG, the default): every other
     gradient is the same bits as the default's; dg is the same sums in another order (float32 rounding apart:
     1e-5 relative RMS), on the bar against float64, and zero on the padded tail."""
     _, plain, scanned, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_SCAN_DG", True, base=False)

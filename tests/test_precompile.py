@@ -69,15 +69,14 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert names == serving + ["splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A[2/8,bfloat16]",
-                               "chunk_grad[2/8,bfloat16,threads=512,batched,async,rows,scan,wide]"]
+                               "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
     monkeypatch.setattr(backward, "CHUNK_GRAD_ROW_FACTORS", False)
     monkeypatch.setattr(backward, "CHUNK_GRAD_SCAN_DG", False)
     monkeypatch.setattr(forward, "PRECISE", True)
     names = [v[0] for v in training_variants(2, 8, flags="common")]
     assert [v for v in training_variants(2, 8, flags="common") if v[1] == "chunk_grad"] == [
-        ("chunk_grad[2/8,bfloat16,threads=512,batched,async,wide]", "chunk_grad",
-         dict(Hqk=2, Hv=8, K=128, V=128, io_dtype="bfloat16", threads=512, batched=True, async_loads=True,
-              wide_stores=True))]
+        ("chunk_grad[2/8,bfloat16,async,wide]", "chunk_grad",
+         dict(Hqk=2, Hv=8, K=128, V=128, io_dtype="bfloat16", async_loads=True, wide_stores=True))]
     assert [n for n in names if n.startswith(("chunk_states", "state_grad_walk"))] == [
         "chunk_states[2/8,bfloat16,h0=1,staged,precise]", "chunk_states[2/8,bfloat16,h0=0,staged,precise]",
         "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]"]

@@ -27,25 +27,13 @@ from .common import tl_dtype
 from .forward import _output, hopper_stage1, packed_offsets
 
 
-#: threads of ``chunk_grad``: 512 (four warpgroups splitting every GEMM's N and every elementwise loop; the
-#: default), 256 or 128. On the H200 (``benchmarks/stage_timing.py --backward``) 512 took 0.55x the time of 128 and
-#: 0.92x that of 256: the kernel is a chain of latency-bound steps at one CTA per SM, and more warps hide more of it.
-#: FLASHGDN_HOPPER_CHUNK_GRAD_THREADS.
-CHUNK_GRAD_THREADS = int(os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_THREADS", "512"))
-
-#: ``chunk_grad`` with its independent GEMMs issued together and waited on in six batches instead of one by one
-#: (``chunk_grad.py``; 256 or 512 threads, the 128-thread build always waits on each). On the H200 it took 0.965x to
-#: 0.977x the time of the waited build (``stages-hopper-v0.6-bwd.json``): the default.
-#: FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED=0 turns it off.
-CHUNK_GRAD_BATCHED = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_BATCHED", "1") == "1"
-
 #: ``chunk_grad`` loading its eight tiles by cp.async, all in flight before one wait, instead of through registers
 #: (``chunk_grad.py``). On the H200 it took 0.917x to 0.952x the time of the register-staged loads with the same
-#: bits out (``stages-hopper-v0.6c-bwd.json``, ``gpu-ab-v0.6c.log``): the default with 512 threads (the 256- and
-#: 128-thread A/Bs keep register-staged loads). FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS=0 turns it off.
+#: bits out (``stages-hopper-v0.6c-bwd.json``, ``gpu-ab-v0.6c.log``): the default.
+#: FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS=0 turns it off.
 CHUNK_GRAD_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ASYNC_LOADS", "1") == "1"
 
-#: ``chunk_grad`` (batched) with gamma_i and d_i computed once per row into registers instead of per element from
+#: ``chunk_grad`` with gamma_i and d_i computed once per row into registers instead of per element from
 #: shared memory, and Gam once instead of three times (``chunk_grad.py``). On the H200 it took 0.960x to 0.970x the
 #: time of the per-element factors with the same bits out (``stages-hopper-v0.7a-bwd.json``, ``gpu-suite-v0.7a.log``):
 #: the default. FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS=0 turns it off.
@@ -57,7 +45,7 @@ CHUNK_GRAD_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_ROW_FACTORS"
 #: FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG=0 turns it off.
 CHUNK_GRAD_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG", "1") == "1"
 
-#: ``chunk_grad`` (batched) writing dv, dq and dk through a shared tile that is dead by then, in 16-byte stores,
+#: ``chunk_grad`` writing dv, dq and dk through a shared tile that is dead by then, in 16-byte stores,
 #: instead of from the accumulators in 4-byte ones (the profile's LG-queue stalls, ``chunk_grad.py``). On the H200
 #: it took 0.901x to 0.942x the time of the 4-byte stores with the same bits out (``stages-hopper-v0.7b-bwd.json``,
 #: ``gpu-suite-v0.7b.log``): the default. FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES=0 turns it off.
@@ -73,13 +61,9 @@ STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1")
 
 def chunk_grad_options() -> dict:
     """``build_chunk_grad``'s options as the switches above set them (what the backward builds, and what
-    ``variants.training_variants`` precompiles); options a build cannot take are off (batched GEMMs need 256 or
-    more threads, the row factors and wide stores a batched build, cp.async loads 512 threads)."""
-    batched = CHUNK_GRAD_BATCHED and CHUNK_GRAD_THREADS >= 256
-    return dict(threads=CHUNK_GRAD_THREADS, batched=batched,
-                async_loads=CHUNK_GRAD_ASYNC_LOADS and CHUNK_GRAD_THREADS == 512,
-                row_factors=CHUNK_GRAD_ROW_FACTORS and batched, scan_dg=CHUNK_GRAD_SCAN_DG,
-                wide_stores=CHUNK_GRAD_WIDE_STORES and batched)
+    ``variants.training_variants`` precompiles)."""
+    return dict(async_loads=CHUNK_GRAD_ASYNC_LOADS, row_factors=CHUNK_GRAD_ROW_FACTORS, scan_dg=CHUNK_GRAD_SCAN_DG,
+                wide_stores=CHUNK_GRAD_WIDE_STORES)
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):

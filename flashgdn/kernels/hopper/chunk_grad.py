@@ -22,17 +22,19 @@ and the gate, by what each g~_i multiplies (every term below is a row dot produc
 (scale gamma_i <dO_i, (QS)_i> is <q_i, scale gamma_i (dO S^T)_i>, a row dot of dq's state term with q; the g~_last
 terms reach every token of the chunk through the reverse cumsum, so they are added to all of them).
 
-With ``batched`` (the default, ``backward.CHUNK_GRAD_BATCHED``) the GEMMs that need only what is ready are issued
-together as asynchronous wgmma and waited on once, in six batches: (A) K S, K dS', Q K^T, dO S^T, K K^T from the
-loaded tiles; (B) Ag W and P^T dO; (C) dVn W^T, Ag^T dVn and dO Vn^T; (D) dQK K, A^T dA and dk's first three
-terms into one accumulator; (E) (A^T dA) A^T; (F) dk's dKK terms. The unbatched build waits on each of the 18.
-With ``async_loads`` (the default at 512 threads, ``backward.CHUNK_GRAD_ASYNC_LOADS``) the eight tiles arrive by
+The GEMMs that need only what is ready are issued together as asynchronous wgmma and waited on once, in six
+batches: (A) K S, K dS', Q K^T, dO S^T, K K^T from the loaded tiles; (B) Ag W and P^T dO; (C) dVn W^T, Ag^T dVn
+and dO Vn^T; (D) dQK K, A^T dA and dk's first three terms into one accumulator; (E) (A^T dA) A^T; (F) dk's dKK
+terms. Builds measured and removed: waiting on each of the 18 GEMMs (1.02x-1.04x the time,
+``stages-hopper-v0.6-bwd.json``), and 256 or 128 threads (1.06x-1.10x and 1.6x-1.9x,
+``stages-hopper-v0.4.json``).
+With ``async_loads`` (the default, ``backward.CHUNK_GRAD_ASYNC_LOADS``) the eight tiles arrive by
 cp.async (16 bytes per thread and instruction, zero-filled past the tensor's end), all in flight before one wait,
-instead of through registers: the load phase was ~20% of the stall samples at 512 threads
+instead of through registers: the load phase was ~20% of the stall samples
 (``profiles/backward-v0.6-*``). TMA would be the other way, but a kernel with TMA loads loses TileLang's reuse of
 shared memory between buffers (256 KB, over the limit). Measured: 0.92x-0.95x the time of the register-staged
 loads, the same bits out.
-With ``row_factors`` (the default, ``backward.CHUNK_GRAD_ROW_FACTORS``, batched build) gamma_i and d_i, which
+With ``row_factors`` (the default, ``backward.CHUNK_GRAD_ROW_FACTORS``) gamma_i and d_i, which
 scale rows of the [C, V] accumulators in four steps, are computed once per row into a two-element register
 fragment instead of once per element from g~ in shared memory (16 elements per thread, two rows), and Gam, which
 P, E and dQK are each scaled by, once per element into an eight-element fragment instead of three times.
@@ -42,13 +44,14 @@ shared memory (TileLang's ``T.cumsum``; the second row carries the g~_last terms
 cumsum at 0) instead of a [C, C] masked sum and a cross-warp reduction (that phase was ~6% of the stall samples
 at v0.6). The sums run in another order, so dg differs from the masked sum's in float32 rounding only. Measured:
 0.98x-0.99x the time of the masked sum.
-With ``wide_stores`` (the default, ``backward.CHUNK_GRAD_WIDE_STORES``, batched build) dv, dq and dk go to a shared
+With ``wide_stores`` (the default, ``backward.CHUNK_GRAD_WIDE_STORES``) dv, dq and dk go to a shared
 tile that is dead by then (dVn's, dO's, Q's: TileLang's stmatrix), and from there out in 16-byte stores, instead of
 from the accumulators' layout in 4-byte ones (400 store instructions per CTA, and LG-queue stalls ~8% of the
 samples at v0.6); the cost is a pass through shared memory and a barrier per tile. Measured: 0.90x-0.94x the time
 of the 4-byte stores, the same bits out.
 
-Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups; 256 or 128 as A/Bs),
+Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups splitting every GEMM's N
+and every element-wise loop),
 18 GEMMs on tiles in shared memory with float32 accumulators; no atomics. q and k gradients are per value head
 (``dq``, ``dk`` are ``[T, Hv, K]`` in the io dtype, as FlashQLA's): the host sums each qk head's group in a fixed
 order, so results are deterministic. Operands that need a row scaling after their GEMM is shared with another term are scaled before
@@ -60,17 +63,17 @@ import functools
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 
+#: four warpgroups (126 of the 128 registers a thread may have at 512 threads)
+THREADS = 512
+
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: int = 512, batched: bool = False,
-                     async_loads: bool = False, row_factors: bool = False, scan_dg: bool = False,
-                     wide_stores: bool = False):
-    """Compile (or load) the kernel (``threads``: 128, one warpgroup, or 256 / 512, two / four that split every
-    GEMM's N and every elementwise loop; ``batched``: independent GEMMs issued together, six waits instead of 18;
-    ``async_loads``: the eight tiles by cp.async, all in flight at once; ``row_factors``: gamma_i and d_i computed
-    once per row into registers, batched build only; ``scan_dg``: dg's reverse cumsum by a scan; ``wide_stores``:
-    dv, dq and dk out through a dead shared tile in 16-byte stores, batched build only; module docstring).
-    Arguments, in order:
+def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loads: bool = False,
+                     row_factors: bool = False, scan_dg: bool = False, wide_stores: bool = False):
+    """Compile (or load) the kernel (``async_loads``: the eight tiles by cp.async, all in flight at once;
+    ``row_factors``: gamma_i and d_i computed once per row into registers; ``scan_dg``: dg's reverse cumsum by a
+    scan; ``wide_stores``: dv, dq and dk out through a dead shared tile in 16-byte stores; each off is its A/B,
+    ``backward.chunk_grad_options`` sets them; module docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do     [1, T, Hv, V]    io dtype
@@ -93,11 +96,6 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     C = CHUNK
     # <dS', S> is folded onto the chunk's 64 rows (V's two halves added) and totalled by the last reduction
     assert V == 2 * CHUNK, "the kernel is written for V = 128"
-    assert threads in (128, 256, 512), threads
-    # the batches' extra accumulators do not fit beside one warpgroup's 252 registers
-    assert not batched or threads >= 256, "batched GEMMs need 256 or 512 threads"
-    assert not row_factors or batched, "row factors are written for the batched build"
-    assert not wide_stores or batched, "wide stores are written for the batched build"
     group = Hv // Hqk
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
@@ -117,8 +115,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
     def gam_at(gmat, i, j):
         return gmat[i, j] if row_factors else T.exp2((gmat[i] - gmat[j]) * LOG2E)
 
-    # element-wise steps both builds run, each right after the GEMM that feeds it (the batched build issues the
-    # GEMMs in another order and into other accumulators; the steps are the same)
+    # the element-wise steps, each after the batch of GEMMs that feeds it
     @T.macro
     def w_and_gamma_ks(cv_f, v_s, w_s, gam):
         # cv_f holds K S: W = V - diag(gamma) K S to w_s, and diag(gamma) K S over V in v_s
@@ -155,9 +152,9 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 out[0, t0 + i, h, j] = tile_s[i, j]
 
     @T.macro
-    def dw_terms(cv_f, prod_f, v_s, w_s, gam, dv, t0, n_rows, h, onto_prod, dvn_s):
+    def dw_terms(cv_f, prod_f, v_s, w_s, gam, dv, t0, n_rows, h, dvn_s):
         # cv_f holds dW = dV: written out (with ``wide_stores`` through dVn's tile, dead by now); -gamma_i <dW_i,
-        # KS_i>'s products into prod_f (onto what it holds, or fresh); -gamma ⊙ dW to w_s for dk
+        # KS_i>'s products onto prod_f; -gamma ⊙ dW to w_s for dk
         if wide_stores:
             store_through(cv_f, dvn_s, dv, t0, n_rows, h)
         else:
@@ -165,10 +162,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 if i < n_rows:
                     dv[0, t0 + i, h, j] = T.cast(cv_f[i, j], io_dtype)
         for i, j in T.Parallel(C, V):
-            if onto_prod:
-                prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
-            else:
-                prod_f[i, j] = -cv_f[i, j] * T.cast(v_s[i, j], acc)
+            prod_f[i, j] = prod_f[i, j] - cv_f[i, j] * T.cast(v_s[i, j], acc)
             w_s[i, j] = T.cast(-cv_f[i, j] * gamma_at(gam, i), io_dtype)
 
     @T.macro
@@ -228,7 +222,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
         dg: T.Tensor((1, num_tokens, Hv), "float32"),
         dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
     ):
-        with T.Kernel(num_slots, Hv, threads=threads) as (slot, h):
+        with T.Kernel(num_slots, Hv, threads=THREADS) as (slot, h):
             hq = h // group
             t0 = bounds[slot, 0]
             n_rows = bounds[slot, 1]
@@ -269,11 +263,11 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 gam_f = T.alloc_fragment((C,), acc)
                 dec_f = T.alloc_fragment((C,), acc)
                 gmat_f = T.alloc_fragment((C, C), acc)
-            if batched:  # the accumulators of GEMMs issued together
-                cv2_f = T.alloc_fragment((C, V), acc)
-                kd_f = T.alloc_fragment((C, V), acc)
-                dk_f = T.alloc_fragment((C, K), acc)
-                cc2_f = T.alloc_fragment((C, C), acc)
+            # the accumulators of GEMMs issued together
+            cv2_f = T.alloc_fragment((C, V), acc)
+            kd_f = T.alloc_fragment((C, V), acc)
+            dk_f = T.alloc_fragment((C, K), acc)
+            cc2_f = T.alloc_fragment((C, C), acc)
             ck_f = T.alloc_fragment((C, K), acc)
             cc_f = T.alloc_fragment((C, C), acc)
             kk_f = T.alloc_fragment((C, C), acc)
@@ -317,133 +311,77 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, threads: 
                 T.reduce_sum(prod_f, red_f, dim=1)
                 T.copy(red_f, sd_s)
 
-                if batched:
-                    # A: every product of loaded tiles alone, issued together
-                    T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
-                    T.wgmma_gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
-                    T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
-                    T.wgmma_gemm(do_s, st_s, ck_f, clear_accum=True)  # dO S^T
-                    T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
-                    T.wait_wgmma(0)
-                    if row_factors:  # the factors once; without them the helpers read g~ itself
-                        for i in T.Parallel(C):
-                            gam_f[i] = T.exp2(gc_s[i] * LOG2E)
-                            dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                        for i, j in T.Parallel(C, C):
-                            gmat_f[i, j] = T.exp2((gc_s[i] - gc_s[j]) * LOG2E)
-                    w_and_gamma_ks(cv_f, v_s, w_s, gam_f if row_factors else gc_s)
-                    gated_p(cc_f, p_s, gmat_f if row_factors else gc_s, scale)
-                    for i, j in T.Parallel(C, V):
-                        kd_f[i, j] = kd_f[i, j] * decay_at(dec_f if row_factors else gc_s, i)
-                    # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
-                    for i, j in T.Parallel(C, K):
-                        ck_f[i, j] = ck_f[i, j] * scale * gamma_at(gam_f if row_factors else gc_s, i)
-                        prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
+                # A: every product of loaded tiles alone, issued together
+                T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
+                T.wgmma_gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
+                T.wgmma_gemm(do_s, st_s, ck_f, clear_accum=True)  # dO S^T
+                T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
+                T.wait_wgmma(0)
+                if row_factors:  # the factors once; without them the helpers read g~ itself
+                    for i in T.Parallel(C):
+                        gam_f[i] = T.exp2(gc_s[i] * LOG2E)
+                        dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                    for i, j in T.Parallel(C, C):
+                        gmat_f[i, j] = T.exp2((gc_s[i] - gc_s[j]) * LOG2E)
+                w_and_gamma_ks(cv_f, v_s, w_s, gam_f if row_factors else gc_s)
+                gated_p(cc_f, p_s, gmat_f if row_factors else gc_s, scale)
+                for i, j in T.Parallel(C, V):
+                    kd_f[i, j] = kd_f[i, j] * decay_at(dec_f if row_factors else gc_s, i)
+                # dQ's state term, scale diag(gamma) dO S^T, and the gate's <q_i, scale gamma_i (dO S^T)_i>
+                for i, j in T.Parallel(C, K):
+                    ck_f[i, j] = ck_f[i, j] * scale * gamma_at(gam_f if row_factors else gc_s, i)
+                    prod_f[i, j] = ck_f[i, j] * T.cast(q_s[i, j], acc)
 
-                    # B: Vn = Ag W and P^T dO; then dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
-                    T.wgmma_gemm(ag_s, w_s, cv_f, clear_accum=True)
-                    T.wgmma_gemm(p_s, do_s, cv2_f, transpose_A=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.copy(cv_f, vn_s)
-                    for i, j in T.Parallel(C, V):
-                        cv_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
-                        dvn_s[i, j] = T.cast(kd_f[i, j] + cv2_f[i, j], io_dtype)
-                    T.reduce_sum(cv_f, red_f, dim=1)
-                    T.copy(red_f, tdec_s)
+                # B: Vn = Ag W and P^T dO; then dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
+                T.wgmma_gemm(ag_s, w_s, cv_f, clear_accum=True)
+                T.wgmma_gemm(p_s, do_s, cv2_f, transpose_A=True, clear_accum=True)
+                T.wait_wgmma(0)
+                T.copy(cv_f, vn_s)
+                for i, j in T.Parallel(C, V):
+                    cv_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
+                    dvn_s[i, j] = T.cast(kd_f[i, j] + cv2_f[i, j], io_dtype)
+                T.reduce_sum(cv_f, red_f, dim=1)
+                T.copy(red_f, tdec_s)
 
-                    # C: dAg = dVn W^T, dW = Ag^T dVn, dP = dO Vn^T
-                    T.wgmma_gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f if row_factors else gc_s, red_c, db1_s)
-                    # prod_f holds dQ's term
-                    dw_terms(cv_f, prod_f, v_s, w_s, gam_f if row_factors else gc_s, dv, t0, n_rows, h, True, dvn_s)
-                    T.reduce_sum(prod_f, red_f, dim=1)
-                    T.copy(red_f, tqw_s)
-                    dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f if row_factors else gc_s, red_r, red_c, xr_s,
-                             xc_s, scale)
+                # C: dAg = dVn W^T, dW = Ag^T dVn, dP = dO Vn^T
+                T.wgmma_gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(do_s, vn_s, cc2_f, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gmat_f if row_factors else gc_s, red_c, db1_s)
+                # prod_f holds dQ's term
+                dw_terms(cv_f, prod_f, v_s, w_s, gam_f if row_factors else gc_s, dv, t0, n_rows, h, dvn_s)
+                T.reduce_sum(prod_f, red_f, dim=1)
+                T.copy(red_f, tqw_s)
+                dp_terms(cc2_f, x_f, p_s, dqk_s, vn_s, gc_s, gmat_f if row_factors else gc_s, red_r, red_c, xr_s,
+                         xc_s, scale)
 
-                    # D: dQ += dQK K; A^T dA; dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T (one accumulator)
-                    T.wgmma_gemm(dqk_s, k_s, ck_f)
-                    T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(dqk_s, q_s, dk_f, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(w_s, st_s, dk_f)
-                    T.wgmma_gemm(vn_s, ds_s, dk_f)
-                    T.wait_wgmma(0)
-                    if wide_stores:  # dO's tile is dead since batch C
-                        store_through(ck_f, do_s, dq, t0, n_rows, h)
-                    else:
-                        store_rows(ck_f, dq, t0, n_rows, h)
-                    T.copy(cc_f, y_s)
-
-                    # E: dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
-                    T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-                    dl_terms(cc_f, prodc_f, kk_f, dkk_s, beta_s, red_r, db2_s)
-
-                    # F: dK += dKK K + dKK^T K
-                    T.wgmma_gemm(dkk_s, k_s, dk_f)
-                    T.wgmma_gemm(dkk_s, k_s, dk_f, transpose_A=True)
-                    T.wait_wgmma(0)
-                    if wide_stores:  # Q's tile is dead since batch D
-                        store_through(dk_f, q_s, dk, t0, n_rows, h)
-                    else:
-                        store_rows(dk_f, dk, t0, n_rows, h)
+                # D: dQ += dQK K; A^T dA; dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T (one accumulator)
+                T.wgmma_gemm(dqk_s, k_s, ck_f)
+                T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(dqk_s, q_s, dk_f, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(w_s, st_s, dk_f)
+                T.wgmma_gemm(vn_s, ds_s, dk_f)
+                T.wait_wgmma(0)
+                if wide_stores:  # dO's tile is dead since batch C
+                    store_through(ck_f, do_s, dq, t0, n_rows, h)
                 else:
-                    # ---- the forward's tiles again: W = V - diag(gamma) K S, Vn = Ag W, P
-                    T.gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)
-                    w_and_gamma_ks(cv_f, v_s, w_s, gc_s)
-                    T.gemm(ag_s, w_s, cv_f, clear_accum=True)
-                    T.copy(cv_f, vn_s)
-                    T.gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)
-                    gated_p(cc_f, p_s, gc_s, scale)
-
-                    # ---- dVn = diag(d) K dS' + P^T dO, with the gate's d_i <(K dS')_i, Vn_i>
-                    T.gemm(k_s, ds_s, cv_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, V):
-                        cv_f[i, j] = cv_f[i, j] * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                        prod_f[i, j] = cv_f[i, j] * T.cast(vn_s[i, j], acc)
-                    T.reduce_sum(prod_f, red_f, dim=1)
-                    T.copy(red_f, tdec_s)
-                    T.gemm(p_s, do_s, cv_f, transpose_A=True)
-                    T.copy(cv_f, dvn_s)
-
-                    # ---- dAg = (dVn W^T) lower; E = dAg ⊙ Gam; dA = E ⊙ beta_j; dbeta's first sum; the gate's E terms
-                    T.gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)
-                    e_terms(cc_f, prodc_f, x_f, a_s, da_s, beta_s, gc_s, red_c, db1_s)
-
-                    # ---- dV = dW = Ag^T dVn, with the gate's gamma_i <dW_i, KS_i>; then -gamma ⊙ dW for dk
-                    T.gemm(ag_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
-                    dw_terms(cv_f, prod_f, v_s, w_s, gc_s, dv, t0, n_rows, h, False, dvn_s)
-
-                    # ---- dP = (dO Vn^T) lower, the gate's P ⊙ dP terms, dQK = scale Gam ⊙ dP; then d ⊙ Vn for dk
-                    T.gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
-                    dp_terms(cc_f, x_f, p_s, dqk_s, vn_s, gc_s, gc_s, red_r, red_c, xr_s, xc_s, scale)
-
-                    # ---- dQ = scale diag(gamma) dO S^T + dQK K, with the gate's <q_i, scale gamma_i (dO S^T)_i>
-                    T.gemm(do_s, st_s, ck_f, clear_accum=True)
-                    for i, j in T.Parallel(C, K):
-                        ck_f[i, j] = ck_f[i, j] * scale * T.exp2(gc_s[i] * LOG2E)
-                        prod_f[i, j] = prod_f[i, j] + ck_f[i, j] * T.cast(q_s[i, j], acc)
-                    T.reduce_sum(prod_f, red_f, dim=1)
-                    T.copy(red_f, tqw_s)
-                    T.gemm(dqk_s, k_s, ck_f)
                     store_rows(ck_f, dq, t0, n_rows, h)
+                T.copy(cc_f, y_s)
 
-                    # ---- dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
-                    T.gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
-                    T.copy(cc_f, y_s)
-                    T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-                    T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                    dl_terms(cc_f, prodc_f, kk_f, dkk_s, beta_s, red_r, db2_s)
+                # E: dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
+                T.gemm(y_s, a_s, cc_f, transpose_B=True, clear_accum=True)
+                dl_terms(cc_f, prodc_f, kk_f, dkk_s, beta_s, red_r, db2_s)
 
-                    # ---- dK = dQK^T Q - (gamma ⊙ dW) S^T + (d ⊙ Vn) dS'^T + dKK K + dKK^T K
-                    T.gemm(dqk_s, q_s, ck_f, transpose_A=True, clear_accum=True)
-                    T.gemm(w_s, st_s, ck_f)
-                    T.gemm(vn_s, ds_s, ck_f)
-                    T.gemm(dkk_s, k_s, ck_f)
-                    T.gemm(dkk_s, k_s, ck_f, transpose_A=True)
-                    store_rows(ck_f, dk, t0, n_rows, h)
+                # F: dK += dKK K + dKK^T K
+                T.wgmma_gemm(dkk_s, k_s, dk_f)
+                T.wgmma_gemm(dkk_s, k_s, dk_f, transpose_A=True)
+                T.wait_wgmma(0)
+                if wide_stores:  # Q's tile is dead since batch D
+                    store_through(dk_f, q_s, dk, t0, n_rows, h)
+                else:
+                    store_rows(dk_f, dk, t0, n_rows, h)
                 # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them)
                 if scan_dg:
                     # row 0: dg~, whose reverse cumsum is the first part; row 1: the g~_last terms per token,

@@ -90,7 +90,6 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common") if v[0].endswith(",reverse]"))
     options = backward.chunk_grad_options()
-    threads = options.pop("threads")
     for v in backward_variants(Hqk, Hv, K, V, dtype):
         name, builder, kw = v
         if builder == "chunk_grad":
@@ -102,14 +101,13 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             wanted = True
         if wanted:
             yield v
-    yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, threads, tuple(f for f, on in options.items() if on))
+    yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, tuple(f for f, on in options.items() if on))
 
 
-def _chunk_grad_variant(Hqk, Hv, K, V, dtype, threads, flags) -> Variant:
-    tags = dict(batched="batched", async_loads="async", row_factors="rows", scan_dg="scan", wide_stores="wide")
-    name = f"chunk_grad[{Hqk}/{Hv},{dtype},threads={threads}" + "".join("," + tags[f] for f in flags) + "]"
-    return name, "chunk_grad", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, threads=threads,
-                                    **dict.fromkeys(flags, True))
+def _chunk_grad_variant(Hqk, Hv, K, V, dtype, flags) -> Variant:
+    tags = dict(async_loads="async", row_factors="rows", scan_dg="scan", wide_stores="wide")
+    name = f"chunk_grad[{Hqk}/{Hv},{dtype}" + "".join("," + tags[f] for f in flags) + "]"
+    return name, "chunk_grad", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, **dict.fromkeys(flags, True))
 
 
 def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16") -> Iterator[Variant]:
@@ -140,15 +138,12 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                         precise=True))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    # chunk_grad: the default (four warpgroups, GEMMs issued in batches, tiles by cp.async, row factors in registers,
-    # dg by a scan, 16-byte stores: backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-
-    # staged loads, per-element factors, dg by a masked sum, 4-byte stores, each GEMM waited on (which also drops the
-    # row factors and wide stores, written for the batched build), two warpgroups, one warpgroup (never batched)
-    default = ("batched", "async_loads", "row_factors", "scan_dg", "wide_stores")
-    for threads, flags in ((512, default), *((512, tuple(f for f in default if f != off)) for off in default[1:]),
-                           (512, ("async_loads", "scan_dg")), (256, ("batched", "row_factors", "scan_dg", "wide_stores")),
-                           (128, ("scan_dg",))):
-        yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, threads, flags)
+    # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
+    # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
+    # factors, dg by a masked sum, 4-byte stores
+    default = ("async_loads", "row_factors", "scan_dg", "wide_stores")
+    for flags in (default, *(tuple(f for f in default if f != off) for off in default)):
+        yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, flags)
 
 
 def build(builder: str, kwargs: dict):
