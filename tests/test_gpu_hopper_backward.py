@@ -341,6 +341,25 @@ def test_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
         assert torch.equal(a, b), f"{name} ({SAME_BITS[switch]})"
 
 
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=1, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70),
+                                  dict(seqlens=[1000], Hqk=2, Hv=4, gate="normal")])
+def test_pair_sums_give_the_group_sum_bits(opts, monkeypatch, cuda):
+    """``chunk_grad`` adding the two value heads' dq and dk by atomics (backward.CHUNK_GRAD_PAIR_SUMS, an A/B, for
+    two value heads per qk head) against the per-value-head outputs and the host's group sum: every gradient the
+    same values (two addends onto zero round once, as the float32 sum cast to bf16 does; torch.equal, which takes
+    -0 for 0), the same bits again on a rerun (atomics in any order), zero past the padded tail's start, on the bars."""
+    rerun, summed, paired, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_PAIR_SUMS", True, base=False)
+    for name, a, b in zip(GRADIENTS, summed, paired):
+        assert torch.equal(a, b), name
+    again = rerun()
+    for name, a, b in zip(GRADIENTS, paired, again):
+        assert torch.equal(a, b), f"{name}: not deterministic"
+    if opts.get("pad"):
+        assert not paired[0][:, -opts["pad"]:].any() and not paired[1][:, -opts["pad"]:].any()
+    _assert_on_the_bars(paired, want())
+
+
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
 def test_chunk_grad_dg_scan_matches_the_masked_sum(opts, monkeypatch, cuda):

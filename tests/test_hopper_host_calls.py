@@ -213,3 +213,35 @@ def test_precise_mode_reaches_every_loop_of_the_backward(checked_kernels, monkey
     with pytest.raises(NotImplementedError, match="bfloat16"):
         hopper_backward(q.half(), k.half(), v.half(), g, beta, do.half(), None, 0.1, h0, cu, False, plan, cu.clone())
     assert checked_kernels == []
+
+
+def test_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
+    """With pair sums (backward.CHUNK_GRAD_PAIR_SUMS) and two value heads per qk head, chunk_grad writes dq and dk
+    per qk head into zeroed outputs (the kernel adds into them), and they come back without a group sum; other
+    groups keep the per-value-head outputs."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "CHUNK_GRAD_PAIR_SUMS", True)
+    seen = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):
+        out = real_zeros(*args, **kwargs)
+        seen.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(backward.torch, "zeros", zeros)
+    for heads in ((2, 4), (2, 8)):
+        inp = make_inputs(Hqk=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, seqlens=[300, 70])
+        q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        do = torch.randn(v.shape).to(torch.bfloat16)
+        seen.clear()
+        cu = inp["cu_seqlens"]
+        dq, dk, *_ = backward.hopper_backward(q, k, v, g, beta, do, None, 0.1, h0, cu, False, None, cu.clone())
+        assert dq.shape == q.shape and dk.shape == k.shape
+        T = q.shape[1]
+        per_qk = (1, T, heads[0], 128)
+        if heads[1] == 2 * heads[0]:
+            assert seen.count(per_qk) == 2, seen  # dq and dk, zeroed for the atomics
+        else:
+            assert per_qk not in seen, seen

@@ -51,6 +51,12 @@ CHUNK_GRAD_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_SCAN_DG", "1") =
 #: ``gpu-suite-v0.7b.log``): the default. FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES=0 turns it off.
 CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES", "1") == "1"
 
+#: ``chunk_grad`` adding dq and dk into one zeroed [T, Hqk, K] output with bf16x2 atomics when each qk head has
+#: two value heads, instead of writing them per value head for a group sum after it (``chunk_grad.py``): two
+#: addends onto zero give RN(a + b) in either order, the same bits as the sum (deterministic), without the sum's
+#: pass and its 2 x [T, Hv, K] buffers; an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1.
+CHUNK_GRAD_PAIR_SUMS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS", "0") == "1"
+
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
 #: stall samples, and the states pass at 2.4x the time of the same loop without them). On the H200 the states pass
@@ -59,11 +65,11 @@ CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES"
 STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1") == "1"
 
 
-def chunk_grad_options() -> dict:
-    """``build_chunk_grad``'s options as the switches above set them (what the backward builds, and what
-    ``variants.training_variants`` precompiles)."""
+def chunk_grad_options(group: int = 1) -> dict:
+    """``build_chunk_grad``'s options as the switches above set them for qk heads of ``group`` value heads (what the
+    backward builds, and what ``variants.training_variants`` precompiles); pair sums only for groups of two."""
     return dict(async_loads=CHUNK_GRAD_ASYNC_LOADS, row_factors=CHUNK_GRAD_ROW_FACTORS, scan_dg=CHUNK_GRAD_SCAN_DG,
-                wide_stores=CHUNK_GRAD_WIDE_STORES)
+                wide_stores=CHUNK_GRAD_WIDE_STORES, pair_sums=CHUNK_GRAD_PAIR_SUMS and group == 2)
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
@@ -200,17 +206,20 @@ class HopperBackwardStages:
         tail = cu_cpu is None or int(cu_cpu[-1]) < TT
         alloc = torch.zeros if tail else torch.empty
         # dq and dk per value head in the io dtype (half of float32's memory; +0.4e-3 on their error,
-        # benchmarks/numerics_backward.py), returned as [1, T, Hqk, group, K] for finish_gradients to sum
+        # benchmarks/numerics_backward.py), returned as [1, T, Hqk, group, K] for finish_gradients to sum; with
+        # pair sums, per qk head (a group of one for finish_gradients), zeroed for the kernel's atomics
+        group = Hv // Hqk
+        options = chunk_grad_options(group)
+        heads, per = (Hqk, 1) if options["pair_sums"] else (Hv, group)
         dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
-        dq = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
-        dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
+        dq = (torch.zeros if options["pair_sums"] else alloc)((1, TT, heads, K), dtype=q.dtype, device=dev)
+        dk = (torch.zeros if options["pair_sums"] else alloc)((1, TT, heads, K), dtype=q.dtype, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), **chunk_grad_options())(
+        build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), **options)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
-        group = Hv // Hqk
-        return dq.view(1, TT, Hqk, group, K), dk.view(1, TT, Hqk, group, K), dv, dg, dbeta
+        return dq.view(1, TT, Hqk, per, K), dk.view(1, TT, Hqk, per, K), dv, dg, dbeta
 
     def finish_gradients(self, grads):
         """dq and dk summed over each qk head's group of value heads; the stage-1 tensors kept for the three stages

@@ -44,6 +44,12 @@ shared memory (TileLang's ``T.cumsum``; the second row carries the g~_last terms
 cumsum at 0) instead of a [C, C] masked sum and a cross-warp reduction (that phase was ~6% of the stall samples
 at v0.6). The sums run in another order, so dg differs from the masked sum's in float32 rounding only. Measured:
 0.98x-0.99x the time of the masked sum.
+With ``pair_sums`` (an A/B, ``backward.CHUNK_GRAD_PAIR_SUMS``, two value heads per qk head) dq and dk are added
+into one zeroed [T, Hqk, K] output by bf16x2 atomics (``red.add.bf16x2``) straight from the accumulators, instead
+of written per value head for the host's group sum: two addends onto zero give RN(a + b) in either order, so the
+result is deterministic and the same bits as the sum's. All 64 rows of the tile are added (TileLang keeps the
+tensor's end): a chunk's rows past its sequence's end come out exactly zero in dq and dk (stage 1 makes A the
+identity and Ag zero there, and q, k, v, dO, beta are zero), and adding a zero changes no value.
 With ``wide_stores`` (the default, ``backward.CHUNK_GRAD_WIDE_STORES``) dv, dq and dk go to a shared
 tile that is dead by then (dVn's, dO's, Q's: TileLang's stmatrix), and from there out in 16-byte stores, instead of
 from the accumulators' layout in 4-byte ones (400 store instructions per CTA, and LG-queue stalls ~8% of the
@@ -69,10 +75,12 @@ THREADS = 512
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loads: bool = False,
-                     row_factors: bool = False, scan_dg: bool = False, wide_stores: bool = False):
+                     row_factors: bool = False, scan_dg: bool = False, wide_stores: bool = False,
+                     pair_sums: bool = False):
     """Compile (or load) the kernel (``async_loads``: the eight tiles by cp.async, all in flight at once;
     ``row_factors``: gamma_i and d_i computed once per row into registers; ``scan_dg``: dg's reverse cumsum by a
-    scan; ``wide_stores``: dv, dq and dk out through a dead shared tile in 16-byte stores; each off is its A/B,
+    scan; ``wide_stores``: dv, dq and dk out through a dead shared tile in 16-byte stores; each off is its A/B;
+    ``pair_sums``, for two value heads per qk head: dq and dk added into one zeroed output per qk head by atomics;
     ``backward.chunk_grad_options`` sets them; module docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -87,7 +95,8 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
       scale     float32
       dv        [1, T, Hv, V]    io dtype, written
       dq, dk    [1, T, Hv, K]    io dtype, written: per value head (summed over a group by the caller with
-                                 float32 accumulation, as FlashQLA does with its bf16 per-head dq/dk)
+                                 float32 accumulation, as FlashQLA does with its bf16 per-head dq/dk); with
+                [1, T, Hqk, K]   ``pair_sums``: zeroed by the caller, each value head's rows added to its qk head's
       dg, dbeta [1, T, Hv]       float32, written
     """
     import tilelang
@@ -97,6 +106,8 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
     # <dS', S> is folded onto the chunk's 64 rows (V's two halves added) and totalled by the last reduction
     assert V == 2 * CHUNK, "the kernel is written for V = 128"
     group = Hv // Hqk
+    # two addends onto zero round to RN(a + b) in either order; a third would round in arrival order
+    assert not pair_sums or group == 2, "pair sums are for two value heads per qk head"
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
     slot_rows = T.dynamic("slot_rows")
@@ -217,8 +228,8 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
         ds_end: T.Tensor((num_slots, Hv, V, K), io_dtype),
         scale: T.float32,
         dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
-        dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dq: T.Tensor((1, num_tokens, Hqk if pair_sums else Hv, K), io_dtype),
+        dk: T.Tensor((1, num_tokens, Hqk if pair_sums else Hv, K), io_dtype),
         dg: T.Tensor((1, num_tokens, Hv), "float32"),
         dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
     ):
@@ -364,7 +375,9 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
                 T.wgmma_gemm(w_s, st_s, dk_f)
                 T.wgmma_gemm(vn_s, ds_s, dk_f)
                 T.wait_wgmma(0)
-                if wide_stores:  # dO's tile is dead since batch C
+                if pair_sums:
+                    T.atomic_add(dq[0, t0:t0 + C, hq, :], ck_f)
+                elif wide_stores:  # dO's tile is dead since batch C
                     store_through(ck_f, do_s, dq, t0, n_rows, h)
                 else:
                     store_rows(ck_f, dq, t0, n_rows, h)
@@ -378,7 +391,9 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
                 T.wgmma_gemm(dkk_s, k_s, dk_f)
                 T.wgmma_gemm(dkk_s, k_s, dk_f, transpose_A=True)
                 T.wait_wgmma(0)
-                if wide_stores:  # Q's tile is dead since batch D
+                if pair_sums:
+                    T.atomic_add(dk[0, t0:t0 + C, hq, :], dk_f)
+                elif wide_stores:  # Q's tile is dead since batch D
                     store_through(dk_f, q_s, dk, t0, n_rows, h)
                 else:
                     store_rows(dk_f, dk, t0, n_rows, h)

@@ -89,7 +89,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield from serving_variants(Hqk, Hv, K, V, dtype, flags)
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common") if v[0].endswith(",reverse]"))
-    options = backward.chunk_grad_options()
+    options = backward.chunk_grad_options(Hv // Hqk)
     for v in backward_variants(Hqk, Hv, K, V, dtype):
         name, builder, kw = v
         if builder == "chunk_grad":
@@ -105,7 +105,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
 
 
 def _chunk_grad_variant(Hqk, Hv, K, V, dtype, flags) -> Variant:
-    tags = dict(async_loads="async", row_factors="rows", scan_dg="scan", wide_stores="wide")
+    tags = dict(async_loads="async", row_factors="rows", scan_dg="scan", wide_stores="wide", pair_sums="pairs")
     name = f"chunk_grad[{Hqk}/{Hv},{dtype}" + "".join("," + tags[f] for f in flags) + "]"
     return name, "chunk_grad", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, **dict.fromkeys(flags, True))
 
@@ -140,10 +140,12 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
     # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
-    # factors, dg by a masked sum, 4-byte stores
+    # factors, dg by a masked sum, 4-byte stores; and for two value heads per qk head, dq and dk summed by atomics
     default = ("async_loads", "row_factors", "scan_dg", "wide_stores")
     for flags in (default, *(tuple(f for f in default if f != off) for off in default)):
         yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, flags)
+    if Hv == 2 * Hqk:
+        yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, default + ("pair_sums",))
 
 
 def build(builder: str, kwargs: dict):
