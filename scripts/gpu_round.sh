@@ -2,7 +2,7 @@
 # One GPU call that checks the current state and measures the backward, logging into OUTDIR (at most 8 files):
 #   source .device/setup.sh && tar -xJf .device/kcache.tar.xz -C "$TILELANG_CACHE_DIR" && scripts/gpu_round.sh "$OUT"
 # 1. the whole GPU suite (gpu-suite.log; scripts/gpu_steps.sh: gpu_suite);
-# 2. where one training step's peak memory is (memory-peak*; gpu_steps.sh: memory_peaks);
+# 2. where one training step's peak memory is (memory-peak*; gpu_steps.sh: memory_peaks; and with pair sums);
 # 3. the backward's stage timings with their A/B columns (stages.json, stages.log; stage_timing.py --backward-only).
 # Every step has a time limit, so the call ends inside ten minutes, and later steps run when a test fails.
 set -uo pipefail
@@ -14,6 +14,10 @@ export PYTHONUNBUFFERED=1
 . scripts/gpu_steps.sh
 gpu_suite "$out" "${GPU_ROUND_TEST_S:-330}"
 memory_peaks "$out"
+# the pair-sums A/B's peak (backward.CHUNK_GRAD_PAIR_SUMS: no per-value-head dq, dk), beside memory-peak-off.json
+FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1 timeout 60 python3 benchmarks/memory_peak.py --heads 16/32 --seqlens 32768 \
+  --cp off --out "$out/memory-peak-pairs.json" >> "$out/memory-peak.log" 2>&1
+echo "# exit status $? (pair sums)" >> "$out/memory-peak.log"
 
 timeout "${GPU_ROUND_STAGES_S:-110}" python3 benchmarks/stage_timing.py --loops rs --backward-only \
   --out "$out/stages.json" > "$out/stages.log" 2>&1
