@@ -15,9 +15,7 @@ export PYTHONUNBUFFERED=1
 gpu_suite "$out" "${GPU_ROUND_TEST_S:-330}"
 memory_peaks "$out"
 # the pair-sums A/B's peak (backward.CHUNK_GRAD_PAIR_SUMS: no per-value-head dq, dk), beside memory-peak-off.json
-FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1 timeout 60 python3 benchmarks/memory_peak.py --heads 16/32 --seqlens 32768 \
-  --cp off --out "$out/memory-peak-pairs.json" >> "$out/memory-peak.log" 2>&1
-echo "# exit status $? (pair sums)" >> "$out/memory-peak.log"
+FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1 memory_peak "$out" pairs off
 
 timeout "${GPU_ROUND_STAGES_S:-110}" python3 benchmarks/stage_timing.py --loops rs --backward-only \
   --out "$out/stages.json" > "$out/stages.log" 2>&1

@@ -13,13 +13,19 @@ gpu_suite() {
   echo "# exit status $?" >> "$out/gpu-suite.log"
 }
 
-# Where one training step's peak memory is, 16/32 32768x1 with and without CP (memory-peak.log,
-# memory-peak-{auto,off}.json; benchmarks/memory_peak.py).
+# Where one training step's peak memory is, 16/32 32768x1 with CP as CP says (memory-peak-NAME.json, appended to
+# memory-peak.log; benchmarks/memory_peak.py), under the environment the caller gives it.
+memory_peak() {
+  local out=$1 name=$2 cp=$3
+  timeout 60 python3 benchmarks/memory_peak.py --heads 16/32 --seqlens 32768 --cp "$cp" \
+    --out "$out/memory-peak-$name.json" >> "$out/memory-peak.log" 2>&1
+  echo "# exit status $? ($name)" >> "$out/memory-peak.log"
+}
+
+# The same with and without CP (memory-peak-{auto,off}.json).
 memory_peaks() {
   local out=$1 cp
   for cp in auto off; do
-    timeout 60 python3 benchmarks/memory_peak.py --heads 16/32 --seqlens 32768 --cp "$cp" \
-      --out "$out/memory-peak-$cp.json" >> "$out/memory-peak.log" 2>&1
-    echo "# exit status $?" >> "$out/memory-peak.log"
+    memory_peak "$out" "$cp" "$cp"
   done
 }

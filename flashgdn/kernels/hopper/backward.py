@@ -210,10 +210,10 @@ class HopperBackwardStages:
         # pair sums, per qk head (a group of one for finish_gradients), zeroed for the kernel's atomics
         group = Hv // Hqk
         options = chunk_grad_options(group)
-        heads, per = (Hqk, 1) if options["pair_sums"] else (Hv, group)
+        heads, per, alloc_qk = (Hqk, 1, torch.zeros) if options["pair_sums"] else (Hv, group, alloc)
         dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
-        dq = (torch.zeros if options["pair_sums"] else alloc)((1, TT, heads, K), dtype=q.dtype, device=dev)
-        dk = (torch.zeros if options["pair_sums"] else alloc)((1, TT, heads, K), dtype=q.dtype, device=dev)
+        dq = alloc_qk((1, TT, heads, K), dtype=q.dtype, device=dev)
+        dk = alloc_qk((1, TT, heads, K), dtype=q.dtype, device=dev)
         dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
         build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), **options)(

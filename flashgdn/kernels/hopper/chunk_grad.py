@@ -213,6 +213,17 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
             if i < n_rows:
                 out[0, t0 + i, h, j] = T.cast(f[i, j], io_dtype)
 
+    @T.macro
+    def store_qk_grad(f, tile_s, out, t0, n_rows, h, hq):
+        # dq or dk: added into its qk head's rows (pair sums), else this value head's rows, through ``tile_s`` (a
+        # tile no longer read) with wide stores
+        if pair_sums:
+            T.atomic_add(out[0, t0:t0 + C, hq, :], f)
+        elif wide_stores:
+            store_through(f, tile_s, out, t0, n_rows, h)
+        else:
+            store_rows(f, out, t0, n_rows, h)
+
     @T.prim_func
     def chunk_grad_kernel(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
@@ -375,12 +386,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
                 T.wgmma_gemm(w_s, st_s, dk_f)
                 T.wgmma_gemm(vn_s, ds_s, dk_f)
                 T.wait_wgmma(0)
-                if pair_sums:
-                    T.atomic_add(dq[0, t0:t0 + C, hq, :], ck_f)
-                elif wide_stores:  # dO's tile is dead since batch C
-                    store_through(ck_f, do_s, dq, t0, n_rows, h)
-                else:
-                    store_rows(ck_f, dq, t0, n_rows, h)
+                store_qk_grad(ck_f, do_s, dq, t0, n_rows, h, hq)  # dO's tile is dead since batch C
                 T.copy(cc_f, y_s)
 
                 # E: dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
@@ -391,12 +397,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
                 T.wgmma_gemm(dkk_s, k_s, dk_f)
                 T.wgmma_gemm(dkk_s, k_s, dk_f, transpose_A=True)
                 T.wait_wgmma(0)
-                if pair_sums:
-                    T.atomic_add(dk[0, t0:t0 + C, hq, :], dk_f)
-                elif wide_stores:  # Q's tile is dead since batch D
-                    store_through(dk_f, q_s, dk, t0, n_rows, h)
-                else:
-                    store_rows(dk_f, dk, t0, n_rows, h)
+                store_qk_grad(dk_f, q_s, dk, t0, n_rows, h, hq)  # Q's tile is dead since batch D
                 # ---- dg = reverse cumsum of dg~ over the chunk, plus the g~_last terms (every token gets them)
                 if scan_dg:
                     # row 0: dg~, whose reverse cumsum is the first part; row 1: the g~_last terms per token,

@@ -90,17 +90,15 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common") if v[0].endswith(",reverse]"))
     options = backward.chunk_grad_options(Hv // Hqk)
+    precise = forward.PRECISE and dtype == "bfloat16"
     for v in backward_variants(Hqk, Hv, K, V, dtype):
-        name, builder, kw = v
-        if builder == "chunk_grad":
+        builder, kw = v[1], v[2]
+        if builder == "chunk_grad":  # the one build the options give, below
             continue
-        elif builder in ("chunk_forward_rs", "state_grad_walk"):
-            wanted = kw["staged_stores"] == backward.STAGED_STATE_STORES and kw.get("precise", False) == (
-                forward.PRECISE and dtype == "bfloat16")
-        else:
-            wanted = True
-        if wanted:
-            yield v
+        if builder in ("chunk_forward_rs", "state_grad_walk") and (
+                kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise):
+            continue
+        yield v
     yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, tuple(f for f, on in options.items() if on))
 
 
@@ -115,27 +113,20 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     loop storing every chunk's start state), stage 1 storing the ungated inverse too, the state-gradient walk and
     the per-chunk gradients, each with and without its optional input."""
     # the states pass and the walk with their stores staged through shared memory (the default,
-    # backward.STAGED_STATE_STORES) and with element-wise stores (its A/B)
-    for staged in (True, False):
-        tag = ",staged" if staged else ""
+    # backward.STAGED_STATE_STORES), with element-wise stores (its A/B), and in the precise mode with the default
+    # stores (forward.PRECISE, bf16 only)
+    modes = [(True, False), (False, False)] + [(True, True)] * (dtype == "bfloat16")
+    for staged, precise in modes:
+        tag = ",staged" * staged + ",precise" * precise
         for has_h0 in (True, False):
             yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}{tag}]", "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
-                        state_v_first=False, with_output=False, precise=False, store_chunk_states=True,
+                        state_v_first=False, with_output=False, precise=precise, store_chunk_states=True,
                         staged_stores=staged))
         for has_dht in (True, False):
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged))
-    if dtype == "bfloat16":  # the precise mode (forward.PRECISE, bf16 only) of both, with the default stores
-        for has_h0 in (True, False):
-            yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)},staged,precise]", "chunk_forward_rs",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
-                        state_v_first=False, with_output=False, precise=True, store_chunk_states=True,
-                        staged_stores=True))
-        for has_dht in (True, False):
-            yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)},staged,precise]", "state_grad_walk",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=True,
-                        precise=True))
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged,
+                        precise=precise))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
