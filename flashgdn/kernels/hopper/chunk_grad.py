@@ -44,12 +44,15 @@ shared memory (TileLang's ``T.cumsum``; the second row carries the g~_last terms
 cumsum at 0) instead of a [C, C] masked sum and a cross-warp reduction (that phase was ~6% of the stall samples
 at v0.6). The sums run in another order, so dg differs from the masked sum's in float32 rounding only. Measured:
 0.98x-0.99x the time of the masked sum.
-With ``pair_sums`` (an A/B, ``backward.CHUNK_GRAD_PAIR_SUMS``, two value heads per qk head) dq and dk are added
+With ``pair_sums`` (a memory option, ``backward.CHUNK_GRAD_PAIR_SUMS``, two value heads per qk head) dq and dk are added
 into one zeroed [T, Hqk, K] output by bf16x2 atomics (``red.add.bf16x2``) straight from the accumulators, instead
 of written per value head for the host's group sum: two addends onto zero give RN(a + b) in either order, so the
 result is deterministic and the same bits as the sum's. All 64 rows of the tile are added (TileLang keeps the
 tensor's end): a chunk's rows past its sequence's end come out exactly zero in dq and dk (stage 1 makes A the
-identity and Ag zero there, and q, k, v, dO, beta are zero), and adding a zero changes no value.
+identity and Ag zero there, and q, k, v, dO, beta are zero), and adding a zero changes no value. Measured: 1.29x
+the time on 16/32 (``stages-hopper-v0.7e-bwd.json``; 67 million bf16x2 reductions per tensor there, bound by the
+atomics' throughput), more than the group sum it replaces (``group_sum.py``); a training step's peak memory 0.90x.
+Kept as a memory option (off by default).
 With ``wide_stores`` (the default, ``backward.CHUNK_GRAD_WIDE_STORES``) dv, dq and dk go to a shared
 tile that is dead by then (dVn's, dO's, Q's: TileLang's stmatrix), and from there out in 16-byte stores, instead of
 from the accumulators' layout in 4-byte ones (400 store instructions per CTA, and LG-queue stalls ~8% of the

@@ -1,0 +1,98 @@
+"""Where one training step's GPU time goes, kernel by kernel (GPU only; torch.profiler).
+
+    python benchmarks/step_kernels.py --shape 16/32:4096x8 --shape 2/8:32768 --out step.json
+
+Runs flashgdn's forward and backward as the benchmark harness does (``flashgdn.bench``: bf16 q/k/v, float32 g,
+beta and initial state, every input a leaf, ``torch.autograd.grad``), twice to load the kernels, then ``--steps``
+times under the profiler, and prints each kernel's time per step with its share of the step's kernel time,
+grouped by the kernel's name (TileLang kernels by their stage, PyTorch's by theirs). The stage timings
+(``stage_timing.py``) time each stage alone; this says what else runs between them and how long it takes.
+"""
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import torch
+
+
+def step_fn(h_qk: int, h_v: int, seqlens, cp: str):
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.bench.inputs import make_inputs
+    from flashgdn.bench.shapes import Shape
+
+    inp = make_inputs(Shape("custom", h_qk, h_v, tuple(seqlens)), 128, 128, "cuda", with_grads=True)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0)]
+    q, k, v, g, beta, h0 = leaves
+
+    def step():
+        with torch.enable_grad():
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=inp.scale, initial_state=h0,
+                                           output_final_state=True, cu_seqlens=inp.cu_seqlens,
+                                           cu_seqlens_cpu=inp.cu_seqlens_cpu, backend="hopper", cp=cp)
+            return torch.autograd.grad((o, ht), leaves, (inp.do, inp.dht))
+
+    return step
+
+
+def profile(step, steps: int):
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return per_kernel(prof.events(), steps)
+
+
+def per_kernel(events, steps: int):
+    """``[(kernel name, ms per step, calls per step)]``, most time first, from the profiler's events (the GPU ones:
+    ``device_type`` CUDA, ``device_time_total`` in us) of ``steps`` steps."""
+    per = defaultdict(lambda: [0.0, 0])
+    for ev in events:
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time_total / 1000.0 / steps
+            per[ev.name][1] += 1
+    return sorted(((name, ms, n // steps) for name, (ms, n) in per.items()), key=lambda r: -r[1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", action="append", help="HQK/HV:MIX (MIX as the harness's --seqlens: 4096x8, "
+                    "1000+3000); repeatable; default 16/32:4096x8")
+    ap.add_argument("--cp", default="off")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("step_kernels.py needs a CUDA device")
+    from flashgdn.bench.shapes import parse_seqlens
+
+    results = []
+    for spec in args.shape or ["16/32:4096x8"]:
+        heads, mix = spec.split(":")
+        h_qk, h_v = (int(x) for x in heads.split("/"))
+        seqlens = parse_seqlens(mix)[0]
+        rows = profile(step_fn(h_qk, h_v, seqlens, args.cp), args.steps)
+        total = sum(ms for _, ms, _ in rows)
+        label = f"{h_qk}/{h_v} {len(seqlens)} seqs, {sum(seqlens)} tokens, cp={args.cp}"
+        print(f"\n{label}: {total:.3f} ms of kernels per step")
+        for name, ms, n in rows:
+            print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{n:<3d} {name[:110]}")
+        results.append(dict(heads=heads, seqlens=list(seqlens), cp=args.cp, total_ms=total,
+                            kernels=[dict(name=name, ms=ms, calls=n) for name, ms, n in rows]))
+    if args.out:
+        sys.path.insert(0, "benchmarks")
+        from stage_timing import results_header
+
+        head = results_header(argv)
+        head["command"] = head["command"].replace("stage_timing.py", "step_kernels.py")
+        with open(args.out, "w") as f:
+            json.dump(head | dict(results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

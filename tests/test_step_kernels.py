@@ -1,0 +1,41 @@
+"""benchmarks/step_kernels.py: a training step's time by kernel (the aggregation on the CPU with synthetic events;
+on the GPU the tool on a small shape, whose kernels must include every stage of the Hopper forward and backward)."""
+import importlib.util
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_kernels.py")
+_spec = importlib.util.spec_from_file_location("step_kernels", _PATH)
+sk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sk)
+
+
+def _ev(name, us, gpu=True):
+    kind = torch.autograd.DeviceType.CUDA if gpu else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_time_total=us, device_type=kind)
+
+
+def test_kernels_are_summed_per_step_and_sorted_by_time():
+    # two steps: "a" twice a step (400 us a step), "b" once (450 us a step); host events are not kernels
+    events = [_ev("a", 100), _ev("b", 500), _ev("a", 300), _ev("host", 9999, gpu=False), _ev("b", 400),
+              _ev("a", 100), _ev("a", 300)]
+    rows = sk.per_kernel(events, steps=2)
+    assert [(n, c) for n, _, c in rows] == [("b", 1), ("a", 2)]
+    assert [ms for _, ms, _ in rows] == pytest.approx([0.45, 0.4])
+
+
+@pytest.mark.gpu
+def test_a_step_on_the_gpu_names_every_stage(tmp_path, cuda):
+    out = tmp_path / "step.json"
+    sk.main(["--shape", "2/4:300+70", "--steps", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["gpu"] and res["command"].startswith("python3 benchmarks/step_kernels.py")
+    (r,) = res["results"]
+    names = " ".join(k["name"] for k in r["kernels"])
+    for stage in ("chunk_plan", "kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad", "group_sum"):
+        assert stage in names, stage
+    assert r["total_ms"] == pytest.approx(sum(k["ms"] for k in r["kernels"]))
