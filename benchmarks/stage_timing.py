@@ -32,8 +32,7 @@ CP_SEGMENTS = (16, 64)
 #: what --backward-only times
 BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_staged_loads",
                  "bwd_chunk_grad_element_factors", "bwd_chunk_grad_masked_dg", "bwd_chunk_grad_narrow_stores",
-                 "bwd_chunk_grad_pair_sums", "bwd_pair_sums",
-                 "bwd_states_precise",
+                 "bwd_torch_group_sums", "bwd_states_precise",
                  "bwd_walk_precise", "bwd", "bwd_cpauto")
 
 
@@ -218,6 +217,7 @@ def main(argv=None):
                  ("chunk_grad masked dg sum", "bwd_chunk_grad_masked_dg"),
                  ("chunk_grad 4-byte stores", "bwd_chunk_grad_narrow_stores"),
                  ("chunk_grad pair sums", "bwd_chunk_grad_pair_sums"), ("bwd pair sums", "bwd_pair_sums"),
+                 ("bwd torch group sums", "bwd_torch_group_sums"),
                  ("states precise", "bwd_states_precise"), ("walk precise", "bwd_walk_precise"),
                  ("states unstaged", "bwd_states_unstaged"), ("walk unstaged", "bwd_walk_unstaged"),
                  ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto")]
@@ -293,6 +293,9 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
         # chunk_grad alone, and the whole backward (the group sums it saves run after chunk_grad)
         "bwd_chunk_grad_pair_sums": with_switch("CHUNK_GRAD_PAIR_SUMS", True, chunk_grad),
         "bwd_pair_sums": with_switch("CHUNK_GRAD_PAIR_SUMS", True, lambda: hopper_backward(
+            q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu)),
+        # the whole backward with dq and dk's group sums by torch's sum instead of group_sum.py's kernel
+        "bwd_torch_group_sums": with_switch("GROUP_SUM_KERNEL", False, lambda: hopper_backward(
             q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu)),
         "bwd_states_precise": lambda: precise.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
         "bwd_walk_precise": lambda: precise.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),

@@ -360,6 +360,36 @@ def test_pair_sums_give_the_group_sum_bits(opts, monkeypatch, cuda):
     _assert_on_the_bars(paired, want())
 
 
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_group_sum_kernel_sums_in_head_order(group, dtype, cuda):
+    """``group_sum.py`` against float32 sums in head order rounded once (torch.equal: the same bits, -0 aside), on
+    a row count that is not a multiple of its block (the last block's rows past the end unwritten: the output
+    past them keeps its NaN), with magnitudes far apart so that the order shows; for a group of two also the same
+    bits as torch's ``sum`` (RN(a + b) either way); the same bits again on a rerun."""
+    from flashgdn.kernels.hopper.common import tl_dtype
+    from flashgdn.kernels.hopper.group_sum import build_group_sum
+
+    rows, K = 1037 * 3, 128
+    gen = torch.Generator(device=cuda).manual_seed(group)
+    scales = torch.logspace(-3, 3, group, device=cuda)[torch.randperm(group, generator=gen, device=cuda)]
+    x = [(torch.randn((rows, group, K), generator=gen, device=cuda) * scales[:, None]).to(dtype) for _ in range(2)]
+    out = torch.full((2, rows + 1, K), float("nan"), dtype=dtype, device=cuda)
+    kernel = build_group_sum(group, K, tl_dtype(dtype))
+    kernel(x[0], x[1], out[0, :rows], out[1, :rows])
+    for i in range(2):
+        want = x[i][:, 0].float()
+        for j in range(1, group):
+            want = want + x[i][:, j].float()
+        assert torch.equal(out[i, :rows], want.to(dtype)), f"tensor {i}"
+        if group == 2:
+            assert torch.equal(out[i, :rows], x[i].sum(1)), f"tensor {i} against torch's sum"
+    assert out[:, rows].isnan().all(), "a row past the end was written"
+    again = torch.empty_like(out)
+    kernel(x[0], x[1], again[0, :rows], again[1, :rows])
+    assert torch.equal(again[:, :rows], out[:, :rows])
+
+
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=2, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70)])
 def test_chunk_grad_dg_scan_matches_the_masked_sum(opts, monkeypatch, cuda):

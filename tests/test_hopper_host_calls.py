@@ -49,6 +49,10 @@ class SignatureCheck:
         self.calls.append((self.name, sizes))
         if self.name == "segment_index":  # later host code indexes with its outputs: give them their values
             _fill_segment_index(*args)
+        if self.name == "group_sum":  # its outputs are the gradients returned: their values, as the kernel's
+            dq_v, dk_v, dq, dk = args
+            dq.copy_(dq_v.float().sum(1))
+            dk.copy_(dk_v.float().sum(1))
 
 
 def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
@@ -68,13 +72,14 @@ def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
 @pytest.fixture
 def checked_kernels(monkeypatch):
     """Every kernel builder the host code uses, returning SignatureCheck stand-ins; yields the call log."""
-    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_grad, kkt_inverse, segment_index, splice,
-                                         state_grad_walk)
+    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_grad, group_sum, kkt_inverse, segment_index,
+                                         splice, state_grad_walk)
 
     calls = []
     for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
                          (state_grad_walk, "build_state_grad_walk"), (chunk_grad, "build_chunk_grad"),
-                         (splice, "build_splice"), (segment_index, "build_segment_index")):
+                         (splice, "build_splice"), (segment_index, "build_segment_index"),
+                         (group_sum, "build_group_sum")):
         real = getattr(module, attr)
 
         def builder(*args, _real=real, _name=attr[len("build_"):], **kwargs):
@@ -101,7 +106,9 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, checked_kernels
     dht = torch.randn((len(opts["seqlens"]), heads[1], 128, 128)) if with_dht else None
     dq, dk, dv, dg, dbeta, dh0 = hopper_backward(q, k, v, g, beta, do, dht, 0.1, h0, inp.get("cu_seqlens"),
                                                  opts.get("state_v_first", False))
-    assert [c[0] for c in checked_kernels] == ["kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad"]
+    # and dq, dk summed over each qk head's value heads when it has more than one
+    sums = ["group_sum"] if heads[1] > heads[0] else []
+    assert [c[0] for c in checked_kernels] == ["kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad"] + sums
     for x, ref in ((dq, q), (dk, k), (dv, v)):
         assert x.shape == ref.shape and x.dtype == ref.dtype
     assert dg.shape == g.shape and dbeta.shape == beta.shape
@@ -167,9 +174,11 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
                      + splices  # the segments' start states
                      + ["state_grad_walk"]  # the walk from zero, on the same stage 1
                      + splices  # the segments' end gradients
-                     + ["chunk_forward_rs", "state_grad_walk", "chunk_grad"])
+                     + ["chunk_forward_rs", "state_grad_walk", "chunk_grad", "group_sum"])
     for name, sizes in checked_kernels:  # the loops run on segments; the splice on sequences, writing segments
-        if name in ("splice", "segment_index"):
+        if name == "group_sum":  # over every token of the packed input, per qk head
+            assert sizes["rows"] == q.shape[1] * 2
+        elif name in ("splice", "segment_index"):
             assert sizes["num_seqs"] == len(seqlens) and sizes["num_segments"] == plan.num_segments
         else:
             assert sizes.get("num_seqs", plan.num_segments) == plan.num_segments, name
@@ -241,7 +250,11 @@ def test_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
         assert dq.shape == q.shape and dk.shape == k.shape
         T = q.shape[1]
         per_qk = (1, T, heads[0], 128)
+        summed = [c[0] for c in checked_kernels].count("group_sum")
+        checked_kernels.clear()
         if heads[1] == 2 * heads[0]:
             assert seen.count(per_qk) == 2, seen  # dq and dk, zeroed for the atomics
+            assert summed == 0
         else:
             assert per_qk not in seen, seen
+            assert summed == 1

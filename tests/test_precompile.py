@@ -69,7 +69,14 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert names == serving + ["splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A[2/8,bfloat16]",
-                               "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
+                               "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
+    # groups of two with pair sums need no group sum; without the kernel, torch sums
+    assert "group_sum[2,bfloat16]" in [v[0] for v in training_variants(2, 4, flags="common")]
+    monkeypatch.setattr(backward, "CHUNK_GRAD_PAIR_SUMS", True)
+    assert "group_sum[2,bfloat16]" not in [v[0] for v in training_variants(2, 4, flags="common")]
+    monkeypatch.setattr(backward, "CHUNK_GRAD_PAIR_SUMS", False)
+    monkeypatch.setattr(backward, "GROUP_SUM_KERNEL", False)
+    assert not [v for v in training_variants(2, 8, flags="common") if v[1] == "group_sum"]
     monkeypatch.setattr(backward, "CHUNK_GRAD_ROW_FACTORS", False)
     monkeypatch.setattr(backward, "CHUNK_GRAD_SCAN_DG", False)
     monkeypatch.setattr(forward, "PRECISE", True)

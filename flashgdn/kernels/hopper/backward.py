@@ -54,8 +54,17 @@ CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES"
 #: ``chunk_grad`` adding dq and dk into one zeroed [T, Hqk, K] output with bf16x2 atomics when each qk head has
 #: two value heads, instead of writing them per value head for a group sum after it (``chunk_grad.py``): two
 #: addends onto zero give RN(a + b) in either order, the same bits as the sum (deterministic), without the sum's
-#: pass and its 2 x [T, Hv, K] buffers; an A/B until measured on the GPU. FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1.
+#: pass and its 2 x [T, Hv, K] buffers. On the H200 (``stages-hopper-v0.7e-bwd.json``) ``chunk_grad`` took 1.29x its
+#: time with them (16/32; the atomics' throughput), more than the group sum it saves, while a training step's peak
+#: was 0.90x (``backward/memory-peak-v0.7e*``): a memory option, off. FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1.
 CHUNK_GRAD_PAIR_SUMS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS", "0") == "1"
+
+#: dq and dk summed over each qk head's value heads by one kernel over both (``group_sum.py``: 16-byte vectors,
+#: float32 sums in head order) instead of torch's ``sum`` on each, whose two reduce kernels took 0.54 ms of 16/32
+#: 4096x8's 4.6 ms training step. On the H200 the kernel takes 0.187 ms there (at HBM speed), and the backward
+#: 0.92x (16/64: 0.98x) of its time with torch's sums (``stages-hopper-v0.8a-bwd.json``,
+#: ``backward/step-kernels-v0.8a.json``): the default. FLASHGDN_HOPPER_GROUP_SUM_KERNEL=0 turns it off.
+GROUP_SUM_KERNEL = os.environ.get("FLASHGDN_HOPPER_GROUP_SUM_KERNEL", "1") == "1"
 
 #: the states pass and the walk send every chunk's S^T / dS'^T through shared memory with one TMA store per
 #: warpgroup instead of element-wise stores from registers (the profile has those stores at 14% of the walk's
@@ -227,14 +236,23 @@ class HopperBackwardStages:
         them either."""
         dq, dk, dv, dg, dbeta = grads  # dq, dk: [1, T, Hqk, group, K]
         self._stage1 = self._cu = None
-        # each qk head's value heads, summed in a fixed order (deterministic) by one reduction that accumulates in
-        # float32 and writes the io dtype: the same values as a float32 sum cast afterwards, without its float32
-        # [T, Hqk, K] temporary and the second pass over it (the two steps took 0.75 ms of 16/32 32768x1's
-        # backward: waited chunk_grad with them 4.09 ms in stages-hopper-v0.6-bwd.json, without them 3.34 ms in
-        # -v0.6b-bwd.json); a group of one is a view
-        dq = dq.sum(3) if dq.shape[3] > 1 else dq.squeeze(3)
-        dk = dk.sum(3) if dk.shape[3] > 1 else dk.squeeze(3)
-        return dq, dk, dv, dg, dbeta
+        # each qk head's value heads, summed in a fixed order (deterministic), accumulating in float32 and writing
+        # the io dtype: the same values as a float32 sum cast afterwards, without its float32 [T, Hqk, K] temporary
+        # and the second pass over it (the two steps took 0.75 ms of 16/32 32768x1's backward: waited chunk_grad
+        # with them 4.09 ms in stages-hopper-v0.6-bwd.json, without them 3.34 ms in -v0.6b-bwd.json); by
+        # ``group_sum.py``'s kernel (GROUP_SUM_KERNEL), else torch's sum; a group of one is a view
+        _, TT, Hqk, group, K = dq.shape
+        if group == 1:
+            return dq.squeeze(3), dk.squeeze(3), dv, dg, dbeta
+        if not GROUP_SUM_KERNEL:
+            return dq.sum(3), dk.sum(3), dv, dg, dbeta
+        from .group_sum import build_group_sum
+
+        dq_out = torch.empty((1, TT, Hqk, K), dtype=dq.dtype, device=dq.device)
+        dk_out = torch.empty_like(dq_out)
+        build_group_sum(group, K, tl_dtype(dq.dtype))(dq.view(-1, group, K), dk.view(-1, group, K),
+                                                      dq_out.view(-1, K), dk_out.view(-1, K))
+        return dq_out, dk_out, dv, dg, dbeta
 
 
 def hopper_backward(

@@ -95,6 +95,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         builder, kw = v[1], v[2]
         if builder == "chunk_grad":  # the one build the options give, below
             continue
+        if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
+            continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
                 kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise):
             continue
@@ -137,6 +139,8 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, flags)
     if Hv == 2 * Hqk:
         yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, default + ("pair_sums",))
+    if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
+        yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
 
 
 def build(builder: str, kwargs: dict):
@@ -176,6 +180,10 @@ def build(builder: str, kwargs: dict):
         from .state_grad_walk import build_state_grad_walk
 
         return build_state_grad_walk(**kwargs)
+    if builder == "group_sum":
+        from .group_sum import build_group_sum
+
+        return build_group_sum(**kwargs)
     if builder == "chunk_forward":
         from .chunk_forward import build_chunk_forward
 
