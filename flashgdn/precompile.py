@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for name, secs, res, entry in pool.map(_compile_one, jobs):
             extra = "" if res is None else (f"  regs {res['registers']}, spills {res['spill_stores']}/"
-                                            f"{res['spill_loads']} B, stack {res['stack']} B")
+                                            f"{res['spill_loads']} B, stack {res['stack']} B"
+                                            + (", wgmma serialised by ptxas" if res["wgmma_serialized"] else ""))
             print(f"{secs:6.1f}s  {name}{extra}", flush=True)
             if entry is None:
                 no_entry.append(name)

@@ -1,5 +1,5 @@
-"""Every Hopper kernel variant compiles for sm_90a on this machine (no GPU needed), without local-memory spills
-and within the shared memory an SM90 CTA may have.
+"""Every Hopper kernel variant compiles for sm_90a on this machine (no GPU needed), without local-memory spills,
+without ptxas serialising its wgmma, and within the shared memory an SM90 CTA may have.
 
 Registers and spills come from ``ptxas -v`` on each kernel's PTX and are printed in the summary
 (``pytest -rA`` or ``-s``). A spill is a failure unless it is listed in ``EXPLAINED_SPILLS`` with its reason.
@@ -48,6 +48,8 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     if spilled and not any(name.startswith(p) for p in EXPLAINED_SPILLS):
         pytest.fail(f"{name} spills to local memory: {res}")
     assert res["registers"] <= 255
+    assert not res["wgmma_serialized"], f"{name}: ptxas serialised its wgmma (a GEMM in flight across code " \
+                                        "that touches its accumulators, or too few registers for it)"
     # a launch asking for more than an SM90 CTA may have fails at run time, not at compile time
     assert res["dynamic_smem"] is not None, f"{name}: shared memory size not found in the launch code"
     assert res["dynamic_smem"] <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} B of shared memory > {MAX_SMEM_SM90}"

@@ -50,8 +50,10 @@ def quiet_tilelang() -> None:
 def resource_usage(kernel) -> dict:
     """Registers, spills and stack of a compiled kernel, read from ``ptxas -v`` on its PTX for sm_90a.
 
-    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "dynamic_smem"}`` (bytes; the shared
-    memory size is read from the host launch code, None if it cannot be found); raises
+    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "dynamic_smem", "wgmma_serialized"}`` (bytes;
+    the shared memory size is read from the host launch code, None if it cannot be found; ``wgmma_serialized`` is
+    ptxas's performance warning that it serialised the kernel's wgmma, e.g. C7514 when a GEMM is kept in flight
+    across code that touches its accumulators: then every GEMM of the kernel waits on itself); raises
     RuntimeError when ptxas is not on the PATH (it ships with the CUDA toolkit TileLang compiles with).
     """
     import re
@@ -83,4 +85,5 @@ def resource_usage(kernel) -> dict:
         "stack": int(spill.group(1)),
         "spill_stores": int(spill.group(2)),
         "spill_loads": int(spill.group(3)),
+        "wgmma_serialized": "wgmma.mma_async instructions are serialized" in out,
     }
