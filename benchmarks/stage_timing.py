@@ -48,8 +48,9 @@ def make(Hqk, Hv, seqlens, dev="cuda", K=128, V=128):
     return q, k, v, g, beta, h0, cu
 
 
-def results_header(argv) -> dict:
-    """What a results file must say beside its numbers: GPU, date, command, versions and commit."""
+def results_header(argv, script: str = "stage_timing.py") -> dict:
+    """What a results file must say beside its numbers: GPU, date, command (``script`` with ``argv``), versions and
+    commit."""
     import datetime
     import shlex
     import subprocess
@@ -65,7 +66,7 @@ def results_header(argv) -> dict:
     return {
         "gpu": torch.cuda.get_device_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python3 benchmarks/stage_timing.py " + " ".join(shlex.quote(a) for a in args),
+        "command": f"python3 benchmarks/{script} " + " ".join(shlex.quote(a) for a in args),
         "versions": collect_versions([], torch.device("cuda")),
         "commit": commit,
     }

@@ -88,10 +88,8 @@ def main(argv=None):
         sys.path.insert(0, "benchmarks")
         from stage_timing import results_header
 
-        head = results_header(argv)
-        head["command"] = head["command"].replace("stage_timing.py", "step_kernels.py")
         with open(args.out, "w") as f:
-            json.dump(head | dict(results=results), f, indent=1)
+            json.dump(results_header(argv, "step_kernels.py") | dict(results=results), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,8 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, checked_kernels
                                                  opts.get("state_v_first", False))
     # and dq, dk summed over each qk head's value heads when it has more than one
     sums = ["group_sum"] if heads[1] > heads[0] else []
-    assert [c[0] for c in checked_kernels] == ["kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad"] + sums
+    assert [c[0] for c in checked_kernels] == (["kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad"]
+                                               + sums)
     for x, ref in ((dq, q), (dk, k), (dv, v)):
         assert x.shape == ref.shape and x.dtype == ref.dtype
     assert dg.shape == g.shape and dbeta.shape == beta.shape
