@@ -324,6 +324,8 @@ SAME_BITS = {
                               "same tiles (zero past the tensor's end, and past a sequence's end after the masking)",
     "CHUNK_GRAD_WIDE_STORES": "dv, dq and dk rounded to bf16 on their way into a shared tile instead of into the "
                               "stores: the same rounding of the same values, the same rows written",
+    "CHUNK_GRAD_HEADS_INNER": "chunk_grad's blocks numbered value heads first: every CTA computes what it did, from "
+                              "the same tiles",
     "CHUNK_GRAD_ROW_FACTORS": "gamma_i, d_i and Gam from register fragments made once: the same factors by the same "
                               "expressions, multiplied in the same order (a difference would mean the compiler "
                               "contracted a product into an FMA differently)",

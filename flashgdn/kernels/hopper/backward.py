@@ -59,6 +59,13 @@ CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES"
 #: was 0.90x (``backward/memory-peak-v0.7e*``): a memory option, off. FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1.
 CHUNK_GRAD_PAIR_SUMS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS", "0") == "1"
 
+#: ``chunk_grad``'s blocks numbered value heads first, so that the value heads of one qk head are neighbours and read
+#: their q and k tiles while they are in L2 (``chunk_grad.py``). On the H200 it took 0.979x to 1.001x the time
+#: (two runs, ``stages-hopper-v0.9b-bwd.json`` and ``-v0.9c-bwd.json``; 1.00x with one value head per qk head, where
+#: nothing is shared) with the same bits out (``gpu-ab-v0.9b.log``): small, free, the default.
+#: FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER=0 turns it off.
+CHUNK_GRAD_HEADS_INNER = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER", "1") == "1"
+
 #: dq and dk summed over each qk head's value heads by one kernel over both (``group_sum.py``: 16-byte vectors,
 #: float32 sums in head order) instead of torch's ``sum`` on each, whose two reduce kernels took 0.54 ms of 16/32
 #: 4096x8's 4.6 ms training step. On the H200 the kernel takes 0.187 ms there (at HBM speed), and the backward
@@ -78,7 +85,8 @@ def chunk_grad_options(group: int = 1) -> dict:
     """``build_chunk_grad``'s options as the switches above set them for qk heads of ``group`` value heads (what the
     backward builds, and what ``variants.training_variants`` precompiles); pair sums only for groups of two."""
     return dict(async_loads=CHUNK_GRAD_ASYNC_LOADS, row_factors=CHUNK_GRAD_ROW_FACTORS, scan_dg=CHUNK_GRAD_SCAN_DG,
-                wide_stores=CHUNK_GRAD_WIDE_STORES, pair_sums=CHUNK_GRAD_PAIR_SUMS and group == 2)
+                wide_stores=CHUNK_GRAD_WIDE_STORES, pair_sums=CHUNK_GRAD_PAIR_SUMS and group == 2,
+                heads_inner=CHUNK_GRAD_HEADS_INNER)
 
 
 def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):

@@ -58,6 +58,14 @@ tile that is dead by then (dVn's, dO's, Q's: TileLang's stmatrix), and from ther
 from the accumulators' layout in 4-byte ones (400 store instructions per CTA, and LG-queue stalls ~8% of the
 samples at v0.6); the cost is a pass through shared memory and a barrier per tile. Measured: 0.90x-0.94x the time
 of the 4-byte stores, the same bits out.
+With ``heads_inner`` (the default, ``backward.CHUNK_GRAD_HEADS_INNER``) block ids run over value heads first, so the
+value heads of one qk head, which load the same q and k tiles, are neighbours and start together: the group reads
+those tiles from HBM about once instead of once per value head (they are 32 KB of a CTA's 144 KB of loads).
+Measured: 0.979x-1.001x the time (two runs, ``stages-hopper-v0.9b-bwd.json`` and ``-v0.9c-bwd.json``; 1.00x with
+one value head per qk head, where nothing is shared), the same bits out. Measured and removed: each CTA prefetching into L2 the tiles of the CTA one wave later (linear id plus
+the SM count, ``%nsmid``) by bulk prefetches (``cp.async.bulk.prefetch.L2``): 1.16x-1.29x the time issued at the
+CTA's start, 1.15x-1.24x issued after dk's store, 1.17x-1.33x two waves ahead (``stages-hopper-v0.9a-bwd.json`` and
+``-v0.9b-bwd.json``). The traffic in flight slows every CTA's own loads more than the hits save.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups splitting every GEMM's N
 and every element-wise loop),
@@ -79,11 +87,12 @@ THREADS = 512
 @functools.lru_cache(maxsize=None)
 def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loads: bool = False,
                      row_factors: bool = False, scan_dg: bool = False, wide_stores: bool = False,
-                     pair_sums: bool = False):
+                     pair_sums: bool = False, heads_inner: bool = False):
     """Compile (or load) the kernel (``async_loads``: the eight tiles by cp.async, all in flight at once;
     ``row_factors``: gamma_i and d_i computed once per row into registers; ``scan_dg``: dg's reverse cumsum by a
     scan; ``wide_stores``: dv, dq and dk out through a dead shared tile in 16-byte stores; each off is its A/B;
     ``pair_sums``, for two value heads per qk head: dq and dk added into one zeroed output per qk head by atomics;
+    ``heads_inner``: block ids run over value heads first, so that the value heads of one qk head run together;
     ``backward.chunk_grad_options`` sets them; module docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -227,6 +236,10 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
         else:
             store_rows(f, out, t0, n_rows, h)
 
+    # blocks start in order of their linear id: with ``heads_inner`` the value heads of a chunk are neighbours, so the
+    # group of a qk head reads its q and k tiles while they are in L2
+    grid = (Hv, num_slots) if heads_inner else (num_slots, Hv)
+
     @T.prim_func
     def chunk_grad_kernel(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
@@ -247,7 +260,9 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
         dg: T.Tensor((1, num_tokens, Hv), "float32"),
         dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
     ):
-        with T.Kernel(num_slots, Hv, threads=THREADS) as (slot, h):
+        with T.Kernel(*grid, threads=THREADS) as (bx, by):
+            slot = by if heads_inner else bx
+            h = bx if heads_inner else by
             hq = h // group
             t0 = bounds[slot, 0]
             n_rows = bounds[slot, 1]
