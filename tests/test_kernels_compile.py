@@ -32,6 +32,28 @@ VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_varian
             + [v for v in backward_variants(2, 4, dtype="bfloat16") if v[0].endswith(",pairs]")])
 
 
+def launch_values(kernel) -> list:
+    """The integer values the host code packs for the device kernel's launch, in order (the kernel's integer
+    arguments, then the grid's used dimensions, the block's three and the dynamic shared memory size)."""
+    import re
+
+    host = kernel.get_host_source()
+    call = host.rfind("TVMFFIFunctionCall(")
+    start = host.rfind("TVMFFIFunctionCall(", 0, call) + 1
+    return re.findall(r"stack_ffi_any\)\[\d+\]\.v_int64\) = \(\(int64_t\)(\w+)\);", host[start:call])
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v[1] == "chunk_grad"],
+                         ids=[v[0] for v in VARIANTS if v[1] == "chunk_grad"])
+def test_chunk_grad_grid_keeps_the_slots_on_x(variant):
+    """The chunk slots (about T / 64, unbounded) are the grid's x dimension, whose limit is 2^31 - 1, in every
+    ``chunk_grad`` build, ``heads_inner`` included (it reorders blocks by their linear id, not by swapping the
+    grid's dimensions: y stops at 65535 blocks, i.e. 4.2M tokens)."""
+    name, builder, kwargs = variant
+    values = launch_values(build(builder, kwargs))
+    assert values[-6:-1] == ["num_slots", str(kwargs["Hv"]), "512", "1", "1"], (name, values[-8:])
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     name, builder, kwargs = variant

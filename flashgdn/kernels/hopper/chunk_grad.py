@@ -62,9 +62,10 @@ With ``heads_inner`` (the default, ``backward.CHUNK_GRAD_HEADS_INNER``) block id
 value heads of one qk head, which load the same q and k tiles, are neighbours and start together: the group reads
 those tiles from HBM about once instead of once per value head (they are 32 KB of a CTA's 144 KB of loads).
 Measured: 0.979x-1.001x the time (two runs, ``stages-hopper-v0.9b-bwd.json`` and ``-v0.9c-bwd.json``; 1.00x with
-one value head per qk head, where nothing is shared), the same bits out. Measured and removed: each CTA prefetching into L2 the tiles of the CTA one wave later (linear id plus
-the SM count, ``%nsmid``) by bulk prefetches (``cp.async.bulk.prefetch.L2``): 1.16x-1.29x the time issued at the
-CTA's start, 1.15x-1.24x issued after dk's store, 1.17x-1.33x two waves ahead (``stages-hopper-v0.9a-bwd.json`` and
+one value head per qk head, where nothing is shared), the same bits out.
+Measured and removed: each CTA prefetching into L2 the tiles of the CTA one wave later (linear id plus the SM count,
+``%nsmid``) by bulk prefetches (``cp.async.bulk.prefetch.L2``): 1.16x-1.29x the time issued at the CTA's start,
+1.15x-1.24x issued after dk's store, 1.17x-1.33x two waves ahead (``stages-hopper-v0.9a-bwd.json`` and
 ``-v0.9b-bwd.json``). The traffic in flight slows every CTA's own loads more than the hits save.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups splitting every GEMM's N
@@ -236,10 +237,6 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
         else:
             store_rows(f, out, t0, n_rows, h)
 
-    # blocks start in order of their linear id: with ``heads_inner`` the value heads of a chunk are neighbours, so the
-    # group of a qk head reads its q and k tiles while they are in L2
-    grid = (Hv, num_slots) if heads_inner else (num_slots, Hv)
-
     @T.prim_func
     def chunk_grad_kernel(
         q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
@@ -260,9 +257,12 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
         dg: T.Tensor((1, num_tokens, Hv), "float32"),
         dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
     ):
-        with T.Kernel(*grid, threads=THREADS) as (bx, by):
-            slot = by if heads_inner else bx
-            h = bx if heads_inner else by
+        # the slots stay on the grid's x (up to 2^31 - 1 blocks; y stops at 65535); blocks start in order of their
+        # linear id, which with ``heads_inner`` is mapped value heads first, so that the group of a qk head reads its
+        # q and k tiles while they are in L2
+        with T.Kernel(num_slots, Hv, threads=THREADS) as (bx, by):
+            slot = (by * num_slots + bx) // Hv if heads_inner else bx
+            h = (by * num_slots + bx) % Hv if heads_inner else by
             hq = h // group
             t0 = bounds[slot, 0]
             n_rows = bounds[slot, 1]
