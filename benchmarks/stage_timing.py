@@ -32,7 +32,7 @@ CP_SEGMENTS = (16, 64)
 #: what --backward-only times
 BACKWARD_CORE = ("bwd_stage1", "bwd_states", "bwd_walk", "bwd_chunk_grad", "bwd_chunk_grad_staged_loads",
                  "bwd_chunk_grad_element_factors", "bwd_chunk_grad_masked_dg", "bwd_chunk_grad_narrow_stores",
-                 "bwd_chunk_grad_chunks_inner",
+                 "bwd_chunk_grad_heads_inner",
                  "bwd_torch_group_sums", "bwd_states_precise",
                  "bwd_walk_precise", "bwd", "bwd_cpauto")
 
@@ -218,7 +218,7 @@ def main(argv=None):
                  ("chunk_grad per-element factors", "bwd_chunk_grad_element_factors"),
                  ("chunk_grad masked dg sum", "bwd_chunk_grad_masked_dg"),
                  ("chunk_grad 4-byte stores", "bwd_chunk_grad_narrow_stores"),
-                 ("chunk_grad chunks inner", "bwd_chunk_grad_chunks_inner"),
+                 ("chunk_grad heads inner", "bwd_chunk_grad_heads_inner"),
                  ("chunk_grad pair sums", "bwd_chunk_grad_pair_sums"), ("bwd pair sums", "bwd_pair_sums"),
                  ("bwd torch group sums", "bwd_torch_group_sums"),
                  ("states precise", "bwd_states_precise"), ("walk precise", "bwd_walk_precise"),
@@ -293,7 +293,7 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
         "bwd_chunk_grad_element_factors": with_switch("CHUNK_GRAD_ROW_FACTORS", False, chunk_grad),
         "bwd_chunk_grad_masked_dg": with_switch("CHUNK_GRAD_SCAN_DG", False, chunk_grad),
         "bwd_chunk_grad_narrow_stores": with_switch("CHUNK_GRAD_WIDE_STORES", False, chunk_grad),
-        "bwd_chunk_grad_chunks_inner": with_switch("CHUNK_GRAD_HEADS_INNER", False, chunk_grad),
+        "bwd_chunk_grad_heads_inner": with_switch("CHUNK_GRAD_HEADS_INNER", True, chunk_grad),
         # chunk_grad alone, and the whole backward (the group sums it saves run after chunk_grad)
         "bwd_chunk_grad_pair_sums": with_switch("CHUNK_GRAD_PAIR_SUMS", True, chunk_grad),
         "bwd_pair_sums": with_switch("CHUNK_GRAD_PAIR_SUMS", True, lambda: hopper_backward(

@@ -69,7 +69,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert names == serving + ["splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A[2/8,bfloat16]",
-                               "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide,hinner]"]
+                               "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
     # groups of two with pair sums need no group sum; without the kernel, torch sums
     assert "group_sum[2,bfloat16]" in [v[0] for v in training_variants(2, 4, flags="common")]
     monkeypatch.setattr(backward, "CHUNK_GRAD_PAIR_SUMS", True)
@@ -82,8 +82,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     monkeypatch.setattr(forward, "PRECISE", True)
     names = [v[0] for v in training_variants(2, 8, flags="common")]
     assert [v for v in training_variants(2, 8, flags="common") if v[1] == "chunk_grad"] == [
-        ("chunk_grad[2/8,bfloat16,async,wide,hinner]", "chunk_grad",
-         dict(Hqk=2, Hv=8, K=128, V=128, io_dtype="bfloat16", async_loads=True, wide_stores=True, heads_inner=True))]
+        ("chunk_grad[2/8,bfloat16,async,wide]", "chunk_grad",
+         dict(Hqk=2, Hv=8, K=128, V=128, io_dtype="bfloat16", async_loads=True, wide_stores=True))]
     assert [n for n in names if n.startswith(("chunk_states", "state_grad_walk"))] == [
         "chunk_states[2/8,bfloat16,h0=1,staged,precise]", "chunk_states[2/8,bfloat16,h0=0,staged,precise]",
         "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]"]

@@ -59,12 +59,14 @@ CHUNK_GRAD_WIDE_STORES = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_WIDE_STORES"
 #: was 0.90x (``backward/memory-peak-v0.7e*``): a memory option, off. FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS=1.
 CHUNK_GRAD_PAIR_SUMS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS", "0") == "1"
 
-#: ``chunk_grad``'s blocks numbered value heads first, so that the value heads of one qk head are neighbours and read
-#: their q and k tiles while they are in L2 (``chunk_grad.py``). On the H200 it took 0.979x to 1.001x the time
-#: (two runs, ``stages-hopper-v0.9b-bwd.json`` and ``-v0.9c-bwd.json``; 1.00x with one value head per qk head, where
-#: nothing is shared) with the same bits out (``gpu-ab-v0.9b.log``): small, free, the default.
-#: FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER=0 turns it off.
-CHUNK_GRAD_HEADS_INNER = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER", "1") == "1"
+#: ``chunk_grad``'s blocks taken value heads first (the linear block id mapped to value head fastest), so that the
+#: value heads of one qk head are neighbours and read their q and k tiles while they are in L2 (``chunk_grad.py``).
+#: An A/B, off: as a grid of (value heads, slots) it took 0.979x to 1.001x the time (``stages-hopper-v0.9b-bwd.json``,
+#: ``-v0.9c-bwd.json``), but that grid caps the slots at 65535 (4.2M tokens); mapped from the linear id on a grid of
+#: (slots, value heads) it was measured once, in a training step on 16/32 4096x8, at 2.657 ms against 2.566 for that
+#: grid and 2.60 chunks first (``backward/step-kernels-v0.9d.json``, ``-v0.9c``, ``-v0.8a``): no gain shown. The same bits out (``gpu-ab-v0.9b.log``,
+#: ``gpu-tests-v0.9d.log``). FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER=1.
+CHUNK_GRAD_HEADS_INNER = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER", "0") == "1"
 
 #: dq and dk summed over each qk head's value heads by one kernel over both (``group_sum.py``: 16-byte vectors,
 #: float32 sums in head order) instead of torch's ``sum`` on each, whose two reduce kernels took 0.54 ms of 16/32

@@ -58,11 +58,12 @@ tile that is dead by then (dVn's, dO's, Q's: TileLang's stmatrix), and from ther
 from the accumulators' layout in 4-byte ones (400 store instructions per CTA, and LG-queue stalls ~8% of the
 samples at v0.6); the cost is a pass through shared memory and a barrier per tile. Measured: 0.90x-0.94x the time
 of the 4-byte stores, the same bits out.
-With ``heads_inner`` (the default, ``backward.CHUNK_GRAD_HEADS_INNER``) block ids run over value heads first, so the
-value heads of one qk head, which load the same q and k tiles, are neighbours and start together: the group reads
-those tiles from HBM about once instead of once per value head (they are 32 KB of a CTA's 144 KB of loads).
-Measured: 0.979x-1.001x the time (two runs, ``stages-hopper-v0.9b-bwd.json`` and ``-v0.9c-bwd.json``; 1.00x with
-one value head per qk head, where nothing is shared), the same bits out.
+With ``heads_inner`` (an A/B, off: ``backward.CHUNK_GRAD_HEADS_INNER``) the linear block id is mapped value heads
+first, so the value heads of one qk head, which load the same q and k tiles, are neighbours and start together: the
+group reads those tiles from HBM about once instead of once per value head (32 KB of a CTA's 144 KB of loads). As a
+grid of (value heads, slots) it took 0.979x-1.001x the time (``stages-hopper-v0.9b-bwd.json``, ``-v0.9c-bwd.json``),
+but the grid's y caps the slots at 65535; mapped from the linear id (the slots stay on x) one measurement shows no
+gain (``backward.CHUNK_GRAD_HEADS_INNER``). The same bits out either way.
 Measured and removed: each CTA prefetching into L2 the tiles of the CTA one wave later (linear id plus the SM count,
 ``%nsmid``) by bulk prefetches (``cp.async.bulk.prefetch.L2``): 1.16x-1.29x the time issued at the CTA's start,
 1.15x-1.24x issued after dk's store, 1.17x-1.33x two waves ahead (``stages-hopper-v0.9a-bwd.json`` and
@@ -93,7 +94,7 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
     ``row_factors``: gamma_i and d_i computed once per row into registers; ``scan_dg``: dg's reverse cumsum by a
     scan; ``wide_stores``: dv, dq and dk out through a dead shared tile in 16-byte stores; each off is its A/B;
     ``pair_sums``, for two value heads per qk head: dq and dk added into one zeroed output per qk head by atomics;
-    ``heads_inner``: block ids run over value heads first, so that the value heads of one qk head run together;
+    ``heads_inner``: the linear block id mapped value heads first, so that the value heads of a qk head run together;
     ``backward.chunk_grad_options`` sets them; module docstring). Arguments, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)

@@ -132,13 +132,14 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                         precise=precise))
     yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
-    # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores, blocks
-    # numbered value heads first: backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged
-    # loads, per-element factors, dg by a masked sum, 4-byte stores, blocks numbered chunks first; and for two value
-    # heads per qk head, dq and dk summed by atomics
-    default = ("async_loads", "row_factors", "scan_dg", "wide_stores", "heads_inner")
+    # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
+    # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
+    # factors, dg by a masked sum, 4-byte stores, blocks taken value heads first; and for two value heads per qk
+    # head, dq and dk summed by atomics
+    default = ("async_loads", "row_factors", "scan_dg", "wide_stores")
     for flags in (default, *(tuple(f for f in default if f != off) for off in default)):
         yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, flags)
+    yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, default + ("heads_inner",))
     if Hv == 2 * Hqk:
         yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, default + ("pair_sums",))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
