@@ -86,3 +86,19 @@ def test_cp_forward_object_offers_its_hooks_and_dies_with_its_last_reference(pai
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_more_launch_rows_than_the_grid_takes_are_clear_errors():
+    """The Hopper kernels launch one row of CTAs per sequence or CP segment on the grid's y (at most 65535): one
+    more is a ValueError naming the argument (cu_seqlens, or cp for the segments), the limit itself passes."""
+    from flashgdn.cp.plan import split_sequences
+    from flashgdn.kernels.hopper.backend import MAX_SEQUENCES, check_launch_rows
+
+    assert MAX_SEQUENCES == 65535
+    check_launch_rows(MAX_SEQUENCES)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: .*at most 65535 sequences .*got 65536"):
+        check_launch_rows(MAX_SEQUENCES + 1)
+    check_launch_rows(1, None)
+    check_launch_rows(1, split_sequences([64 * MAX_SEQUENCES], 1))  # one sequence in 65535 one-chunk segments
+    with pytest.raises(ValueError, match=r"^cp: the context-parallel plan has 65536 segments"):
+        check_launch_rows(1, split_sequences([64 * (MAX_SEQUENCES + 1)], 1))

@@ -26,6 +26,18 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 #: which CUDA caps at 65535 blocks
 MAX_SEQUENCES = 65535
 
+
+def check_launch_rows(num_seqs: int, plan=None) -> None:
+    """A clear error, before any kernel runs, when a call has more sequences (``num_seqs``) or context-parallel
+    segments (``plan``, a ``flashgdn.cp.plan.SegmentPlan`` or None) than the kernels' grids take."""
+    if num_seqs > MAX_SEQUENCES:
+        raise ValueError(f"cu_seqlens: backend='hopper' takes at most {MAX_SEQUENCES} sequences per call (its "
+                         f"kernels launch one row of CTAs per sequence), got {num_seqs}; split the batch into calls")
+    if plan is not None and plan.num_segments > MAX_SEQUENCES:
+        raise ValueError(f"cp: the context-parallel plan has {plan.num_segments} segments, more than the "
+                         f"{MAX_SEQUENCES} the Hopper kernels launch per call; give longer segments "
+                         "(cp=<chunks per segment>) or cp='off'")
+
 #: the backward: "kernels" (``backward.hopper_backward``, the default since tests/test_gpu_hopper_backward.py passed
 #: on the H200) or "reference" (the PyTorch chunked backward, ~14x slower). FLASHGDN_HOPPER_BACKWARD overrides.
 BACKWARD = os.environ.get("FLASHGDN_HOPPER_BACKWARD", "kernels")
@@ -193,9 +205,7 @@ class HopperBackend(Backend):
         if p.dtype not in SUPPORTED_DTYPES:
             raise NotImplementedError(
                 f"backend='hopper' takes bfloat16 or float16 q/k/v, got {p.dtype}; backend='reference' runs float32/float64")
-        if p.N > MAX_SEQUENCES:
-            raise ValueError(f"cu_seqlens: backend='hopper' takes at most {MAX_SEQUENCES} sequences per call (its "
-                             f"kernels launch one row of CTAs per sequence), got {p.N}; split the batch into calls")
+        check_launch_rows(p.N)
 
     def backward(self, p: GDNProblem, q, k, do, dht) -> tuple:
         return hopper_gradients(q, k, p.v, p.g, p.beta, do, dht, p.scale, p.initial_state, p.cu_seqlens,
@@ -223,10 +233,7 @@ class HopperBackend(Backend):
         # in float32, then back: the kernels take normalised bf16/fp16 q and k
         q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
         plan = self._plan(p)
-        if plan is not None and plan.num_segments > MAX_SEQUENCES:
-            raise ValueError(f"cp: the context-parallel plan has {plan.num_segments} segments, more than the "
-                             f"{MAX_SEQUENCES} the Hopper kernels launch per call; give longer segments "
-                             "(cp=<chunks per segment>) or cp='off'")
+        check_launch_rows(p.N, plan)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
                                p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first, p, plan)
         if p.output_final_state:
