@@ -16,7 +16,7 @@ if shutil.which("nvcc") is None:  # TileLang compiles with nvcc; the CI image ha
 
 os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 
-from flashgdn.kernels.hopper.common import MAX_SMEM_SM90, resource_usage  # noqa: E402
+from flashgdn.kernels.hopper.common import MAX_SMEM_SM90, launch_values, resource_usage  # noqa: E402
 from flashgdn.kernels.hopper.variants import backward_variants, build, forward_variants  # noqa: E402
 
 #: kernel-name prefix -> why a spill there is accepted
@@ -30,17 +30,6 @@ VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_varian
             + list(backward_variants(2, 8, dtype="bfloat16")) + list(backward_variants(2, 8, dtype="float16"))
             # the build only groups of two have
             + [v for v in backward_variants(2, 4, dtype="bfloat16") if v[0].endswith(",pairs]")])
-
-
-def launch_values(kernel) -> list:
-    """The integer values the host code packs for the device kernel's launch, in order (the kernel's integer
-    arguments, then the grid's used dimensions, the block's three and the dynamic shared memory size)."""
-    import re
-
-    host = kernel.get_host_source()
-    call = host.rfind("TVMFFIFunctionCall(")
-    start = host.rfind("TVMFFIFunctionCall(", 0, call) + 1
-    return re.findall(r"stack_ffi_any\)\[\d+\]\.v_int64\) = \(\(int64_t\)(\w+)\);", host[start:call])
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v[1] == "chunk_grad"],

@@ -64,8 +64,8 @@ CHUNK_GRAD_PAIR_SUMS = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_PAIR_SUMS", "0
 #: An A/B, off: as a grid of (value heads, slots) it took 0.979x to 1.001x the time (``stages-hopper-v0.9b-bwd.json``,
 #: ``-v0.9c-bwd.json``), but that grid caps the slots at 65535 (4.2M tokens); mapped from the linear id on a grid of
 #: (slots, value heads) it was measured once, in a training step on 16/32 4096x8, at 2.657 ms against 2.566 for that
-#: grid and 2.60 chunks first (``backward/step-kernels-v0.9d.json``, ``-v0.9c``, ``-v0.8a``): no gain shown. The same bits out (``gpu-ab-v0.9b.log``,
-#: ``gpu-tests-v0.9d.log``). FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER=1.
+#: grid and 2.60 chunks first (``backward/step-kernels-v0.9d.json``, ``-v0.9c``, ``-v0.8a``): no gain shown. The same
+#: bits out (``gpu-ab-v0.9b.log``, ``gpu-tests-v0.9d.log``). FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER=1.
 CHUNK_GRAD_HEADS_INNER = os.environ.get("FLASHGDN_HOPPER_CHUNK_GRAD_HEADS_INNER", "0") == "1"
 
 #: dq and dk summed over each qk head's value heads by one kernel over both (``group_sum.py``: 16-byte vectors,

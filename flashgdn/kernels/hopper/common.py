@@ -47,6 +47,18 @@ def quiet_tilelang() -> None:
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 
 
+def launch_values(kernel) -> list:
+    """The integer values (as written, e.g. ``"num_slots"`` or ``"512"``) that the host code of a compiled kernel packs
+    for the device kernel's launch, in order: the kernel's integer arguments, then the grid's used dimensions, the
+    block's three and the dynamic shared memory size."""
+    import re
+
+    host = kernel.get_host_source() or ""
+    call = host.rfind("TVMFFIFunctionCall(")
+    start = host.rfind("TVMFFIFunctionCall(", 0, call) + 1
+    return re.findall(r"stack_ffi_any\)\[\d+\]\.v_int64\) = \(\(int64_t\)(\w+)\);", host[start:call])
+
+
 def resource_usage(kernel) -> dict:
     """Registers, spills and stack of a compiled kernel, read from ``ptxas -v`` on its PTX for sm_90a.
 
@@ -76,11 +88,9 @@ def resource_usage(kernel) -> dict:
     spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out)
     if regs is None or spill is None:
         raise RuntimeError(f"could not read ptxas output:\n{out}")
-    # the launch packs its dynamic shared memory size as the last integer before the argument list's end
-    smem = re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*\)stack_ffi_any\)\[\d+\]\.type_index\) = 0;",
-                      kernel.get_host_source() or "")
+    launch = launch_values(kernel)  # its dynamic shared memory size is packed last
     return {
-        "dynamic_smem": int(smem[-1]) if smem else None,
+        "dynamic_smem": int(launch[-1]) if launch and launch[-1].isdigit() else None,
         "registers": int(regs.group(1)),
         "stack": int(spill.group(1)),
         "spill_stores": int(spill.group(2)),
