@@ -49,7 +49,11 @@ def main(argv=None):
         "ws": build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
         "rs": build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
         "uw": build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+        "rsd": build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True),
     }
+    # stage 1 inside the loop (its kernel is also named chunk_forward_rs): g and beta instead of stage 1's tiles
+    fused = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
+                                   inverse_in_loop=True) if "fused" in args.loops.split(",") else None
     bounds, first_slot = fw.chunk_plan(cu, T, N)
     S = bounds.shape[0]
     gcum = torch.empty(Hv, S * 64, device="cuda")
@@ -59,7 +63,10 @@ def main(argv=None):
     for _ in range(2):
         prep(k, g, beta, bounds, gcum, Ag)
         for name in args.loops.split(","):
-            loops[name](q, k, v, gcum, Ag, cu, first_slot, h0, 128 ** -0.5, o, ht)
+            if name == "fused":
+                fused(q, k, v, g, beta, cu, h0, 128 ** -0.5, o, ht)
+            else:
+                loops[name](q, k, v, gcum, Ag, cu, first_slot, h0, 128 ** -0.5, o, ht)
         torch.cuda.synchronize()
     return 0
 

@@ -3,8 +3,8 @@
     python benchmarks/stage_timing.py [--out FILE.json]
 
 For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk plan, the ``kkt_inverse``
-stage, each chunk-loop kernel ("simple", "ws", "rs", "uw" and the state-only
-variants of rs and uw) and the whole op (with the rs and the uw loop), without and with context parallelism
+stage, each chunk-loop kernel ("simple", "ws", "rs", "rsd", "uw" and the state-only
+variants of rs, rsd and uw) and the whole op (with the rs and the uw loop), without and with context parallelism
 (``cp=16``, ``cp=64``; with the paired transition pass and with CP's fused index and splice kernels), and prints
 them beside the DESIGN.md floor. With ``--backward`` also the Hopper backward's
 stages (stage 1 storing A, the chunk states, the state-gradient walk, ``chunk_grad``), the whole backward
@@ -76,7 +76,7 @@ def results_header(argv, script: str = "stage_timing.py") -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--loops", default="simple,ws,rs", help="chunk-loop kernels to time: simple,ws,rs,uw")
+    ap.add_argument("--loops", default="simple,ws,rs,rsd", help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages, the whole backward with and without CP and its memory")
@@ -105,6 +105,11 @@ def main(argv=None):
         ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         rs = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         rs_state = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False)
+        rsd = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True)
+        rsd_state = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False, decayed_k=True)
+        loops = args.loops.split(",")
+        fused_loop = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
+                                             inverse_in_loop=True) if "fused" in loops else None)
         uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         uw_state = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False)
         o1 = torch.empty(1, 1, Hv, 128, device="cuda", dtype=torch.bfloat16)
@@ -117,7 +122,6 @@ def main(argv=None):
         scale = 128 ** -0.5
         prep(k, g, beta, bounds, gcum, Ag)
         cu_cpu = cu.cpu()
-        loops = args.loops.split(",")
         times = {
             "chunk_bounds": lambda: fw.chunk_plan(cu, T, N),
             "kkt_inverse": lambda: prep(k, g, beta, bounds, gcum, Ag),
@@ -127,6 +131,11 @@ def main(argv=None):
             # the state-only variant (context parallelism's transition passes)
             "loop_rs_state": (lambda: rs_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if "rs" in loops else None,
+            "loop_rsd": (lambda: rsd(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rsd" in loops else None,
+            "loop_rsd_state": (lambda: rsd_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
+            if "rsd" in loops else None,
+            # stage 1 inside the loop: compare with kkt_inverse + loop_rsd
+            "loop_fused": (lambda: fused_loop(q, k, v, g, beta, cu, h0, scale, o, ht)) if "fused" in loops else None,
             "loop_uw": (lambda: uw(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "uw" in loops else None,
             "loop_uw_state": (lambda: uw_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if "uw" in loops else None,
@@ -136,9 +145,10 @@ def main(argv=None):
             "op_cpauto": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
         }
-        if "uw" in loops:
-            times["op_uw"] = lambda: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="uw")
-            times["op_rs"] = lambda: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
+        for loop in ("rs", "rsd", "fused", "uw"):
+            if loop in loops and loop != "rs" or loop == "rs" and len(set(loops) & {"uw", "rsd", "fused"}):
+                times[f"op_{loop}"] = (lambda loop=loop: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False,
+                                                                           chunk_loop=loop))
 
         def op(cp):
             return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
@@ -170,14 +180,16 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - report and go on with the forward's timings
                 bwd_error = f"{type(e).__name__}: {e}"[:300]
         floor = floor_ms(Shape("custom", Hqk, Hv, tuple(seqlens)), 128, 128, "fwd")
+        live = bounds[:, 1] > 0
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
-               "kkt_finite": bool(Ag[bounds[:, 1] > 0].isfinite().all())}
-        if "uw" in loops:  # the two loops' outputs side by side (each is checked against the oracle by the tests)
-            with torch.no_grad():
-                o_rs, h_rs = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
-                o_uw, h_uw = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="uw")
-            rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
-            row["uw_vs_rs_o"], row["uw_vs_rs_state"] = rel(o_uw, o_rs), rel(h_uw, h_rs)
+               "kkt_finite": bool(Ag[live].isfinite().all())}
+        rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+        for loop in ("uw", "rsd", "fused"):  # the loops' outputs beside rs's (each is checked against the oracle by the tests)
+            if loop in loops:
+                with torch.no_grad():
+                    o_rs, h_rs = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
+                    o_x, h_x = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop=loop)
+                row[f"{loop}_vs_rs_o"], row[f"{loop}_vs_rs_state"] = rel(o_x, o_rs), rel(h_x, h_rs)
         with torch.no_grad():
             for name, fn in times.items():
                 if fn is None:
@@ -205,8 +217,10 @@ def main(argv=None):
                 json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
-            ("rs state-only", "loop_rs_state"), ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
-            ("op", "op"), ("op rs", "op_rs"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto"),
+            ("rs state-only", "loop_rs_state"), ("loop rsd", "loop_rsd"), ("rsd state-only", "loop_rsd_state"),
+            ("loop fused", "loop_fused"),
+            ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
+            ("op", "op"), ("op rs", "op_rs"), ("op rsd", "op_rsd"), ("op fused", "op_fused"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto"),
             ("op cp=auto paired", "op_cpauto_pairs"), ("op cp=64 paired", "op_cp64_pairs"),
             ("op cp=16 fused", "op_cp16_fused"), ("op cp=64 fused", "op_cp64_fused"),
             ("op cp=auto fused", "op_cpauto_fused")]

@@ -21,7 +21,9 @@ loop=${LOOP:-rs}
 if [ "${PROFILE:-forward}" = backward ]; then
   kernels="state_grad_walk|chunk_grad|chunk_forward_rs"; main="chunk_grad"; second="state_grad_walk"; extra=(--backward)
 else
-  kernels="kkt_inverse|chunk_forward_$loop"; main="chunk_forward_$loop"; second="kkt_inverse"; extra=(--loops "$loop")
+  # rsd and fused are builds of the rs loop: their kernel is named chunk_forward_rs
+  kname=chunk_forward_$loop; [[ $loop == rsd || $loop == fused ]] && kname=chunk_forward_rs
+  kernels="kkt_inverse|$kname"; main="$kname"; second="kkt_inverse"; extra=(--loops "$loop")
 fi
 
 steps=${STEPS:-tests stages ncu}

@@ -20,7 +20,7 @@ O_BAR = 5e-3
 STATE_BAR = 5e-3
 
 
-@pytest.fixture(autouse=True, params=["rs", "uw", "ws", "simple"])
+@pytest.fixture(autouse=True, params=["rs", "rsd", "fused", "uw", "ws", "simple"])
 def chunk_loop(request, monkeypatch, cuda):
     """Every test runs on every chunk-loop kernel, with every output poisoned with NaN first."""
     from flashgdn.kernels.hopper import forward

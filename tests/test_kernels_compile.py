@@ -64,3 +64,16 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     # a launch asking for more than an SM90 CTA may have fails at run time, not at compile time
     assert res["dynamic_smem"] is not None, f"{name}: shared memory size not found in the launch code"
     assert res["dynamic_smem"] <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} B of shared memory > {MAX_SMEM_SM90}"
+
+
+def test_loop_and_stage1_options_are_checked():
+    """Option combinations a build does not have are clear errors before anything compiles."""
+    from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
+
+    args = (2, 8, 128, 128, "bfloat16", True, True, False)
+    with pytest.raises(ValueError, match="inverse_in_loop"):  # stage 1 in the loop needs the Kd tile
+        build_chunk_forward_rs(*args, inverse_in_loop=True)
+    with pytest.raises(ValueError, match="inverse_in_loop"):  # and an output (CP's passes read stage 1's tiles)
+        build_chunk_forward_rs(*args, with_output=False, decayed_k=True, inverse_in_loop=True)
+    with pytest.raises(ValueError, match="decayed_k"):
+        build_chunk_forward_rs(*args, precise=True, decayed_k=True)

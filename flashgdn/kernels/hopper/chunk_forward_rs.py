@@ -27,11 +27,13 @@ Roles (one CTA = one sequence x one value head, 512 threads):
   per-chunk-slot tiles (zero / flat past a sequence's end), always one TMA box each; q, k and v of the last,
   partial chunk of a sequence are loaded by masked plain loads, so rows of the next sequence never enter.
 
-Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> state), empty (all -> producer).
+Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> state), empty (all -> producer);
+with ``decayed_k`` a fourth, a_ready (gate -> state: gamma and Ag, before P and Kd).
 """
 import functools
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .gate_inverse import make_gate_inverse
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
@@ -43,6 +45,8 @@ STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
 #: in three, one more (and have no output to make: a lighter gate role)
 PRECISE_REGS = (200, 72, 40)
 PRECISE_STATE_ONLY_REGS = (208, 64, 32)
+#: the gate warpgroup holds a column of the inverse's diagonal block (32 values) when stage 1 is in the loop
+INVERSE_IN_LOOP_REGS = (192, 96, 32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,6 +64,8 @@ def build_chunk_forward_rs(
     store_chunk_states: bool = False,
     transition_pairs: bool = False,
     staged_stores: bool = False,
+    decayed_k: bool = False,
+    inverse_in_loop: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -85,7 +91,24 @@ def build_chunk_forward_rs(
     ``transition_pairs=True`` (state-only, initial and final state, K-major) is context parallelism's transition
     pass with stage 1 shared: 2 Hv CTAs per sequence, head 2h running value head h from ``h0[:, 2h]`` (b) and head
     2h + 1 running it with v = 0 from ``h0[:, 2h + 1]`` (the identity: M), both reading value head h's Ag, g~, v;
-    ``h0`` and ``ht`` are ``[n, 2 Hv, K, V]``, the other tensors as without it."""
+    ``h0`` and ``ht`` are ``[n, 2 Hv, K, V]``, the other tensors as without it.
+
+    ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
+    writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
+    the register operand of both O^T += Vn^T P^T and S'^T += Vn^T Kd. GEMMs that read the same ready operands are
+    then issued together and waited on once: S^T K^T with S^T Q^T, and Vn^T P^T with Vn^T Kd (three waits per chunk
+    instead of five, one element-wise pass and one conversion fewer on the chain). gamma_C S^T is scaled while
+    S^T K^T and S^T Q^T run. The rounding moves from Vn^T diag(d) to diag(d) K: other bits, the same error.
+    The gate warpgroup signals gamma (and, with ``inverse_in_loop``, Ag) on a barrier of their own, a_ready, before
+    it makes P and Kd, so that the state paths' W^T and Vn^T wait on those alone. Measured: 1.06x-1.26x rs's time
+    with an output, the state-only pass within 1-4% of rs's (``stages-hopper-v0.10a/b.json``); not the default.
+    32 KB more shared memory (Kd's two ring stages).
+
+    ``inverse_in_loop=True`` (with ``decayed_k``, an output, no precise mode; loop "fused") takes stage 1 into the
+    loop: the gate warpgroup makes g~ and Ag of each chunk itself, one chunk ahead, into the ring stage's tiles
+    (``gate_inverse.py``), from g and beta rows that the producer's third warp loads beside q, k, v. The kernel's
+    arguments are then ``q, k, v, g [1, T, Hv], beta [1, T, Hv] (float32), cu_seqlens, h0, scale, o, ht``: no chunk
+    plan, no ``kkt_inverse`` launch, no Ag or g~ round trip through HBM. Registers 192/96/32."""
     import tilelang
     import tilelang.language as T
 
@@ -101,6 +124,7 @@ def build_chunk_forward_rs(
     o_tokens = num_tokens if with_output else T.dynamic("o_tokens")
     acc = "float32"
     state_regs, gate_regs, producer_regs = ((PRECISE_REGS if with_output else PRECISE_STATE_ONLY_REGS) if precise
+                                            else INVERSE_IN_LOOP_REGS if inverse_in_loop
                                             else (STATE_REGS, GATE_REGS, PRODUCER_REGS))
     # state-only passes in the precise mode split their register operands in three (hi + mid + lo, 24 bits): what
     # the backward's exact CP at g = 0 needs (docs/context-parallel.md); the loop with an output keeps two
@@ -114,6 +138,11 @@ def build_chunk_forward_rs(
         heads = 2 * Hv
         state_shape_h0 = (n_h0, heads, K, V)
         state_shape_ht = (n_ht, heads, K, V)
+    if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
+            store_chunk_states or transition_pairs):
+        raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
+    if decayed_k and precise:
+        raise ValueError("decayed_k has no precise mode (its Kd tile is one more bf16 rounding of the state's update)")
     if staged_stores and not store_chunk_states:
         raise ValueError("staged_stores is an option of store_chunk_states")
     if store_chunk_states:
@@ -127,7 +156,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
-                   o_s, full, empty, p_ready, first_slot):
+                   o_s, full, empty, p_ready, first_slot, kd_s, a_ready):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -159,9 +188,18 @@ def build_chunk_forward_rs(
             T.barrier_wait(full[st], (c // 2) % 2)
             T.copy(st_f, sb_f)
             # S^T K^T and S^T Q^T, register A operand
-            T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
-            if with_output:
-                T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            if decayed_k:  # both in flight at once, gamma_C S^T meanwhile (S^T itself is not an operand)
+                T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+                if with_output:
+                    T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+                if not inverse_in_loop:  # g~ came with the tiles
+                    for i, j in T.Parallel(HV2, K):
+                        st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+                T.wait_wgmma(0)
+            else:
+                T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+                if with_output:
+                    T.gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             if precise:  # the low half of S^T, in the same registers
                 for i, j in T.Parallel(HV2, K):
                     sb_f[i, j] = st_f[i, j] - sb_f[i, j]
@@ -172,7 +210,11 @@ def build_chunk_forward_rs(
                 for i, j in T.Parallel(HV2, K):
                     sb_f[i, j] = st_f[i, j] - T.cast(T.cast(st_f[i, j], io_dtype), acc) - sb_f[i, j]
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
-            T.barrier_wait(p_ready[st], (c // 2) % 2)
+            # (decayed_k: what W^T and Vn^T need, gamma and Ag, comes before P and Kd)
+            T.barrier_wait(a_ready[st] if decayed_k else p_ready[st], (c // 2) % 2)
+            if inverse_in_loop:  # gamma_C = exp(g~_last), which the gate warpgroup made
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = st_f[i, j] * gam_s[st, C - 1]
             # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma), in one pass over the tile
             if with_output:
                 for i, j in T.Parallel(HV2, C):
@@ -195,52 +237,54 @@ def build_chunk_forward_rs(
             if third:
                 T.gemm(xb_f, a_s[st, :, :], u_f, transpose_B=True)
             T.copy(u_f, ub_f)
-            if precise:
-                for i, j in T.Parallel(HV2, C):
-                    lb_f[i, j] = u_f[i, j] - ub_f[i, j]
-            # O^T += Vn^T P^T
-            if with_output:
-                T.gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
+            if decayed_k:
+                T.barrier_wait(p_ready[st], (c // 2) % 2)
+                # O^T += Vn^T P^T and S'^T = gamma_C S^T + Vn^T Kd together (rows past the end have Vn = 0)
+                if with_output:
+                    T.wgmma_gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
+                T.wgmma_gemm(ub_f, kd_s[st, :, :], st_f)
+                if with_output:  # O leaves while the state's GEMM runs
+                    T.wait_wgmma(1)
+                    parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
+                T.wait_wgmma(0)
+                T.barrier_arrive(empty[st])
+            else:
                 if precise:
-                    T.gemm(lb_f, p_s[st, :, :], o_f, transpose_B=True)
-            # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
-            for i, j in T.Parallel(HV2, C):
-                u_f[i, j] = u_f[i, j] * dec_s[st, j]
-            T.copy(u_f, ub_f)
-            if precise:
+                    for i, j in T.Parallel(HV2, C):
+                        lb_f[i, j] = u_f[i, j] - ub_f[i, j]
+                # O^T += Vn^T P^T
+                if with_output:
+                    T.gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
+                    if precise:
+                        T.gemm(lb_f, p_s[st, :, :], o_f, transpose_B=True)
+                # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
                 for i, j in T.Parallel(HV2, C):
-                    lb_f[i, j] = u_f[i, j] - ub_f[i, j]
-            for i, j in T.Parallel(HV2, K):
-                st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
-            T.gemm(ub_f, k_s[st, :, :], st_f)
-            if precise:
-                T.gemm(lb_f, k_s[st, :, :], st_f)
-            if third:  # Vn^T diag(d) - hi - mid, in the second term's registers
-                for i, j in T.Parallel(HV2, C):
-                    lb_f[i, j] = u_f[i, j] - ub_f[i, j] - lb_f[i, j]
-                T.gemm(lb_f, k_s[st, :, :], st_f)
-            T.barrier_arrive(empty[st])
-            if with_output:
-                parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
+                    u_f[i, j] = u_f[i, j] * dec_s[st, j]
+                T.copy(u_f, ub_f)
+                if precise:
+                    for i, j in T.Parallel(HV2, C):
+                        lb_f[i, j] = u_f[i, j] - ub_f[i, j]
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+                T.gemm(ub_f, k_s[st, :, :], st_f)
+                if precise:
+                    T.gemm(lb_f, k_s[st, :, :], st_f)
+                if third:  # Vn^T diag(d) - hi - mid, in the second term's registers
+                    for i, j in T.Parallel(HV2, C):
+                        lb_f[i, j] = u_f[i, j] - ub_f[i, j] - lb_f[i, j]
+                    T.gemm(lb_f, k_s[st, :, :], st_f)
+                T.barrier_arrive(empty[st])
+                if with_output:
+                    parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
 
         parts.store_state(st_f, ht, n, h, c0)
 
-    producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output, paired=transition_pairs)
+    producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output, paired=transition_pairs,
+                                  gate_rows=inverse_in_loop)
+    gi = make_gate_inverse(C, K, io_dtype, first_thread=256)
 
-    @T.prim_func
-    def chunk_forward_rs_kernel(
-        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        gcum: T.Tensor((Hv, slot_rows), "float32"),
-        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        first_slot: T.Tensor((num_seqs,), "int32"),
-        h0: T.Tensor(state_shape_h0, "float32"),
-        scale: T.float32,
-        o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
-        ht: T.Tensor(state_shape_ht, ht_dtype),
-    ):
+    @T.macro
+    def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -261,31 +305,51 @@ def build_chunk_forward_rs(
             gam_s = T.alloc_shared((2, C), acc)
             dec_s = T.alloc_shared((2, C), acc)
             o_s = T.alloc_shared((2, C, HV2), io_dtype)  # O of each state path, for the TMA store
+            # (None where unused: an alias would rename the buffer in the kernel's script, and so its cache key)
+            kd_s = T.alloc_shared((2, C, K), io_dtype) if decayed_k else None  # Kd = diag(d) K, per ring stage
+            g_s = T.alloc_shared((2, C), acc) if inverse_in_loop else None  # g and beta rows, from the producer
+            b_s = T.alloc_shared((2, C), acc) if inverse_in_loop else None
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
             p_ready = T.alloc_barrier(arrive_count=[128] * 2)
+            a_ready = T.alloc_barrier(arrive_count=[128] * 2) if decayed_k else None  # gate -> state, before P
 
             tx = T.get_thread_binding()
 
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
                 state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready, first_slot)
+                           dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
                 state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready, first_slot)
+                           dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)
                 p_f = T.alloc_fragment((C, C), acc)
+                if inverse_in_loop:
+                    gb = gi.buffers()
                 for c in T.serial(n_chunks):
                     st = c % 2
                     T.barrier_wait(full[st], (c // 2) % 2)
+                    if inverse_in_loop:  # g~ and Ag of this chunk, into the ring stage
+                        gi.chunk_cumsum(tx, g_s, gc_s, st, gb.run)
+                        gi.gated_inverse(tx, k_s, b_s, gc_s, a_s, st, gb.kk_f, gb.kk_s, gb.d_s, gb.l21_s, gb.t_s,
+                                         gb.m_f, gb.x, gb.part, gb.s16_s, gb.t16_s, gb.m16_f)
+                    if decayed_k:  # gamma (and Ag) first: the state paths' W^T and Vn^T wait on them alone
+                        parts.gate_decays(gc_s, gam_s, dec_s, st)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(a_ready[st])
                     if with_output:
                         parts.gate_p(q_s, k_s, gc_s, p_f, p_s, st, scale)
-                    parts.gate_decays(gc_s, gam_s, dec_s, st)
+                    if not decayed_k:
+                        parts.gate_decays(gc_s, gam_s, dec_s, st)
+                    if decayed_k:  # the factor again from g~ (dec_s is another thread's write)
+                        for i, j in T.Parallel(C, K):
+                            kd_s[st, i, j] = T.cast(
+                                T.cast(k_s[st, i, j], acc) * T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E), io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
@@ -295,7 +359,42 @@ def build_chunk_forward_rs(
                 # ---------------- producer
                 T.set_max_nreg(producer_regs, 0)
                 producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s, gc_s,
-                         full, empty)
+                         full, empty, g, beta, g_s, b_s)
+
+    if inverse_in_loop:
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+        ):
+            kernel_body(q, k, v, None, None, g, beta, cu_seqlens, None, h0, scale, o, ht)
+
+    else:
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+        ):
+            kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht)
 
     return tilelang.compile(
         chunk_forward_rs_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()

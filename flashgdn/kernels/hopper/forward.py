@@ -22,11 +22,13 @@ from .common import CHUNK, tl_dtype
 POISON_OUTPUTS = False
 
 #: Which chunk-loop kernel runs: "rs" (warp-specialised, transposed state, register-operand GEMMs:
-#: ``chunk_forward_rs.py``), "uw" (rs with the state chain cut to two GEMMs, U and Wk made by the gate
+#: ``chunk_forward_rs.py``), "rsd" (rs with the state update's decay in K's tile, GEMMs issued in pairs:
+#: ``decayed_k`` there), "fused" (rsd with stage 1 inside: the gate warpgroup makes g~ and Ag, ``inverse_in_loop``
+#: there; without an output, with a given stage 1 or in the precise mode the loop is rsd's or rs's), "uw" (rs with the state chain cut to two GEMMs, U and Wk made by the gate
 #: warpgroup: ``chunk_forward_uw.py``), "ws" (warp-specialised, state halves through shared memory:
 #: ``chunk_forward_ws.py``) or "simple" (one role, ``chunk_forward.py``; the A/B baseline).
 #: FLASHGDN_HOPPER_CHUNK_LOOP overrides the default.
-CHUNK_LOOPS = ("rs", "uw", "ws", "simple")
+CHUNK_LOOPS = ("rs", "rsd", "fused", "uw", "ws", "simple")
 DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
 
 #: Precise mode of the rs chunk loop: register operands as bf16 hi + lo pairs (``chunk_forward_rs.py``), for
@@ -186,6 +188,9 @@ def hopper_forward(
         chunk_loop = "rs"  # the only loop with a precise mode
     if chunk_loop not in CHUNK_LOOPS:
         raise ValueError(f"chunk_loop must be one of {CHUNK_LOOPS}, got {chunk_loop!r}")
+    fused = chunk_loop == "fused" and with_output and stage1 is None
+    if chunk_loop == "fused" and not fused:
+        chunk_loop = "rsd"  # stage 1 exists already (or no output): the same loop reading its tiles
 
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
@@ -208,15 +213,15 @@ def hopper_forward(
         main = build_chunk_forward_uw(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, with_output
         )
-    elif not with_output:
-        main = build_chunk_forward_rs(
-            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, False,
-            PRECISE,
-        )
-    elif chunk_loop == "rs":
+    elif fused:
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, True,
-            PRECISE,
+            decayed_k=True, inverse_in_loop=True,
+        )
+    elif not with_output or chunk_loop in ("rs", "rsd"):
+        main = build_chunk_forward_rs(
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, with_output,
+            PRECISE, decayed_k=chunk_loop == "rsd",
         )
     elif chunk_loop == "ws":
         main = build_chunk_forward_ws(
@@ -227,10 +232,8 @@ def hopper_forward(
             Hqk, Hv, K, V, cfg.BV, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
         )
 
-    if stage1 is None:
+    if stage1 is None and (not fused or return_intermediates):  # the fused loop's own g~ and Ag stay inside it
         stage1 = hopper_stage1(kf, gf, bf, cu)
-    bounds, first_slot, gcum, Ag = stage1.bounds, stage1.first_slot, stage1.gcum, stage1.Ag
-    S = bounds.shape[0]
 
     state_shape = (Hv, V, K) if state_v_first else (Hv, K, V)
     if initial_state is not None:
@@ -239,11 +242,16 @@ def hopper_forward(
         h0 = torch.empty((1,) + state_shape, device=dev, dtype=torch.float32)
     ht = _output(((N if output_final_state else 1),) + state_shape, torch.float32, dev)
     o = _output((1, TT if with_output else 1, Hv, V), q.dtype, dev)
-    main(qf, kf, vf, gcum, Ag, cu, first_slot, h0, float(scale), o, ht)
+    if fused:
+        main(qf, kf, vf, gf, bf, cu, h0, float(scale), o, ht)
+    else:
+        main(qf, kf, vf, stage1.gcum, stage1.Ag, cu, stage1.first_slot, h0, float(scale), o, ht)
 
     o = o.reshape(B, T, Hv, V) if with_output else None
     final = ht if output_final_state else None
-    if return_intermediates:
+    if return_intermediates:  # stage 1's (with the fused loop: the kkt_inverse kernel's, run for this)
+        bounds, gcum, Ag = stage1.bounds, stage1.gcum, stage1.Ag
+        S = bounds.shape[0]
         gc_tok = slots_to_tokens(gcum.reshape(Hv, S, CHUNK).permute(1, 2, 0), bounds, TT)
         ag_tok = slots_to_tokens(Ag.permute(0, 2, 1, 3), bounds, TT)
         return o, final, {"gcum": gc_tok.reshape(B, T, Hv), "Ag": ag_tok.reshape(B, T, Hv, CHUNK)}

@@ -10,17 +10,19 @@ past the end already (stage 1), so they are always one TMA box. Each of the thre
 
 
 def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, load_q: bool = True,
-                       reverse: bool = False, paired: bool = False):
+                       reverse: bool = False, paired: bool = False, gate_rows: bool = False):
     """The producer as a TileLang macro; ``first_warp`` is the thread index of the producer warpgroup's start.
     ``reverse`` walks a sequence's chunks last to first (the backward's state-gradient walk); ``v`` is then
     whatever value-head tensor the consumer needs (dO). ``paired``: the CTA's head h is one of a pair of the
     context-parallel transition pass, both on value head h // 2 (its Ag, g~ and qk head): h even loads v,
-    h odd gets zeros (v's tile is zeroed once per ring stage and never written again)."""
+    h odd gets zeros (v's tile is zeroed once per ring stage and never written again). ``gate_rows``: the third
+    warp loads the chunk's rows of g and beta for value head h (plain loads, zero past the sequence's end) into
+    ``g_s`` and ``b_s`` instead of stage 1's Ag and g~ tiles (the loop that makes them itself)."""
     import tilelang.language as T
 
     @T.macro
     def ring_producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s, gc_s,
-                      full, empty):
+                      full, empty, g=None, beta=None, g_s=None, b_s=None):
         for c in T.serial(n_chunks):
             st = c % 2
             if reverse:  # ring step c holds chunk n_chunks - 1 - c
@@ -68,16 +70,21 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                         T.fence_proxy_async()
                 T.barrier_arrive(full[st])
             elif tx < first_warp + 96:
-                if reverse:
-                    slot = first_slot[n] + (n_chunks - 1 - c)
+                if gate_rows:
+                    for i in T.Parallel(C):
+                        g_s[st, i] = T.if_then_else(i < n_rows, g[0, t0 + i, h], 0.0)
+                        b_s[st, i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
                 else:
-                    slot = first_slot[n] + c
-                if paired:
-                    T.tma_copy(Ag[slot, h // 2, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
-                    T.tma_copy(gcum[h // 2, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
-                else:
-                    T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
-                    T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
+                    if reverse:
+                        slot = first_slot[n] + (n_chunks - 1 - c)
+                    else:
+                        slot = first_slot[n] + c
+                    if paired:
+                        T.tma_copy(Ag[slot, h // 2, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
+                        T.tma_copy(gcum[h // 2, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
+                    else:
+                        T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
+                        T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
                 T.barrier_arrive(full[st])
 
     return ring_producer

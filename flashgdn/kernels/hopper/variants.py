@@ -14,7 +14,7 @@ Variant = Tuple[str, str, dict]
 
 def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
                      flags: str = "all") -> Iterator[Variant]:
-    """The stage-1 kernel and every chunk-loop kernel (simple and the three warp-specialised ones) for every flag combination (``flags="all"``), or only
+    """The stage-1 kernel and every chunk-loop kernel (simple, ws, rs, rsd, fused, uw) for every flag combination (``flags="all"``), or only
     the one a training/benchmark call uses (initial state in, final state out, K-major state: ``"common"``)."""
     yield ("chunk_plan", "chunk_plan", {})
     yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
@@ -50,6 +50,15 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", f"chunk_forward_{loop}"), f"chunk_forward_{loop}",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first))
+        # rs with the decay in K's tile ("rsd"), with its output and (CP's pass) state-only; and with stage 1
+        # inside the loop ("fused")
+        for wo in (True, False) if has_h0 and store_ht and not v_first else (True,):
+            yield (name.replace("chunk_forward", "chunk_forward_rsd" + "_state" * (not wo)), "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                        store_final_state=store_ht, state_v_first=v_first, with_output=wo, decayed_k=True))
+        yield (name.replace("chunk_forward", "chunk_forward_fused"), "chunk_forward_rs",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=store_ht,
+                    state_v_first=v_first, decayed_k=True, inverse_in_loop=True))
 
 
 def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",

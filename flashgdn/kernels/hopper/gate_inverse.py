@@ -1,0 +1,124 @@
+"""Stage 1 inside the chunk loop: the gate warpgroup's gate cumsum and gated inverse Ag of one chunk of one value
+head, made one chunk ahead of the state paths (``chunk_forward_rs`` with ``inverse_in_loop``).
+
+Same math as ``kkt_inverse.py`` (DESIGN.md §2, C = 64, rows i, j of the chunk):
+
+    g~_i  = sum_{s <= i} g_s                  L = StrictLower(diag(beta) K K^T)
+    A     = (I + L)^{-1}                      Ag_ij = exp(g~_i - g~_j) A_ij beta_j   (j <= i, else 0)
+
+blocked one level further: the four 16x16 diagonal blocks of A by forward substitution, one thread per column
+with the column in registers (a chain of 16 rows: the gate's latency per chunk is what bounds this loop), joined
+into two 32x32 blocks and then into A by ``A21 = -A22 (L21 A11)``, tf32 tensor-core products (the two 16 -> 32
+joins as one product each, on block-diagonal 32x32 operands against the stacked 16-column blocks).
+Here the work is one value head's (the CTA's), on the 128 threads of the gate warpgroup, and Ag goes straight
+into the ring stage's shared tile that the state paths' ``W^T Ag^T`` reads: no Ag or g~ round trip through HBM
+and no stage-1 kernel before the loop. The gate's K K^T is its own wgmma on K's tile (the state paths and P read
+the same tile). g~ is each row's sum of four interleaved partial sums (one thread per row), so its rounding is
+not the scan's of ``kkt_inverse``: other bits, the same error.
+
+Measured (``benchmarks/results/h200/stages-hopper-v0.10b.json``, ``profiles/forward-v0.10-fused-*``): the gate
+warpgroup issues ~1540 instructions per warp and chunk, most of them element-wise (Ag's 64x64 gating, P, Kd), one
+warp per sub-partition, and is the loop's critical path: the state paths spend about half their samples waiting
+on its barriers, and the op is 1.25x-1.9x the time of the rs loop with stage 1 apart. A loop to build on, not the
+default; what it needs is fewer instructions on the gate per chunk (docs/hopper-notes.md, v0.10).
+
+g and beta arrive in the ring beside q, k, v (``ring_producer`` with ``gate_rows``): rows past a sequence's end
+are zero, so their rows and columns of Ag are zero and g~ is flat there, as the state paths expect.
+
+PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_inverse``, ``gated_inverse``.
+"""
+from types import SimpleNamespace
+
+from .common import LOG2E
+
+
+def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int):
+    """The macros for one configuration; ``first_thread`` is the gate warpgroup's first thread index."""
+    import tilelang.language as T
+
+    B = C // 2  # diagonal block of the inverse
+    acc = "float32"
+
+    @T.macro
+    def chunk_cumsum(tx, g_s, gc_s, st, run):
+        # one thread per row: the sum of the rows up to it, in four interleaved partial sums (a chain of 16 adds)
+        if tx - first_thread < C:
+            r = tx - first_thread
+            for a in T.unroll(4):
+                run[a] = 0.0
+            for j in T.unroll(C):
+                run[j % 4] = run[j % 4] + T.if_then_else(j <= r, g_s[st, j], 0.0)
+            gc_s[st, r] = (run[0] + run[1]) + (run[2] + run[3])
+
+    @T.macro
+    def gated_inverse(tx, k_s, b_s, gc_s, a_s, st, kk_f, kk_s, d_s, l21_s, t_s, m_f, x, part, s16_s, t16_s, m16_f):
+        T.gemm(k_s[st, :, :], k_s[st, :, :], kk_f, transpose_B=True, clear_accum=True)
+        T.copy(kk_f, kk_s)
+        # 16-blocks: thread -> (16-block d, column c), column c in x; block d is quadrant d % 2 of 32-block d // 2
+        if tx - first_thread < C:
+            d = (tx - first_thread) // 16
+            r0 = d * 16
+            c = (tx - first_thread) % 16
+            for r in T.unroll(16):
+                x[r] = 0.0
+            for r in T.unroll(16):
+                part[0] = 0.0
+                part[1] = 0.0
+                for j in T.unroll(r):
+                    part[j % 2] += kk_s[r0 + r, r0 + j] * x[j]
+                x[r] = T.if_then_else(r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[st, r0 + r] * (part[0] + part[1])))
+            for r in T.unroll(16):
+                d_s[d // 2, (d % 2) * 16 + r, (d % 2) * 16 + c] = x[r]
+                if d % 2 == 0:  # the 32-block's upper right quadrant
+                    d_s[d // 2, r, 16 + c] = 0.0
+        # 16 -> 32 in both 32-blocks: T = blockdiag(L21) [A11; A11'], A21 = -blockdiag(A22) T
+        for r, c2 in T.Parallel(B, B):
+            l21_s[r, c2] = T.if_then_else(
+                r // 16 == c2 // 16,
+                b_s[st, (r // 16) * B + 16 + r % 16] * kk_s[(r // 16) * B + 16 + r % 16, (r // 16) * B + c2 % 16], 0.0)
+        for r, c2 in T.Parallel(B, 16):
+            s16_s[r, c2] = d_s[r // 16, r % 16, c2]
+        T.gemm(l21_s, s16_s, m16_f, clear_accum=True)
+        T.copy(m16_f, t16_s)
+        for r, c2 in T.Parallel(B, B):
+            l21_s[r, c2] = T.if_then_else(r // 16 == c2 // 16, d_s[r // 16, 16 + r % 16, 16 + c2 % 16], 0.0)
+        T.gemm(l21_s, t16_s, m16_f, clear_accum=True)
+        for r, c2 in T.Parallel(B, 16):
+            d_s[r // 16, 16 + r % 16, c2] = -m16_f[r, c2]
+        # off-diagonal block: A21 = -A22 (L21 A11)
+        for r, c2 in T.Parallel(B, B):
+            l21_s[r, c2] = b_s[st, B + r] * kk_s[B + r, c2]
+        T.gemm(l21_s, d_s[0, :, :], m_f, clear_accum=True)
+        T.copy(m_f, t_s)
+        T.gemm(d_s[1, :, :], t_s, m_f, clear_accum=True)
+        for r, c2 in T.Parallel(B, B):
+            d_s[2, r, c2] = -m_f[r, c2]
+        # Ag = Gam ⊙ A ⊙ beta^T into the ring stage's tile; exponents clamped at 0 (A is 0 above the diagonal)
+        for i, j in T.Parallel(B, B):
+            a_s[st, i, j] = T.cast(
+                d_s[0, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
+            a_s[st, B + i, j] = T.cast(
+                d_s[2, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
+            a_s[st, B + i, B + j] = T.cast(
+                d_s[1, i, j] * b_s[st, B + j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, B + j], 0.0) * LOG2E),
+                io_dtype)
+            a_s[st, i, B + j] = T.cast(0, io_dtype)
+
+    def buffers():
+        """The gate's own buffers, allocated where it is called (inside the kernel)."""
+        return SimpleNamespace(
+            kk_f=T.alloc_fragment((C, C), acc),
+            kk_s=T.alloc_shared((C, C), acc),
+            d_s=T.alloc_shared((3, B, B), acc),  # 0 = A11, 1 = A22, 2 = A21
+            l21_s=T.alloc_shared((B, B), acc),
+            t_s=T.alloc_shared((B, B), acc),
+            m_f=T.alloc_fragment((B, B), acc),
+            x=T.alloc_local((16,), acc),
+            s16_s=T.alloc_shared((B, 16), acc),  # the two A11 16-blocks, stacked
+            t16_s=T.alloc_shared((B, 16), acc),
+            m16_f=T.alloc_fragment((B, 16), acc),
+            part=T.alloc_local((2,), acc),
+            run=T.alloc_local((4,), acc),
+        )
+
+    return SimpleNamespace(chunk_cumsum=chunk_cumsum, gated_inverse=gated_inverse, buffers=buffers)
