@@ -101,7 +101,7 @@ def build_chunk_forward_rs(
     S^T K^T and S^T Q^T run. The rounding moves from Vn^T diag(d) to diag(d) K: other bits, the same error.
     The gate warpgroup signals gamma (and, with ``inverse_in_loop``, Ag) on a barrier of their own, a_ready, before
     it makes P and Kd, so that the state paths' W^T and Vn^T wait on those alone. Measured: 1.06x-1.26x rs's time
-    with an output, the state-only pass within 1-4% of rs's (``stages-hopper-v0.10a/b.json``); not the default.
+    with an output, the state-only pass within 1-4% of rs's (``stages-hopper-v0.10a/b/d.json``); not the default.
     32 KB more shared memory (Kd's two ring stages).
 
     ``inverse_in_loop=True`` (with ``decayed_k``, an output, no precise mode; loop "fused") takes stage 1 into the
@@ -243,11 +243,10 @@ def build_chunk_forward_rs(
                 if with_output:
                     T.wgmma_gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
                 T.wgmma_gemm(ub_f, kd_s[st, :, :], st_f)
-                if with_output:  # O leaves while the state's GEMM runs
-                    T.wait_wgmma(1)
-                    parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
                 T.wait_wgmma(0)
                 T.barrier_arrive(empty[st])
+                if with_output:
+                    parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
             else:
                 if precise:
                     for i, j in T.Parallel(HV2, C):
