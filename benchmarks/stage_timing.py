@@ -101,6 +101,7 @@ def main(argv=None):
         q, k, v, g, beta, h0, cu = make(Hqk, Hv, seqlens)
         T, N = q.shape[1], len(seqlens)
         prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
+        prep_async = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=True)
         simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False)
         ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         rs = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
@@ -125,6 +126,7 @@ def main(argv=None):
         times = {
             "chunk_bounds": lambda: fw.chunk_plan(cu, T, N),
             "kkt_inverse": lambda: prep(k, g, beta, bounds, gcum, Ag),
+            "kkt_inverse_async": lambda: prep_async(k, g, beta, bounds, gcum, Ag),  # k's tile by cp.async
             "loop_simple": (lambda: simple(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "simple" in loops else None,
             "loop_ws": (lambda: ws(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "ws" in loops else None,
             "loop_rs": (lambda: rs(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rs" in loops else None,
@@ -215,7 +217,7 @@ def main(argv=None):
         if args.out:  # after every shape, so that a time limit leaves the shapes done
             with open(args.out, "w") as fh:
                 json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
-    cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"),
+    cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
             ("rs state-only", "loop_rs_state"), ("loop rsd", "loop_rsd"), ("rsd state-only", "loop_rsd_state"),
             ("loop fused", "loop_fused"),

@@ -36,6 +36,11 @@ DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
 #: and walk follow it (``backward.hopper_backward``). FLASHGDN_HOPPER_PRECISE=1.
 PRECISE = os.environ.get("FLASHGDN_HOPPER_PRECISE", "0") == "1"
 
+#: Stage 1 (``kkt_inverse``, forward and backward) loads k's tile by cp.async (``async_loads`` there; the same bits,
+#: 0.92x-0.97x the time: ``stages-hopper-v0.10e.json``).
+#: FLASHGDN_HOPPER_KKT_ASYNC_LOADS=0 for the register-staged loads.
+KKT_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_KKT_ASYNC_LOADS", "1") == "1"
+
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
 
@@ -276,9 +281,9 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
     if store_inverse:
         A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
-        build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True)(*args, A)
+        build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS)(*args, A)
         return Stage1(bounds, first_slot, gcum, Ag, A)
-    build_kkt_inverse(Hqk, Hv, K, io, io)(*args)
+    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS)(*args)
     return Stage1(bounds, first_slot, gcum, Ag)
 
 

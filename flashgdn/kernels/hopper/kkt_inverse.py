@@ -36,7 +36,7 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
-                      store_inverse: bool = False):
+                      store_inverse: bool = False, async_loads: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -58,6 +58,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     well: the backward needs it (dL = -A^T dA A^T), and it cannot be had back from Ag once the decay underflows.
     The backward's GEMMs read it in the io dtype anyway, and its elementwise uses lose nothing measurable to that
     rounding (``benchmarks/numerics_backward.py``).
+
+    ``async_loads=True`` brings k's tile by cp.async (16 bytes per thread and instruction, zero-filled past the
+    tensor's end; rows of the next sequence zeroed after the wait) instead of through registers: the register-staged
+    load and its address arithmetic held ~22% of the stall samples (``profiles/forward-v0.9-kkt-*``). Same values in
+    shared memory, so the same bits out. Measured: 0.92x-0.97x the time (``stages-hopper-v0.10e.json``); the
+    default (``forward.KKT_ASYNC_LOADS``).
     """
     if blocks_per_sm not in (3, 4):
         raise ValueError(f"blocks_per_sm must be 3 or 4, got {blocks_per_sm}")
@@ -97,12 +103,22 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             tx = T.get_thread_binding()
 
             if n_rows > 0:
-                for i, j in T.Parallel(C, K):
-                    k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, qk_dtype))
+                if async_loads:
+                    T.async_copy(k[0, t0:t0 + C, hq, :], k_s)
+                else:
+                    for i, j in T.Parallel(C, K):
+                        k_s[i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, qk_dtype))
                 # the gates of the whole group at once (contiguous in g and beta)
                 for i, p in T.Parallel(C, group):
                     g_s[p, i] = T.if_then_else(i < n_rows, g[0, t0 + i, hq * group + p], 0.0)
                     b_s[p, i] = T.if_then_else(i < n_rows, beta[0, t0 + i, hq * group + p], 0.0)
+                if async_loads:
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
+                    if n_rows < C:  # rows of the next sequence (or zeros past the tensor's end)
+                        for i, j in T.Parallel(C, K):
+                            if i >= n_rows:
+                                k_s[i, j] = T.cast(0, qk_dtype)
                 T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
                 T.copy(kk_f, kk_s)
                 T.cumsum(g_s, gc_s, dim=1)

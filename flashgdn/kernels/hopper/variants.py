@@ -19,6 +19,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     yield ("chunk_plan", "chunk_plan", {})
     yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype))
+    # k's tile by cp.async (forward.KKT_ASYNC_LOADS)
+    yield (f"kkt_inverse_async[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
     for has_h0, store_ht, v_first in combos:
         name = f"chunk_forward[{Hqk}/{Hv},{dtype},h0={int(has_h0)},ht={int(store_ht)},v_first={int(v_first)}]"
@@ -68,9 +71,10 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     heads (stage 1 and the rs state-only loop for ``Hqk/2Hv``), or on the paired kernel with
     FLASHGDN_HOPPER_CP_PAIRED=1. What a server precompiles; the other loops are for comparisons."""
     from . import backend
-    from .forward import DEFAULT_CHUNK_LOOP
+    from .forward import DEFAULT_CHUNK_LOOP, KKT_ASYNC_LOADS
 
-    wanted = {"chunk_plan", "kkt_inverse", f"chunk_forward_{DEFAULT_CHUNK_LOOP}"}
+    kkt = "kkt_inverse_async" if KKT_ASYNC_LOADS else "kkt_inverse"
+    wanted = {"chunk_plan", kkt, f"chunk_forward_{DEFAULT_CHUNK_LOOP}"}
     for v in forward_variants(Hqk, Hv, K, V, dtype, flags):
         if v[0].split("[")[0] in wanted:
             yield v
@@ -81,7 +85,7 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     else:
         for v in forward_variants(Hqk, 2 * Hv, K, V, dtype, "common"):
             name = v[0].split("[")[0]
-            if name == "kkt_inverse" or name == "chunk_forward_rs_state":
+            if name == kkt or name == "chunk_forward_rs_state":
                 yield v
     if backend.CP_FUSED:
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
@@ -105,6 +109,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         if builder == "chunk_grad":  # the one build the options give, below
             continue
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
+            continue
+        if builder == "kkt_inverse" and kw["async_loads"] != forward.KKT_ASYNC_LOADS:
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
                 kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise):
@@ -139,8 +145,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged,
                         precise=precise))
-    yield (f"kkt_inverse_with_A[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
-           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True))
+    for async_loads in (False, True):
+        yield (f"kkt_inverse_with_A{'_async' * async_loads}[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+               dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=async_loads))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
     # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
     # factors, dg by a masked sum, 4-byte stores, blocks taken value heads first; and for two value heads per qk
