@@ -70,7 +70,32 @@ def results_header(argv, script: str = "stage_timing.py") -> dict:
         "command": f"python3 benchmarks/{script} " + " ".join(shlex.quote(a) for a in args),
         "versions": collect_versions([], torch.device("cuda")),
         "commit": commit,
+        "tree": working_tree_hash(),
     }
+
+
+def working_tree_hash() -> str:
+    """Git's tree hash of the files as they are (tracked and unignored, changes included), without touching the
+    index: a copy of the tree run elsewhere can carry a stale HEAD, but the same files give the same tree, which
+    ``git log --format='%h %T'`` maps back to a commit when they were committed as they are."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    try:
+        git_dir = subprocess.run(["git", "rev-parse", "--git-dir"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+        with tempfile.TemporaryDirectory() as tmp:
+            index = os.path.join(tmp, "index")
+            if os.path.exists(os.path.join(git_dir, "index")):
+                shutil.copy(os.path.join(git_dir, "index"), index)
+            env = dict(os.environ, GIT_INDEX_FILE=index)
+            subprocess.run(["git", "add", "-A"], env=env, capture_output=True, check=True)
+            return subprocess.run(["git", "write-tree"], env=env, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main(argv=None):
