@@ -1,0 +1,76 @@
+"""Stage 1 of the Hopper forward alone (chunk-local cumsum and the gated inverse, ``kkt_inverse``) against the float64
+oracle, and its builds against each other (GPU only). Apart from ``test_gpu_hopper_forward.py``, whose tests run on
+every chunk loop: stage 1 does not depend on the loop, so these run once. Outputs are filled with NaN first.
+"""
+import pytest
+import torch
+
+from flashgdn.reference import chunked as ref
+
+from helpers import make_inputs, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch, cuda):
+    from flashgdn.kernels.hopper import forward
+
+    monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
+
+
+def inputs(seqlens, Hqk=2, Hv=4, **kw):
+    return make_inputs(seqlens=seqlens, Hqk=Hqk, Hv=Hv, K=128, V=128, dtype=torch.bfloat16, device="cuda", **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stage 1 alone: chunk-local cumsum and the gated inverse
+
+
+@pytest.mark.parametrize("heads", [(2, 8), (2, 6), (3, 3)])  # value heads inverted two at a time, or one
+@pytest.mark.parametrize("seqlens", [[64], [1], [63, 65, 200], [1000, 3, 130]])
+def test_kkt_inverse_stage(seqlens, heads):
+    from flashgdn.kernels.hopper.forward import hopper_forward
+
+    inp = inputs(seqlens, Hqk=heads[0], Hv=heads[1], gate="mixed")
+    _, _, mid = hopper_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128 ** -0.5,
+                               inp["initial_state"], True, inp["cu_seqlens"], False, return_intermediates=True)
+    cu = inp["cu_seqlens"]
+    n = int(cu[-1])
+    gc_ref = ref.chunk_local_cumsum(inp["g"].double(), cu)
+    A_ref = ref.kkt_inverse(inp["k"].double(), inp["beta"].double(), cu)
+    Ag_ref = ref.gated_inverse(A_ref, gc_ref, inp["beta"].double(), cu)
+    assert rel_rms(mid["gcum"][:, :n], gc_ref[:, :n]) < 1e-6
+    assert rel_rms(mid["Ag"][:, :n], Ag_ref[:, :n]) < 5e-3
+
+
+@pytest.mark.parametrize("seqlens", [[64], [1], [63, 65, 200], [1000, 3, 130]])
+@pytest.mark.parametrize("store_inverse", [False, True])
+def test_kkt_inverse_async_loads_give_the_same_bits(seqlens, store_inverse):
+    """Stage 1 with k's tile by cp.async: the same g~, Ag (and A) bits as with register-staged loads, partial chunks
+    and the last chunk past the tensor's end included (a padded tail after the last sequence)."""
+    from flashgdn.kernels.hopper.forward import chunk_plan
+    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+
+    inp = inputs(seqlens, Hqk=2, Hv=4, gate="mixed")
+    k, cu = inp["k"], inp["cu_seqlens"]
+    T, N = k.shape[1] + 7, len(seqlens)  # 7 tokens of padding after the last sequence
+    pad = lambda x: torch.cat([x, torch.randn_like(x[:, :7])], dim=1).contiguous()  # noqa: E731
+    k, g, beta = pad(k), pad(inp["g"].float()), pad(inp["beta"].float())
+    bounds, _ = chunk_plan(cu, T, N)
+    S = bounds.shape[0]
+    outs = []
+    for async_loads in (False, True):
+        gcum = torch.full((4, S * 64), float("nan"), device="cuda")
+        Ag = torch.full((S, 4, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
+        args = [k, g, beta, bounds, gcum, Ag]
+        if store_inverse:
+            args.append(torch.full_like(Ag, float("nan")))
+        kernel = build_kkt_inverse(2, 4, 128, "bfloat16", "bfloat16", store_inverse=store_inverse,
+                                   async_loads=async_loads)
+        kernel(*args)
+        live = bounds[:, 1] > 0
+        outs.append([gcum.view(4, S, 64)[:, live], Ag[live]] + ([args[-1][live]] if store_inverse else []))
+    for a, b in zip(*outs):
+        assert torch.isfinite(a.float()).all()
+        assert torch.equal(a, b)
