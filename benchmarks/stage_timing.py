@@ -4,9 +4,9 @@
 
 For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk plan, the ``kkt_inverse``
 stage, each chunk-loop kernel ("simple", "ws", "rs", "rsd", "uw" and the state-only
-variants of rs, rsd and uw) and the whole op (with the rs and the uw loop), without and with context parallelism
-(``cp=16``, ``cp=64``; with the paired transition pass and with CP's fused index and splice kernels), and prints
-them beside the DESIGN.md floor. With ``--backward`` also the Hopper backward's
+variants of rs, rsd and uw; "fused" on request) and the whole op (with rs and with each loop compared to it), without
+and with context parallelism (``cp=16``, ``cp=64``; with the paired transition pass and with CP's fused index and
+splice kernels), and prints them beside the DESIGN.md floor. With ``--backward`` also the Hopper backward's
 stages (stage 1 storing A, the chunk states, the state-gradient walk, ``chunk_grad``), the whole backward
 without and with the context parallelism the cost model picks, and the backward's peak extra memory.
 """
@@ -101,7 +101,8 @@ def working_tree_hash() -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--loops", default="simple,ws,rs,rsd", help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw")
+    ap.add_argument("--loops", default="simple,ws,rs,rsd",
+                    help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages, the whole backward with and without CP and its memory")
@@ -134,6 +135,7 @@ def main(argv=None):
         rsd = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True)
         rsd_state = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False, decayed_k=True)
         loops = args.loops.split(",")
+        compared = [loop for loop in ("uw", "rsd", "fused") if loop in loops]  # each beside rs, op and outputs
         fused_loop = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
                                              inverse_in_loop=True) if "fused" in loops else None)
         uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
@@ -172,10 +174,9 @@ def main(argv=None):
             "op_cpauto": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper"),
         }
-        for loop in ("rs", "rsd", "fused", "uw"):
-            if loop in loops and loop != "rs" or loop == "rs" and len(set(loops) & {"uw", "rsd", "fused"}):
-                times[f"op_{loop}"] = (lambda loop=loop: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False,
-                                                                           chunk_loop=loop))
+        for loop in (["rs"] + compared) if compared else []:
+            times[f"op_{loop}"] = (lambda loop=loop: fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False,
+                                                                       chunk_loop=loop))
 
         def op(cp):
             return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
@@ -211,12 +212,12 @@ def main(argv=None):
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
                "kkt_finite": bool(Ag[live].isfinite().all())}
         rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
-        for loop in ("uw", "rsd", "fused"):  # the loops' outputs beside rs's (each is checked against the oracle by the tests)
-            if loop in loops:
-                with torch.no_grad():
-                    o_rs, h_rs = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
+        if compared:  # the loops' outputs beside rs's (each is checked against the oracle by the tests)
+            with torch.no_grad():
+                o_rs, h_rs = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
+                for loop in compared:
                     o_x, h_x = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop=loop)
-                row[f"{loop}_vs_rs_o"], row[f"{loop}_vs_rs_state"] = rel(o_x, o_rs), rel(h_x, h_rs)
+                    row[f"{loop}_vs_rs_o"], row[f"{loop}_vs_rs_state"] = rel(o_x, o_rs), rel(h_x, h_rs)
         with torch.no_grad():
             for name, fn in times.items():
                 if fn is None:
@@ -247,7 +248,8 @@ def main(argv=None):
             ("rs state-only", "loop_rs_state"), ("loop rsd", "loop_rsd"), ("rsd state-only", "loop_rsd_state"),
             ("loop fused", "loop_fused"),
             ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
-            ("op", "op"), ("op rs", "op_rs"), ("op rsd", "op_rsd"), ("op fused", "op_fused"), ("op uw", "op_uw"), ("op cp=auto", "op_cpauto"),
+            ("op", "op"), ("op rs", "op_rs"), ("op rsd", "op_rsd"), ("op fused", "op_fused"), ("op uw", "op_uw"),
+            ("op cp=auto", "op_cpauto"),
             ("op cp=auto paired", "op_cpauto_pairs"), ("op cp=64 paired", "op_cp64_pairs"),
             ("op cp=16 fused", "op_cp16_fused"), ("op cp=64 fused", "op_cp64_fused"),
             ("op cp=auto fused", "op_cpauto_fused")]

@@ -24,9 +24,10 @@ POISON_OUTPUTS = False
 #: Which chunk-loop kernel runs: "rs" (warp-specialised, transposed state, register-operand GEMMs:
 #: ``chunk_forward_rs.py``), "rsd" (rs with the state update's decay in K's tile, GEMMs issued in pairs:
 #: ``decayed_k`` there), "fused" (rsd with stage 1 inside: the gate warpgroup makes g~ and Ag, ``inverse_in_loop``
-#: there; without an output, with a given stage 1 or in the precise mode the loop is rsd's or rs's), "uw" (rs with the state chain cut to two GEMMs, U and Wk made by the gate
-#: warpgroup: ``chunk_forward_uw.py``), "ws" (warp-specialised, state halves through shared memory:
-#: ``chunk_forward_ws.py``) or "simple" (one role, ``chunk_forward.py``; the A/B baseline).
+#: there; without an output, with a given stage 1 or in the precise mode the loop is rsd's or rs's), "uw" (rs with
+#: the state chain cut to two GEMMs, U and Wk made by the gate warpgroup: ``chunk_forward_uw.py``), "ws"
+#: (warp-specialised, state halves through shared memory: ``chunk_forward_ws.py``) or "simple" (one role,
+#: ``chunk_forward.py``; the A/B baseline).
 #: FLASHGDN_HOPPER_CHUNK_LOOP overrides the default.
 CHUNK_LOOPS = ("rs", "rsd", "fused", "uw", "ws", "simple")
 DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
