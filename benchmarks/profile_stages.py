@@ -26,6 +26,7 @@ def main(argv=None):
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
     from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
+    from flashgdn.kernels.hopper.chunk_forward_rso import build_chunk_forward_rso
     from flashgdn.kernels.hopper.chunk_forward_uw import build_chunk_forward_uw
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
@@ -43,17 +44,19 @@ def main(argv=None):
                 hopper_backward(q, k, v, g, beta, do, dht, 128 ** -0.5, h0, cu, False, None, cu.cpu())
                 torch.cuda.synchronize()
         return 0
-    prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
-    loops = {
-        "simple": build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False),
-        "ws": build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
-        "rs": build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
-        "uw": build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
-        "rsd": build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True),
+    prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=fw.KKT_ASYNC_LOADS)
+    builders = {  # only the loops asked for are built (a build not in the cache is a compile)
+        "simple": lambda: build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False),
+        "ws": lambda: build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+        "rs": lambda: build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+        "uw": lambda: build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+        "rsd": lambda: build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True),
+        "rso": lambda: build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False),
+        # stage 1 inside the loop (its kernel is also named chunk_forward_rs): g and beta instead of stage 1's tiles
+        "fused": lambda: build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
+                                                inverse_in_loop=True),
     }
-    # stage 1 inside the loop (its kernel is also named chunk_forward_rs): g and beta instead of stage 1's tiles
-    fused = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
-                                   inverse_in_loop=True) if "fused" in args.loops.split(",") else None
+    loops = {name: builders[name]() for name in args.loops.split(",")}
     bounds, first_slot = fw.chunk_plan(cu, T, N)
     S = bounds.shape[0]
     gcum = torch.empty(Hv, S * 64, device="cuda")
@@ -64,7 +67,7 @@ def main(argv=None):
         prep(k, g, beta, bounds, gcum, Ag)
         for name in args.loops.split(","):
             if name == "fused":
-                fused(q, k, v, g, beta, cu, h0, 128 ** -0.5, o, ht)
+                loops[name](q, k, v, g, beta, cu, h0, 128 ** -0.5, o, ht)
             else:
                 loops[name](q, k, v, gcum, Ag, cu, first_slot, h0, 128 ** -0.5, o, ht)
         torch.cuda.synchronize()

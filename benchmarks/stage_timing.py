@@ -3,8 +3,8 @@
     python benchmarks/stage_timing.py [--out FILE.json]
 
 For a few shapes of DESIGN.md §5 it times, by CUDA-graph replay (median), the chunk plan, the ``kkt_inverse``
-stage, each chunk-loop kernel ("simple", "ws", "rs", "rsd", "uw" and the state-only
-variants of rs, rsd and uw; "fused" on request) and the whole op (with rs and with each loop compared to it), without
+stage, the chunk-loop kernels asked for by ``--loops`` ("simple", "ws", "rs", "rsd", "uw", "fused", "rso"; the
+state-only variants of rs, rsd and uw beside them) and the whole op (with rs and with each loop compared to it), without
 and with context parallelism (``cp=16``, ``cp=64``; with the paired transition pass and with CP's fused index and
 splice kernels), and prints them beside the DESIGN.md floor. With ``--backward`` also the Hopper backward's
 stages (stage 1 storing A, the chunk states, the state-gradient walk, ``chunk_grad``), the whole backward
@@ -102,7 +102,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--loops", default="simple,ws,rs,rsd",
-                    help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw")
+                    help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw,rso")
+    ap.add_argument("--kkt-sync", action="store_true", help="also time kkt_inverse with k's tile through registers")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages, the whole backward with and without CP and its memory")
@@ -118,6 +119,7 @@ def main(argv=None):
     from flashgdn.kernels.hopper import forward as fw
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
     from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
+    from flashgdn.kernels.hopper.chunk_forward_rso import build_chunk_forward_rso
     from flashgdn.kernels.hopper.chunk_forward_uw import build_chunk_forward_uw
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
@@ -126,20 +128,24 @@ def main(argv=None):
     for Hqk, Hv, seqlens in SHAPES:
         q, k, v, g, beta, h0, cu = make(Hqk, Hv, seqlens)
         T, N = q.shape[1], len(seqlens)
-        prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16")
+        loops = args.loops.split(",")
+        # only the kernels asked for are built (a build not in the cache is a compile)
         prep_async = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=True)
-        simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False)
-        ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
+        prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16") if args.kkt_sync else prep_async
+        simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False) if "simple" in loops else None
+        ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "ws" in loops else None
         rs = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
         rs_state = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False)
-        rsd = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True)
-        rsd_state = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False, decayed_k=True)
-        loops = args.loops.split(",")
-        compared = [loop for loop in ("uw", "rsd", "fused") if loop in loops]  # each beside rs, op and outputs
+        rsd = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True)
+               if "rsd" in loops else None)
+        rsd_state = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False, decayed_k=True)
+                     if "rsd" in loops else None)
+        compared = [loop for loop in ("uw", "rsd", "fused", "rso") if loop in loops]  # each beside rs, op and outputs
         fused_loop = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
                                              inverse_in_loop=True) if "fused" in loops else None)
-        uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
-        uw_state = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False)
+        rso = build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "rso" in loops else None
+        uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "uw" in loops else None
+        uw_state = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False) if "uw" in loops else None
         o1 = torch.empty(1, 1, Hv, 128, device="cuda", dtype=torch.bfloat16)
         bounds, first_slot = fw.chunk_plan(cu, T, N)
         S = bounds.shape[0]
@@ -152,7 +158,8 @@ def main(argv=None):
         cu_cpu = cu.cpu()
         times = {
             "chunk_bounds": lambda: fw.chunk_plan(cu, T, N),
-            "kkt_inverse": lambda: prep(k, g, beta, bounds, gcum, Ag),
+            # k's tile through registers (the build before KKT_ASYNC_LOADS), with --kkt-sync
+            "kkt_inverse": (lambda: prep(k, g, beta, bounds, gcum, Ag)) if args.kkt_sync else None,
             "kkt_inverse_async": lambda: prep_async(k, g, beta, bounds, gcum, Ag),  # k's tile by cp.async
             "loop_simple": (lambda: simple(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "simple" in loops else None,
             "loop_ws": (lambda: ws(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "ws" in loops else None,
@@ -165,6 +172,8 @@ def main(argv=None):
             if "rsd" in loops else None,
             # stage 1 inside the loop: compare with kkt_inverse + loop_rsd
             "loop_fused": (lambda: fused_loop(q, k, v, g, beta, cu, h0, scale, o, ht)) if "fused" in loops else None,
+            # the output on a warpgroup of its own
+            "loop_rso": (lambda: rso(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rso" in loops else None,
             "loop_uw": (lambda: uw(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "uw" in loops else None,
             "loop_uw_state": (lambda: uw_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if "uw" in loops else None,
@@ -246,9 +255,10 @@ def main(argv=None):
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
             ("rs state-only", "loop_rs_state"), ("loop rsd", "loop_rsd"), ("rsd state-only", "loop_rsd_state"),
-            ("loop fused", "loop_fused"),
+            ("loop fused", "loop_fused"), ("loop rso", "loop_rso"),
             ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
             ("op", "op"), ("op rs", "op_rs"), ("op rsd", "op_rsd"), ("op fused", "op_fused"), ("op uw", "op_uw"),
+            ("op rso", "op_rso"),
             ("op cp=auto", "op_cpauto"),
             ("op cp=auto paired", "op_cpauto_pairs"), ("op cp=64 paired", "op_cp64_pairs"),
             ("op cp=16 fused", "op_cp16_fused"), ("op cp=64 fused", "op_cp64_fused"),

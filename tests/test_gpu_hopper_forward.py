@@ -4,6 +4,7 @@ The oracle is the chunked reference in float64 on the same bf16-rounded inputs (
 to ~1e-12, tests/test_reference_*.py); bars: o and final state <= 5e-3 relative RMS. Every output is filled
 with NaN before the kernels run, so an element no kernel wrote fails.
 """
+import os
 import random
 
 import pytest
@@ -19,7 +20,12 @@ O_BAR = 5e-3
 STATE_BAR = 5e-3
 
 
-@pytest.fixture(autouse=True, params=["rs", "rsd", "fused", "uw", "ws", "simple"])
+#: every chunk loop, or those listed in FLASHGDN_TEST_CHUNK_LOOPS (comma separated) for a quicker run
+CHUNK_LOOPS = [loop for loop in ("rs", "rsd", "fused", "uw", "ws", "simple", "rso")
+               if loop in os.environ.get("FLASHGDN_TEST_CHUNK_LOOPS", loop).split(",")]
+
+
+@pytest.fixture(autouse=True, params=CHUNK_LOOPS)
 def chunk_loop(request, monkeypatch, cuda):
     """Every test runs on every chunk-loop kernel, with every output poisoned with NaN first."""
     from flashgdn.kernels.hopper import forward
@@ -151,14 +157,15 @@ def test_deterministic():
 def test_new_sequence_mixes_do_not_compile_again():
     from flashgdn.kernels.hopper.chunk_forward import build_chunk_forward
     from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs
+    from flashgdn.kernels.hopper.chunk_forward_rso import build_chunk_forward_rso
     from flashgdn.kernels.hopper.chunk_forward_uw import build_chunk_forward_uw
     from flashgdn.kernels.hopper.chunk_forward_ws import build_chunk_forward_ws
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
     from flashgdn.kernels.hopper.segment_index import build_segment_index
     from flashgdn.kernels.hopper.splice import build_splice
 
-    builders = (build_chunk_forward, build_chunk_forward_rs, build_chunk_forward_uw, build_chunk_forward_ws,
-                build_kkt_inverse, build_splice, build_segment_index)
+    builders = (build_chunk_forward, build_chunk_forward_rs, build_chunk_forward_rso, build_chunk_forward_uw,
+                build_chunk_forward_ws, build_kkt_inverse, build_splice, build_segment_index)
     # one mix run whole and one that cp="auto" splits: the latter compiles context parallelism's own variants
     # (the paired transition pass, the splice, the segment index) once; after both, no mix compiles anything
     run_hopper(inputs([100, 200], Hqk=2, Hv=4))

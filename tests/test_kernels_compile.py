@@ -77,3 +77,7 @@ def test_loop_and_stage1_options_are_checked():
         build_chunk_forward_rs(*args, with_output=False, decayed_k=True, inverse_in_loop=True)
     with pytest.raises(ValueError, match="decayed_k"):
         build_chunk_forward_rs(*args, precise=True, decayed_k=True)
+    from flashgdn.kernels.hopper.chunk_forward_rso import build_chunk_forward_rso
+
+    with pytest.raises(ValueError, match="regs"):  # the register split must add up to the register file
+        build_chunk_forward_rso(*args, regs=(176, 128, 40))

@@ -4,7 +4,8 @@ Pipeline (each stage one file, one compile per configuration):
   0. ``chunk_plan``    one small kernel: the chunk slots (first token, rows) and each sequence's first slot
   1. ``kkt_inverse``   per (chunk, qk head): chunk-local cumsum g~ and the gated inverse Ag, as per-slot tiles
   2. the chunk loop   per (sequence, value head): the state in registers, one of ``chunk_forward_rs`` (default),
-                      ``chunk_forward_ws`` or ``chunk_forward`` (see CHUNK_LOOPS)
+                      ``chunk_forward_rso``, ``chunk_forward_uw``, ``chunk_forward_ws`` or ``chunk_forward``
+                      (see CHUNK_LOOPS)
 
 Dense input ``[B, T, ...]`` is run as B packed sequences of length T (a free view), so both layouts share
 the same kernels. Everything here is device-side tensor work with shapes known on the host (T, N, heads),
@@ -27,9 +28,10 @@ POISON_OUTPUTS = False
 #: there; without an output, with a given stage 1 or in the precise mode the loop is rsd's or rs's), "uw" (rs with
 #: the state chain cut to two GEMMs, U and Wk made by the gate warpgroup: ``chunk_forward_uw.py``), "ws"
 #: (warp-specialised, state halves through shared memory: ``chunk_forward_ws.py``) or "simple" (one role,
-#: ``chunk_forward.py``; the A/B baseline).
+#: ``chunk_forward.py``; the A/B baseline), or "rso" (rs's state chain alone on the state warpgroups, the output on
+#: a warpgroup of its own: ``chunk_forward_rso.py``; without an output, or in the precise mode, the loop is rs's).
 #: FLASHGDN_HOPPER_CHUNK_LOOP overrides the default.
-CHUNK_LOOPS = ("rs", "rsd", "fused", "uw", "ws", "simple")
+CHUNK_LOOPS = ("rs", "rsd", "fused", "uw", "ws", "simple", "rso")
 DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
 
 #: Precise mode of the rs chunk loop: register operands as bf16 hi + lo pairs (``chunk_forward_rs.py``), for
@@ -183,6 +185,7 @@ def hopper_forward(
     """
     from .chunk_forward import build_chunk_forward
     from .chunk_forward_rs import build_chunk_forward_rs
+    from .chunk_forward_rso import build_chunk_forward_rso
     from .chunk_forward_uw import build_chunk_forward_uw
     from .chunk_forward_ws import build_chunk_forward_ws
 
@@ -215,7 +218,11 @@ def hopper_forward(
         store_final_state=output_final_state,
         state_v_first=state_v_first,
     )
-    if chunk_loop == "uw":
+    if chunk_loop == "rso" and with_output:
+        main = build_chunk_forward_rso(
+            Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
+        )
+    elif chunk_loop == "uw":
         main = build_chunk_forward_uw(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, with_output
         )
@@ -224,7 +231,7 @@ def hopper_forward(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, True,
             decayed_k=True, inverse_in_loop=True,
         )
-    elif not with_output or chunk_loop in ("rs", "rsd"):
+    elif not with_output or chunk_loop in ("rs", "rsd", "rso"):
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, with_output,
             PRECISE, decayed_k=chunk_loop == "rsd",

@@ -14,7 +14,7 @@ Variant = Tuple[str, str, dict]
 
 def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
                      flags: str = "all") -> Iterator[Variant]:
-    """The stage-1 kernel and every chunk-loop kernel (simple, ws, rs, rsd, fused, uw) for every flag combination (``flags="all"``), or only
+    """The stage-1 kernel and every chunk-loop kernel (simple, ws, rs, rsd, fused, uw, rso) for every flag combination (``flags="all"``), or only
     the one a training/benchmark call uses (initial state in, final state out, K-major state: ``"common"``)."""
     yield ("chunk_plan", "chunk_plan", {})
     yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
@@ -49,7 +49,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False))
-        for loop in ("ws", "rs", "uw"):
+        for loop in ("ws", "rs", "uw", "rso"):
             yield (name.replace("chunk_forward", f"chunk_forward_{loop}"), f"chunk_forward_{loop}",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first))
@@ -183,6 +183,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_forward_uw import build_chunk_forward_uw
 
         return build_chunk_forward_uw(**kwargs)
+    if builder == "chunk_forward_rso":
+        from .chunk_forward_rso import build_chunk_forward_rso
+
+        return build_chunk_forward_rso(**kwargs)
     if builder == "segment_index":
         from .segment_index import build_segment_index
 

@@ -1,0 +1,243 @@
+"""Stage 2 of the Hopper forward: the rs loop's state chain with the output on a warpgroup of its own ("rso" loop).
+
+Same math as ``chunk_forward_rs.py`` (DESIGN.md §2), split by what depends on what. The chain from one chunk's
+state to the next needs only
+
+    W^T  = V^T - (S^T K^T) diag(gamma)          Vn^T = W^T Ag^T
+    S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K
+
+and the output is a side branch that reads S and Vn and feeds nothing back:
+
+    O = scale diag(gamma) Q S + P Vn,     P = scale Gam ⊙ Q K^T (lower, diagonal included)
+
+The rs loop runs both on its two state warpgroups, so every chunk's S^T Q^T, Vn^T P^T, O's scaling and O's store sit
+between one state and the next; its state-only pass (the chain alone) takes 0.55x-0.6x its time
+(``stages-hopper-v0.10a.json``). Here the state warpgroups run the chain alone, as in the state-only pass, and hand
+S^T and Vn^T (bf16, the rounding their own GEMMs read them with) to the third warpgroup through shared memory, which
+makes P = scale Gam ⊙ Q K^T itself, then O = Q S (operands in shared memory) and O += P Vn (P as the register
+operand), and stores O by TMA. The decays move to the producer warpgroup's fourth warp, which issued no loads.
+FlashQLA's Hopper kernel splits its roles the same way (state owner, V path, O path); what is kept from rs is the
+chain's register operands (no W, Vn or S round trip through shared memory on it). Measured: 0.89x-0.94x rs's loop
+time, the same bits (``docs/hopper-notes.md``, v0.11); not the default until the whole GPU suite has run on it.
+
+PyTorch counterparts: ``flashgdn.reference.chunked.new_values``, ``chunk_states``, ``chunk_outputs``.
+
+Roles (one CTA = one sequence x one value head, 512 threads):
+
+* warpgroups 0 and 1, the **state paths**: 64 rows of S^T each in registers (float32), the chain above with
+  register A operands; S^T goes to the output path while S^T K^T runs, Vn^T once it is made.
+* warpgroup 2, the **output path**: P, O = Q S, its scaling, O += P Vn and O's store, for the chunk handed over.
+* warpgroup 3: warps 0-2 the **producer** (``ring_producer.py``: q, k, v, Ag, g~ into a two-stage ring), warp 3 the
+  **decays** of each ring stage, gamma_i = exp(g~_i) and d_i = exp(g~_last - g~_i), into shared memory.
+
+Hand-offs (mbarriers): full (producer -> all), d_ready (decays -> state and output paths), s_ready / s_free (S^T,
+double-buffered by ring stage), vn_ready / vn_free (Vn^T), empty (state and output paths -> producer; the output
+path releases a stage once it has made Q S, before it waits for Vn).
+"""
+import functools
+
+from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .loop_parts import make_loop_parts
+from .ring_producer import make_ring_producer
+
+#: registers per thread after setmaxnreg: two state paths, output path, producer (sums to 512: the whole register
+#: file at 512 threads)
+STATE_REGS, OUTPUT_REGS, PRODUCER_REGS = 176, 128, 32
+
+
+@functools.lru_cache(maxsize=None)
+def build_chunk_forward_rso(
+    Hqk: int,
+    Hv: int,
+    K: int,
+    V: int,
+    io_dtype: str,
+    has_initial_state: bool,
+    store_final_state: bool,
+    state_v_first: bool,
+    regs: tuple = (STATE_REGS, OUTPUT_REGS, PRODUCER_REGS),
+):
+    """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
+    ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
+    output path and the producer warpgroup (2 x state + output + producer = 512)."""
+    import tilelang
+    import tilelang.language as T
+
+    state_regs, output_regs, producer_regs = regs
+    if 2 * state_regs + output_regs + producer_regs != 512:
+        raise ValueError(f"regs must share 512 registers per thread slot, got {regs}")
+    C = CHUNK
+    group = Hv // Hqk
+    HV2 = V // 2  # rows of S^T per state warpgroup
+    num_tokens = T.dynamic("num_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")
+    n_h0 = T.dynamic("n_h0")
+    n_ht = T.dynamic("n_ht")
+    acc = "float32"
+    state_shape_h0 = (n_h0, Hv, V, K) if state_v_first else (n_h0, Hv, K, V)
+    state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
+
+    parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
+
+    @T.macro
+    def state_path(w, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
+                   full, empty, d_ready, s_ready, s_free, vn_ready, vn_free):
+        c0 = w * HV2
+        st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
+        sb_f = T.alloc_fragment((HV2, K), io_dtype)
+        u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
+        ub_f = T.alloc_fragment((HV2, C), io_dtype)
+        parts.load_state(st_f, h0, n, h, c0)
+
+        for c in T.serial(n_chunks):
+            st = c % 2
+            T.barrier_wait(full[st], (c // 2) % 2)
+            T.copy(st_f, sb_f)
+            # S^T K^T in flight while S^T goes to the output path and gamma_C S^T is formed
+            T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            T.barrier_wait(s_free[st], (c // 2 + 1) % 2)  # the output path is done with the chunk two back
+            for i, j in T.Parallel(HV2, K):
+                s_s[st, c0 + i, j] = sb_f[i, j]
+            T.fence_proxy_async()
+            T.barrier_arrive(s_ready[st])
+            for i, j in T.Parallel(HV2, K):
+                st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+            T.wait_wgmma(0)
+            # W^T = V^T - (S^T K^T) diag(gamma)
+            T.barrier_wait(d_ready[st], (c // 2) % 2)
+            for i, j in T.Parallel(HV2, C):
+                u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
+            T.copy(u_f, ub_f)
+            # Vn^T = W^T Ag^T
+            T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            T.copy(u_f, ub_f)
+            T.barrier_wait(vn_free, (c + 1) % 2)
+            for i, j in T.Parallel(HV2, C):
+                vn_s[c0 + i, j] = ub_f[i, j]
+            T.fence_proxy_async()
+            T.barrier_arrive(vn_ready)
+            # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
+            for i, j in T.Parallel(HV2, C):
+                u_f[i, j] = u_f[i, j] * dec_s[st, j]
+            T.copy(u_f, ub_f)
+            T.gemm(ub_f, k_s[st, :, :], st_f)
+            T.barrier_arrive(empty[st])
+
+        parts.store_state(st_f, ht, n, h, c0)
+
+    @T.macro
+    def output_path(n, h, bos, eos, n_chunks, o, scale, q_s, k_s, gc_s, gam_s, s_s, vn_s, o_s,
+                    full, empty, d_ready, s_ready, s_free, vn_ready, vn_free):
+        p_f = T.alloc_fragment((C, C), acc)
+        pb_f = T.alloc_fragment((C, C), io_dtype)
+        o_f = T.alloc_fragment((C, V), acc)
+        for c in T.serial(n_chunks):
+            st = c % 2
+            t0 = bos + c * C
+            n_rows = T.min(eos - t0, C)
+            T.barrier_wait(full[st], (c // 2) % 2)
+            # P = scale Gam ⊙ Q K^T, lower with the diagonal; kept in registers as the A operand of P Vn
+            T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                p_f[i, j] = T.if_then_else(
+                    i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
+                )
+            T.copy(p_f, pb_f)
+            # O = scale diag(gamma) Q S  (S^T as the B operand: [V, K], K contiguous)
+            T.barrier_wait(s_ready[st], (c // 2) % 2)
+            T.gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            T.barrier_arrive(s_free[st])
+            T.barrier_wait(d_ready[st], (c // 2) % 2)
+            for i, j in T.Parallel(C, V):
+                o_f[i, j] = o_f[i, j] * (scale * gam_s[st, i])
+            # done with this ring stage (q, k, g~, gamma): released before the wait for Vn
+            T.barrier_arrive(empty[st])
+            # O += P Vn  (Vn^T as the B operand: [V, C], C contiguous)
+            T.barrier_wait(vn_ready, c % 2)
+            T.gemm(pb_f, vn_s, o_f, transpose_B=True)
+            T.barrier_arrive(vn_free)
+            for i, j in T.Parallel(C, V):
+                o_s[i, j] = o_f[i, j]
+            T.fence_proxy_async()
+            if n_rows == C:
+                T.copy(o_s, o[0, t0:t0 + C, h, 0:V])
+            else:
+                for i, j in T.Parallel(C, V):
+                    if i < n_rows:
+                        o[0, t0 + i, h, j] = o_s[i, j]
+
+    producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True)
+
+    @T.prim_func
+    def chunk_forward_rso_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+        h0: T.Tensor(state_shape_h0, "float32"),
+        scale: T.float32,
+        o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        ht: T.Tensor(state_shape_ht, "float32"),
+    ):
+        with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
+            hq = h // group
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            n_chunks = T.ceildiv(eos - bos, C)
+
+            # two-stage input ring
+            q_s = T.alloc_shared((2, C, K), io_dtype)
+            k_s = T.alloc_shared((2, C, K), io_dtype)
+            v_s = T.alloc_shared((2, C, V), io_dtype)
+            a_s = T.alloc_shared((2, C, C), io_dtype)
+            gc_s = T.alloc_shared((2, C), acc)
+            gam_s = T.alloc_shared((2, C), acc)  # per ring stage, from the decay warp
+            dec_s = T.alloc_shared((2, C), acc)
+            # state paths -> output path
+            s_s = T.alloc_shared((2, V, K), io_dtype)  # S^T, one per ring stage
+            vn_s = T.alloc_shared((V, C), io_dtype)  # Vn^T
+            o_s = T.alloc_shared((C, V), io_dtype)  # O, for the TMA store
+
+            full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
+            empty = T.alloc_barrier(arrive_count=[384] * 2)  # state and output paths -> producer
+            d_ready = T.alloc_barrier(arrive_count=[32] * 2)  # decay warp -> state and output paths
+            s_ready = T.alloc_barrier(arrive_count=[256] * 2)
+            s_free = T.alloc_barrier(arrive_count=[128] * 2)
+            vn_ready = T.alloc_barrier(arrive_count=256)
+            vn_free = T.alloc_barrier(arrive_count=128)
+
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                T.set_max_nreg(state_regs, 1)
+                state_path(0, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
+                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
+            elif tx < 256:
+                T.set_max_nreg(state_regs, 1)
+                state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
+                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
+            elif tx < 384:
+                T.set_max_nreg(output_regs, 0)
+                output_path(n, h, bos, eos, n_chunks, o, scale, q_s, k_s, gc_s, gam_s, s_s, vn_s, o_s,
+                            full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
+                parts.zero_tail(o, n, h, eos, num_seqs, num_tokens)  # padded tail after the last sequence
+            else:
+                T.set_max_nreg(producer_regs, 0)
+                if tx < 480:
+                    producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s,
+                             gc_s, full, empty)
+                else:  # the decays of each ring stage, once its g~ has arrived
+                    for c in T.serial(n_chunks):
+                        st = c % 2
+                        T.barrier_wait(full[st], (c // 2) % 2)
+                        parts.gate_decays(gc_s, gam_s, dec_s, st)
+                        T.barrier_arrive(d_ready[st])
+
+    return tilelang.compile(
+        chunk_forward_rso_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()
+    )
