@@ -72,12 +72,12 @@ def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
 @pytest.fixture
 def checked_kernels(monkeypatch):
     """Every kernel builder the host code uses, returning SignatureCheck stand-ins; yields the call log."""
-    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_grad, group_sum, kkt_inverse, segment_index,
-                                         splice, state_grad_walk)
+    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_forward_rso, chunk_grad, group_sum, kkt_inverse,
+                                         segment_index, splice, state_grad_walk)
 
     calls = []
     for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
-                         (state_grad_walk, "build_state_grad_walk"), (chunk_grad, "build_chunk_grad"),
+                         (chunk_forward_rso, "build_chunk_forward_rso"), (state_grad_walk, "build_state_grad_walk"), (chunk_grad, "build_chunk_grad"),
                          (splice, "build_splice"), (segment_index, "build_segment_index"),
                          (group_sum, "build_group_sum")):
         real = getattr(module, attr)
@@ -139,10 +139,12 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, ch
     assert plan is not None and plan.split
     o, final = cp_problem_forward(_HopperSegmentsForward(paired=True, fused=fused), p, plan, p.q, p.k)
     names = [c[0] for c in checked_kernels]
-    # stage 1 once, then the two loops, the splice between them
+    # stage 1 once, then the two loops (the paired state-only pass, the default loop with its output), the splice
+    # between them
     assert names == (["segment_index"] * fused + ["kkt_inverse", "chunk_forward_rs"] + ["splice"] * fused
-                     + ["chunk_forward_rs"])
-    assert all(sizes["num_seqs"] == plan.num_segments for name, sizes in checked_kernels if name == "chunk_forward_rs")
+                     + ["chunk_forward_rso"])
+    assert all(sizes["num_seqs"] == plan.num_segments for name, sizes in checked_kernels
+               if name.startswith("chunk_forward"))
     assert o.shape == p.v.shape
     assert (final is None) != output_final_state
 

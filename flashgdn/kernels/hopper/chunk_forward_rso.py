@@ -17,8 +17,8 @@ S^T and Vn^T (bf16, the rounding their own GEMMs read them with) to the third wa
 makes P = scale Gam ⊙ Q K^T itself, then O = Q S (operands in shared memory) and O += P Vn (P as the register
 operand), and stores O by TMA. The decays move to the producer warpgroup's fourth warp, which issued no loads.
 FlashQLA's Hopper kernel splits its roles the same way (state owner, V path, O path); what is kept from rs is the
-chain's register operands (no W, Vn or S round trip through shared memory on it). Measured: 0.89x-0.94x rs's loop
-time, the same bits (``docs/hopper-notes.md``, v0.11); not the default until the whole GPU suite has run on it.
+chain's register operands (no W, Vn or S round trip through shared memory on it). Measured: 0.91x-0.94x rs's loop
+time, 0.92x-0.96x the op's, the same bits (``docs/hopper-notes.md``, v0.11e); the default chunk loop.
 
 PyTorch counterparts: ``flashgdn.reference.chunked.new_values``, ``chunk_states``, ``chunk_outputs``.
 

@@ -3,9 +3,9 @@
 Pipeline (each stage one file, one compile per configuration):
   0. ``chunk_plan``    one small kernel: the chunk slots (first token, rows) and each sequence's first slot
   1. ``kkt_inverse``   per (chunk, qk head): chunk-local cumsum g~ and the gated inverse Ag, as per-slot tiles
-  2. the chunk loop   per (sequence, value head): the state in registers, one of ``chunk_forward_rs`` (default),
-                      ``chunk_forward_rso``, ``chunk_forward_uw``, ``chunk_forward_ws`` or ``chunk_forward``
-                      (see CHUNK_LOOPS)
+  2. the chunk loop   per (sequence, value head): the state in registers, one of ``chunk_forward_rso`` (default;
+                      ``chunk_forward_rs`` without an output or in the precise mode), ``chunk_forward_rs``,
+                      ``chunk_forward_uw``, ``chunk_forward_ws`` or ``chunk_forward`` (see CHUNK_LOOPS)
 
 Dense input ``[B, T, ...]`` is run as B packed sequences of length T (a free view), so both layouts share
 the same kernels. Everything here is device-side tensor work with shapes known on the host (T, N, heads),
@@ -22,7 +22,7 @@ from .common import CHUNK, tl_dtype
 #: Tests set this to fill every output with NaN before the kernels run, so an element no kernel wrote fails.
 POISON_OUTPUTS = False
 
-#: Which chunk-loop kernel runs: "rs" (warp-specialised, transposed state, register-operand GEMMs:
+#: Which chunk-loop kernel runs (default "rso"): "rs" (warp-specialised, transposed state, register-operand GEMMs:
 #: ``chunk_forward_rs.py``), "rsd" (rs with the state update's decay in K's tile, GEMMs issued in pairs:
 #: ``decayed_k`` there), "fused" (rsd with stage 1 inside: the gate warpgroup makes g~ and Ag, ``inverse_in_loop``
 #: there; without an output, with a given stage 1 or in the precise mode the loop is rsd's or rs's), "uw" (rs with
@@ -32,7 +32,7 @@ POISON_OUTPUTS = False
 #: a warpgroup of its own: ``chunk_forward_rso.py``; without an output, or in the precise mode, the loop is rs's).
 #: FLASHGDN_HOPPER_CHUNK_LOOP overrides the default.
 CHUNK_LOOPS = ("rs", "rsd", "fused", "uw", "ws", "simple", "rso")
-DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rs")
+DEFAULT_CHUNK_LOOP = os.environ.get("FLASHGDN_HOPPER_CHUNK_LOOP", "rso")
 
 #: Precise mode of the rs chunk loop: register operands as bf16 hi + lo pairs (``chunk_forward_rs.py``), for
 #: results that do not depend on their rounding (exact context parallelism to 1e-3); the backward's states pass
