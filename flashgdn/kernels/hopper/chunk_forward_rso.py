@@ -139,11 +139,7 @@ def build_chunk_forward_rso(
             n_rows = T.min(eos - t0, C)
             T.barrier_wait(full[st], (c // 2) % 2)
             # P = scale Gam ⊙ Q K^T, lower with the diagonal; kept in registers as the A operand of P Vn
-            T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                p_f[i, j] = T.if_then_else(
-                    i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
-                )
+            parts.masked_p(q_s, k_s, gc_s, p_f, st, scale)
             T.copy(p_f, pb_f)
             # O = scale diag(gamma) Q S  (S^T as the B operand: [V, K], K contiguous)
             T.barrier_wait(s_ready[st], (c // 2) % 2)
