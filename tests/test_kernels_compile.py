@@ -5,6 +5,7 @@ Registers and spills come from ``ptxas -v`` on each kernel's PTX and are printed
 (``pytest -rA`` or ``-s``). A spill is a failure unless it is listed in ``EXPLAINED_SPILLS`` with its reason.
 """
 import os
+import re
 import shutil
 
 import pytest
@@ -61,6 +62,13 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     assert res["registers"] <= 255
     assert not res["wgmma_serialized"], f"{name}: ptxas serialised its wgmma (a GEMM in flight across code " \
                                         "that touches its accumulators, or too few registers for it)"
+    # setmaxnreg moves a warpgroup from the launch's register count up (.inc) or down (.dec), never the other way:
+    # a .dec to more registers is an illegal instruction at run time
+    for kind, count in re.findall(r"warpgroup_reg_(alloc|dealloc)<(\d+)>", src):
+        if kind == "alloc":
+            assert int(count) >= res["registers"], f"{name}: setmaxnreg.inc to {count} < {res['registers']} at launch"
+        else:
+            assert int(count) <= res["registers"], f"{name}: setmaxnreg.dec to {count} > {res['registers']} at launch"
     # a launch asking for more than an SM90 CTA may have fails at run time, not at compile time
     assert res["dynamic_smem"] is not None, f"{name}: shared memory size not found in the launch code"
     assert res["dynamic_smem"] <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} B of shared memory > {MAX_SMEM_SM90}"

@@ -26,7 +26,11 @@ Roles (one CTA = one sequence x one value head, 512 threads):
 
 * warpgroups 0 and 1, the **state paths**: 64 rows of S^T each in registers (float32), the chain above with
   register A operands; S^T goes to the output path while S^T K^T runs, Vn^T once it is made.
-* warpgroup 2, the **output path**: P, O = Q S, its scaling, O += P Vn and O's store, for the chunk handed over.
+* warpgroup 2, the **output path**: P, O = Q S, its scaling, O += P Vn and O's store, for the chunk handed over. It
+  is the longer of the two chains (``docs/hopper-notes.md``, v0.11a), so its steps overlap where they can: Q K^T and
+  Q S are issued together and P's element-wise pass runs while Q S is on the tensor cores, and O's TMA store is
+  waited for only when the next chunk's O is about to overwrite its staging tile (``overlap=False`` builds the
+  serial order of v0.11, kept to measure against).
 * warpgroup 3: warps 0-2 the **producer** (``ring_producer.py``: q, k, v, Ag, g~ into a two-stage ring), warp 3 the
   **decays** of each ring stage, gamma_i = exp(g~_i) and d_i = exp(g~_last - g~_i), into shared memory.
 
@@ -41,8 +45,11 @@ from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
 #: registers per thread after setmaxnreg: two state paths, output path, producer (sums to 512: the whole register
-#: file at 512 threads)
-STATE_REGS, OUTPUT_REGS, PRODUCER_REGS = 176, 128, 32
+#: file at 512 threads). The output path holds P and O = Q S at once while Q S runs: 160 is the least at which ptxas
+#: fits it without spills (176/128 and 168/144 spill), and the state paths still fit at 160.
+STATE_REGS, OUTPUT_REGS, PRODUCER_REGS = 160, 160, 32
+#: named barrier of the output warpgroup's own syncs around O's staging tile (ids below it are TileLang's)
+OUTPUT_BARRIER = 12
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,10 +63,12 @@ def build_chunk_forward_rso(
     store_final_state: bool,
     state_v_first: bool,
     regs: tuple = (STATE_REGS, OUTPUT_REGS, PRODUCER_REGS),
+    overlap: bool = True,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
-    output path and the producer warpgroup (2 x state + output + producer = 512)."""
+    output path and the producer warpgroup (2 x state + output + producer = 512). ``overlap``: the output path's
+    overlapped order (default) or the serial one; the same products either way, so the same bits."""
     import tilelang
     import tilelang.language as T
 
@@ -138,12 +147,23 @@ def build_chunk_forward_rso(
             t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
             T.barrier_wait(full[st], (c // 2) % 2)
-            # P = scale Gam ⊙ Q K^T, lower with the diagonal; kept in registers as the A operand of P Vn
-            parts.masked_p(q_s, k_s, gc_s, p_f, st, scale)
-            T.copy(p_f, pb_f)
-            # O = scale diag(gamma) Q S  (S^T as the B operand: [V, K], K contiguous)
-            T.barrier_wait(s_ready[st], (c // 2) % 2)
-            T.gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            if overlap:
+                # Q K^T and O = Q S issued together (S^T is handed over at the start of the state chain's chunk, long
+                # before this path gets to it); P is made while Q S runs
+                T.barrier_wait(s_ready[st], (c // 2) % 2)
+                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(1)
+                parts.gate_qk(gc_s, p_f, st, scale)
+                T.copy(p_f, pb_f)
+                T.wait_wgmma(0)
+            else:
+                # P = scale Gam ⊙ Q K^T, lower with the diagonal; kept in registers as the A operand of P Vn
+                parts.masked_p(q_s, k_s, gc_s, p_f, st, scale)
+                T.copy(p_f, pb_f)
+                # O = scale diag(gamma) Q S  (S^T as the B operand: [V, K], K contiguous)
+                T.barrier_wait(s_ready[st], (c // 2) % 2)
+                T.gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             T.barrier_arrive(s_free[st])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
             for i, j in T.Parallel(C, V):
@@ -154,15 +174,30 @@ def build_chunk_forward_rso(
             T.barrier_wait(vn_ready, c % 2)
             T.gemm(pb_f, vn_s, o_f, transpose_B=True)
             T.barrier_arrive(vn_free)
+            if overlap:
+                # the previous chunk's TMA store must have read o_s; it had this whole chunk to do so. The thread
+                # that issued it waits: shuffle_elect(128) elects the same one as the store's (and, unlike a test of
+                # tx, keeps the warp converged for its elect.sync)
+                if T.shuffle_elect(128):
+                    T.tma_store_wait(0)
+                T.sync_threads(OUTPUT_BARRIER, 128)
             for i, j in T.Parallel(C, V):
                 o_s[i, j] = o_f[i, j]
             T.fence_proxy_async()
+            if overlap:
+                T.sync_threads(OUTPUT_BARRIER, 128)
             if n_rows == C:
-                T.copy(o_s, o[0, t0:t0 + C, h, 0:V])
+                if overlap:
+                    T.tma_copy(o_s, o[0, t0:t0 + C, h, 0:V])  # not waited for here
+                else:
+                    T.copy(o_s, o[0, t0:t0 + C, h, 0:V])
             else:
                 for i, j in T.Parallel(C, V):
                     if i < n_rows:
                         o[0, t0 + i, h, j] = o_s[i, j]
+        if overlap:
+            if T.shuffle_elect(128):
+                T.tma_store_wait(0)
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True)
 
@@ -218,7 +253,7 @@ def build_chunk_forward_rso(
                 state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
                            full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
             elif tx < 384:
-                T.set_max_nreg(output_regs, 0)
+                T.set_max_nreg(output_regs, 1 if output_regs > 128 else 0)  # 128 at launch (512 threads)
                 output_path(n, h, bos, eos, n_chunks, o, scale, q_s, k_s, gc_s, gam_s, s_s, vn_s, o_s,
                             full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
                 parts.zero_tail(o, n, h, eos, num_seqs, num_tokens)  # padded tail after the last sequence

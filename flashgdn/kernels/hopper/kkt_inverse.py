@@ -36,7 +36,7 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
-                      store_inverse: bool = False, async_loads: bool = False):
+                      store_inverse: bool = False, async_loads: bool = False, swizzled_kk: bool = True):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -79,6 +79,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     slot_rows = T.dynamic("slot_rows")  # 64 * num_slots
     acc = "float32"
 
+    def kk_col(i, j):
+        # where K K^T's (i, j) lives in kk_s. Unswizzled, a warp's accumulator stores (8 rows x 4 column pairs, rows
+        # 256 bytes apart) fall on the same 8 banks: 4-way conflicts. XOR-ing the column with 8 (i % 4) + (i // 4) % 2
+        # sends the 8 rows' columns to 32 distinct banks, moves no element out of its aligned group of 4 floats (the
+        # substitution reads them 16 bytes at a time) and keeps kk_s the size of k's tile, whose space it reuses.
+        return j ^ ((i % 4) * 8 + (i // 4) % 2) if swizzled_kk else j
+
     @T.macro
     def kernel_body(k, g, beta, bounds, gcum, Ag, A_out):
         with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
@@ -120,7 +127,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             if i >= n_rows:
                                 k_s[i, j] = T.cast(0, qk_dtype)
                 T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                T.copy(kk_f, kk_s)
+                if swizzled_kk:
+                    for i, j in T.Parallel(C, C):
+                        kk_s[i, kk_col(i, j)] = kk_f[i, j]
+                else:
+                    T.copy(kk_f, kk_s)
                 T.cumsum(g_s, gc_s, dim=1)
                 for p, i in T.Parallel(group, C):
                     gcum[hq * group + p, slot * C + i] = gc_s[p, i]
@@ -141,7 +152,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             part[0] = 0.0
                             part[1] = 0.0
                             for j in T.unroll(r):
-                                part[j % 2] += kk_s[r0 + r, r0 + j] * x[j]
+                                part[j % 2] += kk_s[r0 + r, r0 + kk_col(r, j)] * x[j]  # r0 % 32 == 0
                             x[r] = T.if_then_else(
                                 r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[u * pair + p, r0 + r] * (part[0] + part[1]))
                             )
@@ -152,7 +163,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     # off-diagonal block: A21 = -A22 (L21 A11), tf32 tensor cores on the blocks in place
                     for p in T.serial(pair):
                         for r, c2 in T.Parallel(B, B):
-                            l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, c2]
+                            l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, kk_col(B + r, c2)]
                         T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
                         T.copy(m_f, t_s)
                         T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)

@@ -5,7 +5,8 @@ backward's state-gradient walk (``state_grad_walk``): each a TileLang macro, inl
   either state layout (K-major ``[.., K, V]`` or V-major ``[.., V, K]``);
 * ``store_output``: O^T of a state warpgroup, transposed through shared memory and stored by one TMA copy per
   chunk (a masked copy for a sequence's last, partial chunk);
-* ``masked_p``: P = scale Gam ⊙ Q K^T (lower, diagonal included) in a register fragment; ``gate_p`` / ``gate_decays``:
+* ``masked_p``: P = scale Gam ⊙ Q K^T (lower, diagonal included) in a register fragment (``gate_qk`` its element-wise
+  part, for a Q K^T made elsewhere); ``gate_p`` / ``gate_decays``:
   what the gate warpgroup makes one chunk ahead, P into shared memory and the per-token factors
   gamma_i = exp(g~_i), d_i = exp(g~_last - g~_i);
 * ``zero_tail``: o = 0 on the padded tokens after the last sequence.
@@ -58,12 +59,17 @@ def make_loop_parts(C: int, K: int, V: int, io_dtype: str, has_initial_state: bo
                     o[0, t0 + j, h, c0 + i] = o_s[w, j, i]
 
     @T.macro
-    def masked_p(q_s, k_s, gc_s, p_f, st, scale):
-        T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+    def gate_qk(gc_s, p_f, st, scale):
+        # Q K^T (in p_f) -> P = scale Gam ⊙ Q K^T, lower with the diagonal
         for i, j in T.Parallel(C, C):
             p_f[i, j] = T.if_then_else(
                 i >= j, p_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j]) * LOG2E), 0.0
             )
+
+    @T.macro
+    def masked_p(q_s, k_s, gc_s, p_f, st, scale):
+        T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+        gate_qk(gc_s, p_f, st, scale)
 
     @T.macro
     def gate_p(q_s, k_s, gc_s, p_f, p_s, st, scale):
@@ -85,4 +91,5 @@ def make_loop_parts(C: int, K: int, V: int, io_dtype: str, has_initial_state: bo
                         o[0, eos + c * C + i, h, j] = T.cast(0, io_dtype)
 
     return SimpleNamespace(load_state=load_state, store_state=store_state, store_output=store_output,
-                           masked_p=masked_p, gate_p=gate_p, gate_decays=gate_decays, zero_tail=zero_tail)
+                           masked_p=masked_p, gate_qk=gate_qk, gate_p=gate_p, gate_decays=gate_decays,
+                           zero_tail=zero_tail)
