@@ -43,16 +43,26 @@ def lstsq(rows, cols):
     return sol
 
 
+def columns(rows):
+    """Which measured columns stand for the op's stages: stage 1 as the op runs it (``kkt_inverse_async``, the
+    cp.async build, where the file has it) and the default chunk loop (``loop_rso`` where the file has it, else the
+    rs loop of the files before it); CP's transition pass is rs's state-only loop either way."""
+    kkt = "kkt_inverse_async" if all(r.get("kkt_inverse_async") for r in rows) else "kkt_inverse"
+    loop = "loop_rso" if all(r.get("loop_rso") for r in rows) else "loop_rs"
+    return kkt, loop
+
+
 def fit(rows, num_sms):
     """The stage constants from the measured rows (times in us)."""
     out = {}
+    kkt_key, loop_key = columns(rows)
     C = [sum(chunks_of(r["seqlens"])) for r in rows]
     longest = [max(chunks_of(r["seqlens"])) for r in rows]
     items = [len(r["seqlens"]) * r["h_v"] for r in rows]
-    a, b = lstsq([[c * r["h_qk"], c * r["h_v"]] for c, r in zip(C, rows)], [r["kkt_inverse"] * 1e3 for r in rows])
+    a, b = lstsq([[c * r["h_qk"], c * r["h_v"]] for c, r in zip(C, rows)], [r[kkt_key] * 1e3 for r in rows])
     out["kkt_chunk_qk_head_us"], out["kkt_chunk_head_us"] = a, b
     out["plan_us"], out["plan_chunk_us"] = lstsq([[1, m] for m in longest], [r["chunk_bounds"] * 1e3 for r in rows])
-    for key, name in (("loop_rs", "forward"), ("loop_rs_state", "state")):
+    for key, name in ((loop_key, "forward"), ("loop_rs_state", "state")):
         few = [i for i in range(len(rows)) if items[i] <= num_sms]  # one wave: the longest item decides
         item, chunk = lstsq([[1, longest[i]] for i in few], [rows[i][key] * 1e3 for i in few])
         full = [i for i in range(len(rows)) if items[i] > num_sms]  # GPU full: throughput
@@ -66,8 +76,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", default=STAGES)
     ap.add_argument("--bench", default=BENCH)
+    ap.add_argument("--unpaired", action="store_true", help="model CP's transition pass unpaired "
+                    "(FLASHGDN_HOPPER_CP_PAIRED=0; paired is the backend's default)")
+    ap.add_argument("--unfused", action="store_true", help="model CP's index and splice as torch ops "
+                    "(FLASHGDN_HOPPER_CP_FUSED=0; fused is the backend's default)")
     args = ap.parse_args(argv)
-    model = CostModel()
+    model = CostModel(paired=not args.unpaired, fused=not args.unfused)  # as the backend plans by default
     with open(args.stages) as fh:
         stages = json.load(fh)
     rows = stages["rows"]
@@ -77,8 +91,9 @@ def main(argv=None):
     for name, value in fit(rows, model.num_sms).items():
         print(f"| {name} | {value:.4g} | {getattr(model, name):.4g} |")
 
+    kkt_key, loop_key = columns(rows)
     print("\n## Without context parallelism: model / measured (ms)\n")
-    print("| shape | plan | kkt_inverse | loop_rs | loop_rs_state | op measured | op model | model / measured |")
+    print(f"| shape | plan | {kkt_key} | {loop_key} | loop_rs_state | op measured | op model | model / measured |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ch, hq, hv = chunks_of(r["seqlens"]), r["h_qk"], r["h_v"]
@@ -87,7 +102,7 @@ def main(argv=None):
         fwd, st = model.loop_us(ch, hv) / 1e3, model.loop_us(ch, hv, state_only=True) / 1e3
         op = estimated_us(r["seqlens"], hv, None, model, hq) / 1e3
         print(f"| {label(hq, hv, r['seqlens'])} | {plan:.4f} / {r['chunk_bounds']:.4f} "
-              f"| {kkt:.3f} / {r['kkt_inverse']:.3f} | {fwd:.3f} / {r['loop_rs']:.3f} "
+              f"| {kkt:.3f} / {r[kkt_key]:.3f} | {fwd:.3f} / {r[loop_key]:.3f} "
               f"| {st:.3f} / {r['loop_rs_state']:.3f} | {r['op']:.3f} | {op:.3f} | {op / r['op']:.2f} |")
 
     cps = sorted({int(k[len("op_cp"):]) for r in rows for k in r if k.startswith("op_cp") and k[5:].isdigit()})

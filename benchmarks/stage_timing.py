@@ -102,10 +102,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--loops", default="simple,ws,rs,rsd",
-                    help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw,rso,rso_serial")
+                    help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw,rso")
     ap.add_argument("--kkt-sync", action="store_true", help="also time kkt_inverse with k's tile through registers")
-    ap.add_argument("--kkt-unswizzled", action="store_true",
-                    help="also time kkt_inverse with K K^T unswizzled in shared memory (and compare its bits)")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages, the whole backward with and without CP and its memory")
@@ -146,12 +144,6 @@ def main(argv=None):
         fused_loop = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
                                              inverse_in_loop=True) if "fused" in loops else None)
         rso = build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "rso" in loops else None
-        # rso's output path one step after another, as before v0.12 (Q K^T, P, Q S; O's store waited for at once)
-        rso_serial = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, regs=(176, 128, 32),
-                                              overlap=False) if "rso_serial" in loops else None)
-        # K K^T in shared memory without the bank swizzle (before v0.12), with --kkt-unswizzled
-        prep_plain = (build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=True, swizzled_kk=False)
-                      if args.kkt_unswizzled else None)
         uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "uw" in loops else None
         uw_state = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False) if "uw" in loops else None
         o1 = torch.empty(1, 1, Hv, 128, device="cuda", dtype=torch.bfloat16)
@@ -163,21 +155,12 @@ def main(argv=None):
         ht = torch.empty(N, Hv, 128, 128, device="cuda")
         scale = 128 ** -0.5
         prep(k, g, beta, bounds, gcum, Ag)
-        o2, ht2, Ag2, gcum2 = torch.empty_like(o), torch.empty_like(ht), torch.empty_like(Ag), torch.empty_like(gcum)
-        if prep_plain is not None:  # the swizzle only moves K K^T in shared memory: the same bits out
-            prep_plain(k, g, beta, bounds, gcum2, Ag2)
-            live_slots = bounds[:, 1] > 0
-            gc_live, gc2_live = gcum.view(Hv, -1, 64)[:, live_slots], gcum2.view(Hv, -1, 64)[:, live_slots]
-            kkt_same = bool(torch.equal(Ag2[live_slots], Ag[live_slots]) and torch.equal(gc2_live, gc_live))
-        else:
-            kkt_same = None
         cu_cpu = cu.cpu()
         times = {
             "chunk_bounds": lambda: fw.chunk_plan(cu, T, N),
             # k's tile through registers (the build before KKT_ASYNC_LOADS), with --kkt-sync
             "kkt_inverse": (lambda: prep(k, g, beta, bounds, gcum, Ag)) if args.kkt_sync else None,
             "kkt_inverse_async": lambda: prep_async(k, g, beta, bounds, gcum, Ag),  # k's tile by cp.async
-            "kkt_inverse_unswizzled": (lambda: prep_plain(k, g, beta, bounds, gcum, Ag2)) if prep_plain else None,
             "loop_simple": (lambda: simple(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "simple" in loops else None,
             "loop_ws": (lambda: ws(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "ws" in loops else None,
             "loop_rs": (lambda: rs(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rs" in loops else None,
@@ -191,8 +174,6 @@ def main(argv=None):
             "loop_fused": (lambda: fused_loop(q, k, v, g, beta, cu, h0, scale, o, ht)) if "fused" in loops else None,
             # the output on a warpgroup of its own
             "loop_rso": (lambda: rso(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rso" in loops else None,
-            "loop_rso_serial": (lambda: rso_serial(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o2, ht2))
-            if rso_serial else None,
             "loop_uw": (lambda: uw(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "uw" in loops else None,
             "loop_uw_state": (lambda: uw_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if "uw" in loops else None,
@@ -239,14 +220,6 @@ def main(argv=None):
         live = bounds[:, 1] > 0
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
                "kkt_finite": bool(Ag[live].isfinite().all())}
-        if kkt_same is not None:
-            row["kkt_unswizzled_same_bits"] = kkt_same
-        if rso_serial is not None:  # both builds on the same inputs: the same products, so the same bits
-            with torch.no_grad():
-                rso(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
-                rso_serial(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o2, ht2)
-                torch.cuda.synchronize()
-                row["rso_serial_same_bits"] = bool(torch.equal(o, o2) and torch.equal(ht, ht2))
         rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
         if compared:  # the loops' outputs beside rs's (each is checked against the oracle by the tests)
             with torch.no_grad():
@@ -282,8 +255,7 @@ def main(argv=None):
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
             ("rs state-only", "loop_rs_state"), ("loop rsd", "loop_rsd"), ("rsd state-only", "loop_rsd_state"),
-            ("kkt unswizzled", "kkt_inverse_unswizzled"),
-            ("loop fused", "loop_fused"), ("loop rso", "loop_rso"), ("loop rso serial", "loop_rso_serial"),
+            ("loop fused", "loop_fused"), ("loop rso", "loop_rso"),
             ("loop uw", "loop_uw"), ("uw state-only", "loop_uw_state"),
             ("op", "op"), ("op rs", "op_rs"), ("op rsd", "op_rsd"), ("op fused", "op_fused"), ("op uw", "op_uw"),
             ("op rso", "op_rso"),

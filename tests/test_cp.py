@@ -72,18 +72,25 @@ def test_cp_argument_is_checked():
 
 
 def test_cost_model_reproduces_the_measured_op():
-    """The defaults come from this file (CostModel's comments): the op without CP within 5% on every row, and
-    with CP within 5% where it pays (few heads: 2/8 32768x1, the row the CP constants are calibrated on)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200", "stages-hopper-v0.3.json")
+    """The defaults come from this file (CostModel's comments): the op without CP within 5% on every row whose
+    sequences are at least 64 chunks long (the 16-chunk row, 2/8 1024x8, within 15%: stage 1 and the loop have a
+    latency floor there that the throughput terms leave out, and CP never splits such sequences), and with CP, as
+    the backend plans it (paired transition pass, fused index and splice), within the 0.85x-1.2x of
+    ``test_cost_model_of_the_paired_and_fused_cp_kernels`` where it pays (one long sequence: 2/8 32768x1,
+    16/32 32768x1)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200", "stages-hopper-v0.12a.json")
     with open(path) as fh:
         rows = json.load(fh)["rows"]
     for r in rows:
         model_ms = estimated_us(r["seqlens"], r["h_v"], None, CostModel(), r["h_qk"]) / 1e3
-        assert 0.95 < model_ms / r["op"] < 1.05, (r["h_qk"], r["h_v"], r["seqlens"][0], model_ms, r["op"])
-    (few,) = [r for r in rows if (r["h_qk"], r["h_v"], r["seqlens"]) == (2, 8, [32768])]
-    for seg in (16, 64):
-        model_ms = estimated_us(few["seqlens"], 8, seg, CostModel(), 2) / 1e3
-        assert 0.95 < model_ms / few[f"op_cp{seg}"] < 1.05, (seg, model_ms, few[f"op_cp{seg}"])
+        bar = 0.05 if r["seqlens"][0] >= 64 * 64 else 0.15
+        assert 1 - bar < model_ms / r["op"] < 1 + bar, (r["h_qk"], r["h_v"], r["seqlens"][0], model_ms, r["op"])
+    model = CostModel(paired=True, fused=True)
+    for r in rows:
+        if len(r["seqlens"]) == 1 and r["seqlens"][0] == 32768:
+            for seg in (16, 64):
+                model_ms = estimated_us(r["seqlens"], r["h_v"], seg, model, r["h_qk"]) / 1e3
+                assert 0.85 < model_ms / r[f"op_cp{seg}"] < 1.2, (r["h_qk"], r["h_v"], seg, model_ms, r[f"op_cp{seg}"])
 
 
 def _rows(name):

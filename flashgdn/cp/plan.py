@@ -41,11 +41,12 @@ AUTO_GAIN = 0.9
 class CostModel:
     """Times in microseconds of the Hopper forward's stages, per unit of work; defaults from the H200.
 
-    Source: ``benchmarks/results/h200/stages-hopper-v0.2c.json`` and, for stage 1 since its 4-CTA-per-SM build,
-    ``stages-hopper-v0.3.json`` (``benchmarks/stage_timing.py``: each stage alone by CUDA-graph replay, median;
-    K = V = 128, bf16; the loop constants fitted on v0.3 agree within 2%); ``benchmarks/cp_model_check.py``
-    redoes the fits and compares the model with the measured op, with and without CP. Rows of those files are
-    named ``Hqk/Hv TxN`` below.
+    Source: ``benchmarks/results/h200/stages-hopper-v0.12a.json`` for stage 1 and the forward loop (the rso loop,
+    the default since v0.11e), ``stages-hopper-v0.2c.json`` for the state-only loop (CP's transition pass, rs's;
+    the v0.12a fit agrees within 1%) and ``stages-hopper-v0.3.json`` for CP's own constants
+    (``benchmarks/stage_timing.py``: each stage alone by CUDA-graph replay, median; K = V = 128, bf16);
+    ``benchmarks/cp_model_check.py`` redoes the fits and compares the model with the measured op, with and
+    without CP. Rows of those files are named ``Hqk/Hv TxN`` below.
 
     A chunk loop runs one CTA (one SM) per work item, a (sequence or segment) x value head walking its chunks:
     ``item + chunks x chunk`` while the items fit on the SMs, ``sum(item + chunks x busy chunk) / SMs`` once
@@ -56,22 +57,23 @@ class CostModel:
     """
 
     num_sms: int = 132
-    # fused forward loop (loop_rs): 2/8 32768x1 and 16/32 32768x1 (8 and 32 items of 512 chunks): 2.90 and
-    # 2.92 us per chunk; least squares with 32/32 8192x1 and 2/8 1024x8 (128 and 16 chunks) gives
-    # 8.8 us + 2.89 us per chunk. GPU full: 16/64 4096x8 (512 items x 64 chunks on 132 SMs) 0.815 ms and
-    # 16/32 4096x8 (256 items) 0.413 ms give 3.15 and 3.19 us per chunk beside the 8.8 us per item.
-    forward_item_us: float = 8.8
-    forward_chunk_us: float = 2.89
-    forward_busy_chunk_us: float = 3.17
+    # fused forward loop (loop_rso, v0.12a): 2/8 32768x1 and 16/32 32768x1 (8 and 32 items of 512 chunks): 1.343
+    # ms each, 2.62 us per chunk; least squares with 32/32 8192x1 and 2/8 1024x8 (128 and 16 chunks) gives
+    # 4.0 us + 2.61 us per chunk. GPU full: 16/64 4096x8 (512 items x 64 chunks on 132 SMs) 0.785 ms and
+    # 16/32 4096x8 (256 items) 0.390 ms give 3.10 and 3.08 us per chunk beside the 4.0 us per item. (The rs loop
+    # of v0.3: 8.8 us + 2.89 us per chunk, 3.17 when busy.)
+    forward_item_us: float = 4.0
+    forward_chunk_us: float = 2.61
+    forward_busy_chunk_us: float = 3.09
     # state-only loop (loop_rs_state, CP's transition pass), the same shapes: 1.52 us per chunk (5.9 us +
     # 1.51 us per chunk by least squares); GPU full 1.72 and 1.74 us per chunk
     state_item_us: float = 5.9
     state_chunk_us: float = 1.51
     state_busy_chunk_us: float = 1.73
-    # stage 1 (kkt_inverse, v0.3), least squares over the six rows: 16/64 4096x8 is 0.285 ms for 512 chunks x
-    # (16 qk + 64 value heads), 16/32 4096x8 0.181 ms for 512 x (16 + 32)
-    kkt_chunk_qk_head_us: float = 0.0103
-    kkt_chunk_head_us: float = 0.0061
+    # stage 1 (kkt_inverse with cp.async loads and the swizzled K K^T, v0.12a), least squares over the six rows:
+    # 16/64 4096x8 is 0.270 ms for 512 chunks x (16 qk + 64 value heads), 16/32 4096x8 0.164 ms for 512 x (16 + 32)
+    kkt_chunk_qk_head_us: float = 0.0074
+    kkt_chunk_head_us: float = 0.0064
     # stage 0 (chunk_bounds): 3.4 us for 16 chunks per sequence (2/8 1024x8), 4.5 for 64, 6.0 for 128,
     # 14.7 for 512
     plan_us: float = 3.1

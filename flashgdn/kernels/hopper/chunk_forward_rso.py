@@ -29,8 +29,8 @@ Roles (one CTA = one sequence x one value head, 512 threads):
 * warpgroup 2, the **output path**: P, O = Q S, its scaling, O += P Vn and O's store, for the chunk handed over. It
   is the longer of the two chains (``docs/hopper-notes.md``, v0.11a), so its steps overlap where they can: Q K^T and
   Q S are issued together and P's element-wise pass runs while Q S is on the tensor cores, and O's TMA store is
-  waited for only when the next chunk's O is about to overwrite its staging tile (``overlap=False`` builds the
-  serial order of v0.11, kept to measure against).
+  waited for only when the next chunk's O is about to overwrite its staging tile (0.95x-0.98x the serial order's
+  loop time on most shapes, the same bits: ``docs/hopper-notes.md``, v0.12a).
 * warpgroup 3: warps 0-2 the **producer** (``ring_producer.py``: q, k, v, Ag, g~ into a two-stage ring), warp 3 the
   **decays** of each ring stage, gamma_i = exp(g~_i) and d_i = exp(g~_last - g~_i), into shared memory.
 
@@ -63,12 +63,10 @@ def build_chunk_forward_rso(
     store_final_state: bool,
     state_v_first: bool,
     regs: tuple = (STATE_REGS, OUTPUT_REGS, PRODUCER_REGS),
-    overlap: bool = True,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
-    output path and the producer warpgroup (2 x state + output + producer = 512). ``overlap``: the output path's
-    overlapped order (default) or the serial one; the same products either way, so the same bits."""
+    output path and the producer warpgroup (2 x state + output + producer = 512)."""
     import tilelang
     import tilelang.language as T
 
@@ -147,23 +145,16 @@ def build_chunk_forward_rso(
             t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
             T.barrier_wait(full[st], (c // 2) % 2)
-            if overlap:
-                # Q K^T and O = Q S issued together (S^T is handed over at the start of the state chain's chunk, long
-                # before this path gets to it); P is made while Q S runs
-                T.barrier_wait(s_ready[st], (c // 2) % 2)
-                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(1)
-                parts.gate_qk(gc_s, p_f, st, scale)
-                T.copy(p_f, pb_f)
-                T.wait_wgmma(0)
-            else:
-                # P = scale Gam ⊙ Q K^T, lower with the diagonal; kept in registers as the A operand of P Vn
-                parts.masked_p(q_s, k_s, gc_s, p_f, st, scale)
-                T.copy(p_f, pb_f)
-                # O = scale diag(gamma) Q S  (S^T as the B operand: [V, K], K contiguous)
-                T.barrier_wait(s_ready[st], (c // 2) % 2)
-                T.gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            # Q K^T and O = Q S issued together (S^T is handed over at the start of the state chain's chunk, long
+            # before this path gets to it); P = scale Gam ⊙ Q K^T (lower with the diagonal, kept in registers as the
+            # A operand of P Vn) is made while Q S runs. S^T is the B operand: [V, K], K contiguous.
+            T.barrier_wait(s_ready[st], (c // 2) % 2)
+            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(1)
+            parts.gate_qk(gc_s, p_f, st, scale)
+            T.copy(p_f, pb_f)
+            T.wait_wgmma(0)
             T.barrier_arrive(s_free[st])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
             for i, j in T.Parallel(C, V):
@@ -174,30 +165,24 @@ def build_chunk_forward_rso(
             T.barrier_wait(vn_ready, c % 2)
             T.gemm(pb_f, vn_s, o_f, transpose_B=True)
             T.barrier_arrive(vn_free)
-            if overlap:
-                # the previous chunk's TMA store must have read o_s; it had this whole chunk to do so. The thread
-                # that issued it waits: shuffle_elect(128) elects the same one as the store's (and, unlike a test of
-                # tx, keeps the warp converged for its elect.sync)
-                if T.shuffle_elect(128):
-                    T.tma_store_wait(0)
-                T.sync_threads(OUTPUT_BARRIER, 128)
+            # the previous chunk's TMA store must have read o_s; it had this whole chunk to do so. The thread that
+            # issued it waits: shuffle_elect(128) elects the same one as the store's (and, unlike a test of tx,
+            # keeps the warp converged for its elect.sync)
+            if T.shuffle_elect(128):
+                T.tma_store_wait(0)
+            T.sync_threads(OUTPUT_BARRIER, 128)
             for i, j in T.Parallel(C, V):
                 o_s[i, j] = o_f[i, j]
             T.fence_proxy_async()
-            if overlap:
-                T.sync_threads(OUTPUT_BARRIER, 128)
+            T.sync_threads(OUTPUT_BARRIER, 128)
             if n_rows == C:
-                if overlap:
-                    T.tma_copy(o_s, o[0, t0:t0 + C, h, 0:V])  # not waited for here
-                else:
-                    T.copy(o_s, o[0, t0:t0 + C, h, 0:V])
+                T.tma_copy(o_s, o[0, t0:t0 + C, h, 0:V])  # not waited for here
             else:
                 for i, j in T.Parallel(C, V):
                     if i < n_rows:
                         o[0, t0 + i, h, j] = o_s[i, j]
-        if overlap:
-            if T.shuffle_elect(128):
-                T.tma_store_wait(0)
+        if T.shuffle_elect(128):
+            T.tma_store_wait(0)
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True)
 

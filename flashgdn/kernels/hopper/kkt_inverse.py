@@ -36,7 +36,7 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
-                      store_inverse: bool = False, async_loads: bool = False, swizzled_kk: bool = True):
+                      store_inverse: bool = False, async_loads: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -84,7 +84,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         # 256 bytes apart) fall on the same 8 banks: 4-way conflicts. XOR-ing the column with 8 (i % 4) + (i // 4) % 2
         # sends the 8 rows' columns to 32 distinct banks, moves no element out of its aligned group of 4 floats (the
         # substitution reads them 16 bytes at a time) and keeps kk_s the size of k's tile, whose space it reuses.
-        return j ^ ((i % 4) * 8 + (i // 4) % 2) if swizzled_kk else j
+        return j ^ ((i % 4) * 8 + (i // 4) % 2)
 
     @T.macro
     def kernel_body(k, g, beta, bounds, gcum, Ag, A_out):
@@ -127,11 +127,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             if i >= n_rows:
                                 k_s[i, j] = T.cast(0, qk_dtype)
                 T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                if swizzled_kk:
-                    for i, j in T.Parallel(C, C):
-                        kk_s[i, kk_col(i, j)] = kk_f[i, j]
-                else:
-                    T.copy(kk_f, kk_s)
+                for i, j in T.Parallel(C, C):
+                    kk_s[i, kk_col(i, j)] = kk_f[i, j]
                 T.cumsum(g_s, gc_s, dim=1)
                 for p, i in T.Parallel(group, C):
                     gcum[hq * group + p, slot * C + i] = gc_s[p, i]

@@ -1,0 +1,72 @@
+"""``cp="auto"``'s choices on the GPU: the op timed with CP off, with the segment length the cost model picks and
+with other lengths, shape by shape (GPU only).
+
+    python benchmarks/cp_choices.py --shape 8/32:24576+8192 --shape 2/8:8192x4 [--segments 16,32,128] [--out F.json]
+
+For each shape: the model's pick (``plan_segments(..., "auto")``) and its predicted times, and the measured op
+(CUDA-graph replay, median) with ``cp="off"``, ``cp="auto"`` and each segment length asked for. What it answers:
+whether the cost model's choice is within a few percent of the best measured one (``docs/context-parallel.md``).
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+
+def parse_shape(text):
+    from flashgdn.bench.shapes import parse_heads, parse_seqlens
+
+    heads, mix = text.split(":")
+    (hq, hv), = parse_heads(heads)
+    (seqlens,) = parse_seqlens(mix)
+    return hq, hv, list(seqlens)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", action="append", required=True, help="HQK/HV:SEQLENS, e.g. 8/32:24576+8192")
+    ap.add_argument("--segments", default="", help="segment lengths (chunks) to time besides off and auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from triton.testing import do_bench_cudagraph
+
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.cp.plan import CostModel, estimated_us, plan_segments
+    from flashgdn.kernels.hopper import backend
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from stage_timing import make, results_header
+
+    model = CostModel.for_device(torch.device("cuda"), paired=backend.CP_PAIRED and not backend.PRECISE,
+                                 fused=backend.CP_FUSED)
+    extra = [int(x) for x in args.segments.split(",") if x]
+    rows = []
+    for text in args.shape:
+        hq, hv, seqlens = parse_shape(text)
+        q, k, v, g, beta, h0, cu = make(hq, hv, seqlens)
+        cu_cpu = cu.cpu()
+        pick = plan_segments(seqlens, hv, "auto", model, qk_heads=hq).segment_chunks
+        row = {"shape": text, "auto_pick": pick,
+               "model_off_ms": estimated_us(seqlens, hv, None, model, hq) / 1e3,
+               "model_pick_ms": estimated_us(seqlens, hv, pick, model, hq) / 1e3}
+        for cp in ["off", "auto"] + extra:
+            def op(cp=cp):
+                return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, backend="hopper", cp=cp)
+            with torch.no_grad():
+                op()
+                torch.cuda.synchronize()
+                row[f"ms_{cp}"] = do_bench_cudagraph(op, rep=50, return_mode="median")
+            if cp != "off":
+                row[f"model_{cp}_ms"] = estimated_us(seqlens, hv, pick if cp == "auto" else cp, model, hq) / 1e3
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(results_header(argv, "cp_choices.py") | {"rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
