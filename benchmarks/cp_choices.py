@@ -33,12 +33,12 @@ def main(argv=None):
 
     from flashgdn import chunk_gated_delta_rule
     from flashgdn.cp.plan import CostModel, estimated_us, plan_segments
-    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper import backend, forward
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from stage_timing import make, results_header
 
-    model = CostModel.for_device(torch.device("cuda"), paired=backend.CP_PAIRED and not backend.PRECISE,
+    model = CostModel.for_device(torch.device("cuda"), paired=backend.CP_PAIRED and not forward.PRECISE,
                                  fused=backend.CP_FUSED)
     extra = [int(x) for x in args.segments.split(",") if x]
     rows = []

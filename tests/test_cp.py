@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flashgdn.bench.shapes import parse_seqlens
 from flashgdn.cp import (CostModel, cp_forward, cp_problem_forward, estimated_us, parse_cp, plan_segments,
                          splice_segments, split_sequences)
 from flashgdn.cp.plan import dense_cu_seqlens, segment_index_tensors
@@ -91,6 +92,25 @@ def test_cost_model_reproduces_the_measured_op():
             for seg in (16, 64):
                 model_ms = estimated_us(r["seqlens"], r["h_v"], seg, model, r["h_qk"]) / 1e3
                 assert 0.85 < model_ms / r[f"op_cp{seg}"] < 1.2, (r["h_qk"], r["h_v"], seg, model_ms, r[f"op_cp{seg}"])
+
+
+def test_cp_auto_picks_what_measured_fastest():
+    """On the shapes timed with CP off and at 16-128 chunks per segment (``benchmarks/cp_choices.py``,
+    cp-choices-v0.12a.json: the shapes where the v0.12a refit first changed cp="auto"'s choice), the backend's model
+    picks a segment length (or none) whose measured time is within 3% of the fastest measured."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200", "cp-choices-v0.12a.json")
+    with open(path) as fh:
+        rows = json.load(fh)["rows"]
+    model = CostModel(paired=True, fused=True)
+    for r in rows:
+        heads, mix = r["shape"].split(":")
+        hq, hv = map(int, heads.split("/"))
+        (seqlens,) = parse_seqlens(mix)
+        seqlens = list(seqlens)
+        pick = plan_segments(seqlens, hv, "auto", model, qk_heads=hq).segment_chunks
+        measured = {k[3:]: v for k, v in r.items() if k.startswith("ms_") and k != "ms_auto"}
+        at_pick = measured["off" if pick is None else str(pick)]
+        assert at_pick <= 1.03 * min(measured.values()), (r["shape"], pick, measured)
 
 
 def _rows(name):

@@ -16,9 +16,11 @@ forward with segments copies nothing from the host, reads nothing back and can b
 The cost model (``CostModel``, ``estimated_us``) adds up the stages of the Hopper forward with constants
 fitted to stage timings on the H200: per pass the chunk-plan kernel, stage 1 (by throughput over chunks x
 heads) and the chunk loop (the longest work item, or the total over the SMs once the items fill them). CP pays
-its driver's small kernels, a state-only pass with stage 1 over twice the value heads (b and M), one splice
-step per segment after a sequence's first, and the forward over the segments; it wins when the segments fill
-the SMs that the sequences left idle. ``benchmarks/cp_model_check.py`` checks it against the measurements.
+its driver's small kernels, a state-only pass over twice the value heads (b and M; as the backend runs it, the
+paired pass with its own fitted terms, in whole waves of its longest item), one splice step per segment after a
+sequence's first, and the forward over the segments; it wins when the segments fill the SMs that the sequences
+left idle. ``benchmarks/cp_model_check.py`` checks it against the measurements, ``benchmarks/cp_choices.py``
+times its choices on the GPU.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ import torch
 
 CHUNK = 64
 
-#: segment lengths tried by ``cp="auto"``, in chunks
-CANDIDATE_SEGMENT_CHUNKS = (8, 16, 32, 64, 128, 256)
+#: segment lengths tried by ``cp="auto"``, in chunks: from 16, the shortest the paired transition pass's constants
+#: were fitted on (8-chunk segments would be an extrapolation: there the per-item cost is most of an item's time)
+CANDIDATE_SEGMENT_CHUNKS = (16, 32, 64, 128, 256)
 
 #: ``cp="auto"`` splits only when the model predicts at most this fraction of the time without CP
 AUTO_GAIN = 0.9
@@ -101,6 +104,15 @@ class CostModel:
     fused: bool = False
     fused_launches_saved: int = 10
     fused_splice_step_us: float = 4.3
+    # the paired transition pass as its own loop: one item per segment and b-or-M head, each item_us + chunks x
+    # chunk_us on one SM, run in whole waves of the longest item (``pairs_us``). Fitted on 30 timings of the op with
+    # CP, paired and fused as the backend runs it, minus the model's final pass and splice (cp-choices-v0.12a.json
+    # and the op_cp columns of stages-hopper-v0.12a.json): 19 us + 1.70 us per chunk puts the model at 0.92x-1.09x
+    # of every point, the wave-quantised ones (8/24 16384x1 at 192-384 items) included. The paired and fused
+    # driver's own small kernels are inside these constants; the state-only loop's constants with the counted
+    # launches had left the model 9-15% pessimistic where CP pays.
+    pair_item_us: float = 19.0
+    pair_chunk_us: float = 1.70
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False) -> "CostModel":
@@ -122,6 +134,13 @@ class CostModel:
         longest = item + max(item_chunks) * chunk
         total = (len(item_chunks) * item + sum(item_chunks) * busy) * heads
         return max(longest, total / self.num_sms)
+
+    def pairs_us(self, item_chunks: Sequence[int], heads: int) -> float:
+        """The paired transition pass over segments of the given chunk counts, ``heads`` value heads (b and M of
+        each: 2 heads items per segment), in whole waves of its longest item."""
+        longest = self.pair_item_us + max(item_chunks) * self.pair_chunk_us
+        total = 2 * heads * sum(self.pair_item_us + c * self.pair_chunk_us for c in item_chunks)
+        return max(1, math.ceil(total / (self.num_sms * longest) - 1e-9)) * longest
 
     def pass_us(self, item_chunks: Sequence[int], heads: int, qk_heads: int, state_only: bool = False) -> float:
         """One forward (chunk plan, stage 1, chunk loop) over work items of the given chunk counts."""
@@ -243,14 +262,16 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
         pieces = math.ceil(c / segment_chunks)
         segs += [min(segment_chunks, c - i * segment_chunks) for i in range(pieces)]
         steps = max(steps, pieces - 1)
-    launches = (model.cp_launches - model.paired_launches_saved * model.paired
-                - model.fused_launches_saved * model.fused)
-    driver = launches * model.launch_us + (0 if model.paired else sum(seqlens) * heads * model.cp_token_head_us)
     # b and M: one state-only pass over twice the value heads (with its own stages 0 and 1 unless paired), then
     # the splice
     if model.paired:
-        transitions = model.loop_us(segs, 2 * heads, state_only=True)
+        # the pairs loop's constants include the paired and fused driver; unfused, its index and splice set-up
+        # launches come on top
+        driver = 0.0 if model.fused else model.fused_launches_saved * model.launch_us
+        transitions = model.pairs_us(segs, heads)
     else:
+        launches = model.cp_launches - model.fused_launches_saved * model.fused
+        driver = launches * model.launch_us + sum(seqlens) * heads * model.cp_token_head_us
         transitions = model.pass_us(segs, 2 * heads, qk_heads, state_only=True)
     splice = model.fused_splice_step_us if model.fused else model.splice_step_us
     return driver + transitions + steps * splice + model.pass_us(segs, heads, qk_heads)
