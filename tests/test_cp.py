@@ -113,6 +113,34 @@ def test_cp_auto_picks_what_measured_fastest():
         assert at_pick <= 1.03 * min(measured.values()), (r["shape"], pick, measured)
 
 
+def test_cost_model_aggregates_equal_the_segment_lists():
+    """``estimated_us`` works on (count, chunks in all, longest) aggregates instead of a list of every segment;
+    the time equals the one from the explicit segment list, fed to the model's list forms."""
+    rnd = random.Random(7)
+    for _ in range(300):
+        seqlens = [rnd.choice([rnd.randint(1, 300), rnd.randint(1, 140000)]) for _ in range(rnd.choice([1, 2, 5, 60]))]
+        heads, qk = rnd.choice([(8, 2), (32, 16), (24, 8), (4, 4)])
+        for paired, fused in ((True, True), (False, False), (True, False)):
+            model = CostModel(paired=paired, fused=fused)
+            for seg in (None, 16, 64, 256):
+                chunks = [max(1, -(-L // 64)) for L in seqlens]
+                if seg is None or max(chunks) <= seg:
+                    want = model.pass_us(chunks, heads, qk)
+                else:
+                    segs = [min(seg, c - i * seg) for c in chunks for i in range(-(-c // seg))]
+                    steps = max(-(-c // seg) for c in chunks) - 1
+                    if paired:
+                        driver = 0.0 if fused else model.fused_launches_saved * model.launch_us
+                        trans = model.pairs_us(segs, heads)
+                    else:
+                        driver = ((model.cp_launches - model.fused_launches_saved * fused) * model.launch_us
+                                  + sum(seqlens) * heads * model.cp_token_head_us)
+                        trans = model.pass_us(segs, 2 * heads, qk, state_only=True)
+                    splice = model.fused_splice_step_us if fused else model.splice_step_us
+                    want = driver + trans + steps * splice + model.pass_us(segs, heads, qk)
+                assert estimated_us(seqlens, heads, seg, model, qk) == pytest.approx(want, rel=1e-12)
+
+
 def _rows(name):
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200", name)
     with open(path) as fh:

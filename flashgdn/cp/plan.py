@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -38,6 +38,21 @@ CANDIDATE_SEGMENT_CHUNKS = (16, 32, 64, 128, 256)
 
 #: ``cp="auto"`` splits only when the model predicts at most this fraction of the time without CP
 AUTO_GAIN = 0.9
+
+
+class Items(NamedTuple):
+    """Work items as the model sees them: how many, their chunks in all, the longest one's chunks (all the model
+    needs of a list of chunk counts, so that a plan over many sequences costs no list of segments)."""
+
+    count: int
+    total: int
+    longest: int
+
+    @staticmethod
+    def of(item_chunks: Union["Items", Sequence[int]]) -> "Items":
+        if isinstance(item_chunks, Items):
+            return item_chunks
+        return Items(len(item_chunks), sum(item_chunks), max(item_chunks) if len(item_chunks) else 0)
 
 
 @dataclass(frozen=True)
@@ -123,33 +138,36 @@ class CostModel:
                              fused=fused)
         return CostModel(paired=paired, fused=fused)
 
-    def loop_us(self, item_chunks: Sequence[int], heads: int, state_only: bool = False) -> float:
+    def loop_us(self, item_chunks: Union[Items, Sequence[int]], heads: int, state_only: bool = False) -> float:
         """One chunk loop over work items of the given chunk counts, each for ``heads`` value heads."""
-        if not item_chunks:
+        items = Items.of(item_chunks)
+        if not items.count:
             return 0.0
         if state_only:
             item, chunk, busy = self.state_item_us, self.state_chunk_us, self.state_busy_chunk_us
         else:
             item, chunk, busy = self.forward_item_us, self.forward_chunk_us, self.forward_busy_chunk_us
-        longest = item + max(item_chunks) * chunk
-        total = (len(item_chunks) * item + sum(item_chunks) * busy) * heads
+        longest = item + items.longest * chunk
+        total = (items.count * item + items.total * busy) * heads
         return max(longest, total / self.num_sms)
 
-    def pairs_us(self, item_chunks: Sequence[int], heads: int) -> float:
+    def pairs_us(self, item_chunks: Union[Items, Sequence[int]], heads: int) -> float:
         """The paired transition pass over segments of the given chunk counts, ``heads`` value heads (b and M of
         each: 2 heads items per segment), in whole waves of its longest item."""
-        longest = self.pair_item_us + max(item_chunks) * self.pair_chunk_us
-        total = 2 * heads * sum(self.pair_item_us + c * self.pair_chunk_us for c in item_chunks)
+        items = Items.of(item_chunks)
+        longest = self.pair_item_us + items.longest * self.pair_chunk_us
+        total = 2 * heads * (items.count * self.pair_item_us + items.total * self.pair_chunk_us)
         return max(1, math.ceil(total / (self.num_sms * longest) - 1e-9)) * longest
 
-    def pass_us(self, item_chunks: Sequence[int], heads: int, qk_heads: int, state_only: bool = False) -> float:
+    def pass_us(self, item_chunks: Union[Items, Sequence[int]], heads: int, qk_heads: int,
+                state_only: bool = False) -> float:
         """One forward (chunk plan, stage 1, chunk loop) over work items of the given chunk counts."""
-        if not item_chunks:
+        items = Items.of(item_chunks)
+        if not items.count:
             return 0.0
-        chunks = sum(item_chunks)
-        plan = self.plan_us + max(item_chunks) * self.plan_chunk_us
-        kkt = chunks * (qk_heads * self.kkt_chunk_qk_head_us + heads * self.kkt_chunk_head_us)
-        return plan + kkt + self.loop_us(item_chunks, heads, state_only)
+        plan = self.plan_us + items.longest * self.plan_chunk_us
+        kkt = items.total * (qk_heads * self.kkt_chunk_qk_head_us + heads * self.kkt_chunk_head_us)
+        return plan + kkt + self.loop_us(items, heads, state_only)
 
 
 @dataclass(frozen=True)
@@ -253,15 +271,15 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
     the number of value heads, ``qk_heads`` that of qk heads (None: as many as value heads, the most stage 1
     can cost)."""
     qk_heads = heads if qk_heads is None else qk_heads
-    chunks = [max(1, math.ceil(L / CHUNK)) for L in seqlens]
-    if segment_chunks is None or all(c <= segment_chunks for c in chunks):
-        return model.pass_us(chunks, heads, qk_heads)
-    segs: List[int] = []
-    steps = 0
-    for c in chunks:
-        pieces = math.ceil(c / segment_chunks)
-        segs += [min(segment_chunks, c - i * segment_chunks) for i in range(pieces)]
-        steps = max(steps, pieces - 1)
+    chunks = [max(1, -(-int(L) // CHUNK)) for L in seqlens]
+    seqs = Items.of(chunks)
+    if segment_chunks is None or seqs.longest <= segment_chunks:
+        return model.pass_us(seqs, heads, qk_heads)
+    # segment_chunks-long segments and each sequence's remainder: the same chunks in all, and a sequence longer
+    # than a segment exists, so the longest segment is a whole one
+    pieces = [-(-c // segment_chunks) for c in chunks]
+    segs = Items(sum(pieces), seqs.total, segment_chunks)
+    steps = max(pieces) - 1
     # b and M: one state-only pass over twice the value heads (with its own stages 0 and 1 unless paired), then
     # the splice
     if model.paired:
