@@ -37,6 +37,17 @@ def test_split_sequences_cuts_at_chunk_multiples():
     assert not split_sequences([130, 700], None).split
 
 
+def test_split_sequences_keeps_short_sequences_whole():
+    """No sequence longer than a segment (or no segment length): one segment per sequence, whatever the path."""
+    for seqlens, seg in (([130, 64, 0, 700], None), ([130, 64, 0, 700], 11), ([0], 1), ([], None), ([4096] * 500, 64)):
+        plan = split_sequences(seqlens, seg)
+        n = len(seqlens)
+        assert plan.seg_cu.tolist() == [0] + torch.tensor(seqlens, dtype=torch.int64).cumsum(0).tolist()
+        assert plan.seg_seq.tolist() == list(range(n)) and plan.first.tolist() == list(range(n))
+        assert plan.count.tolist() == [1] * n and plan.segment_chunks == seg and not plan.split
+        assert all(t.dtype == torch.int64 for t in (plan.seg_cu, plan.seg_seq, plan.first, plan.count))
+
+
 @pytest.mark.parametrize("seqlens", [[32768], [16384, 16384], [28672, 4096]])
 def test_auto_splits_few_long_sequences_with_few_heads(seqlens):
     plan = plan_segments(seqlens, heads=8, cp="auto", model=CostModel(num_sms=132))

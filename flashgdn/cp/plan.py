@@ -198,6 +198,13 @@ def split_sequences(seqlens: Sequence[int], segment_chunks: Optional[int]) -> Se
     sequence start, so each segment's chunks are the sequence's own chunks."""
     if segment_chunks is not None and segment_chunks < 1:
         raise ValueError(f"segment length must be >= 1 chunk, got {segment_chunks}")
+    if segment_chunks is None or all(L <= segment_chunks * CHUNK for L in seqlens):
+        # every sequence whole: a handful of tensor ops instead of a Python loop per sequence (the plan is made on
+        # every call that has the lengths on the host)
+        lengths = torch.tensor([int(L) for L in seqlens], dtype=torch.int64)
+        ids = torch.arange(lengths.numel(), dtype=torch.int64)
+        return SegmentPlan(seg_cu=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), seg_seq=ids, first=ids.clone(),
+                           count=torch.ones_like(ids), segment_chunks=segment_chunks)
     bounds: List[int] = [0]
     seg_seq: List[int] = []
     first: List[int] = []
