@@ -496,6 +496,42 @@ class _PairedReferenceForward:
         return end
 
 
+class _SkippingPairedReferenceForward(_PairedReferenceForward):
+    """``_PairedReferenceForward`` that, like the Hopper kernel's ``skip_unread``, does not compute the items the
+    splices never read; here they are NaN, so that any read of them shows in the result."""
+
+    skips_unread_transitions = True
+
+    def __init__(self):
+        super().__init__()
+        self.modes = []
+
+    def transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu, unread=None):
+        end = super().transition_pairs(q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu)
+        index, mode = unread
+        self.modes.append(mode)
+        s = torch.arange(end.shape[0])
+        first = index.first[index.seg_seq]
+        last = first + index.count[index.seg_seq] - 1
+        end[s == last, 0::2] = float("nan")  # b of a last segment
+        end[(s == first) | ((s == last) & (mode == "forward")), 1::2] = float("nan")  # M of a first (or last)
+        return end
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cp_forward_reads_no_transition_it_can_skip(case, segment_chunks):
+    """The items the paired pass may skip (``CP_SKIP_UNREAD``) are never read by the forward's splice: with them NaN
+    the result is still the reference's."""
+    q, k, v, g, beta, h0, cu = _packed_case(case, 16, 16)
+    o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.25, h0, cu, True)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    fwd = _SkippingPairedReferenceForward()
+    o, ht = cp_forward(fwd, q, k, v, g, beta, 0.25, h0, True, plan, cu)
+    assert fwd.modes == (["forward"] if plan.split else [])
+    assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10
+
+
 @pytest.mark.parametrize("segment_chunks", [1, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cp_forward_uses_the_forwards_own_transition_pairs(case, segment_chunks):

@@ -11,7 +11,8 @@ from flashgdn.cp.backward import cp_backward, splice_reverse
 from flashgdn.cp.plan import segment_index_tensors
 from flashgdn.reference.chunked_backward import ReferenceBackwardStages, chunk_gated_delta_rule_backward_reference
 from helpers import assert_same_computation, rel_rms
-from test_cp import CASES, DeviceOps, _meta_forward, _meta_inputs, _packed_case, ref_forward
+from test_cp import (CASES, DeviceOps, _meta_forward, _meta_inputs, _packed_case, _SkippingPairedReferenceForward,
+                     ref_forward)
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -203,3 +204,34 @@ def test_cp_drivers_use_the_forwards_own_splice(case, segment_chunks):
         if w is not None:
             assert rel_rms(x, w) < 1e-10, name
     assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10
+
+
+class _SkippingForwardWithOwnSplice(_SkippingPairedReferenceForward):
+    """The skipping paired forward with the splice kernels' loops as its own splices (``_ForwardWithOwnSplice``)."""
+
+    def segment_index(self, plan, cu_seqlens):
+        return segment_index_tensors(plan, cu_seqlens)
+
+    def splice(self, pairs, h0, plan, index):
+        return _splice_from_pairs(pairs, None, h0, plan, reverse=False)
+
+    def splice_reverse(self, pairs, D, end, plan, index):
+        return _splice_from_pairs(pairs, D, end, plan, reverse=True)
+
+
+@pytest.mark.parametrize("own_splice", [False, True])
+@pytest.mark.parametrize("segment_chunks", [1, 3])
+@pytest.mark.parametrize("case", [1, 2, 4])
+def test_cp_backward_reads_no_transition_it_can_skip(case, segment_chunks, own_splice):
+    """The backward's transitions skip fewer items than the forward's (its reverse splice reads M of last segments):
+    with every item the backward may skip NaN (b of last segments, M of first ones), the gradients are the
+    reference's, by the torch splices and by the splice kernels' loops."""
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(case, 16, 16)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    fwd = _SkippingForwardWithOwnSplice() if own_splice else _SkippingPairedReferenceForward()
+    with torch.no_grad():
+        got = cp_backward(ReferenceBackwardStages(), fwd, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+    assert fwd.modes == (["backward"] if plan.split else [])
+    for name, x, w in zip(NAMES, got, want):
+        if w is not None:
+            assert rel_rms(x, w) < 1e-10, name

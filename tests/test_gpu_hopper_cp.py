@@ -204,3 +204,37 @@ def test_segment_index_kernel_equals_the_torch_index(segment_chunks, cu_dtype, c
         for name in ("seg_cu", "seg_seq", "first", "count"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
+    dict(seqlens=[4096, 4096], dense=True),
+])
+def test_skipping_unread_transitions_gives_the_same_bits(opts, cuda, monkeypatch):
+    """FLASHGDN_HOPPER_CP_SKIP_UNREAD: the paired transition pass walks no chunk for the items no splice reads (b
+    of a last segment, M of a first, in the forward M of a last). Everything that is read is computed as before,
+    so the op and its gradients are the same bits with and without it."""
+    from flashgdn.kernels.hopper import backend
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
+    gen = torch.Generator(device=cuda).manual_seed(5)
+
+    def run():
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=4)
+        do = torch.randn(o.shape, generator=gen.manual_seed(5), device=cuda).to(o.dtype)
+        dht = torch.randn(ht.shape, generator=gen.manual_seed(6), device=cuda)
+        torch.autograd.backward([o, ht], [do, dht])
+        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+
+    monkeypatch.setattr(backend, "CP_PAIRED", True)
+    monkeypatch.setattr(backend, "CP_SKIP_UNREAD", False)
+    want = run()
+    monkeypatch.setattr(backend, "CP_SKIP_UNREAD", True)
+    got = run()
+    for name, x, w in zip(["o", "final state"] + names, got, want):
+        assert torch.equal(x, w), name

@@ -94,7 +94,7 @@ def cp_backward(
         N = cu_seqlens.shape[0] - 1
         h0 = float_states(initial_state, q, v, N)
         # 1. every segment's true start state
-        starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index)
+        starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=True)
         # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan,
         # index)`` when it has one)
         # (only the start gradients are kept: a name for the per-chunk ones would keep them alive to the end)

@@ -131,7 +131,7 @@ def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index):
     return (lambda src: (M.index_select(0, src), b.index_select(0, src))), None
 
 
-def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
+def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=False):
     """Steps 1 and 2 in one pass of twice the value heads (when V = K): value head 2h carries head h's b pass
     and head 2h + 1 its M pass (v = 0, identity start). Interleaving keeps both on qk head h // group, since
     (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two. A forward with a
@@ -145,7 +145,12 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index):
     start[index.first, :, 0] = h0
     start[:, :, 1] = torch.eye(K, dtype=h0.dtype, device=h0.device)
     paired = getattr(forward, "transition_pairs", None)
-    if paired is not None:
+    if paired is not None and getattr(forward, "skips_unread_transitions", False):
+        # the items neither splice reads are not computed: b of a last segment, M of a first, and (forward) M of a
+        # last; their entries of the pairs are left as they come (splice_steps and the splice kernel skip them)
+        end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu,
+                     unread=(index, "backward" if for_backward else "forward"))
+    elif paired is not None:
         # the forward runs the pairs itself (value head h's inputs for both, v = 0 for the second), so the
         # doubled inputs below are never made
         end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu)
@@ -176,12 +181,16 @@ def float_states(x: Optional[torch.Tensor], q: torch.Tensor, v: torch.Tensor, N:
 
 
 def segment_starts(forward: Forward, q, k, v, g, beta, scale, h0: torch.Tensor, plan: SegmentPlan,
-                   index: SegmentIndex):
+                   index: SegmentIndex, for_backward: bool = False):
     """Steps 1-3: every segment's true start state. Returns ``(starts, gather, pairs)``, the transitions'
     ``gather`` and ``pairs`` too (the backward splices with them again). The splice is the forward's own when it
-    has one (``splice(pairs, h0, plan, index) -> starts``, e.g. one fused kernel) and the pairs exist."""
-    transitions = _transitions_one_pass if k.shape[3] == v.shape[3] else _transitions_two_passes
-    gather, pairs = transitions(forward, q, k, v, g, beta, scale, h0, plan, index)
+    has one (``splice(pairs, h0, plan, index) -> starts``, e.g. one fused kernel) and the pairs exist.
+    ``for_backward``: the backward's reverse splice will read these transitions too (M of last segments), which
+    matters to a forward that ``skips_unread_transitions``."""
+    if k.shape[3] == v.shape[3]:
+        gather, pairs = _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward)
+    else:
+        gather, pairs = _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index)
     # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i
     own = getattr(forward, "splice", None)
     if own is not None and pairs is not None:

@@ -113,6 +113,11 @@ CP_PAIRED = os.environ.get("FLASHGDN_HOPPER_CP_PAIRED", "1") == "1"
 #: instead of 0.95.
 CP_FUSED = os.environ.get("FLASHGDN_HOPPER_CP_FUSED", "1") == "1"
 
+#: the paired transition pass walks no chunk for the items the splices never read (b of a sequence's last segment,
+#: M of its first, in the forward M of its last: docs/context-parallel.md), FLASHGDN_HOPPER_CP_SKIP_UNREAD=1. Off
+#: until it has run on the GPU; the cost model does not count the skipped items yet.
+CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "0") == "1"
+
 
 class _HopperSegmentsForward:
     """The Hopper forward on packed sequences with K-major states: the ``forward`` of ``flashgdn.cp`` (the
@@ -122,8 +127,10 @@ class _HopperSegmentsForward:
     ``segment_index``, ``splice`` and ``splice_reverse``, which the CP drivers then use
     (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
 
-    def __init__(self, paired: bool, fused: Optional[bool] = None, stage1_source=None):
+    def __init__(self, paired: bool, fused: Optional[bool] = None, stage1_source=None,
+                 skip_unread: Optional[bool] = None):
         self._stage1 = None
+        self._skip_unread = CP_SKIP_UNREAD if skip_unread is None else skip_unread
         # ``stage1_source(q, k, g, beta, seg_cu) -> Stage1``: where the paired pass takes stages 0 and 1 from
         # instead of running them (the backward's, which stores A as well and serves its own stages too)
         self._stage1_source = stage1_source
@@ -169,7 +176,11 @@ class _HopperSegmentsForward:
 
         return hopper_splice(pairs, end, index.first, index.count, plan.num_segments, D=D)
 
-    def _transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu):
+    @property
+    def skips_unread_transitions(self) -> bool:
+        return self._paired and self._skip_unread
+
+    def _transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu, unread=None):
         from .forward import hopper_stage1, hopper_transition_pairs
 
         cu = seg_cu.to(torch.int32)
@@ -177,7 +188,7 @@ class _HopperSegmentsForward:
             self._stage1 = self._stage1_source(q, k, g, beta, seg_cu)
         else:
             self._stage1 = hopper_stage1(k, g, beta, cu)
-        return hopper_transition_pairs(q, k, v, self._stage1, start, cu)
+        return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread)
 
 
 class HopperBackend(Backend):

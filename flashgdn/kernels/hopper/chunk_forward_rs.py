@@ -66,6 +66,7 @@ def build_chunk_forward_rs(
     staged_stores: bool = False,
     decayed_k: bool = False,
     inverse_in_loop: bool = False,
+    skip_unread: str = "",
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -92,6 +93,12 @@ def build_chunk_forward_rs(
     pass with stage 1 shared: 2 Hv CTAs per sequence, head 2h running value head h from ``h0[:, 2h]`` (b) and head
     2h + 1 running it with v = 0 from ``h0[:, 2h + 1]`` (the identity: M), both reading value head h's Ag, g~, v;
     ``h0`` and ``ht`` are ``[n, 2 Hv, K, V]``, the other tensors as without it.
+
+    ``skip_unread="forward"`` or ``"backward"`` (with ``transition_pairs``) adds three last arguments, the segments'
+    index tensors ``seg_seq [segments]``, ``first [sequences]`` and ``count [sequences]`` (int64,
+    ``flashgdn.cp.SegmentIndex``), and walks no chunk for the items that context parallelism's splices never read
+    (docs/context-parallel.md): b of a sequence's last segment, M of its first, and with ``"forward"`` M of its last.
+    Such a CTA stores its start state as its end state.
 
     ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
     writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
@@ -138,6 +145,9 @@ def build_chunk_forward_rs(
         heads = 2 * Hv
         state_shape_h0 = (n_h0, heads, K, V)
         state_shape_ht = (n_ht, heads, K, V)
+    if skip_unread not in ("", "forward", "backward") or skip_unread and not transition_pairs:
+        raise ValueError(f"skip_unread must be '', 'forward' or 'backward' (with transition_pairs), got {skip_unread!r}")
+    skipping, forward_skips = skip_unread != "", skip_unread == "forward"
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
         raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
@@ -283,7 +293,8 @@ def build_chunk_forward_rs(
     gi = make_gate_inverse(C, K, io_dtype, first_thread=256)
 
     @T.macro
-    def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht):
+    def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
+                    count=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -292,6 +303,15 @@ def build_chunk_forward_rs(
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
             n_chunks = T.ceildiv(eos - bos, C)
+            if skipping:
+                seq = seg_seq[n]
+                is_first = T.cast(n, "int64") == first[seq]
+                is_last = T.cast(n, "int64") == first[seq] + count[seq] - 1
+                # head 2h: b (never read for a last segment); 2h + 1: M (never for a first one, in the forward
+                # not for a last one either)
+                unread_m = T.Or(is_first, is_last) if forward_skips else is_first
+                unread = T.if_then_else(h % 2 == 0, is_last, unread_m)
+                n_chunks = T.if_then_else(unread, 0, n_chunks)
 
             # two-stage input ring
             q_s = T.alloc_shared((2, C, K), io_dtype)
@@ -376,6 +396,28 @@ def build_chunk_forward_rs(
             ht: T.Tensor(state_shape_ht, ht_dtype),
         ):
             kernel_body(q, k, v, None, None, g, beta, cu_seqlens, None, h0, scale, o, ht)
+
+    elif skipping:
+        n_cp_seqs = T.dynamic("n_cp_seqs")
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+            seg_seq: T.Tensor((num_seqs,), "int64"),
+            first: T.Tensor((n_cp_seqs,), "int64"),
+            count: T.Tensor((n_cp_seqs,), "int64"),
+        ):
+            kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count)
 
     else:
 

@@ -40,6 +40,11 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs"), "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True))
+            for mode in ("forward", "backward"):  # the items the splices never read skipped (CP_SKIP_UNREAD)
+                yield (name.replace("chunk_forward", f"chunk_forward_rs_pairs_skip_{mode}"), "chunk_forward_rs",
+                       dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
+                            store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True,
+                            skip_unread=mode))
             # context parallelism's own kernels (FLASHGDN_HOPPER_CP_FUSED=1): the segment index, the splices
             for cu_dtype in ("int32", "int64"):
                 yield (f"segment_index[{cu_dtype}]", "segment_index", dict(cu_dtype=cu_dtype))
@@ -79,8 +84,9 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         if v[0].split("[")[0] in wanted:
             yield v
     if backend.CP_PAIRED:
+        pairs = "chunk_forward_rs_pairs_skip_forward[" if backend.CP_SKIP_UNREAD else "chunk_forward_rs_pairs["
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
-            if v[0].startswith("chunk_forward_rs_pairs["):
+            if v[0].startswith(pairs):
                 yield v
     else:
         for v in forward_variants(Hqk, 2 * Hv, K, V, dtype, "common"):
@@ -100,6 +106,9 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     from . import backend, backward, forward
 
     yield from serving_variants(Hqk, Hv, K, V, dtype, flags)
+    if backend.CP_PAIRED and backend.CP_SKIP_UNREAD:  # the backward's transitions skip fewer items
+        yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
+                    if v[0].startswith("chunk_forward_rs_pairs_skip_backward["))
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common") if v[0].endswith(",reverse]"))
     options = backward.chunk_grad_options(Hv // Hqk)
