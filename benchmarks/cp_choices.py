@@ -38,8 +38,9 @@ def main(argv=None):
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from stage_timing import make, results_header
 
-    model = CostModel.for_device(torch.device("cuda"), paired=backend.CP_PAIRED and not forward.PRECISE,
-                                 fused=backend.CP_FUSED)
+    paired = backend.CP_PAIRED and not forward.PRECISE
+    model = CostModel.for_device(torch.device("cuda"), paired=paired, fused=backend.CP_FUSED,
+                                 skip_unread=paired and backend.CP_SKIP_UNREAD)
     extra = [int(x) for x in args.segments.split(",") if x]
     rows = []
     for text in args.shape:

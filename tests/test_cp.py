@@ -152,6 +152,26 @@ def test_cost_model_aggregates_equal_the_segment_lists():
                 assert estimated_us(seqlens, heads, seg, model, qk) == pytest.approx(want, rel=1e-12)
 
 
+def test_cost_model_counts_only_the_transitions_that_run_when_skipping():
+    """With ``skip_unread`` the model's transition pass has b of every segment but a sequence's last and M of those
+    between its first and last: never more than all of them, and for two segments per sequence just the first
+    segments' b, one item per sequence and value head."""
+    plain, skip = CostModel(paired=True, fused=True), CostModel(paired=True, fused=True, skip_unread=True)
+    rnd = random.Random(3)
+    for _ in range(200):
+        seqlens = [rnd.randint(1, 70000) for _ in range(rnd.choice([1, 2, 7]))]
+        heads, qk = rnd.choice([(8, 2), (32, 16), (4, 4)])
+        for seg in (16, 64, 256):
+            assert estimated_us(seqlens, heads, seg, skip, qk) <= estimated_us(seqlens, heads, seg, plain, qk) + 1e-9
+    seqlens, heads, qk, seg = [128 * 64, 100 * 64], 32, 16, 64  # two segments each
+    items = len(seqlens) * heads  # one b per sequence and head: one wave on 132 SMs
+    base = estimated_us(seqlens, heads, seg, CostModel(paired=True, fused=True, pair_item_us=0.0, pair_chunk_us=0.0,
+                                                          skip_unread=True), qk)
+    assert items <= skip.num_sms
+    assert estimated_us(seqlens, heads, seg, skip, qk) - base == pytest.approx(skip.pair_item_us
+                                                                               + seg * skip.pair_chunk_us)
+
+
 def _rows(name):
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200", name)
     with open(path) as fh:

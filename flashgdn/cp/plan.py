@@ -128,15 +128,20 @@ class CostModel:
     # launches had left the model 9-15% pessimistic where CP pays.
     pair_item_us: float = 19.0
     pair_chunk_us: float = 1.70
+    # the paired pass without the items no splice reads (``skip_unread``, FLASHGDN_HOPPER_CP_SKIP_UNREAD): only b of
+    # segments that are not a sequence's last and M of those that are neither its first nor its last run, all whole
+    # segments; the skipped CTAs (a state load and store each) are not counted. Not yet measured.
+    skip_unread: bool = False
 
     @staticmethod
-    def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False) -> "CostModel":
+    def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
+                   skip_unread: bool = False) -> "CostModel":
         """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
-        ``paired``/``fused``: which of CP's kernels the backend runs."""
+        ``paired``/``fused``/``skip_unread``: which of CP's kernels the backend runs."""
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
             return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, paired=paired,
-                             fused=fused)
-        return CostModel(paired=paired, fused=fused)
+                             fused=fused, skip_unread=skip_unread)
+        return CostModel(paired=paired, fused=fused, skip_unread=skip_unread)
 
     def loop_us(self, item_chunks: Union[Items, Sequence[int]], heads: int, state_only: bool = False) -> float:
         """One chunk loop over work items of the given chunk counts, each for ``heads`` value heads."""
@@ -293,7 +298,12 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
         # the pairs loop's constants include the paired and fused driver; unfused, its index and splice set-up
         # launches come on top
         driver = 0.0 if model.fused else model.fused_launches_saved * model.launch_us
-        transitions = model.pairs_us(segs, heads)
+        if model.skip_unread:  # b of every segment but a sequence's last, M of those between its first and last
+            run = sum(p - 1 for p in pieces) + sum(max(0, p - 2) for p in pieces)
+            item = model.pair_item_us + segment_chunks * model.pair_chunk_us
+            transitions = math.ceil(run * heads / model.num_sms) * item
+        else:
+            transitions = model.pairs_us(segs, heads)
     else:
         launches = model.cp_launches - model.fused_launches_saved * model.fused
         driver = launches * model.launch_us + sum(seqlens) * heads * model.cp_token_head_us

@@ -237,7 +237,8 @@ class HopperBackend(Backend):
         from ...cp.plan import CostModel
         from .forward import PRECISE
 
-        model = CostModel.for_device(p.device, paired=CP_PAIRED and not PRECISE, fused=CP_FUSED)
+        model = CostModel.for_device(p.device, paired=CP_PAIRED and not PRECISE, fused=CP_FUSED,
+                                     skip_unread=CP_PAIRED and not PRECISE and CP_SKIP_UNREAD)
         return plan_for_problem(p, auto=True, model=model)
 
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
