@@ -32,15 +32,13 @@ def main(argv=None):
     from triton.testing import do_bench_cudagraph
 
     from flashgdn import chunk_gated_delta_rule
-    from flashgdn.cp.plan import CostModel, estimated_us, plan_segments
-    from flashgdn.kernels.hopper import backend, forward
+    from flashgdn.cp.plan import estimated_us, plan_segments
+    from flashgdn.kernels.hopper.backend import cp_cost_model
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from stage_timing import make, results_header
 
-    paired = backend.CP_PAIRED and not forward.PRECISE
-    model = CostModel.for_device(torch.device("cuda"), paired=paired, fused=backend.CP_FUSED,
-                                 skip_unread=paired and backend.CP_SKIP_UNREAD)
+    model = cp_cost_model(torch.device("cuda"))  # the model the backend plans with
     extra = [int(x) for x in args.segments.split(",") if x]
     rows = []
     for text in args.shape:

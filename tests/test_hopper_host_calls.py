@@ -77,9 +77,9 @@ def checked_kernels(monkeypatch):
 
     calls = []
     for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
-                         (chunk_forward_rso, "build_chunk_forward_rso"), (state_grad_walk, "build_state_grad_walk"), (chunk_grad, "build_chunk_grad"),
-                         (splice, "build_splice"), (segment_index, "build_segment_index"),
-                         (group_sum, "build_group_sum")):
+                         (chunk_forward_rso, "build_chunk_forward_rso"), (state_grad_walk, "build_state_grad_walk"),
+                         (chunk_grad, "build_chunk_grad"), (splice, "build_splice"),
+                         (segment_index, "build_segment_index"), (group_sum, "build_group_sum")):
         real = getattr(module, attr)
 
         def builder(*args, _real=real, _name=attr[len("build_"):], **kwargs):

@@ -37,14 +37,16 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     from flashgdn.kernels.hopper.variants import serving_variants
 
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
-    assert names == ["chunk_plan", "kkt_inverse_async[2/8,bfloat16]", "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+    assert names == ["chunk_plan", "kkt_inverse_async[2/8,bfloat16]",
+                     "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                      "chunk_forward_rs_pairs[2/8,bfloat16,h0=1,ht=1,v_first=0]", "segment_index[int32]",
                      "segment_index[int64]", "splice[8,forward]"]
     assert len([n for n in serving_variants(2, 8, flags="all") if n[0].startswith("chunk_forward_rso[")]) == 8
     monkeypatch.setattr(backend, "CP_PAIRED", False)
     monkeypatch.setattr(backend, "CP_FUSED", False)
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
-    assert names == ["chunk_plan", "kkt_inverse_async[2/8,bfloat16]", "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+    assert names == ["chunk_plan", "kkt_inverse_async[2/8,bfloat16]",
+                     "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                      "kkt_inverse_async[2/16,bfloat16]", "chunk_forward_rs_state[2/16,bfloat16,h0=1,ht=1,v_first=0]"]
     monkeypatch.setattr(backend, "CP_PAIRED", True)
     monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "uw")

@@ -145,15 +145,15 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for
     start[index.first, :, 0] = h0
     start[:, :, 1] = torch.eye(K, dtype=h0.dtype, device=h0.device)
     paired = getattr(forward, "transition_pairs", None)
-    if paired is not None and getattr(forward, "skips_unread_transitions", False):
-        # the items neither splice reads are not computed: b of a last segment, M of a first, and (forward) M of a
-        # last; their entries of the pairs are left as they come (splice_steps and the splice kernel skip them)
-        end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu,
-                     unread=(index, "backward" if for_backward else "forward"))
-    elif paired is not None:
+    if paired is not None:
         # the forward runs the pairs itself (value head h's inputs for both, v = 0 for the second), so the
-        # doubled inputs below are never made
-        end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu)
+        # doubled inputs below are never made. One that skips what neither splice reads (b of a last segment, M of
+        # a first, and in the forward M of a last) leaves those entries as they come: splice_steps and the splice
+        # kernel never read them.
+        skip = {}
+        if getattr(forward, "skips_unread_transitions", False):
+            skip["unread"] = (index, "backward" if for_backward else "forward")
+        end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu, **skip)
     else:
         v2 = v.new_empty(v.shape[:3] + (2,) + v.shape[3:])  # [1, T, Hv, 2, V]: v, then zeros
         v2[:, :, :, 1].zero_()

@@ -159,9 +159,15 @@ class CostModel:
     def pairs_us(self, item_chunks: Union[Items, Sequence[int]], heads: int) -> float:
         """The paired transition pass over segments of the given chunk counts, ``heads`` value heads (b and M of
         each: 2 heads items per segment), in whole waves of its longest item."""
-        items = Items.of(item_chunks)
+        segs = Items.of(item_chunks)
+        return self.pair_items_us(Items(2 * segs.count, 2 * segs.total, segs.longest), heads)
+
+    def pair_items_us(self, items: Items, heads: int) -> float:
+        """The paired pass's b-or-M items (one CTA per value head each), in whole waves of the longest one."""
         longest = self.pair_item_us + items.longest * self.pair_chunk_us
-        total = 2 * heads * (items.count * self.pair_item_us + items.total * self.pair_chunk_us)
+        if longest <= 0:  # items that cost nothing (a model with zero pair constants) take no time
+            return 0.0
+        total = heads * (items.count * self.pair_item_us + items.total * self.pair_chunk_us)
         return max(1, math.ceil(total / (self.num_sms * longest) - 1e-9)) * longest
 
     def pass_us(self, item_chunks: Union[Items, Sequence[int]], heads: int, qk_heads: int,
@@ -300,8 +306,7 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
         driver = 0.0 if model.fused else model.fused_launches_saved * model.launch_us
         if model.skip_unread:  # b of every segment but a sequence's last, M of those between its first and last
             run = sum(p - 1 for p in pieces) + sum(max(0, p - 2) for p in pieces)
-            item = model.pair_item_us + segment_chunks * model.pair_chunk_us
-            transitions = math.ceil(run * heads / model.num_sms) * item
+            transitions = model.pair_items_us(Items(run, run * segment_chunks, segment_chunks), heads)
         else:
             transitions = model.pairs_us(segs, heads)
     else:

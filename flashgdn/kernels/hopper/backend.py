@@ -115,8 +115,18 @@ CP_FUSED = os.environ.get("FLASHGDN_HOPPER_CP_FUSED", "1") == "1"
 
 #: the paired transition pass walks no chunk for the items the splices never read (b of a sequence's last segment,
 #: M of its first, in the forward M of its last: docs/context-parallel.md), FLASHGDN_HOPPER_CP_SKIP_UNREAD=1. Off
-#: until it has run on the GPU; the cost model does not count the skipped items yet.
+#: until it has run on the GPU; the cost model then counts only the items that run (not yet measured).
 CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "0") == "1"
+
+
+def cp_cost_model(device: Optional[torch.device] = None):
+    """Context parallelism's cost model for the CP kernels this backend runs as its switches are set (the paired
+    transition pass outside the precise mode, the fused index and splice, the skipping of unread items)."""
+    from ...cp.plan import CostModel
+    from .forward import PRECISE
+
+    paired = CP_PAIRED and not PRECISE
+    return CostModel.for_device(device, paired=paired, fused=CP_FUSED, skip_unread=paired and CP_SKIP_UNREAD)
 
 
 class _HopperSegmentsForward:
@@ -234,12 +244,7 @@ class HopperBackend(Backend):
             from ...cp.plan import parse_cp
 
             p = replace(p, cp=parse_cp(AUTO_CP))
-        from ...cp.plan import CostModel
-        from .forward import PRECISE
-
-        model = CostModel.for_device(p.device, paired=CP_PAIRED and not PRECISE, fused=CP_FUSED,
-                                     skip_unread=CP_PAIRED and not PRECISE and CP_SKIP_UNREAD)
-        return plan_for_problem(p, auto=True, model=model)
+        return plan_for_problem(p, auto=True, model=cp_cost_model(p.device))
 
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         # in float32, then back: the kernels take normalised bf16/fp16 q and k

@@ -146,7 +146,8 @@ def build_chunk_forward_rs(
         state_shape_h0 = (n_h0, heads, K, V)
         state_shape_ht = (n_ht, heads, K, V)
     if skip_unread not in ("", "forward", "backward") or skip_unread and not transition_pairs:
-        raise ValueError(f"skip_unread must be '', 'forward' or 'backward' (with transition_pairs), got {skip_unread!r}")
+        raise ValueError(f"skip_unread must be '', 'forward' or 'backward' (with transition_pairs), "
+                         f"got {skip_unread!r}")
     skipping, forward_skips = skip_unread != "", skip_unread == "forward"
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
