@@ -39,7 +39,7 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
     assert names == ["chunk_plan", "kkt_inverse_async[2/8,bfloat16]",
                      "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                     "chunk_forward_rs_pairs[2/8,bfloat16,h0=1,ht=1,v_first=0]", "segment_index[int32]",
+                     "chunk_forward_rs_pairs_skip_forward[2/8,bfloat16,h0=1,ht=1,v_first=0]", "segment_index[int32]",
                      "segment_index[int64]", "splice[8,forward]"]
     assert len([n for n in serving_variants(2, 8, flags="all") if n[0].startswith("chunk_forward_rso[")]) == 8
     monkeypatch.setattr(backend, "CP_PAIRED", False)
@@ -52,8 +52,12 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "uw")
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
     assert "chunk_forward_uw[2/8,bfloat16,h0=1,ht=1,v_first=0]" in names
-    assert "chunk_forward_rs_pairs[2/8,bfloat16,h0=1,ht=1,v_first=0]" in names
+    assert "chunk_forward_rs_pairs_skip_forward[2/8,bfloat16,h0=1,ht=1,v_first=0]" in names
     assert not any("2/16" in n for n in names)
+    monkeypatch.setattr(backend, "CP_SKIP_UNREAD", False)
+    assert "chunk_forward_rs_pairs[2/8,bfloat16,h0=1,ht=1,v_first=0]" in [
+        v[0] for v in serving_variants(2, 8, flags="common")]
+    monkeypatch.setattr(backend, "CP_SKIP_UNREAD", True)
     monkeypatch.setattr(backend, "CP_FUSED", True)
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
     assert "splice[8,forward]" in names and "segment_index[int32]" in names
@@ -68,7 +72,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
 
     serving = [v[0] for v in serving_variants(2, 8, flags="common")]
     names = [v[0] for v in training_variants(2, 8, flags="common")]
-    assert names == serving + ["splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
+    assert names == serving + ["chunk_forward_rs_pairs_skip_backward[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+                               "splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async[2/8,bfloat16]",
                                "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]

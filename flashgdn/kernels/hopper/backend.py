@@ -114,9 +114,10 @@ CP_PAIRED = os.environ.get("FLASHGDN_HOPPER_CP_PAIRED", "1") == "1"
 CP_FUSED = os.environ.get("FLASHGDN_HOPPER_CP_FUSED", "1") == "1"
 
 #: the paired transition pass walks no chunk for the items the splices never read (b of a sequence's last segment,
-#: M of its first, in the forward M of its last: docs/context-parallel.md), FLASHGDN_HOPPER_CP_SKIP_UNREAD=1. Off
-#: until it has run on the GPU; the cost model then counts only the items that run (not yet measured).
-CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "0") == "1"
+#: M of its first, in the forward M of its last: docs/context-parallel.md); FLASHGDN_HOPPER_CP_SKIP_UNREAD=0 walks
+#: them all. The same bits (tests/test_gpu_hopper_cp.py); on the H200 8/32 24576+8192 at cp=128 took 0.75 ms
+#: instead of 0.95, its forward and backward 5.02 instead of 5.40 (``cp-choices-v0.12b*.json``).
+CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "1") == "1"
 
 
 def cp_cost_model(device: Optional[torch.device] = None):
