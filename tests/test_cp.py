@@ -120,6 +120,12 @@ CP_CHOICE_RECORDS = [
         # still 1.8x faster than without CP
         "4/16:8192": 1.06,
     }),
+    # the canonical shapes whose choice skipping changed (15 of 28), cp="auto" against off and 32-128 chunks
+    ("cp-choices-v0.12b-canon.json", True, {
+        # 64 picked, 128 measured 5% faster (0.747 and 0.746 against 0.713 and 0.711 ms); both 0.93x of off
+        "8/24:16384x2": 1.06,
+        "16/48:16384": 1.06,
+    }),
 ]
 
 
