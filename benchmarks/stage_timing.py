@@ -104,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--loops", default="simple,ws,rs,rsd",
                     help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw,rso")
     ap.add_argument("--kkt-sync", action="store_true", help="also time kkt_inverse with k's tile through registers")
+    ap.add_argument("--unswizzled-v", action="store_true",
+                    help="also time the rso loop and the rs state-only pass with v's tiles unswizzled (bits compared)")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages, the whole backward with and without CP and its memory")
@@ -144,6 +146,11 @@ def main(argv=None):
         fused_loop = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
                                              inverse_in_loop=True) if "fused" in loops else None)
         rso = build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "rso" in loops else None
+        # the builds before v's tiles were swizzled (their A/B), with --unswizzled-v
+        rso_plain = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, swizzled_v=False)
+                     if args.unswizzled_v else None)
+        rs_state_plain = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False,
+                                                 swizzled_v=False) if args.unswizzled_v else None)
         uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "uw" in loops else None
         uw_state = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False) if "uw" in loops else None
         o1 = torch.empty(1, 1, Hv, 128, device="cuda", dtype=torch.bfloat16)
@@ -174,6 +181,10 @@ def main(argv=None):
             "loop_fused": (lambda: fused_loop(q, k, v, g, beta, cu, h0, scale, o, ht)) if "fused" in loops else None,
             # the output on a warpgroup of its own
             "loop_rso": (lambda: rso(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rso" in loops else None,
+            "loop_rso_unswizzled": (lambda: rso_plain(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
+            if rso_plain else None,
+            "loop_rs_state_unswizzled": (lambda: rs_state_plain(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
+            if rs_state_plain else None,
             "loop_uw": (lambda: uw(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "uw" in loops else None,
             "loop_uw_state": (lambda: uw_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if "uw" in loops else None,
@@ -221,6 +232,16 @@ def main(argv=None):
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
                "kkt_finite": bool(Ag[live].isfinite().all())}
         rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+        if rso_plain is not None and rso is not None:  # the same o and states from both builds, bit for bit
+            got = []
+            for loop, state in ((rso, rs_state), (rso_plain, rs_state_plain)):
+                o.fill_(float("nan"))
+                loop(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
+                outs = [o.clone(), ht.clone()]
+                ht.fill_(float("nan"))
+                state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht)
+                got.append(outs + [ht.clone()])
+            row["unswizzled_v_same_bits"] = all(torch.equal(a, b) for a, b in zip(*got))
         if compared:  # the loops' outputs beside rs's (each is checked against the oracle by the tests)
             with torch.no_grad():
                 o_rs, h_rs = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")
@@ -253,6 +274,8 @@ def main(argv=None):
             with open(args.out, "w") as fh:
                 json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
+            ("loop rso unswizzled v", "loop_rso_unswizzled"),
+            ("rs state-only unswizzled v", "loop_rs_state_unswizzled"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),
             ("rs state-only", "loop_rs_state"), ("loop rsd", "loop_rsd"), ("rsd state-only", "loop_rsd_state"),
             ("loop fused", "loop_fused"), ("loop rso", "loop_rso"),

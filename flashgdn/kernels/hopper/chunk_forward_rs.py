@@ -31,6 +31,7 @@ Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> sta
 with ``decayed_k`` a fourth, a_ready (gate -> state: gamma and Ag, before P and Kd).
 """
 import functools
+from typing import Optional
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .gate_inverse import make_gate_inverse
@@ -67,6 +68,7 @@ def build_chunk_forward_rs(
     decayed_k: bool = False,
     inverse_in_loop: bool = False,
     skip_unread: str = "",
+    swizzled_v: Optional[bool] = None,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -115,10 +117,19 @@ def build_chunk_forward_rs(
     loop: the gate warpgroup makes g~ and Ag of each chunk itself, one chunk ahead, into the ring stage's tiles
     (``gate_inverse.py``), from g and beta rows that the producer's third warp loads beside q, k, v. The kernel's
     arguments are then ``q, k, v, g [1, T, Hv], beta [1, T, Hv] (float32), cu_seqlens, h0, scale, o, ht``: no chunk
-    plan, no ``kkt_inverse`` launch, no Ag or g~ round trip through HBM. Registers 192/96/32."""
+    plan, no ``kkt_inverse`` launch, no Ag or g~ round trip through HBM. Registers 192/96/32.
+
+    ``swizzled_v``: v's ring tiles in the 128-byte swizzle, so that the state paths' element-wise reads of V^T are
+    free of bank conflicts (``chunk_forward_rso.py``'s ``swizzled_v``); the same bits. Measured on the state-only
+    pass (context parallelism's transitions, the backward's states pass): 0.72x-0.82x its unswizzled time
+    (``stages-hopper-v0.12b.json``). The default (None) swizzles every build but the precise mode's with an
+    output and the "fused" A/B (``inverse_in_loop``), where ptxas then spills 12 and 16 bytes (neither is a
+    default path: the forward runs rso, the precise mode is opt-in)."""
     import tilelang
     import tilelang.language as T
 
+    if swizzled_v is None:
+        swizzled_v = not ((precise and with_output) or inverse_in_loop)
     C = CHUNK
     group = Hv // Hqk
     HV2 = V // 2  # rows of S^T per state warpgroup
@@ -334,6 +345,9 @@ def build_chunk_forward_rs(
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
             p_ready = T.alloc_barrier(arrive_count=[128] * 2)
             a_ready = T.alloc_barrier(arrive_count=[128] * 2) if decayed_k else None  # gate -> state, before P
+
+            if swizzled_v:
+                T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s)})
 
             tx = T.get_thread_binding()
 
