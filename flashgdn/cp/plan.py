@@ -59,9 +59,10 @@ class Items(NamedTuple):
 class CostModel:
     """Times in microseconds of the Hopper forward's stages, per unit of work; defaults from the H200.
 
-    Source: ``benchmarks/results/h200/stages-hopper-v0.12a.json`` for stage 1 and the forward loop (the rso loop,
-    the default since v0.11e), ``stages-hopper-v0.2c.json`` for the state-only loop (CP's transition pass, rs's;
-    the v0.12a fit agrees within 1%) and ``stages-hopper-v0.3.json`` for CP's own constants
+    Source: ``benchmarks/results/h200/stages-hopper-v0.12b.json`` for stage 1, the forward loop (the rso loop, the
+    default since v0.11e) and the state-only loop (CP's transition pass, rs's), both with v's tiles swizzled (their
+    ``*_swv`` columns: the default since v0.12b), ``cp-choices-v0.12c.json`` for the paired transition pass and
+    ``stages-hopper-v0.3.json`` for CP's other constants
     (``benchmarks/stage_timing.py``: each stage alone by CUDA-graph replay, median; K = V = 128, bf16);
     ``benchmarks/cp_model_check.py`` redoes the fits and compares the model with the measured op, with and
     without CP. Rows of those files are named ``Hqk/Hv TxN`` below.
@@ -75,19 +76,19 @@ class CostModel:
     """
 
     num_sms: int = 132
-    # fused forward loop (loop_rso, v0.12a): 2/8 32768x1 and 16/32 32768x1 (8 and 32 items of 512 chunks): 1.343
-    # ms each, 2.62 us per chunk; least squares with 32/32 8192x1 and 2/8 1024x8 (128 and 16 chunks) gives
-    # 4.0 us + 2.61 us per chunk. GPU full: 16/64 4096x8 (512 items x 64 chunks on 132 SMs) 0.785 ms and
-    # 16/32 4096x8 (256 items) 0.390 ms give 3.10 and 3.08 us per chunk beside the 4.0 us per item. (The rs loop
-    # of v0.3: 8.8 us + 2.89 us per chunk, 3.17 when busy.)
-    forward_item_us: float = 4.0
-    forward_chunk_us: float = 2.61
-    forward_busy_chunk_us: float = 3.09
-    # state-only loop (loop_rs_state, CP's transition pass), the same shapes: 1.52 us per chunk (5.9 us +
-    # 1.51 us per chunk by least squares); GPU full 1.72 and 1.74 us per chunk
-    state_item_us: float = 5.9
-    state_chunk_us: float = 1.51
-    state_busy_chunk_us: float = 1.73
+    # fused forward loop (loop_rso with v swizzled, v0.12b): 2/8 32768x1 and 16/32 32768x1 (8 and 32 items of 512
+    # chunks): 1.147 and 1.132 ms, 2.2 us per chunk; least squares with 32/32 8192x1 and 2/8 1024x8 (128 and 16
+    # chunks) gives 7.9 us + 2.21 us per chunk. GPU full: 16/64 4096x8 (512 items x 64 chunks on 132 SMs) 0.752 ms
+    # and 16/32 4096x8 (256 items) 0.382 ms give 2.93 us per chunk beside the 7.9 us per item. (v0.12a, v
+    # unswizzled: 4.0 + 2.61, busy 3.09; the rs loop of v0.3: 8.8 us + 2.89 us per chunk, 3.17 when busy.)
+    forward_item_us: float = 7.9
+    forward_chunk_us: float = 2.21
+    forward_busy_chunk_us: float = 2.93
+    # state-only loop (loop_rs_state with v swizzled, CP's transition pass), the same shapes: 6.1 us + 1.08 us per
+    # chunk by least squares, GPU full 1.46 us per chunk (v0.12a unswizzled: 5.9 + 1.51, busy 1.73)
+    state_item_us: float = 6.1
+    state_chunk_us: float = 1.08
+    state_busy_chunk_us: float = 1.46
     # stage 1 (kkt_inverse with cp.async loads and the swizzled K K^T, v0.12a), least squares over the six rows:
     # 16/64 4096x8 is 0.270 ms for 512 chunks x (16 qk + 64 value heads), 16/32 4096x8 0.164 ms for 512 x (16 + 32)
     kkt_chunk_qk_head_us: float = 0.0074
@@ -120,19 +121,17 @@ class CostModel:
     fused_launches_saved: int = 10
     fused_splice_step_us: float = 4.3
     # the paired transition pass as its own loop: one item per segment and b-or-M head, each item_us + chunks x
-    # chunk_us on one SM, run in whole waves of the longest item (``pairs_us``). Fitted on 30 timings of the op with
-    # CP, paired and fused as the backend runs it, minus the model's final pass and splice (cp-choices-v0.12a.json
-    # and the op_cp columns of stages-hopper-v0.12a.json): 19 us + 1.70 us per chunk puts the model at 0.92x-1.09x
-    # of every point, the wave-quantised ones (8/24 16384x1 at 192-384 items) included. The paired and fused
-    # driver's own small kernels are inside these constants; the state-only loop's constants with the counted
-    # launches had left the model 9-15% pessimistic where CP pays.
-    pair_item_us: float = 19.0
-    pair_chunk_us: float = 1.70
+    # chunk_us on one SM, run in whole waves of the longest item (``pairs_us``). Fitted by least squares on the 24
+    # timings of the op with CP (skipping the unread items, paired and fused as the backend runs it, v swizzled:
+    # cp-choices-v0.12c.json), the other constants as above: 22.5 us + 1.16 us per chunk puts the model at
+    # 0.91x-1.06x of 23 of them and 0.81x on 8/24 4096x1 at 16 chunks, and at 0.95x-1.0x of the six without CP.
+    # The paired and fused driver's own small kernels are inside these constants. (v0.12a, v unswizzled, every
+    # item walked: 19 us + 1.70 us, fitted on 30 timings of cp-choices-v0.12a.json and stages-hopper-v0.12a.json.)
+    pair_item_us: float = 22.5
+    pair_chunk_us: float = 1.16
     # the paired pass without the items no splice reads (``skip_unread``, FLASHGDN_HOPPER_CP_SKIP_UNREAD): only b of
     # segments that are not a sequence's last and M of those that are neither its first nor its last run, all whole
-    # segments; the skipped CTAs (a state load and store each) are not counted. With the constants above it is at
-    # 0.94x-1.08x of the 26 skipping timings of cp-choices-v0.12b.json and -v0.12b-more.json, and 0.81x on 8/24
-    # 4096x1 at 16 chunks (0.122 ms against 0.150: the saved wave of the pass is worth less than a whole one there).
+    # segments; the skipped CTAs (a state load and store each) are not counted (the default since v0.12b).
     skip_unread: bool = False
 
     @staticmethod
