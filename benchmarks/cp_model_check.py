@@ -3,7 +3,8 @@
     python benchmarks/cp_model_check.py [--stages FILE.json] [--bench FILE.json]
 
 1. Fits the model's stage constants again from a stage-timing file (``benchmarks/stage_timing.py``; default
-   ``benchmarks/results/h200/stages-hopper-v0.3.json``) and prints them beside ``CostModel``'s defaults.
+   ``benchmarks/results/h200/stages-hopper-v0.12b.json``, whose swizzled-v columns the defaults come from) and
+   prints them beside ``CostModel``'s defaults.
 2. Models every row of that file without context parallelism, stage by stage and as a whole, against the
    measured times, and with it at the segment lengths the file has op columns for (``op_cp16``, ...).
 3. Compares the model with flashgdn's forward times in a benchmark file (default
@@ -25,7 +26,7 @@ from flashgdn.bench.shapes import canonical_set, cp_set
 from flashgdn.cp.plan import (CANDIDATE_SEGMENT_CHUNKS, CHUNK, CostModel, estimated_us, plan_segments)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STAGES = os.path.join(HERE, "results", "h200", "stages-hopper-v0.3.json")
+STAGES = os.path.join(HERE, "results", "h200", "stages-hopper-v0.12b.json")
 BENCH = os.path.join(HERE, "results", "h200", "latest.json")
 
 
@@ -45,24 +46,28 @@ def lstsq(rows, cols):
 
 def columns(rows):
     """Which measured columns stand for the op's stages: stage 1 as the op runs it (``kkt_inverse_async``, the
-    cp.async build, where the file has it) and the default chunk loop (``loop_rso`` where the file has it, else the
-    rs loop of the files before it); CP's transition pass is rs's state-only loop either way."""
+    cp.async build, where the file has it), the default chunk loop (``loop_rso`` where the file has it, else the
+    rs loop of the files before it), CP's transition pass (rs's state-only loop) and the op. A file with the
+    swizzled-v A/B columns (``loop_rso_swv``, ``loop_rs_state_swv``, ``op_rso_swv``: stages-hopper-v0.12b.json)
+    gives those, the builds that are the default since."""
     kkt = "kkt_inverse_async" if all(r.get("kkt_inverse_async") for r in rows) else "kkt_inverse"
+    if all(r.get("loop_rso_swv") and r.get("loop_rs_state_swv") and r.get("op_rso_swv") for r in rows):
+        return kkt, "loop_rso_swv", "loop_rs_state_swv", "op_rso_swv"
     loop = "loop_rso" if all(r.get("loop_rso") for r in rows) else "loop_rs"
-    return kkt, loop
+    return kkt, loop, "loop_rs_state", "op"
 
 
 def fit(rows, num_sms):
     """The stage constants from the measured rows (times in us)."""
     out = {}
-    kkt_key, loop_key = columns(rows)
+    kkt_key, loop_key, state_key, _ = columns(rows)
     C = [sum(chunks_of(r["seqlens"])) for r in rows]
     longest = [max(chunks_of(r["seqlens"])) for r in rows]
     items = [len(r["seqlens"]) * r["h_v"] for r in rows]
     a, b = lstsq([[c * r["h_qk"], c * r["h_v"]] for c, r in zip(C, rows)], [r[kkt_key] * 1e3 for r in rows])
     out["kkt_chunk_qk_head_us"], out["kkt_chunk_head_us"] = a, b
     out["plan_us"], out["plan_chunk_us"] = lstsq([[1, m] for m in longest], [r["chunk_bounds"] * 1e3 for r in rows])
-    for key, name in ((loop_key, "forward"), ("loop_rs_state", "state")):
+    for key, name in ((loop_key, "forward"), (state_key, "state")):
         few = [i for i in range(len(rows)) if items[i] <= num_sms]  # one wave: the longest item decides
         item, chunk = lstsq([[1, longest[i]] for i in few], [rows[i][key] * 1e3 for i in few])
         full = [i for i in range(len(rows)) if items[i] > num_sms]  # GPU full: throughput
@@ -91,9 +96,9 @@ def main(argv=None):
     for name, value in fit(rows, model.num_sms).items():
         print(f"| {name} | {value:.4g} | {getattr(model, name):.4g} |")
 
-    kkt_key, loop_key = columns(rows)
+    kkt_key, loop_key, state_key, op_key = columns(rows)
     print("\n## Without context parallelism: model / measured (ms)\n")
-    print(f"| shape | plan | {kkt_key} | {loop_key} | loop_rs_state | op measured | op model | model / measured |")
+    print(f"| shape | plan | {kkt_key} | {loop_key} | {state_key} | {op_key} measured | op model | model / measured |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ch, hq, hv = chunks_of(r["seqlens"]), r["h_qk"], r["h_v"]
@@ -103,9 +108,13 @@ def main(argv=None):
         op = estimated_us(r["seqlens"], hv, None, model, hq) / 1e3
         print(f"| {label(hq, hv, r['seqlens'])} | {plan:.4f} / {r['chunk_bounds']:.4f} "
               f"| {kkt:.3f} / {r[kkt_key]:.3f} | {fwd:.3f} / {r[loop_key]:.3f} "
-              f"| {st:.3f} / {r['loop_rs_state']:.3f} | {r['op']:.3f} | {op:.3f} | {op / r['op']:.2f} |")
+              f"| {st:.3f} / {r[state_key]:.3f} | {r[op_key]:.3f} | {op:.3f} | {op / r[op_key]:.2f} |")
 
     cps = sorted({int(k[len("op_cp"):]) for r in rows for k in r if k.startswith("op_cp") and k[5:].isdigit()})
+    if op_key != "op":  # the file's CP columns timed the builds before the swizzled-v ones the fit used
+        print("\n(the file's op_cp columns timed other builds than the fitted ones: for CP, the records of "
+              "benchmarks/cp_choices.py, e.g. cp-choices-v0.12c.json)")
+        cps = []
     if cps:
         print("\n## With context parallelism (cp=n chunks, as stage_timing.py runs it): model / measured (ms)\n")
         print("| shape | " + " | ".join(f"cp={c}: segments, model / measured" for c in cps) + " |")
