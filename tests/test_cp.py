@@ -620,3 +620,19 @@ def test_backend_model_is_the_one_these_tests_hold_to_the_records():
     from flashgdn.kernels.hopper import backend
 
     assert backend.cp_cost_model(None) == BACKEND_MODEL
+
+
+def test_auto_plan_is_the_argmin_of_the_estimates():
+    """``plan_segments`` converts the lengths to chunks once for all the candidates; its choice is still the segment
+    length ``estimated_us`` puts lowest, taken only when it beats no split by ``AUTO_GAIN``."""
+    from flashgdn.cp.plan import AUTO_GAIN, CANDIDATE_SEGMENT_CHUNKS
+
+    rnd = random.Random(11)
+    for _ in range(300):
+        seqlens = [rnd.choice([rnd.randint(1, 500), rnd.randint(1, 70000)]) for _ in range(rnd.choice([1, 2, 3, 40]))]
+        heads, qk = rnd.choice([(8, 2), (32, 16), (24, 8), (4, 4), (64, 16)])
+        for model in (BACKEND_MODEL, CostModel()):
+            off = estimated_us(seqlens, heads, None, model, qk)
+            us, best = min((estimated_us(seqlens, heads, s, model, qk), s) for s in CANDIDATE_SEGMENT_CHUNKS)
+            want = best if us < AUTO_GAIN * off else None
+            assert plan_segments(seqlens, heads, "auto", model, qk_heads=qk).segment_chunks == want

@@ -289,9 +289,16 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
     """The cost model's time for one forward with the given segment length (None: without CP). ``heads`` is
     the number of value heads, ``qk_heads`` that of qk heads (None: as many as value heads, the most stage 1
     can cost)."""
-    qk_heads = heads if qk_heads is None else qk_heads
     chunks = [max(1, -(-int(L) // CHUNK)) for L in seqlens]
-    seqs = Items.of(chunks)
+    return _estimated_us(chunks, Items.of(chunks), sum(int(L) for L in seqlens), heads, segment_chunks, model,
+                         qk_heads)
+
+
+def _estimated_us(chunks: Sequence[int], seqs: Items, tokens: int, heads: int, segment_chunks: Optional[int],
+                  model: CostModel, qk_heads: Optional[int]) -> float:
+    """``estimated_us`` from the sequences' chunk counts (``chunks``, their aggregate ``seqs``) and token count,
+    so that a plan trying several segment lengths converts the lengths once."""
+    qk_heads = heads if qk_heads is None else qk_heads
     if segment_chunks is None or seqs.longest <= segment_chunks:
         return model.pass_us(seqs, heads, qk_heads)
     # segment_chunks-long segments and each sequence's remainder: the same chunks in all, and a sequence longer
@@ -312,7 +319,7 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
             transitions = model.pairs_us(segs, heads)
     else:
         launches = model.cp_launches - model.fused_launches_saved * model.fused
-        driver = launches * model.launch_us + sum(seqlens) * heads * model.cp_token_head_us
+        driver = launches * model.launch_us + tokens * heads * model.cp_token_head_us
         transitions = model.pass_us(segs, 2 * heads, qk_heads, state_only=True)
     splice = model.fused_splice_step_us if model.fused else model.splice_step_us
     return driver + transitions + steps * splice + model.pass_us(segs, heads, qk_heads)
@@ -336,8 +343,11 @@ def plan_segments(
     if cp != "auto":
         raise ValueError(f"cp must be 'auto', 'off' or a positive int (segment length in chunks), got {cp!r}")
     model = model or CostModel()
-    off_us = estimated_us(seqlens, heads, None, model, qk_heads)
-    us, best = min((estimated_us(seqlens, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
+    chunks = [max(1, -(-int(L) // CHUNK)) for L in seqlens]  # once for every candidate
+    seqs, tokens = Items.of(chunks), sum(int(L) for L in seqlens)
+    off_us = _estimated_us(chunks, seqs, tokens, heads, None, model, qk_heads)
+    us, best = min((_estimated_us(chunks, seqs, tokens, heads, s, model, qk_heads), s)
+                   for s in CANDIDATE_SEGMENT_CHUNKS)
     # a clear gain only: CP costs memory, and its own constants (launches, splice) are estimates so far
     return split_sequences(seqlens, best if us < AUTO_GAIN * off_us else None)
 
