@@ -104,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--loops", default="simple,ws,rs,rsd",
                     help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw,rso")
     ap.add_argument("--kkt-sync", action="store_true", help="also time kkt_inverse with k's tile through registers")
+    ap.add_argument("--kkt-5", action="store_true",
+                    help="also time kkt_inverse at five CTAs per SM (blocks_per_sm=5; Ag and g~ compared bit for bit)")
     ap.add_argument("--unswizzled-v", action="store_true",
                     help="also time the rso loop and the rs state-only pass with v's tiles unswizzled (bits compared)")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
@@ -134,6 +136,8 @@ def main(argv=None):
         # only the kernels asked for are built (a build not in the cache is a compile)
         prep_async = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=True)
         prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16") if args.kkt_sync else prep_async
+        prep5 = (build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=True, blocks_per_sm=5)
+                 if args.kkt_5 else None)
         simple = build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False) if "simple" in loops else None
         ws = build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "ws" in loops else None
         rs = build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False)
@@ -168,6 +172,7 @@ def main(argv=None):
             # k's tile through registers (the build before KKT_ASYNC_LOADS), with --kkt-sync
             "kkt_inverse": (lambda: prep(k, g, beta, bounds, gcum, Ag)) if args.kkt_sync else None,
             "kkt_inverse_async": lambda: prep_async(k, g, beta, bounds, gcum, Ag),  # k's tile by cp.async
+            "kkt_inverse_5": (lambda: prep5(k, g, beta, bounds, gcum, Ag)) if prep5 else None,  # with --kkt-5
             "loop_simple": (lambda: simple(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "simple" in loops else None,
             "loop_ws": (lambda: ws(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "ws" in loops else None,
             "loop_rs": (lambda: rs(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rs" in loops else None,
@@ -232,6 +237,13 @@ def main(argv=None):
         row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "floor_ms": floor,
                "kkt_finite": bool(Ag[live].isfinite().all())}
         rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+        if prep5 is not None:
+            times["op_kkt_5"] = lambda: switched(fw, "KKT_BLOCKS_PER_SM", 5, lambda: op("off"))
+            Ag2, gcum2 = torch.full_like(Ag, float("nan")), torch.full_like(gcum, float("nan"))
+            prep_async(k, g, beta, bounds, gcum, Ag)
+            prep5(k, g, beta, bounds, gcum2, Ag2)
+            row["kkt_5_same_bits"] = bool(torch.equal(Ag[live], Ag2[live]) and torch.equal(
+                gcum.view(Hv, -1, 64)[:, live], gcum2.view(Hv, -1, 64)[:, live]))
         if rso_plain is not None and rso is not None:  # the same o and states from both builds, bit for bit
             got = []
             for loop, state in ((rso, rs_state), (rso_plain, rs_state_plain)):
@@ -274,6 +286,7 @@ def main(argv=None):
             with open(args.out, "w") as fh:
                 json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
+            ("kkt 5 per SM", "kkt_inverse_5"), ("op kkt 5 per SM", "op_kkt_5"),
             ("loop rso unswizzled v", "loop_rso_unswizzled"),
             ("rs state-only unswizzled v", "loop_rs_state_unswizzled"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),

@@ -93,3 +93,17 @@ def test_loop_and_stage1_options_are_checked():
 
     with pytest.raises(ValueError, match="regs"):  # the register split must add up to the register file
         build_chunk_forward_rso(*args, regs=(176, 128, 40))
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v[1] == "kkt_inverse"],
+                         ids=[v[0] for v in VARIANTS if v[1] == "kkt_inverse"])
+def test_kkt_inverse_fits_the_occupancy_it_is_built_for(variant):
+    """``kkt_inverse`` is latency-bound and built for a number of CTAs per SM (4, or 5 for the A/B): its registers
+    (128 threads each) and shared memory (plus the 1 KB the driver reserves per CTA) must let that many share an
+    SM's 64K registers and 228 KB."""
+    name, builder, kwargs = variant
+    per_sm = kwargs.get("blocks_per_sm", 4)
+    res = resource_usage(build(builder, kwargs))
+    allocated = -(-res["registers"] // 8) * 8  # registers are allocated per thread in steps of 8
+    assert per_sm * 128 * allocated <= 65536, (name, res["registers"])
+    assert per_sm * (res["dynamic_smem"] + 1024) <= 228 * 1024, (name, res["dynamic_smem"])

@@ -44,6 +44,10 @@ PRECISE = os.environ.get("FLASHGDN_HOPPER_PRECISE", "0") == "1"
 #: FLASHGDN_HOPPER_KKT_ASYNC_LOADS=0 for the register-staged loads.
 KKT_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_KKT_ASYNC_LOADS", "1") == "1"
 
+#: Stage 1's occupancy (``kkt_inverse``'s ``blocks_per_sm``): 4, or 5 (FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM=5, an A/B
+#: not yet timed on the GPU: each head's A21 gated right after its merge so that five CTAs fit an SM; the same bits).
+KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "4"))
+
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
 
@@ -289,10 +293,16 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
     if store_inverse:
         A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
-        build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS)(*args, A)
+        build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS,
+                          **_kkt_occupancy())(*args, A)
         return Stage1(bounds, first_slot, gcum, Ag, A)
-    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS)(*args)
+    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_occupancy())(*args)
     return Stage1(bounds, first_slot, gcum, Ag)
+
+
+def _kkt_occupancy() -> dict:
+    # the default build passes nothing, so that its cache entry stays the one the GPU suite ran
+    return {} if KKT_BLOCKS_PER_SM == 4 else dict(blocks_per_sm=KKT_BLOCKS_PER_SM)
 
 
 def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage1: Stage1,

@@ -47,7 +47,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
       gcum     [Hv, 64 S]       float32, written: head-major, 64 values per chunk slot
       Ag       [S, Hv, 64, 64]  a dtype, written: one tile per chunk slot and value head
 
-    ``blocks_per_sm`` is the occupancy the kernel is built for. It is a chain of short dependent steps (loads,
+    ``blocks_per_sm`` is the occupancy the kernel is built for (4 by default; 5 is an A/B not yet timed: ptxas
+    then fits it in 89-96 registers without spills, and each head's A21 is gated right after its merge from the
+    merge's second tile, so that the inverse keeps two blocks per head and five CTAs' shared memory fits an SM:
+    20 warps per SM instead of 16 to hide the substitution's latency; the same values, so the same bits). It is a chain of short dependent steps (loads,
     one small GEMM, a serial substitution, two 32x32 merges) on 4 warps, so its speed comes from how many CTAs
     hide each other's latency. The inverse is kept as three 32x32 blocks that the merge GEMMs read in place, Ag
     is stored straight from the gating loops, buffers with disjoint lifetimes share shared memory (~51 KB) and
@@ -65,8 +68,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     shared memory, so the same bits out. Measured: 0.92x-0.97x the time (``stages-hopper-v0.10e.json``); the
     default (``forward.KKT_ASYNC_LOADS``).
     """
-    if blocks_per_sm not in (3, 4):
-        raise ValueError(f"blocks_per_sm must be 3 or 4, got {blocks_per_sm}")
+    if blocks_per_sm not in (3, 4, 5):
+        raise ValueError(f"blocks_per_sm must be 3, 4 or 5, got {blocks_per_sm}")
+    # five CTAs per SM need <= 44.6 KB of shared memory: each head's A21 is kept over the merge's second tile and
+    # gated right after its merge, so the pair holds two blocks per head instead of three (same values, same bits)
+    five = blocks_per_sm == 5
     import tilelang
     import tilelang.language as T
 
@@ -87,6 +93,32 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         return j ^ ((i % 4) * 8 + (i // 4) % 2)
 
     @T.macro
+    def gate_head(Ag, A_out, slot, h, u, p, d_s, a21, b_s, gc_s):
+        # Ag = Gam ⊙ A ⊙ beta^T of value head h + p, block by block (as below for a whole pair)
+        for i, j in T.Parallel(B, B):
+            Ag[slot, h + p, i, j] = T.cast(
+                d_s[p, 0, i, j] * b_s[u * pair + p, j]
+                * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E), a_dtype)
+        for i, j in T.Parallel(B, B):
+            Ag[slot, h + p, B + i, j] = T.cast(
+                a21[i, j] * b_s[u * pair + p, j]
+                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, j], 0.0) * LOG2E),
+                a_dtype)
+        for i, j in T.Parallel(B, B):
+            Ag[slot, h + p, B + i, B + j] = T.cast(
+                d_s[p, 1, i, j] * b_s[u * pair + p, B + j]
+                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, B + j], 0.0) * LOG2E),
+                a_dtype)
+        for i, j in T.Parallel(B, B):
+            Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+        if store_inverse:
+            for i, j in T.Parallel(B, B):
+                A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
+                A_out[slot, h + p, B + i, j] = T.cast(a21[i, j], a_dtype)
+                A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
+                A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+
+    @T.macro
     def kernel_body(k, g, beta, bounds, gcum, Ag, A_out):
         with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
@@ -100,7 +132,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             gc_s = T.alloc_shared((group, C), acc)
             b_s = T.alloc_shared((group, C), acc)
             # the inverse of a head pair as blocks: 0 = A11, 1 = A22, 2 = A21 (A12 = 0)
-            d_s = T.alloc_shared((pair, 3, B, B), acc)
+            d_s = T.alloc_shared((pair, 2 if five else 3, B, B), acc)
             l21_s = T.alloc_shared((B, B), acc)
             t_s = T.alloc_shared((B, B), acc)
             m_f = T.alloc_fragment((B, B), acc)
@@ -157,41 +189,55 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             d_s[p, d, r, c] = x[r]
                     T.sync_threads()
 
-                    # off-diagonal block: A21 = -A22 (L21 A11), tf32 tensor cores on the blocks in place
-                    for p in T.serial(pair):
-                        for r, c2 in T.Parallel(B, B):
-                            l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, kk_col(B + r, c2)]
-                        T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
-                        T.copy(m_f, t_s)
-                        T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)
-                        for r, c2 in T.Parallel(B, B):
-                            d_s[p, 2, r, c2] = -m_f[r, c2]
+                    if five:
+                        # per head: A21 = -A22 (L21 A11) into the merge's second tile, then the head's Ag (and A)
+                        for p in T.serial(pair):
+                            for r, c2 in T.Parallel(B, B):
+                                l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, kk_col(B + r, c2)]
+                            T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
+                            T.copy(m_f, t_s)
+                            T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)
+                            T.sync_threads()  # every warp's reads of t_s in the product are done
+                            for r, c2 in T.Parallel(B, B):
+                                t_s[r, c2] = -m_f[r, c2]
+                            T.sync_threads()
+                            gate_head(Ag, A_out, slot, h, u, p, d_s, t_s, b_s, gc_s)
+                            T.sync_threads()  # t_s read by the gating before the next head's merge writes it
+                    else:
+                        # off-diagonal block: A21 = -A22 (L21 A11), tf32 tensor cores on the blocks in place
+                        for p in T.serial(pair):
+                            for r, c2 in T.Parallel(B, B):
+                                l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, kk_col(B + r, c2)]
+                            T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
+                            T.copy(m_f, t_s)
+                            T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)
+                            for r, c2 in T.Parallel(B, B):
+                                d_s[p, 2, r, c2] = -m_f[r, c2]
 
-                    # Ag = Gam ⊙ A ⊙ beta^T block by block, stored as it is formed. Every exponent is
-                    # clamped at 0: above the diagonal A is 0 and the factor must stay finite.
-                    for p, i, j in T.Parallel(pair, B, B):
-                        Ag[slot, h + p, i, j] = T.cast(
-                            d_s[p, 0, i, j] * b_s[u * pair + p, j]
-                            * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E), a_dtype)
-                    for p, i, j in T.Parallel(pair, B, B):
-                        Ag[slot, h + p, B + i, j] = T.cast(
-                            d_s[p, 2, i, j] * b_s[u * pair + p, j]
-                            * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, j], 0.0) * LOG2E),
-                            a_dtype)
-                    for p, i, j in T.Parallel(pair, B, B):
-                        Ag[slot, h + p, B + i, B + j] = T.cast(
-                            d_s[p, 1, i, j] * b_s[u * pair + p, B + j]
-                            * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, B + j], 0.0) * LOG2E),
-                            a_dtype)
-                    for p, i, j in T.Parallel(pair, B, B):
-                        Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
-                    if store_inverse:
+                        # Ag = Gam ⊙ A ⊙ beta^T block by block, stored as it is formed. Every exponent is
+                        # clamped at 0: above the diagonal A is 0 and the factor must stay finite.
                         for p, i, j in T.Parallel(pair, B, B):
-                            A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
-                            A_out[slot, h + p, B + i, j] = T.cast(d_s[p, 2, i, j], a_dtype)
-                            A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
-                            A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
-
+                            Ag[slot, h + p, i, j] = T.cast(
+                                d_s[p, 0, i, j] * b_s[u * pair + p, j]
+                                * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E), a_dtype)
+                        for p, i, j in T.Parallel(pair, B, B):
+                            Ag[slot, h + p, B + i, j] = T.cast(
+                                d_s[p, 2, i, j] * b_s[u * pair + p, j]
+                                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, j], 0.0) * LOG2E),
+                                a_dtype)
+                        for p, i, j in T.Parallel(pair, B, B):
+                            Ag[slot, h + p, B + i, B + j] = T.cast(
+                                d_s[p, 1, i, j] * b_s[u * pair + p, B + j]
+                                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, B + j], 0.0) * LOG2E),
+                                a_dtype)
+                        for p, i, j in T.Parallel(pair, B, B):
+                            Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+                        if store_inverse:
+                            for p, i, j in T.Parallel(pair, B, B):
+                                A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
+                                A_out[slot, h + p, B + i, j] = T.cast(d_s[p, 2, i, j], a_dtype)
+                                A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
+                                A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
 
     if store_inverse:
 

@@ -22,6 +22,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # k's tile by cp.async (forward.KKT_ASYNC_LOADS)
     yield (f"kkt_inverse_async[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True))
+    # five CTAs per SM (forward.KKT_BLOCKS_PER_SM=5, an A/B)
+    yield (f"kkt_inverse_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
     for has_h0, store_ht, v_first in combos:
         name = f"chunk_forward[{Hqk}/{Hv},{dtype},h0={int(has_h0)},ht={int(store_ht)},v_first={int(v_first)}]"
@@ -76,9 +79,9 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     heads (stage 1 and the rs state-only loop for ``Hqk/2Hv``), or on the paired kernel with
     FLASHGDN_HOPPER_CP_PAIRED=1. What a server precompiles; the other loops are for comparisons."""
     from . import backend
-    from .forward import DEFAULT_CHUNK_LOOP, KKT_ASYNC_LOADS
+    from .forward import DEFAULT_CHUNK_LOOP, KKT_ASYNC_LOADS, KKT_BLOCKS_PER_SM
 
-    kkt = "kkt_inverse_async" if KKT_ASYNC_LOADS else "kkt_inverse"
+    kkt = ("kkt_inverse_async" if KKT_ASYNC_LOADS else "kkt_inverse") + ("_5" if KKT_BLOCKS_PER_SM == 5 else "")
     wanted = {"chunk_plan", kkt, f"chunk_forward_{DEFAULT_CHUNK_LOOP}"}
     for v in forward_variants(Hqk, Hv, K, V, dtype, flags):
         if v[0].split("[")[0] in wanted:
@@ -119,7 +122,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
-        if builder == "kkt_inverse" and kw["async_loads"] != forward.KKT_ASYNC_LOADS:
+        if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
+                                         or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM):
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
                 kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise):
@@ -157,6 +161,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     for async_loads in (False, True):
         yield (f"kkt_inverse_with_A{'_async' * async_loads}[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
                dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=async_loads))
+    yield (f"kkt_inverse_with_A_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
+                blocks_per_sm=5))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
     # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
     # factors, dg by a masked sum, 4-byte stores, blocks taken value heads first; and for two value heads per qk
