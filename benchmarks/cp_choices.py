@@ -9,8 +9,9 @@ For each shape: the model's pick (``plan_segments(..., "auto")``) and its predic
 whether the cost model's choice is within a few percent of the best measured one (``docs/context-parallel.md``).
 ``--skip-unread both`` times every CP setting twice in the same process, with the paired pass walking every
 transition item and skipping those no splice reads (``backend.CP_SKIP_UNREAD``): fields ``ms_<cp>`` and
-``ms_<cp>_skip``, and the model's prediction for each (a forward's: the model has no backward terms). ``on`` or ``off`` times one of them (the default: as the
-backend is set).
+``ms_<cp>_skip``, and the model's prediction for each (a forward's: the model has no backward terms). ``on`` or
+``off`` times one of them (the default: as the backend is set). ``--fwdbwd`` times the forward and the backward
+(``torch.autograd.grad`` of o and the final state) instead of the forward alone.
 """
 import argparse
 import json

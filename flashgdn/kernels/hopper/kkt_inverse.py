@@ -47,12 +47,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
       gcum     [Hv, 64 S]       float32, written: head-major, 64 values per chunk slot
       Ag       [S, Hv, 64, 64]  a dtype, written: one tile per chunk slot and value head
 
-    ``blocks_per_sm`` is the occupancy the kernel is built for (4 by default; 5 is an A/B not yet timed: ptxas
-    then fits it in 89-96 registers without spills, and each head's A21 is gated right after its merge from the
-    merge's second tile, so that the inverse keeps two blocks per head and five CTAs' shared memory fits an SM:
-    20 warps per SM instead of 16 to hide the substitution's latency; the same values, so the same bits). It is a chain of short dependent steps (loads,
+    ``blocks_per_sm`` is the occupancy the kernel is built for. It is a chain of short dependent steps (loads,
     one small GEMM, a serial substitution, two 32x32 merges) on 4 warps, so its speed comes from how many CTAs
-    hide each other's latency. The inverse is kept as three 32x32 blocks that the merge GEMMs read in place, Ag
+    hide each other's latency (4 by default; 5 is an A/B not yet timed: ptxas then fits it in 89-96 registers
+    without spills, and each head's A21 is gated right after its merge from the merge's second tile, so that the
+    inverse keeps two blocks per head and five CTAs' shared memory fits an SM: 20 warps per SM instead of 16; the
+    same values, so the same bits). The inverse is kept as three 32x32 blocks that the merge GEMMs read in place, Ag
     is stored straight from the gating loops, buffers with disjoint lifetimes share shared memory (~51 KB) and
     registers are capped so that 4 (the default) or 3 CTAs fit an SM. (The earlier build, 101 KB and 2 CTAs per
     SM, gave bitwise the same outputs 1.5-1.6x slower: ``benchmarks/results/h200/stages-hopper-v0.3.json``.)
