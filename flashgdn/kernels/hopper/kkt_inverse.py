@@ -92,23 +92,30 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         # substitution reads them 16 bytes at a time) and keeps kk_s the size of k's tile, whose space it reuses.
         return j ^ ((i % 4) * 8 + (i // 4) % 2)
 
+    def gated(a, b_s, gc_s, hp, row, col):
+        # Ag's element from A's: Gam ⊙ A ⊙ beta^T for value head hp of the group. Every exponent is clamped at 0:
+        # above the diagonal A is 0 and the factor must stay finite.
+        return T.cast(a * b_s[hp, col] * T.exp2(T.min(gc_s[hp, row] - gc_s[hp, col], 0.0) * LOG2E), a_dtype)
+
+    @T.macro
+    def merge_a21(u, p, b_s, kk_s, d_s, l21_s, t_s, m_f):
+        # m_f = A22 (L21 A11) for head p of pair u (A21 is its negative), tf32 tensor cores on the blocks in place
+        for r, c2 in T.Parallel(B, B):
+            l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, kk_col(B + r, c2)]
+        T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
+        T.copy(m_f, t_s)
+        T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)
+
     @T.macro
     def gate_head(Ag, A_out, slot, h, u, p, d_s, a21, b_s, gc_s):
-        # Ag = Gam ⊙ A ⊙ beta^T of value head h + p, block by block (as below for a whole pair)
+        # Ag (and A) of value head h + p, block by block (as in the kernel body for a whole pair)
+        hp = u * pair + p
         for i, j in T.Parallel(B, B):
-            Ag[slot, h + p, i, j] = T.cast(
-                d_s[p, 0, i, j] * b_s[u * pair + p, j]
-                * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E), a_dtype)
+            Ag[slot, h + p, i, j] = gated(d_s[p, 0, i, j], b_s, gc_s, hp, i, j)
         for i, j in T.Parallel(B, B):
-            Ag[slot, h + p, B + i, j] = T.cast(
-                a21[i, j] * b_s[u * pair + p, j]
-                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, j], 0.0) * LOG2E),
-                a_dtype)
+            Ag[slot, h + p, B + i, j] = gated(a21[i, j], b_s, gc_s, hp, B + i, j)
         for i, j in T.Parallel(B, B):
-            Ag[slot, h + p, B + i, B + j] = T.cast(
-                d_s[p, 1, i, j] * b_s[u * pair + p, B + j]
-                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, B + j], 0.0) * LOG2E),
-                a_dtype)
+            Ag[slot, h + p, B + i, B + j] = gated(d_s[p, 1, i, j], b_s, gc_s, hp, B + i, B + j)
         for i, j in T.Parallel(B, B):
             Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
         if store_inverse:
@@ -192,11 +199,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     if five:
                         # per head: A21 = -A22 (L21 A11) into the merge's second tile, then the head's Ag (and A)
                         for p in T.serial(pair):
-                            for r, c2 in T.Parallel(B, B):
-                                l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, kk_col(B + r, c2)]
-                            T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
-                            T.copy(m_f, t_s)
-                            T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)
+                            merge_a21(u, p, b_s, kk_s, d_s, l21_s, t_s, m_f)
                             T.sync_threads()  # every warp's reads of t_s in the product are done
                             for r, c2 in T.Parallel(B, B):
                                 t_s[r, c2] = -m_f[r, c2]
@@ -204,32 +207,20 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             gate_head(Ag, A_out, slot, h, u, p, d_s, t_s, b_s, gc_s)
                             T.sync_threads()  # t_s read by the gating before the next head's merge writes it
                     else:
-                        # off-diagonal block: A21 = -A22 (L21 A11), tf32 tensor cores on the blocks in place
+                        # off-diagonal blocks: A21 = -A22 (L21 A11)
                         for p in T.serial(pair):
-                            for r, c2 in T.Parallel(B, B):
-                                l21_s[r, c2] = b_s[u * pair + p, B + r] * kk_s[B + r, kk_col(B + r, c2)]
-                            T.gemm(l21_s, d_s[p, 0, :, :], m_f, clear_accum=True)
-                            T.copy(m_f, t_s)
-                            T.gemm(d_s[p, 1, :, :], t_s, m_f, clear_accum=True)
+                            merge_a21(u, p, b_s, kk_s, d_s, l21_s, t_s, m_f)
                             for r, c2 in T.Parallel(B, B):
                                 d_s[p, 2, r, c2] = -m_f[r, c2]
 
-                        # Ag = Gam ⊙ A ⊙ beta^T block by block, stored as it is formed. Every exponent is
-                        # clamped at 0: above the diagonal A is 0 and the factor must stay finite.
+                        # Ag = Gam ⊙ A ⊙ beta^T block by block, stored as it is formed
                         for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, i, j] = T.cast(
-                                d_s[p, 0, i, j] * b_s[u * pair + p, j]
-                                * T.exp2(T.min(gc_s[u * pair + p, i] - gc_s[u * pair + p, j], 0.0) * LOG2E), a_dtype)
+                            Ag[slot, h + p, i, j] = gated(d_s[p, 0, i, j], b_s, gc_s, u * pair + p, i, j)
                         for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, B + i, j] = T.cast(
-                                d_s[p, 2, i, j] * b_s[u * pair + p, j]
-                                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, j], 0.0) * LOG2E),
-                                a_dtype)
+                            Ag[slot, h + p, B + i, j] = gated(d_s[p, 2, i, j], b_s, gc_s, u * pair + p, B + i, j)
                         for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, B + i, B + j] = T.cast(
-                                d_s[p, 1, i, j] * b_s[u * pair + p, B + j]
-                                * T.exp2(T.min(gc_s[u * pair + p, B + i] - gc_s[u * pair + p, B + j], 0.0) * LOG2E),
-                                a_dtype)
+                            Ag[slot, h + p, B + i, B + j] = gated(d_s[p, 1, i, j], b_s, gc_s, u * pair + p, B + i,
+                                                                  B + j)
                         for p, i, j in T.Parallel(pair, B, B):
                             Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
                         if store_inverse:
