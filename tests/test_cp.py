@@ -89,6 +89,14 @@ def test_cp_argument_is_checked():
             parse_cp(bad)
 
 
+def _record_shape(row):
+    """(qk heads, value heads, sequence lengths) of a ``cp_choices.py`` row ("HQK/HV:SEQLENS")."""
+    heads, mix = row["shape"].split(":")
+    hq, hv = map(int, heads.split("/"))
+    (seqlens,) = parse_seqlens(mix)
+    return hq, hv, list(seqlens)
+
+
 def test_cost_model_reproduces_the_measured_op():
     """The defaults come from these files (CostModel's comments): the op without CP within 8% on every row of
     stages-hopper-v0.12b.json whose sequences are at least 64 chunks long (its ``op_rso_swv`` column: the op with
@@ -111,13 +119,11 @@ def test_cost_model_reproduces_the_measured_op():
     with open(path) as fh:
         rows = json.load(fh)["rows"]
     for r in rows:
-        heads, mix = r["shape"].split(":")
-        hq, hv = map(int, heads.split("/"))
-        (seqlens,) = parse_seqlens(mix)
+        hq, hv, seqlens = _record_shape(r)
         for k, ms in r.items():
             if k.startswith("ms_") and k.endswith("_skip") and "auto" not in k:
                 seg = int(k[3:-len("_skip")])
-                ratio = estimated_us(list(seqlens), hv, seg, model, hq) / 1e3 / ms
+                ratio = estimated_us(seqlens, hv, seg, model, hq) / 1e3 / ms
                 low = 0.8 if (r["shape"], seg) == ("8/24:4096", 16) else 0.9
                 assert low < ratio < 1.1, (r["shape"], seg, ratio)
 
@@ -152,10 +158,7 @@ def test_cp_auto_picks_what_measured_fastest(name, skip, current, misses):
     model = CostModel(paired=True, fused=True, skip_unread=skip)
     tag = "_skip" if skip else ""
     for r in rows:
-        heads, mix = r["shape"].split(":")
-        hq, hv = map(int, heads.split("/"))
-        (seqlens,) = parse_seqlens(mix)
-        seqlens = list(seqlens)
+        hq, hv, seqlens = _record_shape(r)
         pick = plan_segments(seqlens, hv, "auto", model, qk_heads=hq).segment_chunks
         measured = {"off": r["ms_off"]}
         measured |= {k[3:len(k) - len(tag)]: v for k, v in r.items()

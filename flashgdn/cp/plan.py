@@ -289,9 +289,13 @@ def estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[in
     """The cost model's time for one forward with the given segment length (None: without CP). ``heads`` is
     the number of value heads, ``qk_heads`` that of qk heads (None: as many as value heads, the most stage 1
     can cost)."""
+    return _estimated_us(*_sequences(seqlens), heads, segment_chunks, model, qk_heads)
+
+
+def _sequences(seqlens: Sequence[int]):
+    """The sequences as the model sees them: each one's chunk count, their aggregate, and the tokens in all."""
     chunks = [max(1, -(-int(L) // CHUNK)) for L in seqlens]
-    return _estimated_us(chunks, Items.of(chunks), sum(int(L) for L in seqlens), heads, segment_chunks, model,
-                         qk_heads)
+    return chunks, Items.of(chunks), sum(int(L) for L in seqlens)
 
 
 def _estimated_us(chunks: Sequence[int], seqs: Items, tokens: int, heads: int, segment_chunks: Optional[int],
@@ -343,11 +347,9 @@ def plan_segments(
     if cp != "auto":
         raise ValueError(f"cp must be 'auto', 'off' or a positive int (segment length in chunks), got {cp!r}")
     model = model or CostModel()
-    chunks = [max(1, -(-int(L) // CHUNK)) for L in seqlens]  # once for every candidate
-    seqs, tokens = Items.of(chunks), sum(int(L) for L in seqlens)
-    off_us = _estimated_us(chunks, seqs, tokens, heads, None, model, qk_heads)
-    us, best = min((_estimated_us(chunks, seqs, tokens, heads, s, model, qk_heads), s)
-                   for s in CANDIDATE_SEGMENT_CHUNKS)
+    seqs = _sequences(seqlens)  # once for every candidate
+    off_us = _estimated_us(*seqs, heads, None, model, qk_heads)
+    us, best = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
     # a clear gain only: CP costs memory, and its own constants (launches, splice) are estimates so far
     return split_sequences(seqlens, best if us < AUTO_GAIN * off_us else None)
 
