@@ -105,12 +105,15 @@ def main(argv=None):
                     help="chunk-loop kernels to time: simple,ws,rs,rsd,fused,uw,rso")
     ap.add_argument("--kkt-sync", action="store_true", help="also time kkt_inverse with k's tile through registers")
     ap.add_argument("--kkt-5", action="store_true",
-                    help="also time kkt_inverse at five CTAs per SM (blocks_per_sm=5; Ag and g~ compared bit for bit)")
+                    help="also time kkt_inverse at five CTAs per SM beside four (blocks_per_sm=5; Ag and g~ compared "
+                         "bit for bit), and the op with each")
     ap.add_argument("--unswizzled-v", action="store_true",
                     help="also time the rso loop and the rs state-only pass with v's tiles unswizzled (bits compared)")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages, the whole backward with and without CP and its memory")
+    ap.add_argument("--columns", default=None,
+                    help="time only these columns (comma-separated keys, e.g. op,loop_rso,bwd_chunk_grad)")
     ap.add_argument("--no-paired", action="store_true",
                     help="leave out the op with the paired CP transition pass (FLASHGDN_HOPPER_CP_PAIRED)")
     args = ap.parse_args(argv)
@@ -227,7 +230,7 @@ def main(argv=None):
         if args.backward:
             try:
                 bwd = backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale)
-                if args.backward_only:
+                if args.backward_only and not args.columns:
                     bwd = {name: fn for name, fn in bwd.items() if name in BACKWARD_CORE}
                 times.update(bwd)
             except Exception as e:  # noqa: BLE001 - report and go on with the forward's timings
@@ -239,6 +242,7 @@ def main(argv=None):
         rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
         if prep5 is not None:
             times["op_kkt_5"] = lambda: switched(fw, "KKT_BLOCKS_PER_SM", 5, lambda: op("off"))
+            times["op_kkt_4"] = lambda: switched(fw, "KKT_BLOCKS_PER_SM", 4, lambda: op("off"))
             Ag2, gcum2 = torch.full_like(Ag, float("nan")), torch.full_like(gcum, float("nan"))
             prep_async(k, g, beta, bounds, gcum, Ag)
             prep5(k, g, beta, bounds, gcum2, Ag2)
@@ -260,6 +264,9 @@ def main(argv=None):
                 for loop in compared:
                     o_x, h_x = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop=loop)
                     row[f"{loop}_vs_rs_o"], row[f"{loop}_vs_rs_state"] = rel(o_x, o_rs), rel(h_x, h_rs)
+        if args.columns:
+            wanted = args.columns.split(",")
+            times = {name: times.get(name) for name in wanted}
         with torch.no_grad():
             for name, fn in times.items():
                 if fn is None:
@@ -286,7 +293,7 @@ def main(argv=None):
             with open(args.out, "w") as fh:
                 json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
-            ("kkt 5 per SM", "kkt_inverse_5"), ("op kkt 5 per SM", "op_kkt_5"),
+            ("kkt 5 per SM", "kkt_inverse_5"), ("op kkt 5 per SM", "op_kkt_5"), ("op kkt 4 per SM", "op_kkt_4"),
             ("loop rso unswizzled v", "loop_rso_unswizzled"),
             ("rs state-only unswizzled v", "loop_rs_state_unswizzled"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),

@@ -18,13 +18,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 
 {
-  timeout 150 python3 -m pytest -m gpu -q -rfEx -n 8 tests/test_gpu_hopper_stage1.py; echo "# exit status $?"
-  FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM=5 FLASHGDN_TEST_CHUNK_LOOPS=rso timeout 200 python3 -m pytest -m gpu -q -rfEx \
+  timeout 110 python3 -m pytest -m gpu -q -rfEx -n 8 tests/test_gpu_hopper_stage1.py; echo "# exit status $?"
+  FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM=5 FLASHGDN_TEST_CHUNK_LOOPS=rso timeout 150 python3 -m pytest -m gpu -q -rfEx \
     -n 8 tests/test_gpu_hopper_forward.py; echo "# exit status $?"
 } 2>&1 | grep -v "Warning\|warner\|warnings.warn" | tail -40 > "$out/gpu-kkt5.log"
 
-timeout 150 python3 benchmarks/stage_timing.py --loops rso --kkt-5 --unswizzled-v --no-paired \
+timeout 120 python3 benchmarks/stage_timing.py --loops rso --kkt-5 --unswizzled-v --no-paired \
   --out "$out/stages.json" > "$out/stages.log" 2>&1
 echo "# exit status $?" >> "$out/stages.log"
 
-STEPS=ncu LOOP=rso NCU_SKIP=2 NCU_COUNT=2 timeout 200 scripts/profile_h200.sh "$out" "$heads" "$seqlens"
+STEPS=ncu LOOP=rso NCU_SKIP=2 NCU_COUNT=2 timeout 150 scripts/profile_h200.sh "$out" "$heads" "$seqlens"

@@ -37,7 +37,7 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     from flashgdn.kernels.hopper.variants import serving_variants
 
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
-    assert names == ["chunk_plan", "kkt_inverse_async[2/8,bfloat16]",
+    assert names == ["chunk_plan", "kkt_inverse_async_5[2/8,bfloat16]",
                      "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                      "chunk_forward_rs_pairs_skip_forward[2/8,bfloat16,h0=1,ht=1,v_first=0]", "segment_index[int32]",
                      "segment_index[int64]", "splice[8,forward]"]
@@ -45,9 +45,9 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     monkeypatch.setattr(backend, "CP_PAIRED", False)
     monkeypatch.setattr(backend, "CP_FUSED", False)
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
-    assert names == ["chunk_plan", "kkt_inverse_async[2/8,bfloat16]",
+    assert names == ["chunk_plan", "kkt_inverse_async_5[2/8,bfloat16]",
                      "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                     "kkt_inverse_async[2/16,bfloat16]", "chunk_forward_rs_state[2/16,bfloat16,h0=1,ht=1,v_first=0]"]
+                     "kkt_inverse_async_5[2/16,bfloat16]", "chunk_forward_rs_state[2/16,bfloat16,h0=1,ht=1,v_first=0]"]
     monkeypatch.setattr(backend, "CP_PAIRED", True)
     monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "uw")
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
@@ -75,7 +75,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert names == serving + ["chunk_forward_rs_pairs_skip_backward[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                                "splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
-                               "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async[2/8,bfloat16]",
+                               "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async_5[2/8,bfloat16]",
                                "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
     # groups of two with pair sums need no group sum; without the kernel, torch sums
     assert "group_sum[2,bfloat16]" in [v[0] for v in training_variants(2, 4, flags="common")]

@@ -68,6 +68,9 @@ Measured and removed: each CTA prefetching into L2 the tiles of the CTA one wave
 ``%nsmid``) by bulk prefetches (``cp.async.bulk.prefetch.L2``): 1.16x-1.29x the time issued at the CTA's start,
 1.15x-1.24x issued after dk's store, 1.17x-1.33x two waves ahead (``stages-hopper-v0.9a-bwd.json`` and
 ``-v0.9b-bwd.json``). The traffic in flight slows every CTA's own loads more than the hits save.
+Also measured and removed: the first wave's odd CTAs sleeping 5 or 10 us before their loads (``__nanosleep``), on the
+guess that CTAs of equal work, one per SM, stay in step and load all at once: 0.98x-1.01x the time, the same bits
+(``stages-hopper-v0.13a-bwd.json``, ``gpu-stagger-v0.13a.log``), so the waves are not in step, or not for long.
 
 Every chunk at once: one CTA per chunk slot and value head, 512 threads (four warpgroups splitting every GEMM's N
 and every element-wise loop),

@@ -22,7 +22,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # k's tile by cp.async (forward.KKT_ASYNC_LOADS)
     yield (f"kkt_inverse_async[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True))
-    # five CTAs per SM (forward.KKT_BLOCKS_PER_SM=5, an A/B)
+    # five CTAs per SM (forward.KKT_BLOCKS_PER_SM, the default; the builds above are four per SM)
     yield (f"kkt_inverse_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
