@@ -2,7 +2,8 @@
 
     python benchmarks/numerics_study.py [--tokens 4096] [--gate zero|weak]
 
-Emulates the numerics of the "rs" chunk loop (and the "uw" loop's order of operations) for one head (K = V = 128) in PyTorch: the tensor-core operands are
+Emulates the numerics of the "rs" chunk loop (and the "uw" loop's order of operations, and the transition form: one
+product per chunk on the chain, S' = gamma_C S - M S + u, M and u made off the chain) for one head (K = V = 128) in PyTorch: the tensor-core operands are
 rounded where the kernel rounds them (the state S, W and Vn in registers; the Ag and P tiles from shared memory;
 the output O), everything else is float32. It prints the error of o and of the final state against a float64
 run without any rounding, for several rounding modes of the operands (bf16, tf32, a bf16 hi + lo pair), and the
@@ -53,6 +54,19 @@ def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0
         Ag, P = tile(Gam * A * bc[None, :]), tile(scale * Gam * (qc @ kc.T))
         gam, dec = gc.exp(), (gc[-1] - gc).exp()
         Sr = reg(S)
+        if form in ("m", "m32"):
+            # the transition form: the chain is one product per chunk, S' = gamma_C S - M S + u, and o = Qe S + Ve,
+            # with M = (diag(d) K)^T Wk, u = (diag(d) K)^T U, Qe = scale diag(gamma) Q - P Wk, Ve = P U made off the
+            # chain (U = Ag V, Wk = (Ag diag(gamma)) K as in the uw form); M and Qe are bf16 tiles, u and Ve bf16
+            # tiles ("m") or float32 ("m32")
+            U, Wk = tile(Ag @ vc), tile(tile(Ag * gam[None, :]) @ kc)
+            Kd = tile(kc * dec[:, None])
+            wide = exact if form == "m32" else tile
+            M, u = tile(Kd.T @ Wk), wide(Kd.T @ U)
+            Qe, Ve = tile(scale * gam[:, None] * qc - P @ Wk), wide(P @ U)
+            outs.append(out(Qe @ Sr + Ve))
+            S = gc[-1].exp() * S - M @ Sr + u
+            continue
         if form == "uw":
             Vn = tile(Ag @ vc) - tile(tile(Ag * gam[None, :]) @ kc) @ Sr
         else:
@@ -107,6 +121,8 @@ def main(argv=None):
     modes = {
         "bf16 operands (rs loop)": dict(reg=bf16, tile=bf16),
         "bf16, U/Wk form (uw loop)": dict(reg=bf16, tile=bf16, form="uw"),
+        "bf16, transition form": dict(reg=bf16, tile=bf16, form="m"),
+        "bf16, transition, u fp32": dict(reg=bf16, tile=bf16, form="m32"),
         "tf32 operands": dict(reg=tf32, tile=tf32),
         "bf16 hi+lo registers": dict(reg=hi_lo, tile=bf16),
         "bf16 hi+lo everywhere": dict(reg=hi_lo, tile=hi_lo),
