@@ -224,3 +224,24 @@ def test_precise_mode_against_the_oracle(seqlens, chunk_loop, monkeypatch):
     o, ht = run_hopper(inp)
     assert rel_rms(o, o_ref) < O_BAR and rel_rms(ht, ht_ref) < STATE_BAR
     assert rel_rms(ht, ht_ref) < rel_rms(ht_fast, ht_ref)
+
+
+@pytest.mark.parametrize("kw", [dict(seqlens=[700, 64, 5, 300], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)),
+                                dict(seqlens=[4096, 130], Hqk=2, Hv=4, gate="mixed", state_v_first=True),
+                                dict(seqlens=[1000], Hqk=1, Hv=2, initial_state=False)])
+def test_rso_row_factors_give_the_same_bits(kw, chunk_loop, monkeypatch):
+    """``forward.RSO_ROW_FACTORS`` (the default): the rso loop's output path with scale x gamma_i and g~_i in
+    registers, made once per chunk and row instead of read per element: the same products of the same values, so o
+    and the final state are the same bits as the build without them."""
+    from flashgdn.kernels.hopper import forward
+
+    if chunk_loop != "rso":
+        pytest.skip("a build option of the rso loop; covered by its parametrisation")
+    inp = inputs(**kw)
+    monkeypatch.setattr(forward, "RSO_ROW_FACTORS", False)
+    o0, h0 = run_hopper(inp)
+    monkeypatch.setattr(forward, "RSO_ROW_FACTORS", True)
+    o1, h1 = run_hopper(inp)
+    assert torch.equal(o0, o1) and torch.equal(h0, h1)
+    o_ref, h_ref = chunked64(inp)
+    assert rel_rms(o1, o_ref) <= O_BAR and rel_rms(h1, h_ref) <= STATE_BAR

@@ -29,6 +29,9 @@ EXPLAINED_SPILLS = {
         "8 bytes in the producer warpgroup (32 registers): two values of its address arithmetic since v's swizzled "
         "tile is loaded as two 64-column TMA boxes, reloaded once per chunk; the state and output paths have no "
         "spills, and the swizzle made the loop 0.85x-0.98x (stages-hopper-v0.12b.json)",
+    "chunk_forward_rso_plain[":
+        "the same 8 bytes in the producer warpgroup of the rso loop without its output path's row factors (the A/B "
+        "of forward.RSO_ROW_FACTORS; the producer's code is the same)",
 }
 
 VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_variants(2, 8, dtype="float16", flags="common"))

@@ -64,6 +64,7 @@ def build_chunk_forward_rso(
     state_v_first: bool,
     regs: tuple = (STATE_REGS, OUTPUT_REGS, PRODUCER_REGS),
     swizzled_v: bool = True,
+    row_factors: bool = True,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -76,7 +77,14 @@ def build_chunk_forward_rso(
     those rows' 16-byte pieces in four different banks. The same values are read, so the same bits out. Measured:
     0.85x-0.98x the loop's time unswizzled, the op 0.85x-0.94x (``stages-hopper-v0.12b.json``). The producer
     warpgroup (32 registers) then keeps two values on the stack, 8 bytes reloaded once per chunk: v's TMA load is
-    two 64-column boxes."""
+    two 64-column boxes.
+
+    ``row_factors`` (default) gives the output path its per-row factors in registers, made once per chunk: scale x
+    gamma_i for O's scaling and g~_i for P's gating, which it read from shared memory once per element (the output
+    path, the warpgroup that sets the chunk, issued 64 such loads and 64 products more per thread and chunk than it
+    needs: ``docs/hopper-notes.md``, v0.13a). The state paths' factor exp(g~_last) is taken once per chunk too. The
+    same products of the same values, so the same bits. Measured: the op 0.94x-0.97x on the shapes with few CTAs,
+    0.97x-0.99x on full ones (loop alone 0.95x-0.96x and 0.99x-1.01x: ``stages-hopper-v0.13b*.json``)."""
     import tilelang
     import tilelang.language as T
 
@@ -106,6 +114,8 @@ def build_chunk_forward_rso(
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
+        if row_factors:
+            gl = T.alloc_local((1,), acc)  # gamma_C of the chunk
         parts.load_state(st_f, h0, n, h, c0)
 
         for c in T.serial(n_chunks):
@@ -119,8 +129,13 @@ def build_chunk_forward_rso(
                 s_s[st, c0 + i, j] = sb_f[i, j]
             T.fence_proxy_async()
             T.barrier_arrive(s_ready[st])
-            for i, j in T.Parallel(HV2, K):
-                st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+            if row_factors:
+                gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = st_f[i, j] * gl[0]
+            else:
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.wait_wgmma(0)
             # W^T = V^T - (S^T K^T) diag(gamma)
             T.barrier_wait(d_ready[st], (c // 2) % 2)
@@ -150,6 +165,9 @@ def build_chunk_forward_rso(
         p_f = T.alloc_fragment((C, C), acc)
         pb_f = T.alloc_fragment((C, C), io_dtype)
         o_f = T.alloc_fragment((C, V), acc)
+        if row_factors:  # per row of P and of O: g~_i, scale x gamma_i
+            gr_f = T.alloc_fragment((C,), acc)
+            sg_f = T.alloc_fragment((C,), acc)
         for c in T.serial(n_chunks):
             st = c % 2
             t0 = bos + c * C
@@ -162,13 +180,26 @@ def build_chunk_forward_rso(
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             T.wait_wgmma(1)
-            parts.gate_qk(gc_s, p_f, st, scale)
+            if row_factors:
+                for i in T.Parallel(C):
+                    gr_f[i] = gc_s[st, i]
+                for i, j in T.Parallel(C, C):
+                    p_f[i, j] = T.if_then_else(
+                        i >= j, p_f[i, j] * scale * T.exp2((gr_f[i] - gc_s[st, j]) * LOG2E), 0.0)
+            else:
+                parts.gate_qk(gc_s, p_f, st, scale)
             T.copy(p_f, pb_f)
             T.wait_wgmma(0)
             T.barrier_arrive(s_free[st])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
-            for i, j in T.Parallel(C, V):
-                o_f[i, j] = o_f[i, j] * (scale * gam_s[st, i])
+            if row_factors:
+                for i in T.Parallel(C):
+                    sg_f[i] = scale * gam_s[st, i]
+                for i, j in T.Parallel(C, V):
+                    o_f[i, j] = o_f[i, j] * sg_f[i]
+            else:
+                for i, j in T.Parallel(C, V):
+                    o_f[i, j] = o_f[i, j] * (scale * gam_s[st, i])
             # done with this ring stage (q, k, g~, gamma): released before the wait for Vn
             T.barrier_arrive(empty[st])
             # O += P Vn  (Vn^T as the B operand: [V, C], C contiguous)
