@@ -110,8 +110,8 @@ def main(argv=None):
     ap.add_argument("--unswizzled-v", action="store_true",
                     help="also time the rso loop and the rs state-only pass with v's tiles unswizzled (bits compared)")
     ap.add_argument("--rso-plain", action="store_true",
-                    help="also time the rso loop without its output path's row factors in registers (the build before; "
-                         "bits compared), and the op with it")
+                    help="also time the rso loop with its output path untrimmed (lean_output=False, the build "
+                         "before; bits compared), and the op with it")
     ap.add_argument("--backward", action="store_true", help="also time the Hopper backward's stages")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages, the whole backward with and without CP and its memory")
@@ -158,7 +158,7 @@ def main(argv=None):
         rso = build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "rso" in loops else None
         # the builds before v's tiles were swizzled (their A/B), with --unswizzled-v
         rso_plain_rows = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
-                                                  row_factors=False) if args.rso_plain else None)
+                                                  lean_output=False) if args.rso_plain else None)
         rso_plain = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, swizzled_v=False)
                      if args.unswizzled_v else None)
         rs_state_plain = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False,
@@ -256,7 +256,7 @@ def main(argv=None):
             row["kkt_5_same_bits"] = bool(torch.equal(Ag[live], Ag2[live]) and torch.equal(
                 gcum.view(Hv, -1, 64)[:, live], gcum2.view(Hv, -1, 64)[:, live]))
         if rso_plain_rows is not None and rso is not None:  # the same o and final state from both, bit for bit
-            times["op_rso_plain"] = lambda: switched(fw, "RSO_ROW_FACTORS", False, lambda: op("off"))
+            times["op_rso_plain"] = lambda: switched(fw, "RSO_LEAN_OUTPUT", False, lambda: op("off"))
             got = []
             for loop in (rso, rso_plain_rows):
                 o.fill_(float("nan"))
@@ -310,7 +310,7 @@ def main(argv=None):
                 json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
             ("kkt 5 per SM", "kkt_inverse_5"), ("op kkt 5 per SM", "op_kkt_5"), ("op kkt 4 per SM", "op_kkt_4"),
-            ("loop rso without row factors", "loop_rso_plain"), ("op rso without row factors", "op_rso_plain"),
+            ("loop rso untrimmed output", "loop_rso_plain"), ("op rso untrimmed output", "op_rso_plain"),
             ("loop rso unswizzled v", "loop_rso_unswizzled"),
             ("rs state-only unswizzled v", "loop_rs_state_unswizzled"),
             ("loop simple", "loop_simple"), ("loop ws", "loop_ws"), ("loop rs", "loop_rs"),

@@ -229,18 +229,18 @@ def test_precise_mode_against_the_oracle(seqlens, chunk_loop, monkeypatch):
 @pytest.mark.parametrize("kw", [dict(seqlens=[700, 64, 5, 300], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)),
                                 dict(seqlens=[4096, 130], Hqk=2, Hv=4, gate="mixed", state_v_first=True),
                                 dict(seqlens=[1000], Hqk=1, Hv=2, initial_state=False)])
-def test_rso_row_factors_give_the_same_bits(kw, chunk_loop, monkeypatch):
-    """``forward.RSO_ROW_FACTORS`` (the default): the rso loop's output path with scale x gamma_i and g~_i in
-    registers, made once per chunk and row instead of read per element: the same products of the same values, so o
-    and the final state are the same bits as the build without them."""
+def test_rso_lean_output_gives_the_same_bits(kw, chunk_loop, monkeypatch):
+    """``forward.RSO_LEAN_OUTPUT`` (the default): the rso output path's row and column factors in registers and O
+    staged by stmatrix: the same products of the same values and the same values stored, so o and the final state
+    are the same bits as the untrimmed build."""
     from flashgdn.kernels.hopper import forward
 
     if chunk_loop != "rso":
         pytest.skip("a build option of the rso loop; covered by its parametrisation")
     inp = inputs(**kw)
-    monkeypatch.setattr(forward, "RSO_ROW_FACTORS", False)
+    monkeypatch.setattr(forward, "RSO_LEAN_OUTPUT", False)
     o0, h0 = run_hopper(inp)
-    monkeypatch.setattr(forward, "RSO_ROW_FACTORS", True)
+    monkeypatch.setattr(forward, "RSO_LEAN_OUTPUT", True)
     o1, h1 = run_hopper(inp)
     assert torch.equal(o0, o1) and torch.equal(h0, h1)
     o_ref, h_ref = chunked64(inp)

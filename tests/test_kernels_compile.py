@@ -26,12 +26,13 @@ EXPLAINED_SPILLS = {
         "4 bytes in the opt-in precise mode's walk from a zero end gradient (three-term operands at the register "
         "split 200/72/40; every other split tried spills more, and the walk from dht has none)",
     "chunk_forward_rso[":
-        "8 bytes in the producer warpgroup (32 registers): two values of its address arithmetic since v's swizzled "
-        "tile is loaded as two 64-column TMA boxes, reloaded once per chunk; the state and output paths have no "
-        "spills, and the swizzle made the loop 0.85x-0.98x (stages-hopper-v0.12b.json)",
+        "16 bytes in the producer warpgroup (32 registers): its address arithmetic since v's swizzled tile is loaded "
+        "as two 64-column TMA boxes, reloaded once per chunk (8 bytes before the output path was trimmed, whose "
+        "code is the producer's own; lean_output); the state and output paths have no spills, and the swizzle made "
+        "the loop 0.85x-0.98x (stages-hopper-v0.12b.json)",
     "chunk_forward_rso_plain[":
-        "the same 8 bytes in the producer warpgroup of the rso loop without its output path's row factors (the A/B "
-        "of forward.RSO_ROW_FACTORS; the producer's code is the same)",
+        "8 bytes in the same producer warpgroup, in the rso loop without its trimmed output path (the A/B of "
+        "forward.RSO_LEAN_OUTPUT)",
 }
 
 VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_variants(2, 8, dtype="float16", flags="common"))

@@ -64,7 +64,7 @@ def build_chunk_forward_rso(
     state_v_first: bool,
     regs: tuple = (STATE_REGS, OUTPUT_REGS, PRODUCER_REGS),
     swizzled_v: bool = True,
-    row_factors: bool = True,
+    lean_output: bool = True,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -79,12 +79,15 @@ def build_chunk_forward_rso(
     warpgroup (32 registers) then keeps two values on the stack, 8 bytes reloaded once per chunk: v's TMA load is
     two 64-column boxes.
 
-    ``row_factors`` (default) gives the output path its per-row factors in registers, made once per chunk: scale x
-    gamma_i for O's scaling and g~_i for P's gating, which it read from shared memory once per element (the output
-    path, the warpgroup that sets the chunk, issued 64 such loads and 64 products more per thread and chunk than it
-    needs: ``docs/hopper-notes.md``, v0.13a). The state paths' factor exp(g~_last) is taken once per chunk too. The
-    same products of the same values, so the same bits. Measured: the op 0.94x-0.97x on the shapes with few CTAs,
-    0.97x-0.99x on full ones (loop alone 0.95x-0.96x and 0.99x-1.01x: ``stages-hopper-v0.13b*.json``)."""
+    ``lean_output`` (default) trims the element-wise work of the output path, the warpgroup that sets the chunk
+    (``docs/hopper-notes.md``, v0.13a-c): its per-row factors scale x gamma_i (O's scaling) and g~_i (P's gating) are
+    made once per chunk into two-element register fragments, and g~_j into a fragment of the thread's 16 columns,
+    instead of read from shared memory once per element; O goes to its staging tile by stmatrix (8 instructions per
+    thread instead of 32 two-element stores); the state paths' exp(g~_last) is taken once per chunk. The same
+    products of the same values and the same values stored, so the same bits. Measured: the op 0.94x-0.97x with the
+    row factors alone and 0.98x more with the rest on one-wave shapes, within the power cap's drift on full ones
+    (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). ptxas then keeps 16 bytes of the producer's address
+    arithmetic on the stack instead of 8."""
     import tilelang
     import tilelang.language as T
 
@@ -114,7 +117,7 @@ def build_chunk_forward_rso(
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # W^T, then Vn^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
-        if row_factors:
+        if lean_output:
             gl = T.alloc_local((1,), acc)  # gamma_C of the chunk
         parts.load_state(st_f, h0, n, h, c0)
 
@@ -129,7 +132,7 @@ def build_chunk_forward_rso(
                 s_s[st, c0 + i, j] = sb_f[i, j]
             T.fence_proxy_async()
             T.barrier_arrive(s_ready[st])
-            if row_factors:
+            if lean_output:
                 gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
                 for i, j in T.Parallel(HV2, K):
                     st_f[i, j] = st_f[i, j] * gl[0]
@@ -165,9 +168,10 @@ def build_chunk_forward_rso(
         p_f = T.alloc_fragment((C, C), acc)
         pb_f = T.alloc_fragment((C, C), io_dtype)
         o_f = T.alloc_fragment((C, V), acc)
-        if row_factors:  # per row of P and of O: g~_i, scale x gamma_i
+        if lean_output:  # per row of P and of O: g~_i, scale x gamma_i; per column of P: g~_j
             gr_f = T.alloc_fragment((C,), acc)
             sg_f = T.alloc_fragment((C,), acc)
+            gcol_f = T.alloc_fragment((C,), acc)
         for c in T.serial(n_chunks):
             st = c % 2
             t0 = bos + c * C
@@ -180,19 +184,21 @@ def build_chunk_forward_rso(
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             T.wait_wgmma(1)
-            if row_factors:
+            if lean_output:
                 for i in T.Parallel(C):
                     gr_f[i] = gc_s[st, i]
+                for j in T.Parallel(C):
+                    gcol_f[j] = gc_s[st, j]
                 for i, j in T.Parallel(C, C):
                     p_f[i, j] = T.if_then_else(
-                        i >= j, p_f[i, j] * scale * T.exp2((gr_f[i] - gc_s[st, j]) * LOG2E), 0.0)
+                        i >= j, p_f[i, j] * scale * T.exp2((gr_f[i] - gcol_f[j]) * LOG2E), 0.0)
             else:
                 parts.gate_qk(gc_s, p_f, st, scale)
             T.copy(p_f, pb_f)
             T.wait_wgmma(0)
             T.barrier_arrive(s_free[st])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
-            if row_factors:
+            if lean_output:
                 for i in T.Parallel(C):
                     sg_f[i] = scale * gam_s[st, i]
                 for i, j in T.Parallel(C, V):
@@ -212,8 +218,11 @@ def build_chunk_forward_rso(
             if T.shuffle_elect(128):
                 T.tma_store_wait(0)
             T.sync_threads(OUTPUT_BARRIER, 128)
-            for i, j in T.Parallel(C, V):
-                o_s[i, j] = o_f[i, j]
+            if lean_output:
+                T.copy(o_f, o_s)
+            else:
+                for i, j in T.Parallel(C, V):
+                    o_s[i, j] = o_f[i, j]
             T.fence_proxy_async()
             T.sync_threads(OUTPUT_BARRIER, 128)
             if n_rows == C:

@@ -50,10 +50,10 @@ KKT_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_KKT_ASYNC_LOADS", "1") == "1"
 #: the stage alone 0.90x-1.03x (``stages-hopper-v0.13a.json``, ``gpu-kkt5-v0.13a.log``).
 KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5"))
 
-#: The rso loop's output path with its per-row factors (scale x gamma_i, g~_i) in registers, made once per chunk
-#: (``chunk_forward_rso.py``'s ``row_factors``): the same bits; the op 0.94x-0.99x (``stages-hopper-v0.13b*.json``).
-#: FLASHGDN_HOPPER_RSO_ROW_FACTORS=0 for the build before.
-RSO_ROW_FACTORS = os.environ.get("FLASHGDN_HOPPER_RSO_ROW_FACTORS", "1") == "1"
+#: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
+#: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
+#: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
+RSO_LEAN_OUTPUT = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_OUTPUT", "1") == "1"
 
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
@@ -232,7 +232,7 @@ def hopper_forward(
     if chunk_loop == "rso" and with_output:
         main = build_chunk_forward_rso(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first,
-            **({} if RSO_ROW_FACTORS else dict(row_factors=False))
+            **({} if RSO_LEAN_OUTPUT else dict(lean_output=False))
         )
     elif chunk_loop == "uw":
         main = build_chunk_forward_uw(
