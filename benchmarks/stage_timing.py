@@ -109,6 +109,9 @@ def main(argv=None):
                          "bit for bit), and the op with each")
     ap.add_argument("--unswizzled-v", action="store_true",
                     help="also time the rso loop and the rs state-only pass with v's tiles unswizzled (bits compared)")
+    ap.add_argument("--rso-lean-state", action="store_true",
+                    help="also time the rso loop with its state paths' column factors in registers (lean_state; bits "
+                         "compared), and the op with it")
     ap.add_argument("--rso-plain", action="store_true",
                     help="also time the rso loop with its output path untrimmed (lean_output=False, the build "
                          "before; bits compared), and the op with it")
@@ -157,6 +160,8 @@ def main(argv=None):
                                              inverse_in_loop=True) if "fused" in loops else None)
         rso = build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "rso" in loops else None
         # the builds before v's tiles were swizzled (their A/B), with --unswizzled-v
+        rso_lean_state = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
+                                                  lean_state=True) if args.rso_lean_state else None)
         rso_plain_rows = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
                                                   lean_output=False) if args.rso_plain else None)
         rso_plain = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, swizzled_v=False)
@@ -194,6 +199,8 @@ def main(argv=None):
             "loop_fused": (lambda: fused_loop(q, k, v, g, beta, cu, h0, scale, o, ht)) if "fused" in loops else None,
             # the output on a warpgroup of its own
             "loop_rso": (lambda: rso(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rso" in loops else None,
+            "loop_rso_lean_state": (lambda: rso_lean_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
+            if rso_lean_state else None,
             "loop_rso_plain": (lambda: rso_plain_rows(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
             if rso_plain_rows else None,
             "loop_rso_unswizzled": (lambda: rso_plain(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
@@ -255,6 +262,15 @@ def main(argv=None):
             prep5(k, g, beta, bounds, gcum2, Ag2)
             row["kkt_5_same_bits"] = bool(torch.equal(Ag[live], Ag2[live]) and torch.equal(
                 gcum.view(Hv, -1, 64)[:, live], gcum2.view(Hv, -1, 64)[:, live]))
+        if rso_lean_state is not None and rso is not None:  # the same o and final state from both, bit for bit
+            times["op_rso_lean_state"] = lambda: switched(fw, "RSO_LEAN_STATE", True, lambda: op("off"))
+            got = []
+            for loop in (rso, rso_lean_state):
+                o.fill_(float("nan"))
+                ht.fill_(float("nan"))
+                loop(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
+                got.append((o.clone(), ht.clone()))
+            row["rso_lean_state_same_bits"] = all(torch.equal(a, b) for a, b in zip(*got))
         if rso_plain_rows is not None and rso is not None:  # the same o and final state from both, bit for bit
             times["op_rso_plain"] = lambda: switched(fw, "RSO_LEAN_OUTPUT", False, lambda: op("off"))
             got = []
@@ -310,6 +326,7 @@ def main(argv=None):
                 json.dump(results_header(argv) | {"rows": rows}, fh, indent=1)
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
             ("kkt 5 per SM", "kkt_inverse_5"), ("op kkt 5 per SM", "op_kkt_5"), ("op kkt 4 per SM", "op_kkt_4"),
+            ("loop rso lean state", "loop_rso_lean_state"), ("op rso lean state", "op_rso_lean_state"),
             ("loop rso untrimmed output", "loop_rso_plain"), ("op rso untrimmed output", "op_rso_plain"),
             ("loop rso unswizzled v", "loop_rso_unswizzled"),
             ("rs state-only unswizzled v", "loop_rs_state_unswizzled"),

@@ -245,3 +245,19 @@ def test_rso_lean_output_gives_the_same_bits(kw, chunk_loop, monkeypatch):
     assert torch.equal(o0, o1) and torch.equal(h0, h1)
     o_ref, h_ref = chunked64(inp)
     assert rel_rms(o1, o_ref) <= O_BAR and rel_rms(h1, h_ref) <= STATE_BAR
+
+
+@pytest.mark.parametrize("kw", [dict(seqlens=[700, 64, 5, 300], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)),
+                                dict(seqlens=[4096, 130], Hqk=2, Hv=4, gate="mixed", state_v_first=True)])
+def test_rso_lean_state_gives_the_same_bits(kw, chunk_loop, monkeypatch):
+    """``forward.RSO_LEAN_STATE``: the state paths' gamma_j and d_j read once per chunk into registers: the same
+    products of the same values, so o and the final state are the same bits as the default build."""
+    from flashgdn.kernels.hopper import forward
+
+    if chunk_loop != "rso":
+        pytest.skip("a build option of the rso loop; covered by its parametrisation")
+    inp = inputs(**kw)
+    o0, h0 = run_hopper(inp)
+    monkeypatch.setattr(forward, "RSO_LEAN_STATE", True)
+    o1, h1 = run_hopper(inp)
+    assert torch.equal(o0, o1) and torch.equal(h0, h1)

@@ -30,6 +30,9 @@ EXPLAINED_SPILLS = {
         "as two 64-column TMA boxes, reloaded once per chunk (8 bytes before the output path was trimmed, whose "
         "code is the producer's own; lean_output); the state and output paths have no spills, and the swizzle made "
         "the loop 0.85x-0.98x (stages-hopper-v0.12b.json)",
+    "chunk_forward_rso_lean_state[":
+        "the same 16 bytes in the producer warpgroup, in the rso loop with its state paths' column factors in "
+        "registers too (the A/B of forward.RSO_LEAN_STATE)",
     "chunk_forward_rso_plain[":
         "8 bytes in the same producer warpgroup, in the rso loop without its trimmed output path (the A/B of "
         "forward.RSO_LEAN_OUTPUT)",

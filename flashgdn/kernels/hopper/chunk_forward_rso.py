@@ -65,6 +65,7 @@ def build_chunk_forward_rso(
     regs: tuple = (STATE_REGS, OUTPUT_REGS, PRODUCER_REGS),
     swizzled_v: bool = True,
     lean_output: bool = True,
+    lean_state: bool = False,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -87,7 +88,10 @@ def build_chunk_forward_rso(
     products of the same values and the same values stored, so the same bits. Measured: the op 0.94x-0.97x with the
     row factors alone and 0.98x more with the rest on one-wave shapes, within the power cap's drift on full ones
     (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). ptxas then keeps 16 bytes of the producer's address
-    arithmetic on the stack instead of 8."""
+    arithmetic on the stack instead of 8.
+
+    ``lean_state`` (an A/B) does the same for the state paths' column factors gamma_j (W^T) and d_j (Vn^T's decay):
+    read once per chunk into fragments of the thread's 16 columns instead of once per element."""
     import tilelang
     import tilelang.language as T
 
@@ -119,6 +123,9 @@ def build_chunk_forward_rso(
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
         if lean_output:
             gl = T.alloc_local((1,), acc)  # gamma_C of the chunk
+        if lean_state:  # gamma_j and d_j per column of the thread's [64, C] accumulator
+            gcol_f = T.alloc_fragment((C,), acc)
+            dcol_f = T.alloc_fragment((C,), acc)
         parts.load_state(st_f, h0, n, h, c0)
 
         for c in T.serial(n_chunks):
@@ -142,8 +149,15 @@ def build_chunk_forward_rso(
             T.wait_wgmma(0)
             # W^T = V^T - (S^T K^T) diag(gamma)
             T.barrier_wait(d_ready[st], (c // 2) % 2)
-            for i, j in T.Parallel(HV2, C):
-                u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
+            if lean_state:  # gamma_j and d_j of the thread's columns, once per chunk
+                for j in T.Parallel(C):
+                    gcol_f[j] = gam_s[st, j]
+                    dcol_f[j] = dec_s[st, j]
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gcol_f[j]
+            else:
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
             T.copy(u_f, ub_f)
             # Vn^T = W^T Ag^T
             T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
@@ -154,8 +168,12 @@ def build_chunk_forward_rso(
             T.fence_proxy_async()
             T.barrier_arrive(vn_ready)
             # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
-            for i, j in T.Parallel(HV2, C):
-                u_f[i, j] = u_f[i, j] * dec_s[st, j]
+            if lean_state:
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = u_f[i, j] * dcol_f[j]
+            else:
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = u_f[i, j] * dec_s[st, j]
             T.copy(u_f, ub_f)
             T.gemm(ub_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])

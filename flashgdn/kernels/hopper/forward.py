@@ -55,6 +55,10 @@ KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5")
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
 RSO_LEAN_OUTPUT = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_OUTPUT", "1") == "1"
 
+#: The rso loop's state paths with their column factors gamma_j and d_j in registers (``chunk_forward_rso.py``'s
+#: ``lean_state``): the same bits. An A/B, off; FLASHGDN_HOPPER_RSO_LEAN_STATE=1.
+RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "0") == "1"
+
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
 
@@ -232,7 +236,8 @@ def hopper_forward(
     if chunk_loop == "rso" and with_output:
         main = build_chunk_forward_rso(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first,
-            **({} if RSO_LEAN_OUTPUT else dict(lean_output=False))
+            **({} if RSO_LEAN_OUTPUT else dict(lean_output=False)),
+            **(dict(lean_state=True) if RSO_LEAN_STATE else {})
         )
     elif chunk_loop == "uw":
         main = build_chunk_forward_uw(

@@ -65,6 +65,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rso_plain"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first, lean_output=False))
+            # the state paths' column factors in registers too (forward.RSO_LEAN_STATE, an A/B)
+            yield (name.replace("chunk_forward", "chunk_forward_rso_lean_state"), "chunk_forward_rso",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                        store_final_state=store_ht, state_v_first=v_first, lean_state=True))
         # rs with the decay in K's tile ("rsd"), with its output and (CP's pass) state-only; and with stage 1
         # inside the loop ("fused")
         for wo in (True, False) if has_h0 and store_ht and not v_first else (True,):
@@ -86,9 +90,13 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     from .forward import DEFAULT_CHUNK_LOOP, KKT_ASYNC_LOADS, KKT_BLOCKS_PER_SM
 
     kkt = ("kkt_inverse_async" if KKT_ASYNC_LOADS else "kkt_inverse") + ("_5" if KKT_BLOCKS_PER_SM == 5 else "")
-    from .forward import RSO_LEAN_OUTPUT
+    from .forward import RSO_LEAN_OUTPUT, RSO_LEAN_STATE
 
-    loop = "rso_plain" if DEFAULT_CHUNK_LOOP == "rso" and not RSO_LEAN_OUTPUT else DEFAULT_CHUNK_LOOP
+    loop = DEFAULT_CHUNK_LOOP
+    if loop == "rso" and not RSO_LEAN_OUTPUT:
+        loop = "rso_plain"
+    elif loop == "rso" and RSO_LEAN_STATE:
+        loop = "rso_lean_state"
     wanted = {"chunk_plan", kkt, f"chunk_forward_{loop}"}
     for v in forward_variants(Hqk, Hv, K, V, dtype, flags):
         if v[0].split("[")[0] in wanted:
