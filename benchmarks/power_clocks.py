@@ -73,6 +73,23 @@ def read_samples(path: str):
     return rows
 
 
+def summarize_run(r: dict, samples: list) -> dict:
+    """Adds to a run's record (``t0``, ``t1``: its epoch start and end; ``ms``: time per call) the median SM clock
+    and power of the samples in the run's second half (clocks settle in its first few hundred ms), the hottest
+    temperature, the limit, the set of throttle reasons, and the cycles per call at that clock."""
+    mid = (r["t0"] + r["t1"]) / 2
+    inside = [s for s in samples if mid <= s["t"] <= r["t1"]]
+    if inside:
+        r["sm_mhz"] = statistics.median(s["sm_mhz"] for s in inside)
+        r["power_w"] = statistics.median(s["power_w"] for s in inside)
+        r["temp_c"] = max(s["temp_c"] for s in inside)
+        r["limit_w"] = inside[0]["limit_w"]
+        r["throttle"] = sorted({s["throttle"] for s in inside})
+        r["samples"] = len(inside)
+        r["mcycles_per_call"] = r["ms"] * r["sm_mhz"] / 1e3
+    return r
+
+
 def main(argv=None) -> int:
     from flashgdn.bench.impls import make_impls, parse_impls
     from flashgdn.bench.inputs import make_inputs
@@ -117,17 +134,7 @@ def main(argv=None) -> int:
     for r in results:
         if "error" in r:
             continue
-        # the samples of the run's second half (clocks settle after the first few hundred ms)
-        mid = (r["t0"] + r["t1"]) / 2
-        inside = [s for s in samples if mid <= s["t"] <= r["t1"]]
-        if inside:
-            r["sm_mhz"] = statistics.median(s["sm_mhz"] for s in inside)
-            r["power_w"] = statistics.median(s["power_w"] for s in inside)
-            r["temp_c"] = max(s["temp_c"] for s in inside)
-            r["limit_w"] = inside[0]["limit_w"]
-            r["throttle"] = sorted({s["throttle"] for s in inside})
-            r["samples"] = len(inside)
-            r["mcycles_per_call"] = r["ms"] * r["sm_mhz"] / 1e3
+        summarize_run(r, samples)
         print(f"{r['impl']:>16}: {r['ms']:.3f} ms/call, SM {r.get('sm_mhz', 0):.0f} MHz, "
               f"{r.get('power_w', 0):.0f} W of {r.get('limit_w', 0):.0f}, "
               f"{r.get('mcycles_per_call', 0):.3f} Mcycles/call, throttle {r.get('throttle')}", flush=True)
