@@ -112,6 +112,9 @@ def main(argv=None):
     ap.add_argument("--rso-lean-state", action="store_true",
                     help="also time the rso loop with its state paths' column factors in registers (lean_state; bits "
                          "compared), and the op with it")
+    ap.add_argument("--rs-lean", action="store_true",
+                    help="also time the rs state-only pass with its column factors in registers (lean; bits compared) "
+                         "and the op with CP on 64-chunk segments with it")
     ap.add_argument("--rso-plain", action="store_true",
                     help="also time the rso loop with its output path untrimmed (lean_output=False, the build "
                          "before; bits compared), and the op with it")
@@ -162,6 +165,8 @@ def main(argv=None):
         # the builds before v's tiles were swizzled (their A/B), with --unswizzled-v
         rso_lean_state = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
                                                   lean_state=True) if args.rso_lean_state else None)
+        rs_state_lean = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False, lean=True)
+                         if args.rs_lean else None)
         rso_plain_rows = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
                                                   lean_output=False) if args.rso_plain else None)
         rso_plain = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, swizzled_v=False)
@@ -201,6 +206,8 @@ def main(argv=None):
             "loop_rso": (lambda: rso(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "rso" in loops else None,
             "loop_rso_lean_state": (lambda: rso_lean_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
             if rso_lean_state else None,
+            "loop_rs_state_lean": (lambda: rs_state_lean(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
+            if rs_state_lean else None,
             "loop_rso_plain": (lambda: rso_plain_rows(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
             if rso_plain_rows else None,
             "loop_rso_unswizzled": (lambda: rso_plain(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
@@ -271,6 +278,14 @@ def main(argv=None):
                 loop(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
                 got.append((o.clone(), ht.clone()))
             row["rso_lean_state_same_bits"] = all(torch.equal(a, b) for a, b in zip(*got))
+        if rs_state_lean is not None:  # the same final states from both, bit for bit
+            times["op_cp64_rs_lean"] = lambda: switched(fw, "LEAN_STATE_PASSES", True, lambda: op(64))
+            got = []
+            for state in (rs_state, rs_state_lean):
+                ht.fill_(float("nan"))
+                state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht)
+                got.append(ht.clone())
+            row["rs_lean_same_bits"] = bool(torch.equal(*got))
         if rso_plain_rows is not None and rso is not None:  # the same o and final state from both, bit for bit
             times["op_rso_plain"] = lambda: switched(fw, "RSO_LEAN_OUTPUT", False, lambda: op("off"))
             got = []
@@ -327,6 +342,7 @@ def main(argv=None):
     cols = [("chunk plan", "chunk_bounds"), ("kkt_inverse", "kkt_inverse"), ("kkt async loads", "kkt_inverse_async"),
             ("kkt 5 per SM", "kkt_inverse_5"), ("op kkt 5 per SM", "op_kkt_5"), ("op kkt 4 per SM", "op_kkt_4"),
             ("loop rso lean state", "loop_rso_lean_state"), ("op rso lean state", "op_rso_lean_state"),
+            ("rs state-only lean", "loop_rs_state_lean"), ("op cp=64 rs lean", "op_cp64_rs_lean"),
             ("loop rso untrimmed output", "loop_rso_plain"), ("op rso untrimmed output", "op_rso_plain"),
             ("loop rso unswizzled v", "loop_rso_unswizzled"),
             ("rs state-only unswizzled v", "loop_rs_state_unswizzled"),

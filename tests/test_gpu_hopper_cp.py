@@ -238,3 +238,35 @@ def test_skipping_unread_transitions_gives_the_same_bits(opts, cuda, monkeypatch
     got = run()
     for name, x, w in zip(["o", "final state"] + names, got, want):
         assert torch.equal(x, w), name
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
+])
+def test_lean_rs_state_paths_give_the_same_bits(opts, cuda, monkeypatch):
+    """``forward.LEAN_STATE_PASSES``: the state passes (the rs loop's: CP's transitions, the backward's chunk states;
+    and the backward's walk) with gamma_j, d_j and exp(g~_last) read once per chunk into registers: the same
+    products, so the op with CP and its gradients are the same bits with and without it."""
+    from flashgdn.kernels.hopper import forward
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
+    gen = torch.Generator(device=cuda)
+
+    def run():
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=4)
+        do = torch.randn(o.shape, generator=gen.manual_seed(5), device=cuda).to(o.dtype)
+        dht = torch.randn(ht.shape, generator=gen.manual_seed(6), device=cuda)
+        torch.autograd.backward([o, ht], [do, dht])
+        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+
+    monkeypatch.setattr(forward, "LEAN_STATE_PASSES", False)
+    want = run()
+    monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
+    got = run()
+    for name, x, w in zip(["o", "final state"] + names, got, want):
+        assert torch.equal(x, w), name

@@ -69,6 +69,7 @@ def build_chunk_forward_rs(
     inverse_in_loop: bool = False,
     skip_unread: str = "",
     swizzled_v: Optional[bool] = None,
+    lean: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -124,7 +125,11 @@ def build_chunk_forward_rs(
     pass (context parallelism's transitions, the backward's states pass): 0.72x-0.82x its unswizzled time
     (``stages-hopper-v0.12b.json``). The default (None) swizzles every build but the precise mode's with an
     output and the "fused" A/B (``inverse_in_loop``), where ptxas then spills 12 and 16 bytes (neither is a
-    default path: the forward runs rso, the precise mode is opt-in)."""
+    default path: the forward runs rso, the precise mode is opt-in).
+    ``lean`` (an A/B, ``forward.LEAN_STATE_PASSES``; not with ``decayed_k``): the state paths read gamma_j and d_j once per chunk
+    into fragments of the thread's 16 columns, and exp(g~_last) once, instead of once per element, as the rso loop's
+    trimmed paths do (``chunk_forward_rso.py``); O^T's scale x gamma_j too. The same products, so the same bits.
+    """
     import tilelang
     import tilelang.language as T
 
@@ -165,6 +170,8 @@ def build_chunk_forward_rs(
         raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
     if decayed_k and precise:
         raise ValueError("decayed_k has no precise mode (its Kd tile is one more bf16 rounding of the state's update)")
+    if lean and decayed_k:
+        raise ValueError("lean is an option of the loop without decayed_k")
     if staged_stores and not store_chunk_states:
         raise ValueError("staged_stores is an option of store_chunk_states")
     if store_chunk_states:
@@ -192,6 +199,10 @@ def build_chunk_forward_rs(
             xb_f = T.alloc_fragment((HV2, C), io_dtype)  # W^T's third term (its GEMM overwrites W^T)
         if with_output:
             o_f = T.alloc_fragment((HV2, C), acc)  # O^T
+        if lean:  # gamma_j and d_j per column of the thread's [64, C] accumulators, gamma_C
+            gcol_f = T.alloc_fragment((C,), acc)
+            dcol_f = T.alloc_fragment((C,), acc)
+            gl = T.alloc_local((1,), acc)
         parts.load_state(st_f, h0, n, h, c0)
 
         for c in T.serial(n_chunks):
@@ -238,7 +249,18 @@ def build_chunk_forward_rs(
                 for i, j in T.Parallel(HV2, K):
                     st_f[i, j] = st_f[i, j] * gam_s[st, C - 1]
             # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma), in one pass over the tile
-            if with_output:
+            if lean:
+                for j in T.Parallel(C):
+                    gcol_f[j] = gam_s[st, j]
+                    dcol_f[j] = dec_s[st, j]
+                if with_output:
+                    for i, j in T.Parallel(HV2, C):
+                        u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gcol_f[j]
+                        o_f[i, j] = o_f[i, j] * (scale * gcol_f[j])
+                else:
+                    for i, j in T.Parallel(HV2, C):
+                        u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gcol_f[j]
+            elif with_output:
                 for i, j in T.Parallel(HV2, C):
                     u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
                     o_f[i, j] = o_f[i, j] * (scale * gam_s[st, j])
@@ -279,14 +301,23 @@ def build_chunk_forward_rs(
                     if precise:
                         T.gemm(lb_f, p_s[st, :, :], o_f, transpose_B=True)
                 # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
-                for i, j in T.Parallel(HV2, C):
-                    u_f[i, j] = u_f[i, j] * dec_s[st, j]
+                if lean:
+                    for i, j in T.Parallel(HV2, C):
+                        u_f[i, j] = u_f[i, j] * dcol_f[j]
+                else:
+                    for i, j in T.Parallel(HV2, C):
+                        u_f[i, j] = u_f[i, j] * dec_s[st, j]
                 T.copy(u_f, ub_f)
                 if precise:
                     for i, j in T.Parallel(HV2, C):
                         lb_f[i, j] = u_f[i, j] - ub_f[i, j]
-                for i, j in T.Parallel(HV2, K):
-                    st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+                if lean:
+                    gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
+                    for i, j in T.Parallel(HV2, K):
+                        st_f[i, j] = st_f[i, j] * gl[0]
+                else:
+                    for i, j in T.Parallel(HV2, K):
+                        st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
                 T.gemm(ub_f, k_s[st, :, :], st_f)
                 if precise:
                     T.gemm(lb_f, k_s[st, :, :], st_f)

@@ -59,6 +59,18 @@ RSO_LEAN_OUTPUT = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_OUTPUT", "1") == "1"
 #: ``lean_state``): the same bits. An A/B, off; FLASHGDN_HOPPER_RSO_LEAN_STATE=1.
 RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "0") == "1"
 
+#: The state passes' state paths with gamma_j, d_j and exp(g~_last) in registers, made once per chunk: the rs loop's
+#: (``chunk_forward_rs.py``'s ``lean``: context parallelism's transitions, the backward's chunk states, the rs loop with
+#: an output when it is chosen) and the backward's walk (``state_grad_walk.py``'s ``lean``). The same bits. An A/B,
+#: off; FLASHGDN_HOPPER_LEAN_STATE_PASSES=1.
+LEAN_STATE_PASSES = os.environ.get("FLASHGDN_HOPPER_LEAN_STATE_PASSES", "0") == "1"
+
+
+def lean_state_option() -> dict:
+    """The ``lean`` build option of the rs loop and the walk as ``LEAN_STATE_PASSES`` sets it (empty when off, so the
+    default builds keep their cache entries)."""
+    return dict(lean=True) if LEAN_STATE_PASSES else {}
+
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
 
@@ -251,7 +263,7 @@ def hopper_forward(
     elif not with_output or chunk_loop in ("rs", "rsd", "rso"):
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, with_output,
-            PRECISE, decayed_k=chunk_loop == "rsd",
+            PRECISE, decayed_k=chunk_loop == "rsd", **({} if chunk_loop == "rsd" else lean_state_option()),
         )
     elif chunk_loop == "ws":
         main = build_chunk_forward_ws(
@@ -332,7 +344,7 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     N = cu_seqlens.shape[0] - 1
     mode = "" if unread is None else unread[1]
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(k.dtype), True, True, False, with_output=False,
-                                    transition_pairs=True, skip_unread=mode)
+                                    transition_pairs=True, skip_unread=mode, **lean_state_option())
     end = _output((N, 2 * Hv, K, V), torch.float32, k.device)
     o1 = torch.empty((1, 1, Hv, V), dtype=k.dtype, device=k.device)  # not touched by a state-only pass
     args = (q, k, v, stage1.gcum, stage1.Ag, cu_seqlens, stage1.first_slot, start.to(torch.float32).contiguous(),

@@ -46,7 +46,7 @@ PRECISE_REGS = (200, 72, 40)
 
 @functools.lru_cache(maxsize=None)
 def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
-                          staged_stores: bool = False, precise: bool = False):
+                          staged_stores: bool = False, precise: bool = False, lean: bool = False):
     """Compile (or load) the walk. Arguments of the returned kernel, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -59,6 +59,9 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
       ds_end    [S, Hv, V, K]    io dtype, written: dS^T at the end of every chunk slot (V-major; the rounding
                                  the GEMMs here and in ``chunk_grad`` read it with, at half float32's memory)
       dh0       [N, Hv, K, V]    float32, written: the gradient at every sequence's start (K-major)
+    
+    ``lean`` (an A/B, ``forward.LEAN_STATE_PASSES``): the state paths read d_j and gamma_j once per chunk into fragments
+    of the thread's 16 columns, and exp(g~_last) once, instead of once per element; the same bits.
     """
     import tilelang
     import tilelang.language as T
@@ -89,6 +92,10 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
         if precise:  # second terms of X^T and -Y^T diag(gamma) (then the latter's third), X^T's third
             lb_f = T.alloc_fragment((HV2, C), io_dtype)
             xb_f = T.alloc_fragment((HV2, C), io_dtype)
+        if lean:  # d_j and gamma_j per column of the thread's [64, C] accumulator, gamma_C
+            dcol_f = T.alloc_fragment((C,), acc)
+            gcol_f = T.alloc_fragment((C,), acc)
+            gl = T.alloc_local((1,), acc)
         if has_final_grad:
             for i, j in T.Parallel(HV2, K):
                 st_f[i, j] = dht[n, h, j, c0 + i]
@@ -118,8 +125,15 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
                     sb_f[i, j] = st_f[i, j] - T.cast(T.cast(st_f[i, j], io_dtype), acc) - sb_f[i, j]
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
-            for i, j in T.Parallel(HV2, C):
-                u_f[i, j] = u_f[i, j] * dec_s[st, j]
+            if lean:
+                for j in T.Parallel(C):
+                    dcol_f[j] = dec_s[st, j]
+                    gcol_f[j] = gam_s[st, j]
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = u_f[i, j] * dcol_f[j]
+            else:
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = u_f[i, j] * dec_s[st, j]
             T.gemm(do_s[st, :, c0:c0 + HV2], p_s[st, :, :], u_f, transpose_A=True)  # + dO^T P
             T.copy(u_f, ub_f)
             if precise:  # all three terms first: this GEMM overwrites X^T
@@ -131,18 +145,28 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             if precise:
                 T.gemm(lb_f, a_s[st, :, :], u_f)
                 T.gemm(xb_f, a_s[st, :, :], u_f)
-            for i, j in T.Parallel(HV2, C):
-                ub_f[i, j] = -u_f[i, j] * gam_s[st, j]
-            if precise:
+            if lean:
                 for i, j in T.Parallel(HV2, C):
-                    lb_f[i, j] = -u_f[i, j] * gam_s[st, j] - ub_f[i, j]
-            for i, j in T.Parallel(HV2, K):
-                st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
+                    ub_f[i, j] = -u_f[i, j] * gcol_f[j]
+                if precise:
+                    for i, j in T.Parallel(HV2, C):
+                        lb_f[i, j] = -u_f[i, j] * gcol_f[j] - ub_f[i, j]
+                gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = st_f[i, j] * gl[0]
+            else:
+                for i, j in T.Parallel(HV2, C):
+                    ub_f[i, j] = -u_f[i, j] * gam_s[st, j]
+                if precise:
+                    for i, j in T.Parallel(HV2, C):
+                        lb_f[i, j] = -u_f[i, j] * gam_s[st, j] - ub_f[i, j]
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.gemm(ub_f, k_s[st, :, :], st_f)  # - (Y^T diag(gamma)) K
             if precise:
                 T.gemm(lb_f, k_s[st, :, :], st_f)
                 for i, j in T.Parallel(HV2, C):
-                    lb_f[i, j] = -u_f[i, j] * gam_s[st, j] - ub_f[i, j] - lb_f[i, j]
+                    lb_f[i, j] = -u_f[i, j] * (gcol_f[j] if lean else gam_s[st, j]) - ub_f[i, j] - lb_f[i, j]
                 T.gemm(lb_f, k_s[st, :, :], st_f)
             T.gemm(do_s[st, :, c0:c0 + HV2], qg_s[st, :, :], st_f, transpose_A=True)  # + dO^T Qg
             T.barrier_arrive(empty[st])

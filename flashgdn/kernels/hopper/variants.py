@@ -40,6 +40,14 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                 yield (name.replace("chunk_forward", "chunk_forward_rs" + tag), "chunk_forward_rs",
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                             store_final_state=True, state_v_first=False, with_output=wo, precise=precise))
+            # the state-only pass and the paired transitions with their column factors in registers (forward.LEAN_STATE_PASSES)
+            yield (name.replace("chunk_forward", "chunk_forward_rs_state_lean"), "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
+                        state_v_first=False, with_output=False, lean=True))
+            yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_lean"), "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
+                        state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
+                        lean=True))
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs"), "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True))
@@ -141,7 +149,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                                          or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM):
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
-                kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise):
+                kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise
+                or kw.get("lean", False) != forward.LEAN_STATE_PASSES):
             continue
         yield v
     yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, tuple(f for f, on in options.items() if on))
@@ -173,6 +182,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged,
                         precise=precise))
+    # the walk with its column factors in registers (forward.LEAN_STATE_PASSES, an A/B)
+    yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged,lean]", "state_grad_walk",
+           dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True, precise=False,
+                lean=True))
     for async_loads in (False, True):
         yield (f"kkt_inverse_with_A{'_async' * async_loads}[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
                dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=async_loads))
