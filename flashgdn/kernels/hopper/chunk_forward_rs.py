@@ -250,9 +250,7 @@ def build_chunk_forward_rs(
                     st_f[i, j] = st_f[i, j] * gam_s[st, C - 1]
             # W^T = V^T - (S^T K^T) diag(gamma) ;  O^T = scale (S^T Q^T) diag(gamma), in one pass over the tile
             if lean:
-                for j in T.Parallel(C):
-                    gcol_f[j] = gam_s[st, j]
-                    dcol_f[j] = dec_s[st, j]
+                parts.column_factors(gam_s, dec_s, gcol_f, dcol_f, st)
                 if with_output:
                     for i, j in T.Parallel(HV2, C):
                         u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gcol_f[j]
@@ -312,9 +310,7 @@ def build_chunk_forward_rs(
                     for i, j in T.Parallel(HV2, C):
                         lb_f[i, j] = u_f[i, j] - ub_f[i, j]
                 if lean:
-                    gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
-                    for i, j in T.Parallel(HV2, K):
-                        st_f[i, j] = st_f[i, j] * gl[0]
+                    parts.decay_state_once(st_f, gc_s, st, gl)
                 else:
                     for i, j in T.Parallel(HV2, K):
                         st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)

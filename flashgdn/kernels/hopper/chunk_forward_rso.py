@@ -140,9 +140,7 @@ def build_chunk_forward_rso(
             T.fence_proxy_async()
             T.barrier_arrive(s_ready[st])
             if lean_output:
-                gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
-                for i, j in T.Parallel(HV2, K):
-                    st_f[i, j] = st_f[i, j] * gl[0]
+                parts.decay_state_once(st_f, gc_s, st, gl)
             else:
                 for i, j in T.Parallel(HV2, K):
                     st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
@@ -150,9 +148,7 @@ def build_chunk_forward_rso(
             # W^T = V^T - (S^T K^T) diag(gamma)
             T.barrier_wait(d_ready[st], (c // 2) % 2)
             if lean_state:  # gamma_j and d_j of the thread's columns, once per chunk
-                for j in T.Parallel(C):
-                    gcol_f[j] = gam_s[st, j]
-                    dcol_f[j] = dec_s[st, j]
+                parts.column_factors(gam_s, dec_s, gcol_f, dcol_f, st)
                 for i, j in T.Parallel(HV2, C):
                     u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gcol_f[j]
             else:

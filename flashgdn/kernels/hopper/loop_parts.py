@@ -9,6 +9,9 @@ backward's state-gradient walk (``state_grad_walk``): each a TileLang macro, inl
   part, for a Q K^T made elsewhere); ``gate_p`` / ``gate_decays``:
   what the gate warpgroup makes one chunk ahead, P into shared memory and the per-token factors
   gamma_i = exp(g~_i), d_i = exp(g~_last - g~_i);
+* ``decay_state_once`` / ``column_factors``: a state path's gamma_C scaling with exp(g~_last) taken once, and its
+  column factors gamma_j and d_j read once per chunk into registers (the trimmed builds: rso's ``lean_output`` and
+  ``lean_state``, the rs loop's and the walk's ``lean``);
 * ``zero_tail``: o = 0 on the padded tokens after the last sequence.
 """
 from types import SimpleNamespace
@@ -83,6 +86,21 @@ def make_loop_parts(C: int, K: int, V: int, io_dtype: str, has_initial_state: bo
             dec_s[st, i] = T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E)
 
     @T.macro
+    def decay_state_once(st_f, gc_s, st, gl):
+        # S^T *= gamma_C with exp(g~_last) taken once into ``gl`` (one float32 local) instead of once per element
+        gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
+        for i, j in T.Parallel(HV2, K):
+            st_f[i, j] = st_f[i, j] * gl[0]
+
+    @T.macro
+    def column_factors(gam_s, dec_s, gcol_f, dcol_f, st):
+        # gamma_j and d_j into [C] fragments, once per chunk: used beside a state path's [64, C] accumulator, each
+        # holds only the thread's 16 columns (its layout is inferred from that use)
+        for j in T.Parallel(C):
+            gcol_f[j] = gam_s[st, j]
+            dcol_f[j] = dec_s[st, j]
+
+    @T.macro
     def zero_tail(o, n, h, eos, num_seqs, num_tokens):
         if n == num_seqs - 1:
             for c in T.serial(T.ceildiv(num_tokens - eos, C)):
@@ -92,4 +110,4 @@ def make_loop_parts(C: int, K: int, V: int, io_dtype: str, has_initial_state: bo
 
     return SimpleNamespace(load_state=load_state, store_state=store_state, store_output=store_output,
                            masked_p=masked_p, gate_qk=gate_qk, gate_p=gate_p, gate_decays=gate_decays,
-                           zero_tail=zero_tail)
+                           decay_state_once=decay_state_once, column_factors=column_factors, zero_tail=zero_tail)

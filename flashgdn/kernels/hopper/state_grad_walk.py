@@ -79,6 +79,8 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     n_dht = T.dynamic("n_dht")
     acc = "float32"
 
+    parts = make_loop_parts(C, K, V, io_dtype)
+
     @T.macro
     def state_path(w, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s, gam_s,
                    dec_s, full, empty, p_ready):
@@ -126,9 +128,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
             T.barrier_wait(p_ready[st], (c // 2) % 2)
             if lean:
-                for j in T.Parallel(C):
-                    dcol_f[j] = dec_s[st, j]
-                    gcol_f[j] = gam_s[st, j]
+                parts.column_factors(gam_s, dec_s, gcol_f, dcol_f, st)
                 for i, j in T.Parallel(HV2, C):
                     u_f[i, j] = u_f[i, j] * dcol_f[j]
             else:
@@ -151,9 +151,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
                 if precise:
                     for i, j in T.Parallel(HV2, C):
                         lb_f[i, j] = -u_f[i, j] * gcol_f[j] - ub_f[i, j]
-                gl[0] = T.exp2(gc_s[st, C - 1] * LOG2E)
-                for i, j in T.Parallel(HV2, K):
-                    st_f[i, j] = st_f[i, j] * gl[0]
+                parts.decay_state_once(st_f, gc_s, st, gl)
             else:
                 for i, j in T.Parallel(HV2, C):
                     ub_f[i, j] = -u_f[i, j] * gam_s[st, j]
@@ -175,7 +173,6 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             dh0[n, h, j, c0 + i] = st_f[i, j]
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True, reverse=True)
-    parts = make_loop_parts(C, K, V, io_dtype)
 
     @T.prim_func
     def state_grad_walk_kernel(
