@@ -167,12 +167,12 @@ def main(argv=None):
                                                   lean_state=True) if args.rso_lean_state else None)
         rs_state_lean = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False, lean=True)
                          if args.rs_lean else None)
-        rso_plain_rows = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
-                                                  lean_output=False) if args.rso_plain else None)
-        rso_plain = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, swizzled_v=False)
-                     if args.unswizzled_v else None)
-        rs_state_plain = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False,
-                                                 swizzled_v=False) if args.unswizzled_v else None)
+        rso_plain = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, lean_output=False)
+                     if args.rso_plain else None)
+        rso_unswizzled = (build_chunk_forward_rso(Hqk, Hv, 128, 128, "bfloat16", True, True, False, swizzled_v=False)
+                          if args.unswizzled_v else None)
+        rs_state_unswizzled = (build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False,
+                                                      swizzled_v=False) if args.unswizzled_v else None)
         uw = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False) if "uw" in loops else None
         uw_state = build_chunk_forward_uw(Hqk, Hv, 128, 128, "bfloat16", True, True, False, False) if "uw" in loops else None
         o1 = torch.empty(1, 1, Hv, 128, device="cuda", dtype=torch.bfloat16)
@@ -208,12 +208,13 @@ def main(argv=None):
             if rso_lean_state else None,
             "loop_rs_state_lean": (lambda: rs_state_lean(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if rs_state_lean else None,
-            "loop_rso_plain": (lambda: rso_plain_rows(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
-            if rso_plain_rows else None,
-            "loop_rso_unswizzled": (lambda: rso_plain(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
+            "loop_rso_plain": (lambda: rso_plain(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
             if rso_plain else None,
-            "loop_rs_state_unswizzled": (lambda: rs_state_plain(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
-            if rs_state_plain else None,
+            "loop_rso_unswizzled": (lambda: rso_unswizzled(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht))
+            if rso_unswizzled else None,
+            "loop_rs_state_unswizzled": (
+                lambda: rs_state_unswizzled(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
+            if rs_state_unswizzled else None,
             "loop_uw": (lambda: uw(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)) if "uw" in loops else None,
             "loop_uw_state": (lambda: uw_state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht))
             if "uw" in loops else None,
@@ -269,42 +270,33 @@ def main(argv=None):
             prep5(k, g, beta, bounds, gcum2, Ag2)
             row["kkt_5_same_bits"] = bool(torch.equal(Ag[live], Ag2[live]) and torch.equal(
                 gcum.view(Hv, -1, 64)[:, live], gcum2.view(Hv, -1, 64)[:, live]))
-        if rso_lean_state is not None and rso is not None:  # the same o and final state from both, bit for bit
+        def loop_outputs(loop):  # o and the final state of a loop with an output, both poisoned first
+            o.fill_(float("nan"))
+            ht.fill_(float("nan"))
+            loop(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
+            return [o.clone(), ht.clone()]
+
+        def state_outputs(state):  # the final state of a state-only pass, poisoned first
+            ht.fill_(float("nan"))
+            state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht)
+            return [ht.clone()]
+
+        def same_bits(a, b):
+            return all(torch.equal(x, y) for x, y in zip(a, b))
+
+        # each A/B build against the default, bit for bit
+        if rso_lean_state is not None and rso is not None:
             times["op_rso_lean_state"] = lambda: switched(fw, "RSO_LEAN_STATE", True, lambda: op("off"))
-            got = []
-            for loop in (rso, rso_lean_state):
-                o.fill_(float("nan"))
-                ht.fill_(float("nan"))
-                loop(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
-                got.append((o.clone(), ht.clone()))
-            row["rso_lean_state_same_bits"] = all(torch.equal(a, b) for a, b in zip(*got))
-        if rs_state_lean is not None:  # the same final states from both, bit for bit
+            row["rso_lean_state_same_bits"] = same_bits(loop_outputs(rso), loop_outputs(rso_lean_state))
+        if rs_state_lean is not None:
             times["op_cp64_rs_lean"] = lambda: switched(fw, "LEAN_STATE_PASSES", True, lambda: op(64))
-            got = []
-            for state in (rs_state, rs_state_lean):
-                ht.fill_(float("nan"))
-                state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht)
-                got.append(ht.clone())
-            row["rs_lean_same_bits"] = bool(torch.equal(*got))
-        if rso_plain_rows is not None and rso is not None:  # the same o and final state from both, bit for bit
+            row["rs_lean_same_bits"] = same_bits(state_outputs(rs_state), state_outputs(rs_state_lean))
+        if rso_plain is not None and rso is not None:
             times["op_rso_plain"] = lambda: switched(fw, "RSO_LEAN_OUTPUT", False, lambda: op("off"))
-            got = []
-            for loop in (rso, rso_plain_rows):
-                o.fill_(float("nan"))
-                ht.fill_(float("nan"))
-                loop(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
-                got.append((o.clone(), ht.clone()))
-            row["rso_plain_same_bits"] = all(torch.equal(a, b) for a, b in zip(*got))
-        if rso_plain is not None and rso is not None:  # the same o and states from both builds, bit for bit
-            got = []
-            for loop, state in ((rso, rs_state), (rso_plain, rs_state_plain)):
-                o.fill_(float("nan"))
-                loop(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o, ht)
-                outs = [o.clone(), ht.clone()]
-                ht.fill_(float("nan"))
-                state(q, k, v, gcum, Ag, cu, first_slot, h0, scale, o1, ht)
-                got.append(outs + [ht.clone()])
-            row["unswizzled_v_same_bits"] = all(torch.equal(a, b) for a, b in zip(*got))
+            row["rso_plain_same_bits"] = same_bits(loop_outputs(rso), loop_outputs(rso_plain))
+        if rso_unswizzled is not None and rso is not None:
+            row["unswizzled_v_same_bits"] = same_bits(loop_outputs(rso) + state_outputs(rs_state),
+                                                      loop_outputs(rso_unswizzled) + state_outputs(rs_state_unswizzled))
         if compared:  # the loops' outputs beside rs's (each is checked against the oracle by the tests)
             with torch.no_grad():
                 o_rs, h_rs = fw.hopper_forward(q, k, v, g, beta, scale, h0, True, cu, False, chunk_loop="rs")

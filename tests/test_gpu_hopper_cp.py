@@ -206,6 +206,26 @@ def test_segment_index_kernel_equals_the_torch_index(segment_chunks, cu_dtype, c
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+def _cp_op_and_gradients(opts, cuda):
+    """The op with CP on 4-chunk segments and its backward (fixed output gradients) on one set of inputs: returns
+    ``(names, run)``, ``run()`` giving ``[o, final state] + the gradients of names``."""
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
+    gen = torch.Generator(device=cuda)
+
+    def run():
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=4)
+        do = torch.randn(o.shape, generator=gen.manual_seed(5), device=cuda).to(o.dtype)
+        dht = torch.randn(ht.shape, generator=gen.manual_seed(6), device=cuda)
+        torch.autograd.backward([o, ht], [do, dht])
+        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+
+    return names, run
+
+
 @pytest.mark.parametrize("opts", [
     dict(seqlens=[8192]),
     dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
@@ -217,19 +237,7 @@ def test_skipping_unread_transitions_gives_the_same_bits(opts, cuda, monkeypatch
     so the op and its gradients are the same bits with and without it."""
     from flashgdn.kernels.hopper import backend
 
-    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
-    if inp.get("cu_seqlens") is not None:
-        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
-    gen = torch.Generator(device=cuda).manual_seed(5)
-
-    def run():
-        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
-        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=4)
-        do = torch.randn(o.shape, generator=gen.manual_seed(5), device=cuda).to(o.dtype)
-        dht = torch.randn(ht.shape, generator=gen.manual_seed(6), device=cuda)
-        torch.autograd.backward([o, ht], [do, dht])
-        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+    names, run = _cp_op_and_gradients(opts, cuda)
 
     monkeypatch.setattr(backend, "CP_PAIRED", True)
     monkeypatch.setattr(backend, "CP_SKIP_UNREAD", False)
@@ -250,19 +258,7 @@ def test_lean_rs_state_paths_give_the_same_bits(opts, cuda, monkeypatch):
     products, so the op with CP and its gradients are the same bits with and without it."""
     from flashgdn.kernels.hopper import forward
 
-    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
-    if inp.get("cu_seqlens") is not None:
-        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
-    gen = torch.Generator(device=cuda)
-
-    def run():
-        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
-        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=4)
-        do = torch.randn(o.shape, generator=gen.manual_seed(5), device=cuda).to(o.dtype)
-        dht = torch.randn(ht.shape, generator=gen.manual_seed(6), device=cuda)
-        torch.autograd.backward([o, ht], [do, dht])
-        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+    names, run = _cp_op_and_gradients(opts, cuda)
 
     monkeypatch.setattr(forward, "LEAN_STATE_PASSES", False)
     want = run()
