@@ -94,3 +94,28 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert [n for n in names if n.startswith(("chunk_states", "state_grad_walk"))] == [
         "chunk_states[2/8,bfloat16,h0=1,staged,precise]", "chunk_states[2/8,bfloat16,h0=0,staged,precise]",
         "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]"]
+
+
+def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
+    """The host's build switches reach what is precompiled: the rso loop's options (forward.rso_options) and the
+    state passes' lean option (forward.lean_state_option), so a server with a switch set precompiles the builds it
+    will run."""
+    from flashgdn.kernels.hopper import forward
+    from flashgdn.kernels.hopper.variants import serving_variants, training_variants
+
+    def rso_kwargs():
+        return [kw for _, builder, kw in serving_variants(2, 8, flags="common") if builder == "chunk_forward_rso"]
+
+    assert [("lean_output" in kw, "lean_state" in kw) for kw in rso_kwargs()] == [(False, False)]
+    monkeypatch.setattr(forward, "RSO_LEAN_OUTPUT", False)
+    monkeypatch.setattr(forward, "RSO_LEAN_STATE", True)
+    assert [(kw["lean_output"], kw["lean_state"]) for kw in rso_kwargs()] == [(False, True)]
+
+    def lean_of_state_passes():
+        return {name: kw.get("lean") for name, builder, kw in training_variants(2, 8, flags="common")
+                if builder in ("chunk_forward_rs", "state_grad_walk")}
+
+    assert set(lean_of_state_passes().values()) == {None}
+    monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
+    lean = lean_of_state_passes()
+    assert len(lean) == 6 and set(lean.values()) == {True}, lean

@@ -71,6 +71,12 @@ def lean_state_option() -> dict:
     default builds keep their cache entries)."""
     return dict(lean=True) if LEAN_STATE_PASSES else {}
 
+
+def rso_options() -> dict:
+    """``build_chunk_forward_rso``'s options as ``RSO_LEAN_OUTPUT`` and ``RSO_LEAN_STATE`` set them (only those that
+    differ from its defaults, so the default build keeps its cache entry)."""
+    return {**({} if RSO_LEAN_OUTPUT else dict(lean_output=False)), **(dict(lean_state=True) if RSO_LEAN_STATE else {})}
+
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
 
@@ -248,8 +254,7 @@ def hopper_forward(
     if chunk_loop == "rso" and with_output:
         main = build_chunk_forward_rso(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first,
-            **({} if RSO_LEAN_OUTPUT else dict(lean_output=False)),
-            **(dict(lean_state=True) if RSO_LEAN_STATE else {})
+            **rso_options()
         )
     elif chunk_loop == "uw":
         main = build_chunk_forward_uw(

@@ -88,6 +88,20 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                     state_v_first=v_first, decayed_k=True, inverse_in_loop=True))
 
 
+def with_switches(v: Variant) -> Variant:
+    """A variant with the build options the host's switches add to it, as ``forward`` and ``backward`` pass them
+    (``forward.rso_options`` for the rso loop, ``forward.lean_state_option`` for the rs loop but its decayed_k
+    builds, and for the walk): what the operator then builds."""
+    from . import forward
+
+    name, builder, kw = v
+    if builder == "chunk_forward_rso":
+        kw = {**kw, **forward.rso_options()}
+    elif builder == "state_grad_walk" or builder == "chunk_forward_rs" and not kw.get("decayed_k", False):
+        kw = {**kw, **forward.lean_state_option()}
+    return name, builder, kw
+
+
 def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
                      flags: str = "all") -> Iterator[Variant]:
     """Only what the operator with its default settings can ask for: the chunk plan, stage 1, the default chunk
@@ -98,27 +112,20 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     from .forward import DEFAULT_CHUNK_LOOP, KKT_ASYNC_LOADS, KKT_BLOCKS_PER_SM
 
     kkt = ("kkt_inverse_async" if KKT_ASYNC_LOADS else "kkt_inverse") + ("_5" if KKT_BLOCKS_PER_SM == 5 else "")
-    from .forward import RSO_LEAN_OUTPUT, RSO_LEAN_STATE
-
-    loop = DEFAULT_CHUNK_LOOP
-    if loop == "rso" and not RSO_LEAN_OUTPUT:
-        loop = "rso_plain"
-    elif loop == "rso" and RSO_LEAN_STATE:
-        loop = "rso_lean_state"
-    wanted = {"chunk_plan", kkt, f"chunk_forward_{loop}"}
+    wanted = {"chunk_plan", kkt, f"chunk_forward_{DEFAULT_CHUNK_LOOP}"}
     for v in forward_variants(Hqk, Hv, K, V, dtype, flags):
         if v[0].split("[")[0] in wanted:
-            yield v
+            yield with_switches(v)
     if backend.CP_PAIRED:
         pairs = "chunk_forward_rs_pairs_skip_forward[" if backend.CP_SKIP_UNREAD else "chunk_forward_rs_pairs["
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
             if v[0].startswith(pairs):
-                yield v
+                yield with_switches(v)
     else:
         for v in forward_variants(Hqk, 2 * Hv, K, V, dtype, "common"):
             name = v[0].split("[")[0]
             if name == kkt or name == "chunk_forward_rs_state":
-                yield v
+                yield with_switches(v)
     if backend.CP_FUSED:
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
             if v[0].startswith("segment_index[") or (v[0].startswith("splice[") and v[0].endswith(",forward]")):
@@ -133,7 +140,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
 
     yield from serving_variants(Hqk, Hv, K, V, dtype, flags)
     if backend.CP_PAIRED and backend.CP_SKIP_UNREAD:  # the backward's transitions skip fewer items
-        yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
+        yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
                     if v[0].startswith("chunk_forward_rs_pairs_skip_backward["))
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common") if v[0].endswith(",reverse]"))
@@ -149,10 +156,9 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                                          or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM):
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
-                kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise
-                or kw.get("lean", False) != forward.LEAN_STATE_PASSES):
+                kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise or "lean" in kw):
             continue
-        yield v
+        yield with_switches(v)
     yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, tuple(f for f, on in options.items() if on))
 
 
