@@ -106,10 +106,11 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     def rso_kwargs():
         return [kw for _, builder, kw in serving_variants(2, 8, flags="common") if builder == "chunk_forward_rso"]
 
-    assert [("lean_output" in kw, "lean_state" in kw) for kw in rso_kwargs()] == [(False, False)]
+    # the defaults: the trimmed output path (the builder's default) and the trimmed state paths (RSO_LEAN_STATE)
+    assert [("lean_output" in kw, kw.get("lean_state")) for kw in rso_kwargs()] == [(False, True)]
     monkeypatch.setattr(forward, "RSO_LEAN_OUTPUT", False)
-    monkeypatch.setattr(forward, "RSO_LEAN_STATE", True)
-    assert [(kw["lean_output"], kw["lean_state"]) for kw in rso_kwargs()] == [(False, True)]
+    monkeypatch.setattr(forward, "RSO_LEAN_STATE", False)
+    assert [(kw["lean_output"], kw.get("lean_state", False)) for kw in rso_kwargs()] == [(False, False)]
 
     def lean_of_state_passes():
         return {name: kw.get("lean") for name, builder, kw in training_variants(2, 8, flags="common")

@@ -56,13 +56,18 @@ KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5")
 RSO_LEAN_OUTPUT = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_OUTPUT", "1") == "1"
 
 #: The rso loop's state paths with their column factors gamma_j and d_j in registers (``chunk_forward_rso.py``'s
-#: ``lean_state``): the same bits. An A/B, off; FLASHGDN_HOPPER_RSO_LEAN_STATE=1.
-RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "0") == "1"
+#: ``lean_state``): the same bits (``gpu-ab-v0.13f.log``). On the H200, timed twice in opposite column order
+#: (``stages-hopper-v0.13f*.json``), the op took 0.990x the time of the untrimmed state paths (geometric mean of 12;
+#: 0.982x-0.992x on the one-wave shapes 2/8 32768x1, 16/32 32768x1, 32/32 8192x1, 2/8 1024x8; full shapes within the
+#: power cap's order-dependent drift): the default. FLASHGDN_HOPPER_RSO_LEAN_STATE=0 turns it off.
+RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "1") == "1"
 
 #: The state passes' state paths with gamma_j, d_j and exp(g~_last) in registers, made once per chunk: the rs loop's
 #: (``chunk_forward_rs.py``'s ``lean``: context parallelism's transitions, the backward's chunk states, the rs loop with
-#: an output when it is chosen) and the backward's walk (``state_grad_walk.py``'s ``lean``). The same bits. An A/B,
-#: off; FLASHGDN_HOPPER_LEAN_STATE_PASSES=1.
+#: an output when it is chosen) and the backward's walk (``state_grad_walk.py``'s ``lean``). The same bits
+#: (``gpu-ab-v0.13f.log``), but the rs state-only loop took 1.044x the time of the default (geometric mean of 12,
+#: 1.007x-1.073x, ``stages-hopper-v0.13f*.json``) and the op with CP 0.999x: an A/B, off;
+#: FLASHGDN_HOPPER_LEAN_STATE_PASSES=1.
 LEAN_STATE_PASSES = os.environ.get("FLASHGDN_HOPPER_LEAN_STATE_PASSES", "0") == "1"
 
 
