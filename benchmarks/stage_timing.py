@@ -324,6 +324,10 @@ def main(argv=None):
             else:
                 try:
                     row["bwd_peak_extra_mib"] = backward_peak_mib(q, k, v, g, beta, h0, cu, cu_cpu, scale)
+                    from flashgdn.kernels.hopper import backward as bw
+                    for key, on in (("bwd_fused_peak_extra_mib", True), ("bwd_unfused_peak_extra_mib", False)):
+                        row[key] = switched(bw, "FUSED_BACKWARD", on, lambda: backward_peak_mib(
+                            q, k, v, g, beta, h0, cu, cu_cpu, scale))
                 except Exception as e:  # noqa: BLE001
                     row["bwd_peak_extra_mib_error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
@@ -358,11 +362,17 @@ def main(argv=None):
                  ("chunk_grad 4-byte stores", "bwd_chunk_grad_narrow_stores"),
                  ("chunk_grad heads inner", "bwd_chunk_grad_heads_inner"),
                  ("chunk_grad pair sums", "bwd_chunk_grad_pair_sums"), ("bwd pair sums", "bwd_pair_sums"),
+                 ("fused walk + chunk_grad", "bwd_fused_kernel"), ("bwd fused", "bwd_fused"),
+                 ("bwd walk + chunk_grad", "bwd_unfused"),
+                 ("bwd fused cp=auto", "bwd_fused_cpauto"), ("bwd fused cp=16", "bwd_fused_cp16"),
+                 ("bwd fused cp=64", "bwd_fused_cp64"),
                  ("bwd torch group sums", "bwd_torch_group_sums"),
                  ("states precise", "bwd_states_precise"), ("walk precise", "bwd_walk_precise"),
                  ("states unstaged", "bwd_states_unstaged"), ("walk unstaged", "bwd_walk_unstaged"),
                  ("bwd", "bwd"), ("bwd cp=auto", "bwd_cpauto")]
-        cols += [(f"bwd cp={c}", f"bwd_cp{c}") for c in CP_SEGMENTS] + [("bwd MiB", "bwd_peak_extra_mib")]
+        cols += [(f"bwd cp={c}", f"bwd_cp{c}") for c in CP_SEGMENTS] + [("bwd MiB", "bwd_peak_extra_mib"),
+                                                                  ("bwd fused MiB", "bwd_fused_peak_extra_mib"),
+                                                                  ("bwd unfused MiB", "bwd_unfused_peak_extra_mib")]
     print("\n| Hqk/Hv | seqlens | floor | " + " | ".join(c[0] for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for r in rows:
@@ -421,6 +431,21 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
 
     def with_switch(name, value, stage):  # a stage with one of backward's switches set otherwise (its A/B)
         return lambda: switched(backward, name, value, stage)
+
+    def whole(pl):
+        return lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, pl, cu_cpu)
+
+    # the walk and chunk_grad as one kernel (backward.FUSED_BACKWARD): the kernel alone (what bwd_walk and
+    # bwd_chunk_grad together do), and the whole backward with it, without CP, with the plan's and on forced segments
+    fused_st = HopperBackwardStages(fused=True)
+    times |= {
+        "bwd_fused_kernel": lambda: fused_st.fused_gradients(q, k, v, g, beta, do, states, dht, scale, cu, cu_cpu),
+        "bwd_fused": with_switch("FUSED_BACKWARD", True, whole(None)),
+        "bwd_unfused": with_switch("FUSED_BACKWARD", False, whole(None)),
+        "bwd_fused_cpauto": with_switch("FUSED_BACKWARD", True, whole(plan)),
+    }
+    times |= {f"bwd_fused_cp{c}": with_switch("FUSED_BACKWARD", True, whole(pl))
+              for c, pl in forced.items() if pl is not None}
 
     return times | {
         "bwd_stage1": lambda: _plan_and_stage1(q, k, g, beta, cu, store_inverse=True),

@@ -55,6 +55,46 @@ def test_cp_backward_without_initial_state_or_final_gradient(with_h0, with_dht, 
         assert rel_rms(got[5], want[5]) < 1e-10
 
 
+class _FusingReferenceStages(ReferenceBackwardStages):
+    """The reference stages with the walk and the per-chunk gradients offered as one stage (as the Hopper backend's
+    fused kernel offers them): ``cp_backward`` must call it in step 4 instead of the two, with the same arguments'
+    meaning. Counts the calls of each."""
+
+    fuses_gradients = True
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"state_gradients": 0, "chunk_gradients": 0, "fused_gradients": 0}
+
+    def state_gradients(self, *args):
+        self.calls["state_gradients"] += 1
+        return super().state_gradients(*args)
+
+    def chunk_gradients(self, *args):
+        self.calls["chunk_gradients"] += 1
+        return super().chunk_gradients(*args)
+
+    def fused_gradients(self, q, k, v, g, beta, do, states, dht, scale, cu, cu_cpu):
+        self.calls["fused_gradients"] += 1
+        ds_end, ds_start = ReferenceBackwardStages.state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu)
+        return ReferenceBackwardStages.chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu,
+                                                       cu_cpu), ds_start
+
+
+@pytest.mark.parametrize("segment_chunks", [None, 2])
+def test_cp_backward_runs_a_fused_stage_in_step_four(segment_chunks):
+    """Stages that fuse the walk and the per-chunk gradients get one fused call in step 4 (the walk still runs
+    once more from zero end gradients in step 2 when the plan splits) and give the same gradients."""
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(1, 16, 16)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    stages = _FusingReferenceStages()
+    with torch.no_grad():
+        got = cp_backward(stages, ref_forward, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+    assert stages.calls == {"state_gradients": int(plan.split), "chunk_gradients": 0, "fused_gradients": 1}
+    for name, x, w in zip(NAMES, got, want):
+        assert rel_rms(x, w) < 1e-10, name
+
+
 @pytest.mark.parametrize("plan_kind", ["none", "unsplit"])
 def test_cp_backward_without_segments_runs_the_stages_once(plan_kind):
     (q, k, v, g, beta, do, dht, h0, cu), want = _grads(0, 16, 16)

@@ -506,3 +506,110 @@ def test_stage1_stores_the_ungated_inverse(heads, seqlens, cuda):
                                                         gcum2, Ag2)
     live = bounds[:, 1] > 0
     assert torch.equal(Ag[live], Ag2[live])
+
+
+# ---- the walk and chunk_grad as one kernel (backward.FUSED_BACKWARD, fused_backward.py)
+
+@pytest.mark.parametrize("case", range(len(BACKWARD_CASES)))
+@pytest.mark.parametrize("with_dht", [True, False])
+def test_fused_backward_matches_the_float64_backward(case, with_dht, monkeypatch, cuda):
+    """Every gradient of ``hopper_backward`` with the fused kernel against the float64 chunked backward, on the
+    bars of DESIGN.md §3, over the cases of the two-kernel backward; padded-tail rows are zero. The errors of the
+    two-kernel backward on the same inputs are printed beside them."""
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    opts = BACKWARD_CASES[case]
+    inp, do, dht, svf = _backward_inputs(opts, cuda, with_dht=with_dht)
+    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    cu = inp.get("cu_seqlens")
+    scale = 128 ** -0.5
+    want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
+                                                     cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", False)
+    print("two kernels:", end=" ")
+    _assert_on_the_bars(backward.hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf), want)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    got = backward.hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf)
+    print("fused:", end=" ")
+    _assert_on_the_bars(got, want)
+    if cu is not None and int(cu[-1]) < q.shape[1]:  # padded tail
+        end = int(cu[-1])
+        for name, x in zip(GRADIENTS[:5], got[:5]):
+            assert (x[:, end:] == 0).all(), name
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)),
+    dict(seqlens=[2048, 2048], dense=True, Hqk=1, Hv=2, state_v_first=True, initial_state=False),
+])
+def test_fused_backward_with_context_parallelism(opts, monkeypatch, cuda):
+    """The fused kernel on segments of 4 chunks (``cp.cp_backward`` step 4), from the reverse splice's end
+    gradients, on the bars against float64."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp, do, dht, svf = _backward_inputs(opts, cuda)
+    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    cu = inp.get("cu_seqlens")
+    plan = split_sequences(opts["seqlens"], 4)
+    scale = 128 ** -0.5
+    got = backward.hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf, plan,
+                                   None if cu is None else cu.cpu())
+    want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
+                                                     cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+    _assert_on_the_bars(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
+    """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's
+    only by rounding (the same products, rounded to the io dtype at other points: well inside the bars)."""
+    from flashgdn.kernels.hopper import backward
+
+    inp = make_inputs(K=128, V=128, dtype=dtype, device=cuda, seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed")
+    gen = torch.Generator(device=cuda).manual_seed(3)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(dtype)
+    dht = torch.randn((3, 8, 128, 128), generator=gen, device=cuda)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
+            inp["cu_seqlens"])
+    two = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    a, b = backward.hopper_backward(*args), backward.hopper_backward(*args)
+    diffs = {}
+    for name, x, y, z in zip(GRADIENTS, a, b, two):
+        assert torch.equal(x, y), name
+        diffs[name] = rel_rms(x.double(), z.double())
+    print(diffs)
+    for name, d in diffs.items():
+        assert d < BARS[name] / 4, (name, diffs)
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_op_gradients_through_the_fused_backward(ratio, monkeypatch, cuda):
+    """The public op's autograd with the fused backward (L2 norm in the kernel, a padded tail, the host copy of the
+    offsets) against the float64 reference op's."""
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.kernels.hopper import backend, backward
+
+    monkeypatch.setattr(backend, "BACKWARD", "kernels")
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp = make_inputs(Hqk=2, Hv=2 * ratio, K=128, V=128, dtype=torch.bfloat16, device=cuda,
+                      seqlens=[900, 1, 200], pad=10, use_qk_l2norm_in_kernel=True, normalize_qk=False)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device=cuda).manual_seed(9)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda)
+    dht = torch.randn(inp["initial_state"].shape, generator=gen, device=cuda)
+    grads = {}
+    for backend_name, dtype in (("hopper", None), ("reference", torch.float64)):
+        xs = {n: (inp[n].to(dtype) if dtype else inp[n]).detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**{**inp, **xs}, output_final_state=True, backend=backend_name)
+        torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
+        grads[backend_name] = {n: xs[n].grad for n in names}
+    for n in names:
+        bar = GATE_GRAD_BAR if n in ("g", "beta") else GRAD_BAR
+        err = rel_rms(grads["hopper"][n].double(), grads["reference"][n])
+        assert err < bar, (n, err)

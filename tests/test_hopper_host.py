@@ -102,3 +102,26 @@ def test_more_launch_rows_than_the_grid_takes_are_clear_errors():
     check_launch_rows(1, split_sequences([64 * MAX_SEQUENCES], 1))  # one sequence in 65535 one-chunk segments
     with pytest.raises(ValueError, match=r"^cp: the context-parallel plan has 65536 segments"):
         check_launch_rows(1, split_sequences([64 * (MAX_SEQUENCES + 1)], 1))
+
+
+@pytest.mark.parametrize("setting,lengths,items,Hv,want", [
+    # measured on the H200 (backward.py's switch): faster fused, or faster with the two kernels
+    ("auto", [4096] * 8, 8, 32, True), ("auto", [4096] * 8, 8, 64, True),
+    ("auto", [1024] * 8, 8, 8, False),  # 64 CTAs
+    ("auto", [949, 465, 545, 137, 799, 3437, 468, 1392], 8, 32, False),  # one item holds 54 of the 132 chunks
+    ("auto", [1024] * 32, 32, 8, True),  # 2/8 32768 on segments of 16 chunks
+    # the count alone when the host has no lengths, and the forced settings
+    ("auto", None, 5, 32, True), ("auto", None, 4, 32, False), ("auto", [], 0, 32, False),
+    (True, [64], 1, 1, True), (False, [4096] * 8, 8, 64, False)])
+def test_fused_backward_is_taken_where_it_is_faster(setting, lengths, items, Hv, want, monkeypatch):
+    """``backward.fused_backward_wanted``: "auto" takes the fused kernel when its CTAs (items x value heads) fill
+    the SMs (132 here) and no item is so much longer than the rest that its walk sets the time; True / False force
+    it."""
+    from types import SimpleNamespace
+
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", setting)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert backward.fused_backward_wanted(lengths, items, Hv, torch.device("cuda")) is want

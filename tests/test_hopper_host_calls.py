@@ -72,14 +72,15 @@ def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
 @pytest.fixture
 def checked_kernels(monkeypatch):
     """Every kernel builder the host code uses, returning SignatureCheck stand-ins; yields the call log."""
-    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_forward_rso, chunk_grad, group_sum, kkt_inverse,
-                                         segment_index, splice, state_grad_walk)
+    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_forward_rso, chunk_grad, fused_backward, group_sum,
+                                         kkt_inverse, segment_index, splice, state_grad_walk)
 
     calls = []
     for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
                          (chunk_forward_rso, "build_chunk_forward_rso"), (state_grad_walk, "build_state_grad_walk"),
-                         (chunk_grad, "build_chunk_grad"), (splice, "build_splice"),
-                         (segment_index, "build_segment_index"), (group_sum, "build_group_sum")):
+                         (chunk_grad, "build_chunk_grad"), (fused_backward, "build_fused_backward"),
+                         (splice, "build_splice"), (segment_index, "build_segment_index"),
+                         (group_sum, "build_group_sum")):
         real = getattr(module, attr)
 
         def builder(*args, _real=real, _name=attr[len("build_"):], **kwargs):
@@ -97,9 +98,14 @@ def checked_kernels(monkeypatch):
     (dict(seqlens=[200], initial_state=False), (2, 8), False),
     (dict(seqlens=[70, 5], pad=64), (2, 2), True),
 ])
-def test_backward_calls_match_the_kernels(opts, heads, with_dht, checked_kernels):
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_calls_match_the_kernels(opts, heads, with_dht, fused, checked_kernels, monkeypatch):
+    """The backward's kernel calls, with the walk and chunk_grad or with the fused kernel in their place
+    (backward.FUSED_BACKWARD forced each way)."""
+    from flashgdn.kernels.hopper import backward
     from flashgdn.kernels.hopper.backward import hopper_backward
 
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", fused)
     inp = make_inputs(Hqk=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, **opts)
     q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
     do = torch.randn(v.shape).to(torch.bfloat16)
@@ -108,8 +114,8 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, checked_kernels
                                                  opts.get("state_v_first", False))
     # and dq, dk summed over each qk head's value heads when it has more than one
     sums = ["group_sum"] if heads[1] > heads[0] else []
-    assert [c[0] for c in checked_kernels] == (["kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad"]
-                                               + sums)
+    walk = ["fused_backward"] if fused else ["state_grad_walk", "chunk_grad"]
+    assert [c[0] for c in checked_kernels] == ["kkt_inverse", "chunk_forward_rs"] + walk + sums
     for x, ref in ((dq, q), (dk, k), (dv, v)):
         assert x.shape == ref.shape and x.dtype == ref.dtype
     assert dg.shape == g.shape and dbeta.shape == beta.shape

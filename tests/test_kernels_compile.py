@@ -33,6 +33,9 @@ EXPLAINED_SPILLS = {
     "chunk_forward_rso_lean_state[":
         "the same 16 bytes in the producer warpgroup, in the rso loop with its state paths' column factors in "
         "registers too (the A/B of forward.RSO_LEAN_STATE)",
+    "fused_backward[":
+        "20 bytes in the value-side warpgroup: five loop-invariant values stored once before the chunk loop and "
+        "reloaded once per chunk (the same 20 bytes from 168 to 176 registers there; the other roles have none)",
     "chunk_forward_rso_plain[":
         "8 bytes in the same producer warpgroup, in the rso loop without its trimmed output path (the A/B of "
         "forward.RSO_LEAN_OUTPUT)",
@@ -82,7 +85,10 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
             assert int(count) <= res["registers"], f"{name}: setmaxnreg.dec to {count} > {res['registers']} at launch"
     # a launch asking for more than an SM90 CTA may have fails at run time, not at compile time
     assert res["dynamic_smem"] is not None, f"{name}: shared memory size not found in the launch code"
-    assert res["dynamic_smem"] <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} B of shared memory > {MAX_SMEM_SM90}"
+    # the launch asks for the dynamic size; the driver refuses it unless static + dynamic fit the 227 KB
+    total = res["dynamic_smem"] + res["static_smem"]
+    assert total <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} + {res['static_smem']} B of shared memory > " \
+                                   f"{MAX_SMEM_SM90}"
 
 
 def test_loop_and_stage1_options_are_checked():

@@ -66,7 +66,9 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
 def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     """The serving kernels, the reverse splice of the backward's CP, and the backward's kernels as its switches
     are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
-    with their default stores, in the precise mode when that is on."""
+    with their default stores, the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes
+    that fill the GPU) with and without a final-state gradient, in the precise mode (which keeps the two kernels)
+    the precise builds alone."""
     from flashgdn.kernels.hopper import backward, forward
     from flashgdn.kernels.hopper.variants import serving_variants, training_variants
 
@@ -76,7 +78,11 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
                                "splice[8,reverse]", "chunk_states[2/8,bfloat16,h0=1,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async_5[2/8,bfloat16]",
+                               "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]",
                                "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", False)  # never fused: not precompiled
+    assert not [v for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"]
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", "auto")
     # groups of two with pair sums need no group sum; without the kernel, torch sums
     assert "group_sum[2,bfloat16]" in [v[0] for v in training_variants(2, 4, flags="common")]
     monkeypatch.setattr(backward, "CHUNK_GRAD_PAIR_SUMS", True)
@@ -91,6 +97,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert [v for v in training_variants(2, 8, flags="common") if v[1] == "chunk_grad"] == [
         ("chunk_grad[2/8,bfloat16,async,wide]", "chunk_grad",
          dict(Hqk=2, Hv=8, K=128, V=128, io_dtype="bfloat16", async_loads=True, wide_stores=True))]
+    assert not [n for n in names if n.startswith("fused_backward")]
     assert [n for n in names if n.startswith(("chunk_states", "state_grad_walk"))] == [
         "chunk_states[2/8,bfloat16,h0=1,staged,precise]", "chunk_states[2/8,bfloat16,h0=0,staged,precise]",
         "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]"]

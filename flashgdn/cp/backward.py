@@ -48,6 +48,9 @@ class BackwardStages(Protocol):
         """``(dq, dk, dv, dg, dbeta)`` token-major ``[1, T, ...]``, tokens in no sequence zero, in a form that
         ``finish_gradients`` completes (a backend may leave dq and dk per value head for it to sum)."""
 
+    # optional: ``fuses_gradients`` (True) and ``fused_gradients(q, k, v, g, beta, do, states, dht, scale, cu, cu_cpu)
+    # -> (grads, ds_start)``, the two stages above in one (``grads`` as ``chunk_gradients`` gives them)
+
     def finish_gradients(self, grads):
         """The gradients of ``chunk_gradients`` made final (dq, dk per qk head), called once the per-chunk
         ``states`` and ``ds_end`` are no longer referenced, so that what this step allocates is not live beside
@@ -108,10 +111,14 @@ def cp_backward(
                                   plan, index)
     # 4. the stages on every segment (or sequence) from its true states
     states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
-    ds_end, ds_start = stages.state_gradients(q, k, g, beta, do, ends, scale, seg_cu, seg_cu_cpu)
-    grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, seg_cu, seg_cu_cpu)
-    # the per-chunk states and state gradients are the backward's largest tensors: released before the last
-    # step's allocations (the sums of dq and dk over each group), not beside them
-    del states, ds_end
+    if getattr(stages, "fuses_gradients", False):  # the walk and the per-chunk gradients in one pass
+        grads, ds_start = stages.fused_gradients(q, k, v, g, beta, do, states, ends, scale, seg_cu, seg_cu_cpu)
+        del states
+    else:
+        ds_end, ds_start = stages.state_gradients(q, k, g, beta, do, ends, scale, seg_cu, seg_cu_cpu)
+        grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, seg_cu, seg_cu_cpu)
+        # the per-chunk states and state gradients are the backward's largest tensors: released before the last
+        # step's allocations (the sums of dq and dk over each group), not beside them
+        del states, ds_end
     grads = stages.finish_gradients(grads)
     return (*grads, ds_start if first is None else ds_start.index_select(0, first))

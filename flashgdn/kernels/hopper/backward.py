@@ -9,6 +9,9 @@ Pipeline, mirroring the forward (``forward.py``) and following ``reference/chunk
                           every chunk (io dtype) and at every sequence's start (d initial state, float32)
   2.  ``chunk_grad``      per (chunk, value head): dv, dq and dk per value head, dg, dbeta; q and k gradients are
                           then summed over each qk head's group (when it has more than one value head)
+  1b + 2, ``fused_backward``: the walk and ``chunk_grad`` in one kernel, per (sequence, value head), where
+                          ``fused_backward_wanted`` finds it faster (``FUSED_BACKWARD``); the per-chunk state
+                          gradients then never reach HBM
 
 ``HopperBackwardStages`` is these stages in the form ``flashgdn.cp.backward`` drives, so the backward runs with
 exact context parallelism (every segment's walk in parallel) on the forward's segment plan.
@@ -81,6 +84,47 @@ GROUP_SUM_KERNEL = os.environ.get("FLASHGDN_HOPPER_GROUP_SUM_KERNEL", "1") == "1
 #: took 0.52x to 0.59x and the walk 0.56x to 0.70x of their time with element-wise stores
 #: (``stages-hopper-v0.6-bwd.json``): the default. FLASHGDN_HOPPER_STAGED_STATE_STORES=0 turns it off.
 STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1") == "1"
+
+#: the walk and ``chunk_grad`` as one kernel (``fused_backward.py``): one CTA per (sequence or segment, value head)
+#: walks the chunks with the state gradient in registers and makes every gradient on the way, so the per-chunk state
+#: gradients never reach HBM. "auto" (the default) takes it where ``fused_backward_wanted``'s cost comparison says it
+#: is faster (enough CTAs, no item much longer than the rest); "1" always, "0" never (FLASHGDN_HOPPER_FUSED_BACKWARD).
+#: Not in the precise mode (the walk's three-term operands), which keeps the two kernels.
+_FUSED = os.environ.get("FLASHGDN_HOPPER_FUSED_BACKWARD", "auto")
+FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
+
+#: microseconds per chunk step of one CTA (H200, ``stages-hopper-v0.14b-bwd.json``): the fused kernel 20.7 (one CTA
+#: per SM walks a chunk in that time: 2.656 ms for 2 x 64 steps on 16/32 4096x8, 5.251 for 4 x 64 on 16/64), the
+#: walk 3.5 (0.45 ms for 2 x 64), and ``chunk_grad`` 20.8 per chunk and value head on one SM (2.585 ms for 16384 on
+#: 132 SMs)
+FUSED_STEP_US, WALK_STEP_US, CHUNK_GRAD_US = 20.7, 3.5, 20.8
+
+
+def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.device) -> bool:
+    """Whether the backward runs the fused kernel on ``num_items`` sequences or segments of ``Hv`` value heads, as
+    ``FUSED_BACKWARD`` says. "auto" compares the two designs' times from the per-chunk costs above: both the fused
+    kernel and the walk take (chunk steps of one CTA) = max(longest item, chunks x value heads / SMs), the walk's
+    at a sixth of the cost, while ``chunk_grad`` spreads every chunk over the GPU. So the fused kernel wins when its
+    CTAs fill the GPU and no item is much longer than the average wave (16/32 8 x 4096: 0.92x the two kernels'
+    time), and loses when a few long items set the time (16/32 with one of eight sequences holding 54 of its 132
+    chunks: 1.25x in fwd+bwd; 2/8 8 x 1024, 64 CTAs: 1.31x). Below one CTA per SM it keeps the two kernels, where
+    the comparison is not yet measured. ``item_lengths``: the items' token counts on the host, or None (then the
+    fused kernel whenever its CTAs are at least the SM count)."""
+    if FUSED_BACKWARD != "auto":
+        return bool(FUSED_BACKWARD)
+    # the H200's count where there is no CUDA device to ask (the host code's CPU tests), as the CP cost model does
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" and torch.cuda.is_available() else 132)
+    if num_items * Hv < sms:  # fewer CTAs than SMs: not measured faster anywhere yet (64 CTAs: 1.31x)
+        return False
+    if item_lengths is None:
+        return True
+    chunks = [-(-int(n) // 64) for n in item_lengths]
+    total = sum(chunks) * Hv
+    if total == 0:
+        return False
+    steps = max(max(chunks), total / sms)
+    return FUSED_STEP_US * steps < WALK_STEP_US * steps + CHUNK_GRAD_US * total / sms
 
 
 def chunk_grad_options(group: int = 1) -> dict:
@@ -193,8 +237,10 @@ class HopperBackwardStages:
     stages as the kernels' per-slot ``[S, Hv, V, K]`` io-dtype tensors. ``precise``: the states pass and the walk
     in their precise mode (``forward.PRECISE``; bf16)."""
 
-    def __init__(self, precise: bool = False):
+    def __init__(self, precise: bool = False, fused: bool = False):
         self.precise = precise
+        #: ``cp_backward`` runs ``fused_gradients`` instead of ``state_gradients`` and ``chunk_gradients`` (step 4)
+        self.fuses_gradients = fused and not precise
         self._cu = None
         self._stage1 = None
 
@@ -239,6 +285,32 @@ class HopperBackwardStages:
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
         return dq.view(1, TT, Hqk, per, K), dk.view(1, TT, Hqk, per, K), dv, dg, dbeta
+
+    def fused_gradients(self, q, k, v, g, beta, do, states, dht, scale, cu, cu_cpu):
+        """The walk and ``chunk_gradients`` in one kernel (``fused_backward.py``): ``((dq, dk, dv, dg, dbeta) as
+        ``chunk_gradients`` gives them, dh0 [N, Hv, K, V] float32 K-major)`` from the chunk states and the end
+        gradients ``dht`` (K-major float, or None: zero)."""
+        from .fused_backward import build_fused_backward
+
+        (qf, kf), cu, N, st1 = self._stage1_for(q, k, g, beta, cu)
+        _, TT, Hqk, K = q.shape
+        Hv, V = v.shape[2], v.shape[3]
+        dev = q.device
+        tail = cu_cpu is None or int(cu_cpu[-1]) < TT
+        alloc = torch.zeros if tail else torch.empty
+        group = Hv // Hqk
+        dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
+        dq = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
+        dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
+        dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+        dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+        dh0 = _output((N, Hv, K, V), torch.float32, dev)
+        has_dht = dht is not None
+        dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
+        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht)(
+            qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
+            cu, st1.first_slot, states, dht_in, float(scale), dv, dq, dk, dg, dbeta, dh0)
+        return (dq.view(1, TT, Hqk, group, K), dk.view(1, TT, Hqk, group, K), dv, dg, dbeta), dh0
 
     def finish_gradients(self, grads):
         """dq and dk summed over each qk head's group of value heads; the stage-1 tensors kept for the three stages
@@ -309,7 +381,12 @@ def hopper_backward(
         raise NotImplementedError(f"the Hopper backend's precise mode (FLASHGDN_HOPPER_PRECISE=1) takes bfloat16 "
                                   f"q/k/v, got {q.dtype}")
     split = plan is not None and plan.split
-    stages = HopperBackwardStages(precise=PRECISE)
+    # the fused kernel's CTAs: one per value head and sequence, or segment when the plan splits (their lengths from
+    # the host's offsets when there are some)
+    offsets = plan.seg_cu if plan is not None else cu_cpu
+    lengths = None if offsets is None else (offsets[1:] - offsets[:-1]).tolist()
+    items = (plan.seg_cu.shape[0] - 1) if plan is not None else N
+    stages = HopperBackwardStages(precise=PRECISE, fused=fused_backward_wanted(lengths, items, Hv, q.device))
     forward = None
     if split:  # the paired transition pass takes the stages' stage 1 (with A) instead of running its own
         forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE,

@@ -62,7 +62,7 @@ def launch_values(kernel) -> list:
 def resource_usage(kernel) -> dict:
     """Registers, spills and stack of a compiled kernel, read from ``ptxas -v`` on its PTX for sm_90a.
 
-    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "dynamic_smem", "wgmma_serialized"}`` (bytes;
+    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "dynamic_smem", "static_smem", "wgmma_serialized"}`` (bytes;
     the shared memory size is read from the host launch code, None if it cannot be found; ``wgmma_serialized`` is
     ptxas's performance warning that it serialised the kernel's wgmma, e.g. C7514 when a GEMM is kept in flight
     across code that touches its accumulators: then every GEMM of the kernel waits on itself); raises
@@ -85,12 +85,14 @@ def resource_usage(kernel) -> dict:
     finally:
         os.unlink(path)
     regs = re.search(r"Used (\d+) registers", out)
+    static = re.search(r"(\d+) bytes smem", out)
     spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out)
     if regs is None or spill is None:
         raise RuntimeError(f"could not read ptxas output:\n{out}")
     launch = launch_values(kernel)  # its dynamic shared memory size is packed last
     return {
         "dynamic_smem": int(launch[-1]) if launch and launch[-1].isdigit() else None,
+        "static_smem": int(static.group(1)) if static else 0,
         "registers": int(regs.group(1)),
         "stack": int(spill.group(1)),
         "spill_stores": int(spill.group(2)),

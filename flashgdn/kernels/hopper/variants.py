@@ -150,6 +150,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         builder, kw = v[1], v[2]
         if builder == "chunk_grad":  # the one build the options give, below
             continue
+        if builder == "fused_backward" and not (backward.FUSED_BACKWARD and not precise):
+            continue
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
@@ -208,6 +210,11 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, default + ("heads_inner",))
     if Hv == 2 * Hqk:
         yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, default + ("pair_sums",))
+    # the walk and chunk_grad as one kernel (backward.FUSED_BACKWARD), from a final-state gradient and without
+    if K == 128 and V == 128:
+        for has_dht in (True, False):
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
 
@@ -253,6 +260,10 @@ def build(builder: str, kwargs: dict):
         from .state_grad_walk import build_state_grad_walk
 
         return build_state_grad_walk(**kwargs)
+    if builder == "fused_backward":
+        from .fused_backward import build_fused_backward
+
+        return build_fused_backward(**kwargs)
     if builder == "group_sum":
         from .group_sum import build_group_sum
 

@@ -1,0 +1,426 @@
+"""The Hopper backward's walk and per-chunk gradients in one kernel: one CTA per (sequence, value head) walks the
+chunks last to first with the state gradient in registers, and makes every gradient of each chunk on the way.
+
+Math (``reference/chunked_backward.py``), per chunk, S its start state (the states pass's), dS' the state gradient
+at its end (carried from the chunk after it), gamma_i = exp(g~_i), d_i = exp(g~_last - g~_i), Gam_ij = exp(g~_i - g~_j):
+
+    P = scale Gam ⊙ Q K^T (i >= j)      KS = K S      W = V - diag(gamma) KS      Vn = Ag W
+    dVn = diag(d) K dS' + P^T dO        dW = Ag^T dVn = dV
+    dAg = (dVn W^T) (i >= j)            dP = (dO Vn^T) (i >= j)      dQK = scale Gam ⊙ dP
+    E = dAg ⊙ Gam     dA = E ⊙ (1 beta^T)     dL = -(A^T dA A^T) (i > j)     dKK = diag(beta) dL
+    dQ = dQK K + scale diag(gamma) dO S^T
+    dK = dQK^T Q - diag(gamma) dW S^T + diag(d) Vn dS'^T + (dKK + dKK^T) K
+    dbeta_j = sum_i (E ⊙ A)_ij + sum_k (dL ⊙ K K^T)_jk
+    dS^T = gamma_C dS'^T - (diag(gamma) dW)^T K + (scale diag(gamma) dO)^T Q        (the chain)
+
+and dg as ``chunk_grad.py`` writes it (row terms, the g~_last terms, a reverse cumsum over the chunk). These are
+``chunk_grad``'s formulas; what changes is that dS' never leaves the CTA (no ``ds_end`` buffer, 512 B per token and
+value head, and no walk kernel), and that the per-chunk work runs N x Hv CTAs instead of one CTA per chunk.
+
+Roles (512 threads; the split of the state gradient from the two sides of the per-chunk work follows FlashQLA's
+Hopper backward, read for its structure):
+* warpgroup 0, ``state``: dS^T [V, K] float32 in registers (all of it: 128 per thread); per chunk it writes dS'^T
+  in bf16 for the others, scales by gamma_C and adds the chain's two products;
+* warpgroup 1, ``value side``: K dS', P^T dO -> dVn; Ag^T dVn -> dW (dv); the S^T products of dq and dk, dq, dk;
+  the gate's row terms that use these;
+* warpgroup 2, ``gate side``: Q K^T -> P, K S -> W, Ag W -> Vn, dVn W^T, dO Vn^T -> dQK, the inverse's dL -> dKK,
+  dbeta, and dg (its reverse cumsum as a masked [64, 64] sum);
+* warpgroup 3, producer: each chunk's tiles, last chunk first, single-buffered in three groups, each loaded for
+  the next chunk as soon as its last reader in this one is done: V, Ag and S^T (once Vn, dW and the S^T products
+  are made); Q, dO, A, g~ and beta (once the chain, dq's and dk's Q products and the inverse's dL are); K at the
+  chunk's end.
+
+All warpgroups step through a chunk together on mbarriers (one completion per chunk each). Shared memory is 26
+tiles of 8 KB placed by hand: the loop keeps every buffer alive across chunks, so TileLang cannot overlap them,
+and each tile takes the next value once its last reader is done (V's tile then holds gamma ⊙ KS, P's dQK, dVn's
+-gamma ⊙ dW, dA's A^T dA and then dKK, dO's the scaled dO of the chain).
+
+Measured on the H200 (``docs/hopper-notes.md``, v0.14): ~20.7 us per chunk step of a CTA (the walk's 3.5 and
+``chunk_grad``'s 20.8 SM-us per chunk together), so it beats the two kernels where its CTAs fill the GPU (the backward
+0.90x-0.95x their time on 256-1024 CTAs, with 0.75x their peak memory) and loses where a few long walks set the time;
+``backward.fused_backward_wanted`` chooses. The gate side is the longer path (the state warpgroup idles, the value side
+waits on the gate side ~30% of its samples).
+
+PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rule_backward_reference`` (steps 1 and 2).
+"""
+import functools
+
+from .common import CHUNK, LOG2E, TARGET, pass_configs
+
+#: registers per thread of each role (512 in all): the state side holds 128 for dS^T; the value side two [64, 128]
+#: float32 tiles (at 160 it spilled 56 B, with a third tile 256 B and every wgmma serialised); the producer's masked
+#: loads spilled at 24 and 32. Each split tried is in docs/hopper-notes.md (v0.14).
+STATE_REGS, VALUE_REGS, GATE_REGS, PRODUCER_REGS = 160, 168, 144, 40
+
+
+@functools.lru_cache(maxsize=None)
+def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool):
+    """Compile (or load) the kernel. Arguments, in order:
+
+      q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
+      v, do      [1, T, Hv, V]    io dtype
+      gcum       [Hv, 64 S]       float32, stage 1's per-slot cumsum
+      beta       [1, T, Hv]       float32
+      Ag, A      [S, Hv, 64, 64]  io dtype, stage 1's gated and ungated inverses
+      cu_seqlens [N + 1] int32, first_slot [N] int32 (``forward.chunk_plan``)
+      states     [S, Hv, V, K]    io dtype: S^T at every chunk's start (the states pass)
+      dht        [n, Hv, K, V]    float32, the final state's gradient (K-major; read only if has_final_grad)
+      scale      float32
+      dv         [1, T, Hv, V]    io dtype, written
+      dq, dk     [1, T, Hv, K]    io dtype, written per value head (the caller sums each qk head's group)
+      dg, dbeta  [1, T, Hv]       float32, written
+      dh0        [N, Hv, K, V]    float32, written: the gradient at every sequence's start (K-major)
+    """
+    import tilelang
+    import tilelang.language as T
+
+    C = CHUNK
+    assert K == 128 and V == 128, "the kernel is written for K = V = 128"
+    group = Hv // Hqk
+    num_tokens = T.dynamic("num_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+    slot_rows = T.dynamic("slot_rows")
+    n_dht = T.dynamic("n_dht")
+    acc = "float32"
+
+    @T.macro
+    def masked_rows(src, dst, t0, n_rows, hh, D):
+        # a sequence's last, partial chunk: rows past its end are zeros (they belong to the next sequence)
+        for i in T.serial(C):
+            for j in T.Parallel(D):
+                dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
+        T.fence_proxy_async()
+
+    @T.prim_func
+    def fused_backward_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        beta: T.Tensor((1, num_tokens, Hv), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+        states: T.Tensor((num_slots, Hv, V, K), io_dtype),
+        dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+        scale: T.float32,
+        dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dg: T.Tensor((1, num_tokens, Hv), "float32"),
+        dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+        dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+    ):
+        with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
+            hq = h // group
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            n_chunks = T.ceildiv(eos - bos, C)
+
+            # ---- 26 tiles of 8 KB (see the module docstring for what each holds when)
+            q_s = T.alloc_shared((C, K), io_dtype)
+            k_s = T.alloc_shared((C, K), io_dtype)
+            v_s = T.alloc_shared((C, V), io_dtype)  # V, then gamma ⊙ KS
+            do_s = T.alloc_shared((C, V), io_dtype)  # dO, then scale gamma ⊙ dO
+            st_s = T.alloc_shared((V, K), io_dtype)  # S^T
+            ag_s = T.alloc_shared((C, C), io_dtype)
+            a_s = T.alloc_shared((C, C), io_dtype)
+            ds_s = T.alloc_shared((V, K), io_dtype)  # dS'^T
+            p_s = T.alloc_shared((C, C), io_dtype)  # P, then dQK
+            dvn_s = T.alloc_shared((C, V), io_dtype)  # dVn, then -gamma ⊙ dW
+            w_s = T.alloc_shared((C, V), io_dtype)
+            vn_s = T.alloc_shared((C, V), io_dtype)  # Vn, then d ⊙ Vn
+            da_s = T.alloc_shared((C, C), io_dtype)  # dA, then A^T dA, then dKK
+            # ---- per-token vectors
+            gc_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            x0_s = T.alloc_shared((C,), acc)  # dg~'s row terms from the value side
+            x1_s = T.alloc_shared((C,), acc)  # the g~_last terms per token (their total is what counts)
+            xr_s = T.alloc_shared((C,), acc)  # row and column sums of X = P ⊙ dP + E ⊙ A ⊙ beta
+            xc_s = T.alloc_shared((C,), acc)
+            db1_s = T.alloc_shared((C,), acc)
+            db2_s = T.alloc_shared((C,), acc)
+
+            full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
+            full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
+            full_k = T.alloc_barrier(arrive_count=32)  # K loaded
+            free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
+            free_m = T.alloc_barrier(arrive_count=384)  # every side done with Q, dO, A, g~, beta
+            free_k = T.alloc_barrier(arrive_count=384)  # the chunk done
+            ds_ready = T.alloc_barrier(arrive_count=128)
+            ds_free = T.alloc_barrier(arrive_count=128)
+            p_ready = T.alloc_barrier(arrive_count=128)  # P, W and gamma ⊙ KS
+            dvn_ready = T.alloc_barrier(arrive_count=128)
+            vn_ready = T.alloc_barrier(arrive_count=128)
+            dag_done = T.alloc_barrier(arrive_count=128)  # dVn read for the last time (dVn W^T)
+            ydw_ready = T.alloc_barrier(arrive_count=128)
+            dp_done = T.alloc_barrier(arrive_count=128)  # dQK in P's tile; Vn's and dO's tiles read for the last time
+            dog_ready = T.alloc_barrier(arrive_count=128)
+            dkk_ready = T.alloc_barrier(arrive_count=128)
+            x_rows = T.alloc_barrier(arrive_count=128)
+
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                # ================= state: dS^T [V, K] in registers, last chunk first
+                T.set_max_nreg(STATE_REGS, 1)
+                st_f = T.alloc_fragment((V, K), acc)
+                gl = T.alloc_local((1,), acc)
+                if has_final_grad:
+                    for i, j in T.Parallel(V, K):
+                        st_f[i, j] = dht[n, h, j, i]
+                else:
+                    T.clear(st_f)
+                for c in T.serial(n_chunks):
+                    if c > 0:
+                        T.barrier_wait(ds_free, (c + 1) % 2)
+                    T.copy(st_f, ds_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ds_ready)
+                    T.barrier_wait(full_m, c % 2)
+                    gl[0] = T.exp2(gc_s[C - 1] * LOG2E)
+                    for i, j in T.Parallel(V, K):
+                        st_f[i, j] = st_f[i, j] * gl[0]
+                    T.barrier_wait(full_k, c % 2)
+                    T.barrier_wait(ydw_ready, c % 2)
+                    T.gemm(dvn_s, k_s, st_f, transpose_A=True)  # - (gamma dW)^T K
+                    T.barrier_wait(dog_ready, c % 2)
+                    T.gemm(do_s, q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
+                    T.barrier_arrive(free_m)
+                    T.barrier_arrive(free_k)
+                for i, j in T.Parallel(V, K):
+                    dh0[n, h, j, i] = st_f[i, j]
+
+            elif tx < 256:
+                # ================= value side
+                T.set_max_nreg(VALUE_REGS, 1)
+                # two [C, 128] float32 tiles in turn (three would not fit the register budget): kd_f holds
+                # diag(d) K dS', then products for row sums, then dk; dw_f a product, P^T dO, dW, then dq
+                kd_f = T.alloc_fragment((C, V), acc)
+                dw_f = T.alloc_fragment((C, V), acc)
+                red_f = T.alloc_fragment((C,), acc)
+                red2_f = T.alloc_fragment((C,), acc)
+                # gamma_i and d_i for the thread's rows, once per chunk (not an exp2 per element)
+                gam_f = T.alloc_fragment((C,), acc)
+                dec_f = T.alloc_fragment((C,), acc)
+                for c in T.serial(n_chunks):
+                    t0 = bos + (n_chunks - 1 - c) * C
+                    n_rows = T.min(eos - t0, C)
+                    T.barrier_wait(full_e, c % 2)
+                    T.barrier_wait(full_m, c % 2)
+                    T.barrier_wait(full_k, c % 2)
+                    T.barrier_wait(ds_ready, c % 2)
+                    T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                    for i in T.Parallel(C):
+                        gam_f[i] = T.exp2(gc_s[i] * LOG2E)
+                        dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                    # <dS', S> folded onto 64 rows (V's halves added); only its total counts
+                    for i, j in T.Parallel(C, K):
+                        dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
+                                      + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
+                    T.reduce_sum(dw_f, red2_f, dim=1)
+                    for i, j in T.Parallel(C, V):
+                        kd_f[i, j] = kd_f[i, j] * dec_f[i]
+                    T.barrier_wait(p_ready, c % 2)
+                    T.gemm(p_s, do_s, dw_f, transpose_A=True, clear_accum=True)  # P^T dO
+                    for i, j in T.Parallel(C, V):
+                        dvn_s[i, j] = T.cast(kd_f[i, j] + dw_f[i, j], io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvn_ready)
+                    T.gemm(ag_s, dvn_s, dw_f, transpose_A=True, clear_accum=True)  # dW = Ag^T dVn
+                    for i, j in T.Parallel(C, V):
+                        if i < n_rows:
+                            dv[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
+                    T.barrier_wait(dag_done, c % 2)
+                    for i, j in T.Parallel(C, V):
+                        dvn_s[i, j] = T.cast(-dw_f[i, j] * gam_f[i], io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ydw_ready)
+                    # dg~'s value-side row terms: d_i <(K dS')_i, Vn_i> (g~_last too), -gamma_i <dW_i, KS_i>,
+                    # scale gamma_i <q_i, (dO S^T)_i>
+                    T.barrier_wait(vn_ready, c % 2)
+                    for i, j in T.Parallel(C, V):
+                        kd_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
+                    T.reduce_sum(kd_f, red_f, dim=1)
+                    for i in T.Parallel(C):
+                        x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
+                        x0_s[i] = -red_f[i]
+                    for i, j in T.Parallel(C, V):
+                        kd_f[i, j] = dw_f[i, j] * T.cast(v_s[i, j], acc)
+                    T.reduce_sum(kd_f, red_f, dim=1)
+                    # the S^T products: dq's state term scale diag(gamma) dO S^T, then dk's -(gamma dW) S^T
+                    T.gemm(do_s, st_s, dw_f, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
+                        kd_f[i, j] = dw_f[i, j] * T.cast(q_s[i, j], acc)
+                    T.reduce_sum(kd_f, red2_f, dim=1)
+                    for i in T.Parallel(C):
+                        x0_s[i] = x0_s[i] - red_f[i] + red2_f[i]
+                    T.gemm(dvn_s, st_s, kd_f, clear_accum=True)
+                    T.barrier_arrive(free_e)
+                    T.barrier_arrive(x_rows)
+                    # dO's last raw reader is the gate side's dO Vn^T: then dO becomes scale gamma ⊙ dO for the chain,
+                    # and Vn d ⊙ Vn for dk
+                    T.barrier_wait(dp_done, c % 2)
+                    # (shared tiles alone: the factors from g~ per element, since a row fragment here would lay the
+                    # loop out on a quarter of the threads)
+                    for i, j in T.Parallel(C, V):
+                        do_s[i, j] = T.cast(T.cast(do_s[i, j], acc) * scale * T.exp2(gc_s[i] * LOG2E), io_dtype)
+                        vn_s[i, j] = T.cast(
+                            T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dog_ready)
+                    # three products issued together, waited on once
+                    T.wgmma_gemm(p_s, k_s, dw_f)  # dq += dQK K
+                    T.wgmma_gemm(p_s, q_s, kd_f, transpose_A=True)  # dk += dQK^T Q
+                    T.wgmma_gemm(vn_s, ds_s, kd_f)  # dk += (d ⊙ Vn) dS'^T
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(ds_free)
+                    T.barrier_arrive(free_m)
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dq[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
+                    T.barrier_wait(dkk_ready, c % 2)
+                    T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
+                    T.wgmma_gemm(da_s, k_s, kd_f, transpose_A=True)  # dk += dKK^T K
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free_k)
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dk[0, t0 + i, h, j] = T.cast(kd_f[i, j], io_dtype)
+
+            elif tx < 384:
+                # ================= gate side
+                T.set_max_nreg(GATE_REGS, 1)
+                cc_f = T.alloc_fragment((C, C), acc)  # Q K^T, then dAg and E
+                cv_f = T.alloc_fragment((C, V), acc)  # K S, then Vn
+                kk_f = T.alloc_fragment((C, C), acc)
+                dp_f = T.alloc_fragment((C, C), acc)
+                x_f = T.alloc_fragment((C, C), acc)
+                gam_f = T.alloc_fragment((C,), acc)
+                red_r = T.alloc_fragment((C,), acc)
+                red_c = T.alloc_fragment((C,), acc)
+                for c in T.serial(n_chunks):
+                    t0 = bos + (n_chunks - 1 - c) * C
+                    n_rows = T.min(eos - t0, C)
+                    T.barrier_wait(full_e, c % 2)
+                    T.barrier_wait(full_m, c % 2)
+                    T.barrier_wait(full_k, c % 2)
+                    T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
+                    T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
+                    for i in T.Parallel(C):
+                        gam_f[i] = T.exp2(gc_s[i] * LOG2E)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(
+                            i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                    T.copy(cc_f, p_s)
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = cv_f[i, j] * gam_f[i]
+                        w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
+                        v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready)
+                    T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
+                    T.copy(cv_f, vn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vn_ready)
+                    T.barrier_arrive(free_e)
+                    T.barrier_wait(dvn_ready, c % 2)
+                    T.wgmma_gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)  # dVn W^T
+                    T.wgmma_gemm(do_s, vn_s, dp_f, transpose_B=True, clear_accum=True)  # dO Vn^T
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(dag_done)
+                    # E = dAg ⊙ Gam (lower): dbeta's first sum, dA = E ⊙ beta_j, X = E ⊙ A ⊙ beta_j
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                        x_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
+                        da_s[i, j] = T.cast(cc_f[i, j] * b_s[j], io_dtype)
+                    T.reduce_sum(x_f, red_c, dim=0)
+                    T.copy(red_c, db1_s)
+                    # P ⊙ dP joins X; dQK = scale Gam ⊙ dP takes P's tile (the value side's P^T dO is done)
+                    for i, j in T.Parallel(C, C):
+                        x_f[i, j] = x_f[i, j] * b_s[j] + T.if_then_else(
+                            i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+                        p_s[i, j] = T.cast(T.if_then_else(
+                            i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0), io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dp_done)
+                    T.reduce_sum(x_f, red_r, dim=1)
+                    T.copy(red_r, xr_s)
+                    T.reduce_sum(x_f, red_c, dim=0)
+                    T.copy(red_c, xc_s)
+                    # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
+                    T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
+                    T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.copy(cc_f, da_s)
+                    T.fence_proxy_async()
+                    T.gemm(da_s, a_s, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
+                        x_f[i, j] = cc_f[i, j] * kk_f[i, j]
+                        da_s[i, j] = T.cast(cc_f[i, j] * b_s[i], io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dkk_ready)
+                    T.barrier_arrive(free_m)
+                    T.reduce_sum(x_f, red_r, dim=1)
+                    T.copy(red_r, db2_s)
+                    # dg: reverse cumsum of the row terms, plus the total of the g~_last terms, for every token
+                    T.barrier_wait(x_rows, c % 2)
+                    for i, j in T.Parallel(C, C):
+                        x_f[i, j] = (T.if_then_else(j >= i, x0_s[j] + xr_s[j] - xc_s[j], 0.0) + x1_s[j])
+                    T.reduce_sum(x_f, red_r, dim=1)
+                    for i in T.Parallel(C):
+                        if i < n_rows:
+                            dg[0, t0 + i, h] = red_r[i]
+                            dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
+                    T.barrier_arrive(free_k)
+
+            else:
+                # ================= producer: warp 12 the first group (V, Ag, S^T), warps 13-14 the second (Q, dO,
+                # A, g~, beta), warp 15 K
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                for c in T.serial(n_chunks):
+                    t0 = bos + (n_chunks - 1 - c) * C
+                    n_rows = T.min(eos - t0, C)
+                    slot = first_slot[n] + (n_chunks - 1 - c)
+                    if tx < 416:
+                        if c > 0:
+                            T.barrier_wait(free_e, (c + 1) % 2)
+                        T.tma_copy(Ag[slot, h, 0:C, 0:C], ag_s, barrier=full_e)
+                        T.tma_copy(states[slot, h, 0:V, 0:K], st_s, barrier=full_e)
+                        if n_rows == C:
+                            T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s, barrier=full_e)
+                        else:
+                            masked_rows(v, v_s, t0, n_rows, h, V)
+                        T.barrier_arrive(full_e)
+                    elif tx < 480:
+                        if c > 0:
+                            T.barrier_wait(free_m, (c + 1) % 2)
+                        if tx < 448:
+                            if n_rows == C:
+                                T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s, barrier=full_m)
+                                T.tma_copy(do[0, t0:t0 + C, h, 0:V], do_s, barrier=full_m)
+                            else:
+                                masked_rows(q, q_s, t0, n_rows, hq, K)
+                                masked_rows(do, do_s, t0, n_rows, h, V)
+                        else:
+                            T.tma_copy(A[slot, h, 0:C, 0:C], a_s, barrier=full_m)
+                            T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s, barrier=full_m)
+                            for i in T.Parallel(C):
+                                b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
+                        T.barrier_arrive(full_m)
+                    else:
+                        if c > 0:
+                            T.barrier_wait(free_k, (c + 1) % 2)
+                        if n_rows == C:
+                            T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_s, barrier=full_k)
+                        else:
+                            masked_rows(k, k_s, t0, n_rows, hq, K)
+                        T.barrier_arrive(full_k)
+
+    return tilelang.compile(fused_backward_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
