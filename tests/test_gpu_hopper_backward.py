@@ -613,3 +613,38 @@ def test_op_gradients_through_the_fused_backward(ratio, monkeypatch, cuda):
         bar = GATE_GRAD_BAR if n in ("g", "beta") else GRAD_BAR
         err = rel_rms(grads["hopper"][n].double(), grads["reference"][n])
         assert err < bar, (n, err)
+
+
+def test_fused_backward_trace_build_gives_the_same_bits_and_ordered_stamps(cuda):
+    """The trace build (``trace=True``, benchmarks/fused_backward_trace.py) computes what the default build does, bit
+    for bit (it only adds the stamps' stores), and its stamps within a role's chunk step come in program order."""
+    from flashgdn.kernels.hopper.backward import HopperBackwardStages
+    from flashgdn.kernels.hopper.fused_backward import TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF, build_fused_backward
+
+    inp, do, dht, _ = _backward_inputs(dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), cuda)
+    q, k, v, g, beta, h0, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    st = HopperBackwardStages()
+    states = st.chunk_states(q, k, v, g, beta, h0, cu, cu.cpu())
+    (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu)
+    T = q.shape[1]
+
+    def run(trace):
+        outs = [torch.full(s, float("nan"), dtype=d, device=cuda) for s, d in (
+            ((1, T, 8, 128), q.dtype), ((1, T, 8, 128), q.dtype), ((1, T, 8, 128), q.dtype),
+            ((1, T, 8), torch.float32), ((1, T, 8), torch.float32), ((N, 8, 128, 128), torch.float32))]
+        args = (qf, kf, v, do, st1.gcum, beta.float().contiguous(), st1.Ag, st1.A, cu_k, st1.first_slot, states,
+                dht, 0.1, *outs)
+        tr = torch.zeros((4, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=cuda)
+        build_fused_backward(2, 8, 128, 128, "bfloat16", True, trace=trace)(*args, *([tr] if trace else []))
+        return outs, tr.cpu()
+
+    plain, _ = run(False)
+    traced, tr = run(True)
+    for a, b in zip(plain, traced):
+        assert torch.equal(a, b)
+    steps = -(-700 // 64)  # the CTA of value head 0 and sequence 0 walks 11 chunks
+    for role in range(3):  # the producer's points are in three warps, each on its own
+        stamps = tr[role, :steps, :len(TRACE_POINTS_OF[role])]
+        assert (stamps > 0).all(), role
+        assert (stamps[:, 1:] >= stamps[:, :-1]).all(), role
+    assert (tr[:, steps:] == 0).all()

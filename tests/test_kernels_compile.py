@@ -36,6 +36,9 @@ EXPLAINED_SPILLS = {
     "fused_backward[":
         "20 bytes in the value-side warpgroup: five loop-invariant values stored once before the chunk loop and "
         "reloaded once per chunk (the same 20 bytes from 168 to 176 registers there; the other roles have none)",
+    "fused_backward_trace[":
+        "28 bytes in the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the 20 of the "
+        "default build and the stamps' addresses",
     "chunk_forward_rso_plain[":
         "8 bytes in the same producer warpgroup, in the rso loop without its trimmed output path (the A/B of "
         "forward.RSO_LEAN_OUTPUT)",

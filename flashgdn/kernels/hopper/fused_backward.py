@@ -52,10 +52,24 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 #: loads spilled at 24 and 32. Each split tried is in docs/hopper-notes.md (v0.14).
 STATE_REGS, VALUE_REGS, GATE_REGS, PRODUCER_REGS = 160, 168, 144, 40
 
+#: a trace build (``trace=True``) records the SM's cycle counter at these many points of each role's chunk step,
+#: for the first TRACE_CHUNKS chunk steps of one CTA (``benchmarks/fused_backward_trace.py`` reads it): where the
+#: ~20 us of a step go, role by role. The point numbers of each role are listed in ``TRACE_POINTS_OF``.
+TRACE_CHUNKS, TRACE_POINTS = 32, 20
+#: what each trace point of each role (state, value side, gate side, producer) marks
+TRACE_POINTS_OF = (
+    ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', '(gamma dW)^T K done', 'scaled dO ready', 'chain done'),
+    ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'dVn free', '-gamma dW written', 'Vn ready', 'S^T products and row terms done', 'dQK ready', 'dO and Vn scaled', 'dq, dk products done', 'dKK ready', 'dk done'),
+    ('chunk step begins', 'inputs ready', 'Q K^T, K S done', 'P, W written', 'Vn written', 'dVn ready', 'dVn W^T, dO Vn^T done', 'E and dQK written', 'row and column sums done', 'K K^T, A^T dA done', 'dKK written', 'value-side row terms ready', 'dg and dbeta stored'),
+    ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO, A, g~, beta issued', 'K free', 'K issued'),
+)
+
 
 @functools.lru_cache(maxsize=None)
-def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool):
-    """Compile (or load) the kernel. Arguments, in order:
+def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False):
+    """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
+    written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
+    diagnostic build, the same gradients). Arguments, in order:
 
       q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do      [1, T, Hv, V]    io dtype
@@ -92,28 +106,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
         T.fence_proxy_async()
 
-    @T.prim_func
-    def fused_backward_kernel(
-        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        gcum: T.Tensor((Hv, slot_rows), "float32"),
-        beta: T.Tensor((1, num_tokens, Hv), "float32"),
-        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
-        A: T.Tensor((num_slots, Hv, C, C), io_dtype),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        first_slot: T.Tensor((num_seqs,), "int32"),
-        states: T.Tensor((num_slots, Hv, V, K), io_dtype),
-        dht: T.Tensor((n_dht, Hv, K, V), "float32"),
-        scale: T.float32,
-        dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
-        dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
-        dg: T.Tensor((1, num_tokens, Hv), "float32"),
-        dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
-        dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
-    ):
+    @T.macro
+    def stamp(tr, role, point, c, tx, h, n):
+        # trace builds only: the SM's cycle counter at ``point`` of chunk step c, by one thread of the role, in the
+        # CTA of value head 0 and sequence 0
+        if trace:
+            if h == 0 and n == 0 and c < TRACE_CHUNKS and tx % (32 if role == 3 else 128) == 0:
+                tr[role, c, point] = T.call_extern("int64", "clock64")
+
+    @T.macro
+    def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
+                            dg, dbeta, dh0, tr):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
             hq = h // group
             bos = cu_seqlens[n]
@@ -175,20 +178,27 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 else:
                     T.clear(st_f)
                 for c in T.serial(n_chunks):
+                    stamp(tr, 0, 0, c, tx, h, n)
                     if c > 0:
                         T.barrier_wait(ds_free, (c + 1) % 2)
                     T.copy(st_f, ds_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(ds_ready)
+                    stamp(tr, 0, 1, c, tx, h, n)
                     T.barrier_wait(full_m, c % 2)
+                    stamp(tr, 0, 2, c, tx, h, n)
                     gl[0] = T.exp2(gc_s[C - 1] * LOG2E)
                     for i, j in T.Parallel(V, K):
                         st_f[i, j] = st_f[i, j] * gl[0]
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ydw_ready, c % 2)
+                    stamp(tr, 0, 3, c, tx, h, n)
                     T.gemm(dvn_s, k_s, st_f, transpose_A=True)  # - (gamma dW)^T K
+                    stamp(tr, 0, 4, c, tx, h, n)
                     T.barrier_wait(dog_ready, c % 2)
+                    stamp(tr, 0, 5, c, tx, h, n)
                     T.gemm(do_s, q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
+                    stamp(tr, 0, 6, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.barrier_arrive(free_k)
                 for i, j in T.Parallel(V, K):
@@ -209,11 +219,14 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 for c in T.serial(n_chunks):
                     t0 = bos + (n_chunks - 1 - c) * C
                     n_rows = T.min(eos - t0, C)
+                    stamp(tr, 1, 0, c, tx, h, n)
                     T.barrier_wait(full_e, c % 2)
                     T.barrier_wait(full_m, c % 2)
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ds_ready, c % 2)
+                    stamp(tr, 1, 1, c, tx, h, n)
                     T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                    stamp(tr, 1, 2, c, tx, h, n)
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
@@ -225,23 +238,29 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = kd_f[i, j] * dec_f[i]
                     T.barrier_wait(p_ready, c % 2)
+                    stamp(tr, 1, 3, c, tx, h, n)
                     T.gemm(p_s, do_s, dw_f, transpose_A=True, clear_accum=True)  # P^T dO
                     for i, j in T.Parallel(C, V):
                         dvn_s[i, j] = T.cast(kd_f[i, j] + dw_f[i, j], io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(dvn_ready)
+                    stamp(tr, 1, 4, c, tx, h, n)
                     T.gemm(ag_s, dvn_s, dw_f, transpose_A=True, clear_accum=True)  # dW = Ag^T dVn
+                    stamp(tr, 1, 5, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         if i < n_rows:
                             dv[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
                     T.barrier_wait(dag_done, c % 2)
+                    stamp(tr, 1, 6, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         dvn_s[i, j] = T.cast(-dw_f[i, j] * gam_f[i], io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(ydw_ready)
+                    stamp(tr, 1, 7, c, tx, h, n)
                     # dg~'s value-side row terms: d_i <(K dS')_i, Vn_i> (g~_last too), -gamma_i <dW_i, KS_i>,
                     # scale gamma_i <q_i, (dO S^T)_i>
                     T.barrier_wait(vn_ready, c % 2)
+                    stamp(tr, 1, 8, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
                     T.reduce_sum(kd_f, red_f, dim=1)
@@ -262,9 +281,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.gemm(dvn_s, st_s, kd_f, clear_accum=True)
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
+                    stamp(tr, 1, 9, c, tx, h, n)
                     # dO's last raw reader is the gate side's dO Vn^T: then dO becomes scale gamma ⊙ dO for the chain,
                     # and Vn d ⊙ Vn for dk
                     T.barrier_wait(dp_done, c % 2)
+                    stamp(tr, 1, 10, c, tx, h, n)
                     # (shared tiles alone: the factors from g~ per element, since a row fragment here would lay the
                     # loop out on a quarter of the threads)
                     for i, j in T.Parallel(C, V):
@@ -273,21 +294,25 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(dog_ready)
+                    stamp(tr, 1, 11, c, tx, h, n)
                     # three products issued together, waited on once
                     T.wgmma_gemm(p_s, k_s, dw_f)  # dq += dQK K
                     T.wgmma_gemm(p_s, q_s, kd_f, transpose_A=True)  # dk += dQK^T Q
                     T.wgmma_gemm(vn_s, ds_s, kd_f)  # dk += (d ⊙ Vn) dS'^T
                     T.wait_wgmma(0)
+                    stamp(tr, 1, 12, c, tx, h, n)
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(free_m)
                     for i, j in T.Parallel(C, K):
                         if i < n_rows:
                             dq[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
                     T.barrier_wait(dkk_ready, c % 2)
+                    stamp(tr, 1, 13, c, tx, h, n)
                     T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
                     T.wgmma_gemm(da_s, k_s, kd_f, transpose_A=True)  # dk += dKK^T K
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_k)
+                    stamp(tr, 1, 14, c, tx, h, n)
                     for i, j in T.Parallel(C, K):
                         if i < n_rows:
                             dk[0, t0 + i, h, j] = T.cast(kd_f[i, j], io_dtype)
@@ -306,14 +331,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 for c in T.serial(n_chunks):
                     t0 = bos + (n_chunks - 1 - c) * C
                     n_rows = T.min(eos - t0, C)
+                    stamp(tr, 2, 0, c, tx, h, n)
                     T.barrier_wait(full_e, c % 2)
                     T.barrier_wait(full_m, c % 2)
                     T.barrier_wait(full_k, c % 2)
+                    stamp(tr, 2, 1, c, tx, h, n)
                     T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
                     T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                     T.wait_wgmma(0)
+                    stamp(tr, 2, 2, c, tx, h, n)
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(
                             i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
@@ -324,16 +352,20 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready)
+                    stamp(tr, 2, 3, c, tx, h, n)
                     T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
                     T.copy(cv_f, vn_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vn_ready)
+                    stamp(tr, 2, 4, c, tx, h, n)
                     T.barrier_arrive(free_e)
                     T.barrier_wait(dvn_ready, c % 2)
+                    stamp(tr, 2, 5, c, tx, h, n)
                     T.wgmma_gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)  # dVn W^T
                     T.wgmma_gemm(do_s, vn_s, dp_f, transpose_B=True, clear_accum=True)  # dO Vn^T
                     T.wait_wgmma(0)
                     T.barrier_arrive(dag_done)
+                    stamp(tr, 2, 6, c, tx, h, n)
                     # E = dAg ⊙ Gam (lower): dbeta's first sum, dA = E ⊙ beta_j, X = E ⊙ A ⊙ beta_j
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
@@ -349,14 +381,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0), io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(dp_done)
+                    stamp(tr, 2, 7, c, tx, h, n)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, xr_s)
                     T.reduce_sum(x_f, red_c, dim=0)
                     T.copy(red_c, xc_s)
+                    stamp(tr, 2, 8, c, tx, h, n)
                     # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
                     T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
+                    stamp(tr, 2, 9, c, tx, h, n)
                     T.copy(cc_f, da_s)
                     T.fence_proxy_async()
                     T.gemm(da_s, a_s, cc_f, transpose_B=True, clear_accum=True)
@@ -366,11 +401,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         da_s[i, j] = T.cast(cc_f[i, j] * b_s[i], io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(dkk_ready)
+                    stamp(tr, 2, 10, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, db2_s)
                     # dg: reverse cumsum of the row terms, plus the total of the g~_last terms, for every token
                     T.barrier_wait(x_rows, c % 2)
+                    stamp(tr, 2, 11, c, tx, h, n)
                     for i, j in T.Parallel(C, C):
                         x_f[i, j] = (T.if_then_else(j >= i, x0_s[j] + xr_s[j] - xc_s[j], 0.0) + x1_s[j])
                     T.reduce_sum(x_f, red_r, dim=1)
@@ -379,18 +416,21 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             dg[0, t0 + i, h] = red_r[i]
                             dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
                     T.barrier_arrive(free_k)
+                    stamp(tr, 2, 12, c, tx, h, n)
 
             else:
                 # ================= producer: warp 12 the first group (V, Ag, S^T), warps 13-14 the second (Q, dO,
                 # A, g~, beta), warp 15 K
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 for c in T.serial(n_chunks):
+                    stamp(tr, 3, 0, c, tx, h, n)
                     t0 = bos + (n_chunks - 1 - c) * C
                     n_rows = T.min(eos - t0, C)
                     slot = first_slot[n] + (n_chunks - 1 - c)
                     if tx < 416:
                         if c > 0:
                             T.barrier_wait(free_e, (c + 1) % 2)
+                            stamp(tr, 3, 1, c, tx, h, n)
                         T.tma_copy(Ag[slot, h, 0:C, 0:C], ag_s, barrier=full_e)
                         T.tma_copy(states[slot, h, 0:V, 0:K], st_s, barrier=full_e)
                         if n_rows == C:
@@ -398,9 +438,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         else:
                             masked_rows(v, v_s, t0, n_rows, h, V)
                         T.barrier_arrive(full_e)
+                        stamp(tr, 3, 2, c, tx, h, n)
                     elif tx < 480:
                         if c > 0:
                             T.barrier_wait(free_m, (c + 1) % 2)
+                            stamp(tr, 3, 3, c, tx, h, n)
                         if tx < 448:
                             if n_rows == C:
                                 T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s, barrier=full_m)
@@ -414,13 +456,68 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             for i in T.Parallel(C):
                                 b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
                         T.barrier_arrive(full_m)
+                        stamp(tr, 3, 4, c, tx, h, n)
                     else:
                         if c > 0:
                             T.barrier_wait(free_k, (c + 1) % 2)
+                            stamp(tr, 3, 5, c, tx, h, n)
                         if n_rows == C:
                             T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_s, barrier=full_k)
                         else:
                             masked_rows(k, k_s, t0, n_rows, hq, K)
                         T.barrier_arrive(full_k)
+                        stamp(tr, 3, 6, c, tx, h, n)
+
+    if trace:
+        @T.prim_func
+        def fused_backward_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        beta: T.Tensor((1, num_tokens, Hv), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+        states: T.Tensor((num_slots, Hv, V, K), io_dtype),
+        dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+        scale: T.float32,
+        dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dg: T.Tensor((1, num_tokens, Hv), "float32"),
+        dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+        dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            tr: T.Tensor((4, TRACE_CHUNKS, TRACE_POINTS), "int64"),
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, tr)
+    else:
+        @T.prim_func
+        def fused_backward_kernel(
+        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        gcum: T.Tensor((Hv, slot_rows), "float32"),
+        beta: T.Tensor((1, num_tokens, Hv), "float32"),
+        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+        states: T.Tensor((num_slots, Hv, V, K), io_dtype),
+        dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+        scale: T.float32,
+        dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+        dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+        dg: T.Tensor((1, num_tokens, Hv), "float32"),
+        dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+        dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, None)
 
     return tilelang.compile(fused_backward_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

@@ -1,0 +1,107 @@
+"""Where a chunk step of the fused backward goes, role by role (GPU).
+
+Runs the trace build of ``flashgdn/kernels/hopper/fused_backward.py`` (``trace=True``: the SM's cycle counter at
+fixed points of each role's chunk step, for the first chunk steps of the CTA of value head 0 and sequence 0) on one
+shape, and prints, for each role (state, value side, gate side, producer) and point, the median cycle at which it is
+reached counted from the value side's start of the same chunk step, and the median step length. The trace build
+computes the same gradients as the default one; only the stamps are added.
+
+    python benchmarks/fused_backward_trace.py --heads 16/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 \
+        --out trace.json
+"""
+import argparse
+import json
+import statistics
+
+ROLES = ("state", "value side", "gate side", "producer")
+
+
+def summarize(stamps, points_of, skip=2):
+    """Medians over chunk steps ``skip`` .. n - 2 of a trace ``stamps[role][step][point]`` (cycles, 0 where never
+    written), each point counted from the value side's point 0 of the same step: ``{"step_cycles": median step
+    length, "roles": {role: [(point description, median offset or None), ...]}}``."""
+    ref = [row[0] for row in stamps[1]]
+    steps = [c for c in range(skip, len(ref) - 1) if ref[c] and ref[c + 1]]
+    out = {"step_cycles": statistics.median(ref[c + 1] - ref[c] for c in steps) if steps else None, "roles": {}}
+    for role, name in enumerate(ROLES):
+        rows = []
+        for point, desc in enumerate(points_of[role]):
+            vals = [stamps[role][c][point] - ref[c] for c in steps if stamps[role][c][point]]
+            rows.append((desc, statistics.median(vals) if vals else None))
+        out["roles"][name] = rows
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="16/32", help="Hqk/Hv")
+    ap.add_argument("--seqlens", default=",".join(["4096"] * 8), help="comma-separated lengths")
+    ap.add_argument("--out", default=None, help="JSON file for the stamps and the summary")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from flashgdn.kernels.hopper.backward import HopperBackwardStages
+    from flashgdn.kernels.hopper.common import tl_dtype
+    from flashgdn.kernels.hopper.fused_backward import TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF, build_fused_backward
+    from flashgdn.kernels.hopper.forward import _output
+
+    Hqk, Hv = (int(x) for x in args.heads.split("/"))
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    K = V = 128
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    T = sum(seqlens)
+    cu = torch.tensor([0] + seqlens, device=dev).cumsum(0).to(torch.int32)
+    bf = torch.bfloat16
+    q = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
+    k = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
+    v = torch.randn(1, T, Hv, V, generator=gen, device=dev).to(bf)
+    g = -torch.rand(1, T, Hv, generator=gen, device=dev) * 0.1
+    beta = torch.rand(1, T, Hv, generator=gen, device=dev)
+    h0 = torch.randn(len(seqlens), Hv, K, V, generator=gen, device=dev)
+    do = torch.randn(1, T, Hv, V, generator=gen, device=dev).to(bf)
+    dht = torch.randn(len(seqlens), Hv, K, V, generator=gen, device=dev)
+    scale = K ** -0.5
+
+    st = HopperBackwardStages()
+    states = st.chunk_states(q, k, v, g, beta, h0, cu, cu.cpu())
+    (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu)
+    outs = [_output((1, T, Hv, V), bf, dev), _output((1, T, Hv, K), bf, dev), _output((1, T, Hv, K), bf, dev),
+            _output((1, T, Hv), torch.float32, dev), _output((1, T, Hv), torch.float32, dev),
+            _output((N, Hv, K, V), torch.float32, dev)]
+    tr = torch.zeros((4, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=dev)
+    kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, trace=True)
+    plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True)
+    call_args = (qf, kf, v, do, st1.gcum, beta.contiguous(), st1.Ag, st1.A, cu_k, st1.first_slot, states,
+                 dht.contiguous(), float(scale), *outs)
+    times = {}
+    for name, fn in (("trace", lambda: kernel(*call_args, tr)), ("plain", lambda: plain(*call_args))):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 5
+    stamps = tr.cpu().tolist()
+    summary = summarize(stamps, TRACE_POINTS_OF)
+    print(f"{args.heads} {args.seqlens}: kernel {times['plain']:.3f} ms (trace build {times['trace']:.3f} ms); "
+          f"median chunk step {summary['step_cycles']} cycles")
+    for role, rows in summary["roles"].items():
+        print(f"  {role}:")
+        for desc, off in rows:
+            print(f"    {'-' if off is None else off:>8}  {desc}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"heads": args.heads, "seqlens": seqlens, "ms": times, "stamps": stamps,
+                       "points": TRACE_POINTS_OF, "summary": summary,
+                       "gpu": torch.cuda.get_device_name(), "command": "python benchmarks/fused_backward_trace.py "
+                       f"--heads {args.heads} --seqlens {args.seqlens}"}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

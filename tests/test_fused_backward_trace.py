@@ -1,0 +1,33 @@
+"""``benchmarks/fused_backward_trace.py`` (CPU): a trace of per-phase cycle stamps summarised as medians counted from
+the value side's start of each chunk step, with the stamps' layout and point names of the kernel's trace build."""
+import importlib.util
+import os
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fused_backward_trace.py")
+_spec = importlib.util.spec_from_file_location("fused_backward_trace", _PATH)
+ft = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ft)
+
+
+def test_a_trace_is_summarised_per_role_and_point():
+    from flashgdn.kernels.hopper.fused_backward import TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF
+
+    assert len(TRACE_POINTS_OF) == 4 and all(0 < len(p) <= TRACE_POINTS for p in TRACE_POINTS_OF)
+    # steps of 1000 cycles from 5000; the value side reaches point p at +50 p, the gate side at +30 p (+7 on odd
+    # steps: steps 2 .. 30 are summarised, 15 even and 14 odd, so the median is the even steps' value); the state
+    # side wrote only point 0; the producer nothing
+    stamps = [[[0] * TRACE_POINTS for _ in range(TRACE_CHUNKS)] for _ in range(4)]
+    for c in range(TRACE_CHUNKS):
+        base = 5000 + 1000 * c
+        stamps[0][c][0] = base - 20
+        for p in range(len(TRACE_POINTS_OF[1])):
+            stamps[1][c][p] = base + 50 * p
+        for p in range(len(TRACE_POINTS_OF[2])):
+            stamps[2][c][p] = base + 30 * p + (7 if c % 2 else 0)
+    s = ft.summarize(stamps, TRACE_POINTS_OF)
+    assert s["step_cycles"] == 1000
+    assert [off for _, off in s["roles"]["value side"]] == [50 * p for p in range(len(TRACE_POINTS_OF[1]))]
+    assert [off for _, off in s["roles"]["gate side"]] == [30 * p for p in range(len(TRACE_POINTS_OF[2]))]
+    assert s["roles"]["state"][0] == (TRACE_POINTS_OF[0][0], -20)
+    assert all(off is None for _, off in s["roles"]["state"][1:])
+    assert all(off is None for _, off in s["roles"]["producer"])
