@@ -454,6 +454,13 @@ def test_op_gradients_through_the_kernel_backward(ratio, l2norm, cp, monkeypatch
     """The public op with the Hopper backward's kernels (FLASHGDN_HOPPER_BACKWARD=kernels): autograd gradients,
     with the L2 norm's backward in front of them, against the float64 reference op's autograd; without context
     parallelism and on segments of 4 chunks (forward and backward)."""
+    _assert_op_gradients_on_the_bars(ratio, l2norm, cp, monkeypatch, cuda)
+
+
+def _assert_op_gradients_on_the_bars(ratio, l2norm, cp, monkeypatch, cuda):
+    """The public op's autograd with the kernel backward (``cp`` for the Hopper run) against the float64 reference
+    op's, for 2 qk heads of ``ratio`` value heads each, sequences 900, 1 and 200 with a padded tail, the host copy of
+    the offsets."""
     from flashgdn import chunk_gated_delta_rule
     from flashgdn.kernels.hopper import backend
 
@@ -591,28 +598,10 @@ def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeyp
 def test_op_gradients_through_the_fused_backward(ratio, monkeypatch, cuda):
     """The public op's autograd with the fused backward (L2 norm in the kernel, a padded tail, the host copy of the
     offsets) against the float64 reference op's."""
-    from flashgdn import chunk_gated_delta_rule
-    from flashgdn.kernels.hopper import backend, backward
+    from flashgdn.kernels.hopper import backward
 
-    monkeypatch.setattr(backend, "BACKWARD", "kernels")
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    inp = make_inputs(Hqk=2, Hv=2 * ratio, K=128, V=128, dtype=torch.bfloat16, device=cuda,
-                      seqlens=[900, 1, 200], pad=10, use_qk_l2norm_in_kernel=True, normalize_qk=False)
-    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    gen = torch.Generator(device=cuda).manual_seed(9)
-    do = torch.randn(inp["v"].shape, generator=gen, device=cuda)
-    dht = torch.randn(inp["initial_state"].shape, generator=gen, device=cuda)
-    grads = {}
-    for backend_name, dtype in (("hopper", None), ("reference", torch.float64)):
-        xs = {n: (inp[n].to(dtype) if dtype else inp[n]).detach().clone().requires_grad_(True) for n in names}
-        o, ht = chunk_gated_delta_rule(**{**inp, **xs}, output_final_state=True, backend=backend_name)
-        torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
-        grads[backend_name] = {n: xs[n].grad for n in names}
-    for n in names:
-        bar = GATE_GRAD_BAR if n in ("g", "beta") else GRAD_BAR
-        err = rel_rms(grads["hopper"][n].double(), grads["reference"][n])
-        assert err < bar, (n, err)
+    _assert_op_gradients_on_the_bars(ratio, True, "auto", monkeypatch, cuda)
 
 
 def test_fused_backward_trace_build_gives_the_same_bits_and_ordered_stamps(cuda):

@@ -147,6 +147,29 @@ def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
                                           store_inverse=store_inverse)
 
 
+def _end_gradients(dht: Optional[torch.Tensor], Hv: int, K: int, V: int, device) -> torch.Tensor:
+    """The walk's end gradients as its kernels take them: ``dht`` float32 and contiguous, or (None) a placeholder the
+    kernel built without ``has_final_grad`` never reads."""
+    return dht.to(torch.float32).contiguous() if dht is not None else torch.empty((1, Hv, K, V), device=device)
+
+
+def _token_gradients(q, v, cu_cpu, qk_heads: int, qk_alloc=None):
+    """``(dv, dq, dk, dg, dbeta)`` for the per-chunk gradient kernels to write, dq and dk for ``qk_heads`` heads
+    (``qk_alloc``: their allocator, default the others'). Tokens past the last sequence belong to no chunk and are
+    never written: zeros, unless the host copy of the offsets ``cu_cpu`` says there are none."""
+    _, TT, _, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    dev = q.device
+    alloc = torch.zeros if cu_cpu is None or int(cu_cpu[-1]) < TT else torch.empty
+    qk_alloc = qk_alloc or alloc
+    dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
+    dq = qk_alloc((1, TT, qk_heads, K), dtype=q.dtype, device=dev)
+    dk = qk_alloc((1, TT, qk_heads, K), dtype=q.dtype, device=dev)
+    dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+    dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+    return dv, dq, dk, dg, dbeta
+
+
 def hopper_chunk_states(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -205,13 +228,12 @@ def hopper_state_gradients(
     (qf, kf), cu, N, st1 = _stage1 or _plan_and_stage1(q, k, g, beta, cu_seqlens)
     S = st1.bounds.shape[0]
     dof = do.reshape(1, B * T, Hv, V).contiguous()
-    has_dht = dht is not None
-    dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
     ds_end = _output((S, Hv, V, K), q.dtype, dev)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
-    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht, staged_stores=STAGED_STATE_STORES,
+    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, staged_stores=STAGED_STATE_STORES,
                           precise=precise, **lean_state_option())(
-        qf, kf, dof, st1.gcum, st1.Ag, cu, st1.first_slot, dht_in, float(scale), ds_end, dh0)
+        qf, kf, dof, st1.gcum, st1.Ag, cu, st1.first_slot, _end_gradients(dht, Hv, K, V, dev), float(scale), ds_end,
+        dh0)
     return ds_end, dh0, st1.bounds
 
 
@@ -265,22 +287,13 @@ class HopperBackwardStages:
         (qf, kf), _, _, st1 = self._stage1_for(q, k, g, beta, cu)
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
-        dev = q.device
-        # tokens past the last sequence belong to no chunk and are never written: zeros, unless the host copy of
-        # the offsets says there are none
-        tail = cu_cpu is None or int(cu_cpu[-1]) < TT
-        alloc = torch.zeros if tail else torch.empty
         # dq and dk per value head in the io dtype (half of float32's memory; +0.4e-3 on their error,
         # benchmarks/numerics_backward.py), returned as [1, T, Hqk, group, K] for finish_gradients to sum; with
         # pair sums, per qk head (a group of one for finish_gradients), zeroed for the kernel's atomics
         group = Hv // Hqk
         options = chunk_grad_options(group)
-        heads, per, alloc_qk = (Hqk, 1, torch.zeros) if options["pair_sums"] else (Hv, group, alloc)
-        dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
-        dq = alloc_qk((1, TT, heads, K), dtype=q.dtype, device=dev)
-        dk = alloc_qk((1, TT, heads, K), dtype=q.dtype, device=dev)
-        dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
+        heads, per, alloc_qk = (Hqk, 1, torch.zeros) if options["pair_sums"] else (Hv, group, None)
+        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, heads, alloc_qk)
         build_chunk_grad(Hqk, Hv, K, V, tl_dtype(q.dtype), **options)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             st1.bounds, states, ds_end, float(scale), dv, dq, dk, dg, dbeta)
@@ -295,21 +308,13 @@ class HopperBackwardStages:
         (qf, kf), cu, N, st1 = self._stage1_for(q, k, g, beta, cu)
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
-        dev = q.device
-        tail = cu_cpu is None or int(cu_cpu[-1]) < TT
-        alloc = torch.zeros if tail else torch.empty
         group = Hv // Hqk
-        dv = alloc((1, TT, Hv, V), dtype=q.dtype, device=dev)
-        dq = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
-        dk = alloc((1, TT, Hv, K), dtype=q.dtype, device=dev)
-        dg = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        dbeta = alloc((1, TT, Hv), dtype=torch.float32, device=dev)
-        dh0 = _output((N, Hv, K, V), torch.float32, dev)
-        has_dht = dht is not None
-        dht_in = dht.to(torch.float32).contiguous() if has_dht else torch.empty((1, Hv, K, V), device=dev)
-        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), has_dht)(
+        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hv)
+        dh0 = _output((N, Hv, K, V), torch.float32, q.device)
+        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
-            cu, st1.first_slot, states, dht_in, float(scale), dv, dq, dk, dg, dbeta, dh0)
+            cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg, dbeta,
+            dh0)
         return (dq.view(1, TT, Hqk, group, K), dk.view(1, TT, Hqk, group, K), dv, dg, dbeta), dh0
 
     def finish_gradients(self, grads):
