@@ -419,9 +419,9 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
 
     # the backward on forced segment lengths (the forward's plan for cp=<chunks>), None where that does not split
     forced = {c: HopperBackend._plan(replace(p, cp=c)) for c in CP_SEGMENTS}
-    times = {f"bwd_cp{c}": (lambda pl=pl: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, pl,
-                                                           cu_cpu))
-             for c, pl in forced.items() if pl is not None}
+
+    def whole(pl):  # the whole backward on plan ``pl`` (None: the sequences themselves)
+        return lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, pl, cu_cpu)
 
     def states_pass():
         return st.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu)
@@ -435,20 +435,19 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
     def with_switch(name, value, stage):  # a stage with one of backward's switches set otherwise (its A/B)
         return lambda: switched(backward, name, value, stage)
 
-    def whole(pl):
-        return lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, pl, cu_cpu)
-
     # the walk and chunk_grad as one kernel (backward.FUSED_BACKWARD): the kernel alone (what bwd_walk and
     # bwd_chunk_grad together do), and the whole backward with it, without CP, with the plan's and on forced segments
     fused_st = HopperBackwardStages(fused=True)
-    times |= {
+    times = {
         "bwd_fused_kernel": lambda: fused_st.fused_gradients(q, k, v, g, beta, do, states, dht, scale, cu, cu_cpu),
         "bwd_fused": with_switch("FUSED_BACKWARD", True, whole(None)),
         "bwd_unfused": with_switch("FUSED_BACKWARD", False, whole(None)),
         "bwd_fused_cpauto": with_switch("FUSED_BACKWARD", True, whole(plan)),
     }
-    times |= {f"bwd_fused_cp{c}": with_switch("FUSED_BACKWARD", True, whole(pl))
-              for c, pl in forced.items() if pl is not None}
+    for c, pl in forced.items():
+        if pl is not None:
+            times[f"bwd_cp{c}"] = whole(pl)
+            times[f"bwd_fused_cp{c}"] = with_switch("FUSED_BACKWARD", True, whole(pl))
 
     return times | {
         "bwd_stage1": lambda: _plan_and_stage1(q, k, g, beta, cu, store_inverse=True),
@@ -462,17 +461,15 @@ def backward_timings(q, k, v, g, beta, h0, cu, cu_cpu, scale) -> dict:
         "bwd_chunk_grad_heads_inner": with_switch("CHUNK_GRAD_HEADS_INNER", True, chunk_grad),
         # chunk_grad alone, and the whole backward (the group sums it saves run after chunk_grad)
         "bwd_chunk_grad_pair_sums": with_switch("CHUNK_GRAD_PAIR_SUMS", True, chunk_grad),
-        "bwd_pair_sums": with_switch("CHUNK_GRAD_PAIR_SUMS", True, lambda: hopper_backward(
-            q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu)),
+        "bwd_pair_sums": with_switch("CHUNK_GRAD_PAIR_SUMS", True, whole(None)),
         # the whole backward with dq and dk's group sums by torch's sum instead of group_sum.py's kernel
-        "bwd_torch_group_sums": with_switch("GROUP_SUM_KERNEL", False, lambda: hopper_backward(
-            q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu)),
+        "bwd_torch_group_sums": with_switch("GROUP_SUM_KERNEL", False, whole(None)),
         "bwd_states_precise": lambda: precise.chunk_states(q, k, v, g, beta, h0, cu, cu_cpu),
         "bwd_walk_precise": lambda: precise.state_gradients(q, k, g, beta, do, dht, scale, cu, cu_cpu),
         "bwd_states_unstaged": with_switch("STAGED_STATE_STORES", False, states_pass),
         "bwd_walk_unstaged": with_switch("STAGED_STATE_STORES", False, walk),
-        "bwd": lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, None, cu_cpu),
-        "bwd_cpauto": lambda: hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, False, plan, cu_cpu),
+        "bwd": whole(None),
+        "bwd_cpauto": whole(plan),
     }
 
 
