@@ -95,11 +95,12 @@ def main(argv=None):
         for desc, off in rows:
             print(f"    {'-' if off is None else off:>8}  {desc}")
     if args.out:
+        from stage_timing import results_header  # this script's folder is on the path when run as a script
+
         with open(args.out, "w") as f:
-            json.dump({"heads": args.heads, "seqlens": seqlens, "ms": times, "stamps": stamps,
-                       "points": TRACE_POINTS_OF, "summary": summary,
-                       "gpu": torch.cuda.get_device_name(), "command": "python benchmarks/fused_backward_trace.py "
-                       f"--heads {args.heads} --seqlens {args.seqlens}"}, f, indent=1)
+            json.dump(results_header(argv, "fused_backward_trace.py")
+                      | {"heads": args.heads, "seqlens": seqlens, "ms": times, "stamps": stamps,
+                         "points": TRACE_POINTS_OF, "summary": summary}, f, indent=1)
     return 0
 
 

@@ -34,11 +34,12 @@ EXPLAINED_SPILLS = {
         "the same 16 bytes in the producer warpgroup, in the rso loop with its state paths' column factors in "
         "registers too (the A/B of forward.RSO_LEAN_STATE)",
     "fused_backward[":
-        "20 bytes in the value-side warpgroup: five loop-invariant values stored once before the chunk loop and "
-        "reloaded once per chunk (the same 20 bytes from 168 to 176 registers there; the other roles have none)",
+        "44 bytes of loop-invariant values (six of the value side, four of the gate side) stored once before the "
+        "chunk loop and reloaded once per chunk, and one value of the gate side stored and reloaded within a chunk "
+        "(read in the SASS); nothing of the accumulators, and wgmma not serialised",
     "fused_backward_trace[":
-        "28 bytes in the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the 20 of the "
-        "default build and the stamps' addresses",
+        "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
+        "loop invariants and the stamps' addresses",
     "chunk_forward_rso_plain[":
         "8 bytes in the same producer warpgroup, in the rso loop without its trimmed output path (the A/B of "
         "forward.RSO_LEAN_OUTPUT)",

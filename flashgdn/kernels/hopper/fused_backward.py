@@ -20,11 +20,11 @@ value head, and no walk kernel), and that the per-chunk work runs N x Hv CTAs in
 Roles (512 threads; the split of the state gradient from the two sides of the per-chunk work follows FlashQLA's
 Hopper backward, read for its structure):
 * warpgroup 0, ``state``: dS^T [V, K] float32 in registers (all of it: 128 per thread); per chunk it writes dS'^T
-  in bf16 for the others, scales by gamma_C and adds the chain's two products;
+  in bf16 for the others, scales by gamma_C, makes the chain's scale gamma ⊙ dO and adds the chain's two products;
 * warpgroup 1, ``value side``: K dS', P^T dO -> dVn; Ag^T dVn -> dW (dv); the S^T products of dq and dk, dq, dk;
   the gate's row terms that use these;
 * warpgroup 2, ``gate side``: Q K^T -> P, K S -> W, Ag W -> Vn, dVn W^T, dO Vn^T -> dQK, the inverse's dL -> dKK,
-  dbeta, and dg (its reverse cumsum as a masked [64, 64] sum);
+  dbeta, and dg (its reverse cumsum a serial sum per token);
 * warpgroup 3, producer: each chunk's tiles, last chunk first, single-buffered in three groups, each loaded for
   the next chunk as soon as its last reader in this one is done: V, Ag and S^T (once Vn, dW and the S^T products
   are made); Q, dO, A, g~ and beta (once the chain, dq's and dk's Q products and the inverse's dL are); K at the
@@ -32,14 +32,16 @@ Hopper backward, read for its structure):
 
 All warpgroups step through a chunk together on mbarriers (one completion per chunk each). Shared memory is 26
 tiles of 8 KB placed by hand: the loop keeps every buffer alive across chunks, so TileLang cannot overlap them,
-and each tile takes the next value once its last reader is done (V's tile then holds gamma ⊙ KS, P's dQK, dVn's
--gamma ⊙ dW, dA's A^T dA and then dKK, dO's the scaled dO of the chain).
+and each tile takes the next value once its last reader is done (P's tile then holds dQK, dVn's -gamma ⊙ dW, dA's A^T dA and then dKK, W's the chain's scale gamma ⊙ dO, dO's d ⊙ Vn, Vn's dq and then dk on their way out).
 
-Measured on the H200 (``docs/hopper-notes.md``, v0.14): ~20.7 us per chunk step of a CTA (the walk's 3.5 and
-``chunk_grad``'s 20.8 SM-us per chunk together), so it beats the two kernels where its CTAs fill the GPU (the backward
-0.90x-0.95x their time on 256-1024 CTAs, with 0.75x their peak memory) and loses where a few long walks set the time;
-``backward.fused_backward_wanted`` chooses. The gate side is the longer path (the state warpgroup idles, the value side
-waits on the gate side ~30% of its samples).
+Measured on the H200 (``docs/hopper-notes.md``, v0.14 and v0.15): ~14.5-17 us per chunk step of a CTA where its CTAs
+fill the GPU (v0.14: 20.7; the walk's 3.5 and ``chunk_grad``'s 20.8 SM-us per chunk together), so the backward takes
+0.67x-0.77x the two kernels' time on 256-512 CTAs, with 0.75x their peak memory, and loses where a few long walks set
+the time; ``backward.fused_backward_wanted`` chooses. What v0.15 changed, from the trace build's timeline: no loop
+over an accumulator that writes shared memory (TileLang puts a warpgroup barrier in each of its unrolled steps),
+batched column sums, V swizzled, dg's reverse cumsum as a serial sum, the chain's scale gamma ⊙ dO made by the state
+warpgroup, dq and dk stored in 16-byte rows through Vn's tile. The value side is now the longer path; the first K
+load of each step is exposed (~2.5k cycles).
 
 PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rule_backward_reference`` (steps 1 and 2).
 """
@@ -51,6 +53,10 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs
 #: float32 tiles (at 160 it spilled 56 B, with a third tile 256 B and every wgmma serialised); the producer's masked
 #: loads spilled at 24 and 32. Each split tried is in docs/hopper-notes.md (v0.14).
 STATE_REGS, VALUE_REGS, GATE_REGS, PRODUCER_REGS = 160, 168, 144, 40
+#: the gate side's column sums (dim 0 of a [64, 64] accumulator: across warps) are reduced this many columns at a
+#: time, each batch through one shared workspace between two barriers (TileLang's default, one column at a time,
+#: takes ~10 named barriers per column)
+COLUMN_SUM_BATCH = 8
 
 #: a trace build (``trace=True``) records the SM's cycle counter at these many points of each role's chunk step,
 #: for the first TRACE_CHUNKS chunk steps of one CTA (``benchmarks/fused_backward_trace.py`` reads it): where the
@@ -58,8 +64,8 @@ STATE_REGS, VALUE_REGS, GATE_REGS, PRODUCER_REGS = 160, 168, 144, 40
 TRACE_CHUNKS, TRACE_POINTS = 32, 20
 #: what each trace point of each role (state, value side, gate side, producer) marks
 TRACE_POINTS_OF = (
-    ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', '(gamma dW)^T K done', 'scaled dO ready', 'chain done'),
-    ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'dVn free', '-gamma dW written', 'Vn ready', 'S^T products and row terms done', 'dQK ready', 'dO and Vn scaled', 'dq, dk products done', 'dKK ready', 'dk done'),
+    ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', 'scaled dO written', '(gamma dW)^T K done', 'chain done'),
+    ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'Vn ready', 'row terms and dv done, dVn free', '-gamma dW written', 'S^T products done', 'dQK ready, d ⊙ Vn written', 'dq, dk products done', 'dq stored', 'dKK ready', 'dk products done'),
     ('chunk step begins', 'inputs ready', 'Q K^T, K S done', 'P, W written', 'Vn written', 'dVn ready', 'dVn W^T, dO Vn^T done', 'E and dQK written', 'row and column sums done', 'K K^T, A^T dA done', 'dKK written', 'value-side row terms ready', 'dg and dbeta stored'),
     ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO, A, g~, beta issued', 'K free', 'K issued'),
 )
@@ -126,24 +132,27 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             # ---- 26 tiles of 8 KB (see the module docstring for what each holds when)
             q_s = T.alloc_shared((C, K), io_dtype)
             k_s = T.alloc_shared((C, K), io_dtype)
-            v_s = T.alloc_shared((C, V), io_dtype)  # V, then gamma ⊙ KS
-            do_s = T.alloc_shared((C, V), io_dtype)  # dO, then scale gamma ⊙ dO
+            v_s = T.alloc_shared((C, V), io_dtype)
+            do_s = T.alloc_shared((C, V), io_dtype)  # dO, then d ⊙ Vn
             st_s = T.alloc_shared((V, K), io_dtype)  # S^T
             ag_s = T.alloc_shared((C, C), io_dtype)
             a_s = T.alloc_shared((C, C), io_dtype)
             ds_s = T.alloc_shared((V, K), io_dtype)  # dS'^T
             p_s = T.alloc_shared((C, C), io_dtype)  # P, then dQK
             dvn_s = T.alloc_shared((C, V), io_dtype)  # dVn, then -gamma ⊙ dW
-            w_s = T.alloc_shared((C, V), io_dtype)
-            vn_s = T.alloc_shared((C, V), io_dtype)  # Vn, then d ⊙ Vn
+            w_s = T.alloc_shared((C, V), io_dtype)  # W, then scale gamma ⊙ dO
+            vn_s = T.alloc_shared((C, V), io_dtype)  # Vn, then dq, then dk
             da_s = T.alloc_shared((C, C), io_dtype)  # dA, then A^T dA, then dKK
             # ---- per-token vectors
             gc_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
+            gam_s = T.alloc_shared((C,), acc)  # gamma_i, the state side's own
+            dec_s = T.alloc_shared((C,), acc)  # d_i, the value side's own
             x0_s = T.alloc_shared((C,), acc)  # dg~'s row terms from the value side
             x1_s = T.alloc_shared((C,), acc)  # the g~_last terms per token (their total is what counts)
             xr_s = T.alloc_shared((C,), acc)  # row and column sums of X = P ⊙ dP + E ⊙ A ⊙ beta
             xc_s = T.alloc_shared((C,), acc)
+            z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
 
@@ -155,15 +164,19 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             free_k = T.alloc_barrier(arrive_count=384)  # the chunk done
             ds_ready = T.alloc_barrier(arrive_count=128)
             ds_free = T.alloc_barrier(arrive_count=128)
-            p_ready = T.alloc_barrier(arrive_count=128)  # P, W and gamma ⊙ KS
+            p_ready = T.alloc_barrier(arrive_count=128)  # P and W
             dvn_ready = T.alloc_barrier(arrive_count=128)
             vn_ready = T.alloc_barrier(arrive_count=128)
             dag_done = T.alloc_barrier(arrive_count=128)  # dVn read for the last time (dVn W^T)
             ydw_ready = T.alloc_barrier(arrive_count=128)
             dp_done = T.alloc_barrier(arrive_count=128)  # dQK in P's tile; Vn's and dO's tiles read for the last time
-            dog_ready = T.alloc_barrier(arrive_count=128)
+            vn_free = T.alloc_barrier(arrive_count=128)  # the value side's dq and dk out of Vn's tile
+            dog_read = T.alloc_barrier(arrive_count=128)  # the state side's scale gamma ⊙ dO made (dO free)
             dkk_ready = T.alloc_barrier(arrive_count=128)
             x_rows = T.alloc_barrier(arrive_count=128)
+
+            # V is read in the accumulator's layout: unswizzled, its rows 256 B apart fall on the same banks
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s)})
 
             tx = T.get_thread_binding()
 
@@ -190,14 +203,21 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     gl[0] = T.exp2(gc_s[C - 1] * LOG2E)
                     for i, j in T.Parallel(V, K):
                         st_f[i, j] = st_f[i, j] * gl[0]
+                    for i in T.Parallel(C):
+                        gam_s[i] = T.exp2(gc_s[i] * LOG2E)
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ydw_ready, c % 2)
                     stamp(tr, 0, 3, c, tx, h, n)
-                    T.gemm(dvn_s, k_s, st_f, transpose_A=True)  # - (gamma dW)^T K
+                    # W's last readers are done (the gate side's dVn W^T before -gamma dW, the value side's row terms):
+                    # its tile takes scale gamma ⊙ dO, made here, where the value side would wait for it
+                    for i, j in T.Parallel(C, V):
+                        w_s[i, j] = T.cast(T.cast(do_s[i, j], acc) * scale * gam_s[i], io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dog_read)
                     stamp(tr, 0, 4, c, tx, h, n)
-                    T.barrier_wait(dog_ready, c % 2)
+                    T.gemm(dvn_s, k_s, st_f, transpose_A=True)  # - (gamma dW)^T K
                     stamp(tr, 0, 5, c, tx, h, n)
-                    T.gemm(do_s, q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
+                    T.gemm(w_s, q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
                     stamp(tr, 0, 6, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.barrier_arrive(free_k)
@@ -230,6 +250,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                    for i in T.Parallel(C):
+                        dec_s[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
                     # <dS', S> folded onto 64 rows (V's halves added); only its total counts
                     for i, j in T.Parallel(C, K):
                         dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
@@ -247,30 +269,32 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 1, 4, c, tx, h, n)
                     T.gemm(ag_s, dvn_s, dw_f, transpose_A=True, clear_accum=True)  # dW = Ag^T dVn
                     stamp(tr, 1, 5, c, tx, h, n)
-                    for i, j in T.Parallel(C, V):
-                        if i < n_rows:
-                            dv[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
-                    T.barrier_wait(dag_done, c % 2)
-                    stamp(tr, 1, 6, c, tx, h, n)
-                    for i, j in T.Parallel(C, V):
-                        dvn_s[i, j] = T.cast(-dw_f[i, j] * gam_f[i], io_dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(ydw_ready)
-                    stamp(tr, 1, 7, c, tx, h, n)
-                    # dg~'s value-side row terms: d_i <(K dS')_i, Vn_i> (g~_last too), -gamma_i <dW_i, KS_i>,
-                    # scale gamma_i <q_i, (dO S^T)_i>
+                    # dg~'s row terms that need kd_f or W: d_i <(K dS')_i, Vn_i> (g~_last too) and -gamma_i <dW_i, KS_i>,
+                    # here, so that W's tile is free for the state side's scale gamma ⊙ dO once -gamma dW is out
                     T.barrier_wait(vn_ready, c % 2)
-                    stamp(tr, 1, 8, c, tx, h, n)
+                    stamp(tr, 1, 6, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
                     T.reduce_sum(kd_f, red_f, dim=1)
                     for i in T.Parallel(C):
                         x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
                         x0_s[i] = -red_f[i]
+                    # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
                     for i, j in T.Parallel(C, V):
-                        kd_f[i, j] = dw_f[i, j] * T.cast(v_s[i, j], acc)
+                        kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
                     T.reduce_sum(kd_f, red_f, dim=1)
-                    # the S^T products: dq's state term scale diag(gamma) dO S^T, then dk's -(gamma dW) S^T
+                    for i, j in T.Parallel(C, V):
+                        if i < n_rows:
+                            dv[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
+                    T.barrier_wait(dag_done, c % 2)
+                    stamp(tr, 1, 7, c, tx, h, n)
+                    for i, j in T.Parallel(C, V):
+                        dvn_s[i, j] = T.cast(-dw_f[i, j] * gam_f[i], io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ydw_ready)
+                    stamp(tr, 1, 8, c, tx, h, n)
+                    # the S^T products: dq's state term scale diag(gamma) dO S^T (and its row term
+                    # scale gamma_i <q_i, (dO S^T)_i>), then dk's -(gamma dW) S^T
                     T.gemm(do_s, st_s, dw_f, clear_accum=True)
                     for i, j in T.Parallel(C, K):
                         dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
@@ -282,30 +306,29 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
                     stamp(tr, 1, 9, c, tx, h, n)
-                    # dO's last raw reader is the gate side's dO Vn^T: then dO becomes scale gamma ⊙ dO for the chain,
-                    # and Vn d ⊙ Vn for dk
+                    # dO's tile takes d ⊙ Vn for dk once the state side has its copy of dO (a row scale of the
+                    # accumulator between two GEMMs into it, the other way, makes ptxas serialise every wgmma)
+                    T.barrier_wait(dog_read, c % 2)
+                    for i, j in T.Parallel(C, V):
+                        do_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * dec_s[i], io_dtype)
+                    T.fence_proxy_async()
                     T.barrier_wait(dp_done, c % 2)
                     stamp(tr, 1, 10, c, tx, h, n)
-                    # (shared tiles alone: the factors from g~ per element, since a row fragment here would lay the
-                    # loop out on a quarter of the threads)
-                    for i, j in T.Parallel(C, V):
-                        do_s[i, j] = T.cast(T.cast(do_s[i, j], acc) * scale * T.exp2(gc_s[i] * LOG2E), io_dtype)
-                        vn_s[i, j] = T.cast(
-                            T.cast(vn_s[i, j], acc) * T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E), io_dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(dog_ready)
-                    stamp(tr, 1, 11, c, tx, h, n)
                     # three products issued together, waited on once
                     T.wgmma_gemm(p_s, k_s, dw_f)  # dq += dQK K
                     T.wgmma_gemm(p_s, q_s, kd_f, transpose_A=True)  # dk += dQK^T Q
-                    T.wgmma_gemm(vn_s, ds_s, kd_f)  # dk += (d ⊙ Vn) dS'^T
+                    T.wgmma_gemm(do_s, ds_s, kd_f)  # dk += (d ⊙ Vn) dS'^T
                     T.wait_wgmma(0)
-                    stamp(tr, 1, 12, c, tx, h, n)
+                    stamp(tr, 1, 11, c, tx, h, n)
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(free_m)
+                    # dq and dk leave through Vn's tile (free until the gate side's next Vn, which waits on vn_free) in
+                    # rows of 16 bytes: from the accumulator's layout a warp's store touches 8 rows, 16 bytes each
+                    T.copy(dw_f, vn_s)
                     for i, j in T.Parallel(C, K):
                         if i < n_rows:
-                            dq[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
+                            dq[0, t0 + i, h, j] = vn_s[i, j]
+                    stamp(tr, 1, 12, c, tx, h, n)
                     T.barrier_wait(dkk_ready, c % 2)
                     stamp(tr, 1, 13, c, tx, h, n)
                     T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
@@ -313,9 +336,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_k)
                     stamp(tr, 1, 14, c, tx, h, n)
+                    T.copy(kd_f, vn_s)
                     for i, j in T.Parallel(C, K):
                         if i < n_rows:
-                            dk[0, t0 + i, h, j] = T.cast(kd_f[i, j], io_dtype)
+                            dk[0, t0 + i, h, j] = vn_s[i, j]
+                    T.barrier_arrive(vn_free)
 
             elif tx < 384:
                 # ================= gate side
@@ -328,6 +353,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 gam_f = T.alloc_fragment((C,), acc)
                 red_r = T.alloc_fragment((C,), acc)
                 red_c = T.alloc_fragment((C,), acc)
+                dg_f = T.alloc_fragment((C,), acc)
                 for c in T.serial(n_chunks):
                     t0 = bos + (n_chunks - 1 - c) * C
                     n_rows = T.min(eos - t0, C)
@@ -346,14 +372,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         cc_f[i, j] = T.if_then_else(
                             i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                     T.copy(cc_f, p_s)
+                    # W made in registers and stored whole: a loop over the accumulator that writes shared memory
+                    # gets a warpgroup barrier before the store of each unrolled step. gamma ⊙ KS is not kept: the
+                    # value side takes it as V - W, from the two tiles
                     for i, j in T.Parallel(C, V):
-                        cv_f[i, j] = cv_f[i, j] * gam_f[i]
-                        w_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - cv_f[i, j], io_dtype)
-                        v_s[i, j] = T.cast(cv_f[i, j], io_dtype)
+                        cv_f[i, j] = T.cast(v_s[i, j], acc) - cv_f[i, j] * gam_f[i]
+                    T.copy(cv_f, w_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready)
                     stamp(tr, 2, 3, c, tx, h, n)
                     T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
+                    if c > 0:
+                        T.barrier_wait(vn_free, (c + 1) % 2)
                     T.copy(cv_f, vn_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vn_ready)
@@ -370,21 +400,25 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                         x_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
-                        da_s[i, j] = T.cast(cc_f[i, j] * b_s[j], io_dtype)
-                    T.reduce_sum(x_f, red_c, dim=0)
+                        cc_f[i, j] = cc_f[i, j] * b_s[j]
+                    T.copy(cc_f, da_s)
+                    # column sums cross the warps through shared memory: batched, two barriers for eight columns
+                    # instead of ten for each
+                    T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
                     T.copy(red_c, db1_s)
-                    # P ⊙ dP joins X; dQK = scale Gam ⊙ dP takes P's tile (the value side's P^T dO is done)
+                    # P ⊙ dP joins X; dQK = scale Gam ⊙ dP takes P's tile (the value side's P^T dO is done), in a
+                    # loop of its own (P read in full first, as above)
                     for i, j in T.Parallel(C, C):
                         x_f[i, j] = x_f[i, j] * b_s[j] + T.if_then_else(
                             i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-                        p_s[i, j] = T.cast(T.if_then_else(
-                            i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0), io_dtype)
+                        dp_f[i, j] = T.if_then_else(i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                    T.copy(dp_f, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dp_done)
                     stamp(tr, 2, 7, c, tx, h, n)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, xr_s)
-                    T.reduce_sum(x_f, red_c, dim=0)
+                    T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
                     T.copy(red_c, xc_s)
                     stamp(tr, 2, 8, c, tx, h, n)
                     # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
@@ -408,12 +442,16 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # dg: reverse cumsum of the row terms, plus the total of the g~_last terms, for every token
                     T.barrier_wait(x_rows, c % 2)
                     stamp(tr, 2, 11, c, tx, h, n)
-                    for i, j in T.Parallel(C, C):
-                        x_f[i, j] = (T.if_then_else(j >= i, x0_s[j] + xr_s[j] - xc_s[j], 0.0) + x1_s[j])
-                    T.reduce_sum(x_f, red_r, dim=1)
+                    # (a serial sum per token over the chunk's 64 row terms, read by all tokens at once: cheaper than
+                    # a masked [64, 64] tile and its reduction)
                     for i in T.Parallel(C):
+                        z_s[i] = x0_s[i] + xr_s[i] - xc_s[i]
+                    for i in T.Parallel(C):
+                        dg_f[i] = 0.0
+                        for j in T.serial(C):
+                            dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
                         if i < n_rows:
-                            dg[0, t0 + i, h] = red_r[i]
+                            dg[0, t0 + i, h] = dg_f[i]
                             dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
                     T.barrier_arrive(free_k)
                     stamp(tr, 2, 12, c, tx, h, n)
