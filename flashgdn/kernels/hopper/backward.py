@@ -93,11 +93,11 @@ STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1")
 _FUSED = os.environ.get("FLASHGDN_HOPPER_FUSED_BACKWARD", "auto")
 FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 
-#: microseconds per chunk step of one CTA (H200): the fused kernel 16 (``stages-hopper-v0.15b-bwd.json``: one CTA
-#: per SM walks a chunk in 14.5-17.3: 2.140 ms for 124 steps on 16/32 4096x8, 3.597 for 248 on 16/64; 20.7 before
-#: v0.15), the walk 3.5 (0.45 ms for 2 x 64, ``stages-hopper-v0.14b-bwd.json``), and ``chunk_grad`` 20.8 per chunk
-#: and value head on one SM (2.585 ms for 16384 on 132 SMs)
-FUSED_STEP_US, WALK_STEP_US, CHUNK_GRAD_US = 16.0, 3.5, 20.8
+#: microseconds per chunk step of one CTA (H200): the fused kernel 13.8 (``stages-hopper-v0.15c-bwd.json``: one CTA
+#: per SM walks a chunk in that time, 1.717 ms for 124 steps on 16/32 4096x8 and 3.413 for 248 on 16/64; 20.7 at
+#: v0.14, 16 at v0.15b), the walk 3.5 (0.45 ms for 2 x 64, ``stages-hopper-v0.14b-bwd.json``), and ``chunk_grad``
+#: 20.8 per chunk and value head on one SM (2.585 ms for 16384 on 132 SMs)
+FUSED_STEP_US, WALK_STEP_US, CHUNK_GRAD_US = 13.8, 3.5, 20.8
 
 
 def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.device) -> bool:
@@ -105,17 +105,18 @@ def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.d
     ``FUSED_BACKWARD`` says. "auto" compares the two designs' times from the per-chunk costs above: both the fused
     kernel and the walk take (chunk steps of one CTA) = max(longest item, chunks x value heads / SMs), the walk's
     at under a fourth of the cost, while ``chunk_grad`` spreads every chunk over the GPU. So the fused kernel wins when its
-    CTAs fill the GPU and no item is much longer than the average wave (16/32 8 x 4096: the backward 0.77x the two
-    kernels' time, v0.15b), and loses when a few long items set the time (16/32 with one of eight sequences holding
-    54 of its 132 chunks: about even at 16 us a step, 1.25x in fwd+bwd at v0.14's 20.7). Below one CTA per SM it
-    keeps the two kernels (2/8 8 x 1024, 64 CTAs: 1.07x, v0.15b). ``item_lengths``: the items' token counts on the host, or None (then the
+    CTAs fill the GPU and no item is more than about twice the average load of an SM (16/32 8 x 4096: the backward
+    0.65x the two kernels' time, v0.15c), and loses when a few long items set the time (measured at v0.14's 20.7 us
+    a step: 16/32 with one of eight sequences holding 54 of its 132 chunks, 1.25x in fwd+bwd; at 13.8 the model
+    puts that mix on the fused side, ~0.87x, not yet measured). Below one CTA per SM it keeps the two kernels (2/8
+    8 x 1024, 64 CTAs: even, 1.01x, v0.15c). ``item_lengths``: the items' token counts on the host, or None (then the
     fused kernel whenever its CTAs are at least the SM count)."""
     if FUSED_BACKWARD != "auto":
         return bool(FUSED_BACKWARD)
     # the H200's count where there is no CUDA device to ask (the host code's CPU tests), as the CP cost model does
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" and torch.cuda.is_available() else 132)
-    if num_items * Hv < sms:  # fewer CTAs than SMs: not measured faster anywhere yet (64 CTAs: 1.07x, v0.15b)
+    if num_items * Hv < sms:  # fewer CTAs than SMs: not measured faster anywhere yet (64 CTAs: 1.01x, v0.15c)
         return False
     if item_lengths is None:
         return True

@@ -27,21 +27,21 @@ Hopper backward, read for its structure):
   dbeta, and dg (its reverse cumsum a serial sum per token);
 * warpgroup 3, producer: each chunk's tiles, last chunk first, single-buffered in three groups, each loaded for
   the next chunk as soon as its last reader in this one is done: V, Ag and S^T (once Vn, dW and the S^T products
-  are made); Q, dO, A, g~ and beta (once the chain, dq's and dk's Q products and the inverse's dL are); K at the
-  chunk's end.
+  are made); Q, dO, A, g~ and beta (once the chain, dq's and dk's Q products and the inverse's dL are); K once
+  the gate side's K K^T, the chain and the value side's dk products are done.
 
 All warpgroups step through a chunk together on mbarriers (one completion per chunk each). Shared memory is 26
 tiles of 8 KB placed by hand: the loop keeps every buffer alive across chunks, so TileLang cannot overlap them,
 and each tile takes the next value once its last reader is done (P's tile then holds dQK, dVn's -gamma ⊙ dW, dA's A^T dA and then dKK, W's the chain's scale gamma ⊙ dO, dO's d ⊙ Vn, Vn's dq and then dk on their way out).
 
-Measured on the H200 (``docs/hopper-notes.md``, v0.14 and v0.15): ~14.5-17 us per chunk step of a CTA where its CTAs
+Measured on the H200 (``docs/hopper-notes.md``, v0.14 and v0.15): ~13.8 us per chunk step of a CTA where its CTAs
 fill the GPU (v0.14: 20.7; the walk's 3.5 and ``chunk_grad``'s 20.8 SM-us per chunk together), so the backward takes
-0.67x-0.77x the two kernels' time on 256-512 CTAs, with 0.75x their peak memory, and loses where a few long walks set
+0.64x-0.65x the two kernels' time on 256-512 CTAs, with 0.75x their peak memory, and loses where a few long walks set
 the time; ``backward.fused_backward_wanted`` chooses. What v0.15 changed, from the trace build's timeline: no loop
 over an accumulator that writes shared memory (TileLang puts a warpgroup barrier in each of its unrolled steps),
 batched column sums, V swizzled, dg's reverse cumsum as a serial sum, the chain's scale gamma ⊙ dO made by the state
-warpgroup, dq and dk stored in 16-byte rows through Vn's tile. The value side is now the longer path; the first K
-load of each step is exposed (~2.5k cycles).
+warpgroup, dq and dk stored in 16-byte rows through Vn's tile, P released before W is made, K freed by the gate side
+at its last read. The value side is the longer path (its row terms, the direct dv store, the S^T products).
 
 PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rule_backward_reference`` (steps 1 and 2).
 """
@@ -65,8 +65,8 @@ TRACE_CHUNKS, TRACE_POINTS = 32, 20
 #: what each trace point of each role (state, value side, gate side, producer) marks
 TRACE_POINTS_OF = (
     ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', 'scaled dO written', '(gamma dW)^T K done', 'chain done'),
-    ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'Vn ready', 'row terms and dv done, dVn free', '-gamma dW written', 'S^T products done', 'dQK ready, d ⊙ Vn written', 'dq, dk products done', 'dq stored', 'dKK ready', 'dk products done'),
-    ('chunk step begins', 'inputs ready', 'Q K^T, K S done', 'P, W written', 'Vn written', 'dVn ready', 'dVn W^T, dO Vn^T done', 'E and dQK written', 'row and column sums done', 'K K^T, A^T dA done', 'dKK written', 'value-side row terms ready', 'dg and dbeta stored'),
+    ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'Vn ready', 'row terms done', 'dv stored, dVn free', '-gamma dW written', 'S^T products done', 'dQK ready, d ⊙ Vn written', 'dq, dk products done', 'dq stored', 'dKK ready', 'dk products done'),
+    ('chunk step begins', 'inputs ready', 'Q K^T, K S done', 'P, then W written', 'Vn written', 'dVn ready', 'dVn W^T, dO Vn^T done', 'E and dA stored', "dbeta's column sum done", 'E and dQK written', 'row and column sums done', 'K K^T, A^T dA done', 'dKK written', 'value-side row terms ready', 'dg and dbeta stored'),
     ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO, A, g~, beta issued', 'K free', 'K issued'),
 )
 
@@ -161,10 +161,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             full_k = T.alloc_barrier(arrive_count=32)  # K loaded
             free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
             free_m = T.alloc_barrier(arrive_count=384)  # every side done with Q, dO, A, g~, beta
-            free_k = T.alloc_barrier(arrive_count=384)  # the chunk done
+            free_k = T.alloc_barrier(arrive_count=384)  # K read for the last time by every side
             ds_ready = T.alloc_barrier(arrive_count=128)
             ds_free = T.alloc_barrier(arrive_count=128)
-            p_ready = T.alloc_barrier(arrive_count=128)  # P and W
+            p_ready = T.alloc_barrier(arrive_count=128)  # P
             dvn_ready = T.alloc_barrier(arrive_count=128)
             vn_ready = T.alloc_barrier(arrive_count=128)
             dag_done = T.alloc_barrier(arrive_count=128)  # dVn read for the last time (dVn W^T)
@@ -283,16 +283,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
                     T.reduce_sum(kd_f, red_f, dim=1)
+                    stamp(tr, 1, 7, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         if i < n_rows:
                             dv[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
                     T.barrier_wait(dag_done, c % 2)
-                    stamp(tr, 1, 7, c, tx, h, n)
+                    stamp(tr, 1, 8, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         dvn_s[i, j] = T.cast(-dw_f[i, j] * gam_f[i], io_dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(ydw_ready)
-                    stamp(tr, 1, 8, c, tx, h, n)
+                    stamp(tr, 1, 9, c, tx, h, n)
                     # the S^T products: dq's state term scale diag(gamma) dO S^T (and its row term
                     # scale gamma_i <q_i, (dO S^T)_i>), then dk's -(gamma dW) S^T
                     T.gemm(do_s, st_s, dw_f, clear_accum=True)
@@ -305,7 +306,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.gemm(dvn_s, st_s, kd_f, clear_accum=True)
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
-                    stamp(tr, 1, 9, c, tx, h, n)
+                    stamp(tr, 1, 10, c, tx, h, n)
                     # dO's tile takes d ⊙ Vn for dk once the state side has its copy of dO (a row scale of the
                     # accumulator between two GEMMs into it, the other way, makes ptxas serialise every wgmma)
                     T.barrier_wait(dog_read, c % 2)
@@ -313,13 +314,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         do_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * dec_s[i], io_dtype)
                     T.fence_proxy_async()
                     T.barrier_wait(dp_done, c % 2)
-                    stamp(tr, 1, 10, c, tx, h, n)
+                    stamp(tr, 1, 11, c, tx, h, n)
                     # three products issued together, waited on once
                     T.wgmma_gemm(p_s, k_s, dw_f)  # dq += dQK K
                     T.wgmma_gemm(p_s, q_s, kd_f, transpose_A=True)  # dk += dQK^T Q
                     T.wgmma_gemm(do_s, ds_s, kd_f)  # dk += (d ⊙ Vn) dS'^T
                     T.wait_wgmma(0)
-                    stamp(tr, 1, 11, c, tx, h, n)
+                    stamp(tr, 1, 12, c, tx, h, n)
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(free_m)
                     # dq and dk leave through Vn's tile (free until the gate side's next Vn, which waits on vn_free) in
@@ -328,14 +329,14 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i, j in T.Parallel(C, K):
                         if i < n_rows:
                             dq[0, t0 + i, h, j] = vn_s[i, j]
-                    stamp(tr, 1, 12, c, tx, h, n)
-                    T.barrier_wait(dkk_ready, c % 2)
                     stamp(tr, 1, 13, c, tx, h, n)
+                    T.barrier_wait(dkk_ready, c % 2)
+                    stamp(tr, 1, 14, c, tx, h, n)
                     T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
                     T.wgmma_gemm(da_s, k_s, kd_f, transpose_A=True)  # dk += dKK^T K
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_k)
-                    stamp(tr, 1, 14, c, tx, h, n)
+                    stamp(tr, 1, 15, c, tx, h, n)
                     T.copy(kd_f, vn_s)
                     for i, j in T.Parallel(C, K):
                         if i < n_rows:
@@ -372,6 +373,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         cc_f[i, j] = T.if_then_else(
                             i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                     T.copy(cc_f, p_s)
+                    T.fence_proxy_async()
+                    # P out first: the value side's P^T dO needs nothing else (W's other readers wait on later
+                    # barriers: vn_ready, ydw_ready)
+                    T.barrier_arrive(p_ready)
                     # W made in registers and stored whole: a loop over the accumulator that writes shared memory
                     # gets a warpgroup barrier before the store of each unrolled step. gamma ⊙ KS is not kept: the
                     # value side takes it as V - W, from the two tiles
@@ -379,7 +384,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         cv_f[i, j] = T.cast(v_s[i, j], acc) - cv_f[i, j] * gam_f[i]
                     T.copy(cv_f, w_s)
                     T.fence_proxy_async()
-                    T.barrier_arrive(p_ready)
                     stamp(tr, 2, 3, c, tx, h, n)
                     T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
                     if c > 0:
@@ -402,10 +406,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         x_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
                         cc_f[i, j] = cc_f[i, j] * b_s[j]
                     T.copy(cc_f, da_s)
+                    stamp(tr, 2, 7, c, tx, h, n)
                     # column sums cross the warps through shared memory: batched, two barriers for eight columns
                     # instead of ten for each
                     T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
                     T.copy(red_c, db1_s)
+                    stamp(tr, 2, 8, c, tx, h, n)
                     # P ⊙ dP joins X; dQK = scale Gam ⊙ dP takes P's tile (the value side's P^T dO is done), in a
                     # loop of its own (P read in full first, as above)
                     for i, j in T.Parallel(C, C):
@@ -415,33 +421,36 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.copy(dp_f, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dp_done)
-                    stamp(tr, 2, 7, c, tx, h, n)
+                    stamp(tr, 2, 9, c, tx, h, n)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, xr_s)
                     T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
                     T.copy(red_c, xc_s)
-                    stamp(tr, 2, 8, c, tx, h, n)
+                    stamp(tr, 2, 10, c, tx, h, n)
                     # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
                     T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    stamp(tr, 2, 9, c, tx, h, n)
+                    # K's last reader here: the next chunk's K may load once the value side's dk products are done
+                    T.barrier_arrive(free_k)
+                    stamp(tr, 2, 11, c, tx, h, n)
                     T.copy(cc_f, da_s)
                     T.fence_proxy_async()
                     T.gemm(da_s, a_s, cc_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
                         x_f[i, j] = cc_f[i, j] * kk_f[i, j]
-                        da_s[i, j] = T.cast(cc_f[i, j] * b_s[i], io_dtype)
+                        cc_f[i, j] = cc_f[i, j] * b_s[i]
+                    T.copy(cc_f, da_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dkk_ready)
-                    stamp(tr, 2, 10, c, tx, h, n)
+                    stamp(tr, 2, 12, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, db2_s)
                     # dg: reverse cumsum of the row terms, plus the total of the g~_last terms, for every token
                     T.barrier_wait(x_rows, c % 2)
-                    stamp(tr, 2, 11, c, tx, h, n)
+                    stamp(tr, 2, 13, c, tx, h, n)
                     # (a serial sum per token over the chunk's 64 row terms, read by all tokens at once: cheaper than
                     # a masked [64, 64] tile and its reduction)
                     for i in T.Parallel(C):
@@ -453,8 +462,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         if i < n_rows:
                             dg[0, t0 + i, h] = dg_f[i]
                             dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
-                    T.barrier_arrive(free_k)
-                    stamp(tr, 2, 12, c, tx, h, n)
+                    stamp(tr, 2, 14, c, tx, h, n)
 
             else:
                 # ================= producer: warp 12 the first group (V, Ag, S^T), warps 13-14 the second (Q, dO,
