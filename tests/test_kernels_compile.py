@@ -34,9 +34,10 @@ EXPLAINED_SPILLS = {
         "the same 16 bytes in the producer warpgroup, in the rso loop with its state paths' column factors in "
         "registers too (the A/B of forward.RSO_LEAN_STATE)",
     "fused_backward[":
-        "40-44 bytes of loop-invariant values (about six of the value side, four of the gate side) stored once "
-        "before the chunk loop and reloaded once per chunk, and one value of the gate side stored and reloaded within "
-        "a chunk (read in the SASS); nothing of the accumulators, and wgmma not serialised",
+        "40-92 bytes of loop-invariant values (up to nine of the value side: the addresses of its staged stores, and "
+        "four of the gate side) stored once before the chunk loop and reloaded a few times per chunk, and one or two "
+        "values stored and reloaded within a chunk (read in the SASS); nothing of the accumulators, and wgmma not "
+        "serialised",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",

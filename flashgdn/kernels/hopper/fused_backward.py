@@ -32,16 +32,17 @@ Hopper backward, read for its structure):
 
 All warpgroups step through a chunk together on mbarriers (one completion per chunk each). Shared memory is 26
 tiles of 8 KB placed by hand: the loop keeps every buffer alive across chunks, so TileLang cannot overlap them,
-and each tile takes the next value once its last reader is done (P's tile then holds dQK, dVn's -gamma ⊙ dW, dA's A^T dA and then dKK, W's the chain's scale gamma ⊙ dO, dO's d ⊙ Vn, Vn's dq and then dk on their way out).
+and each tile takes the next value once its last reader is done (P's tile then holds dQK, dVn's -gamma ⊙ dW, dA's A^T dA and then dKK, W's the chain's scale gamma ⊙ dO, dO's d ⊙ Vn, V's dv and Vn's dq and then dk on their way out).
 
 Measured on the H200 (``docs/hopper-notes.md``, v0.14 and v0.15): ~13.8 us per chunk step of a CTA where its CTAs
-fill the GPU (v0.14: 20.7; the walk's 3.5 and ``chunk_grad``'s 20.8 SM-us per chunk together), so the backward takes
-0.64x-0.65x the two kernels' time on 256-512 CTAs, with 0.75x their peak memory, and loses where a few long walks set
-the time; ``backward.fused_backward_wanted`` chooses. What v0.15 changed, from the trace build's timeline: no loop
+fill the GPU at v0.15c, 12.4 at v0.15d on 16/32 (v0.14: 20.7; the walk's 3.5 and ``chunk_grad``'s 20.8 SM-us per
+chunk together), so the backward takes 0.64x-0.65x the two kernels' time on 256-512 CTAs (v0.15c), with 0.75x their
+peak memory, and loses where a few long walks set the time; ``backward.fused_backward_wanted`` chooses. What v0.15 changed, from the trace build's timeline: no loop
 over an accumulator that writes shared memory (TileLang puts a warpgroup barrier in each of its unrolled steps),
 batched column sums, V swizzled, dg's reverse cumsum as a serial sum, the chain's scale gamma ⊙ dO made by the state
-warpgroup, dq and dk stored in 16-byte rows through Vn's tile, P released before W is made, K freed by the gate side
-at its last read. The value side is the longer path (its row terms, the direct dv store, the S^T products).
+warpgroup, dq and dk stored in 16-byte rows through Vn's tile and dv through V's, P released before W is made, K
+freed by the gate side at its last read, d ⊙ Vn made by the state warpgroup. The value side is the longer path (its
+wait for P, its row terms, the S^T products).
 
 PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rule_backward_reference`` (steps 1 and 2).
 """
@@ -64,8 +65,8 @@ COLUMN_SUM_BATCH = 8
 TRACE_CHUNKS, TRACE_POINTS = 32, 20
 #: what each trace point of each role (state, value side, gate side, producer) marks
 TRACE_POINTS_OF = (
-    ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', 'scaled dO written', '(gamma dW)^T K done', 'chain done'),
-    ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'Vn ready', 'row terms done', 'dv stored, dVn free', '-gamma dW written', 'S^T products done', 'dQK ready, d ⊙ Vn written', 'dq, dk products done', 'dq stored', 'dKK ready', 'dk products done'),
+    ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', 'scaled dO written', 'd ⊙ Vn written', '(gamma dW)^T K done', 'chain done'),
+    ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'Vn ready', 'row terms done', 'dv stored, dVn free', '-gamma dW written', 'S^T products done', 'd ⊙ Vn and dQK ready', 'dq, dk products done', 'dq stored', 'dKK ready', 'dk products done'),
     ('chunk step begins', 'inputs ready', 'Q K^T, K S done', 'P, then W written', 'Vn written', 'dVn ready', 'dVn W^T, dO Vn^T done', 'E and dA stored', "dbeta's column sum done", 'E and dQK written', 'row and column sums done', 'K K^T, A^T dA done', 'dKK written', 'value-side row terms ready', 'dg and dbeta stored'),
     ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO, A, g~, beta issued', 'K free', 'K issued'),
 )
@@ -132,7 +133,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             # ---- 26 tiles of 8 KB (see the module docstring for what each holds when)
             q_s = T.alloc_shared((C, K), io_dtype)
             k_s = T.alloc_shared((C, K), io_dtype)
-            v_s = T.alloc_shared((C, V), io_dtype)
+            v_s = T.alloc_shared((C, V), io_dtype)  # V, then dv on its way out
             do_s = T.alloc_shared((C, V), io_dtype)  # dO, then d ⊙ Vn
             st_s = T.alloc_shared((V, K), io_dtype)  # S^T
             ag_s = T.alloc_shared((C, C), io_dtype)
@@ -146,8 +147,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             # ---- per-token vectors
             gc_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
-            gam_s = T.alloc_shared((C,), acc)  # gamma_i, the state side's own
-            dec_s = T.alloc_shared((C,), acc)  # d_i, the value side's own
+            gam_s = T.alloc_shared((C,), acc)  # gamma_i and d_i, the state side's own
+            dec_s = T.alloc_shared((C,), acc)
             x0_s = T.alloc_shared((C,), acc)  # dg~'s row terms from the value side
             x1_s = T.alloc_shared((C,), acc)  # the g~_last terms per token (their total is what counts)
             xr_s = T.alloc_shared((C,), acc)  # row and column sums of X = P ⊙ dP + E ⊙ A ⊙ beta
@@ -171,7 +172,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             ydw_ready = T.alloc_barrier(arrive_count=128)
             dp_done = T.alloc_barrier(arrive_count=128)  # dQK in P's tile; Vn's and dO's tiles read for the last time
             vn_free = T.alloc_barrier(arrive_count=128)  # the value side's dq and dk out of Vn's tile
-            dog_read = T.alloc_barrier(arrive_count=128)  # the state side's scale gamma ⊙ dO made (dO free)
+            dos_done = T.alloc_barrier(arrive_count=128)  # the value side's dO S^T done (dO's last raw read)
+            dvn_scaled = T.alloc_barrier(arrive_count=128)  # the state side's d ⊙ Vn in dO's tile
             dkk_ready = T.alloc_barrier(arrive_count=128)
             x_rows = T.alloc_barrier(arrive_count=128)
 
@@ -205,6 +207,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         st_f[i, j] = st_f[i, j] * gl[0]
                     for i in T.Parallel(C):
                         gam_s[i] = T.exp2(gc_s[i] * LOG2E)
+                        dec_s[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ydw_ready, c % 2)
                     stamp(tr, 0, 3, c, tx, h, n)
@@ -212,13 +215,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # its tile takes scale gamma ⊙ dO, made here, where the value side would wait for it
                     for i, j in T.Parallel(C, V):
                         w_s[i, j] = T.cast(T.cast(do_s[i, j], acc) * scale * gam_s[i], io_dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(dog_read)
                     stamp(tr, 0, 4, c, tx, h, n)
-                    T.gemm(dvn_s, k_s, st_f, transpose_A=True)  # - (gamma dW)^T K
+                    # and dO's tile takes d ⊙ Vn for the value side's dk once its dO S^T (dO's last raw read) is done
+                    T.barrier_wait(dos_done, c % 2)
+                    for i, j in T.Parallel(C, V):
+                        do_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * dec_s[i], io_dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvn_scaled)
                     stamp(tr, 0, 5, c, tx, h, n)
-                    T.gemm(w_s, q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
+                    T.gemm(dvn_s, k_s, st_f, transpose_A=True)  # - (gamma dW)^T K
                     stamp(tr, 0, 6, c, tx, h, n)
+                    T.gemm(w_s, q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
+                    stamp(tr, 0, 7, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.barrier_arrive(free_k)
                 for i, j in T.Parallel(V, K):
@@ -250,8 +258,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    for i in T.Parallel(C):
-                        dec_s[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
                     # <dS', S> folded onto 64 rows (V's halves added); only its total counts
                     for i, j in T.Parallel(C, K):
                         dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
@@ -284,9 +290,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
                     T.reduce_sum(kd_f, red_f, dim=1)
                     stamp(tr, 1, 7, c, tx, h, n)
+                    # V's last reader was that row term (the gate side's W came before Vn): dv leaves through its
+                    # tile in rows of 16 bytes, as dq and dk do through Vn's
+                    T.copy(dw_f, v_s)
                     for i, j in T.Parallel(C, V):
                         if i < n_rows:
-                            dv[0, t0 + i, h, j] = T.cast(dw_f[i, j], io_dtype)
+                            dv[0, t0 + i, h, j] = v_s[i, j]
                     T.barrier_wait(dag_done, c % 2)
                     stamp(tr, 1, 8, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
@@ -297,6 +306,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # the S^T products: dq's state term scale diag(gamma) dO S^T (and its row term
                     # scale gamma_i <q_i, (dO S^T)_i>), then dk's -(gamma dW) S^T
                     T.gemm(do_s, st_s, dw_f, clear_accum=True)
+                    T.barrier_arrive(dos_done)
                     for i, j in T.Parallel(C, K):
                         dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
                         kd_f[i, j] = dw_f[i, j] * T.cast(q_s[i, j], acc)
@@ -307,12 +317,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
                     stamp(tr, 1, 10, c, tx, h, n)
-                    # dO's tile takes d ⊙ Vn for dk once the state side has its copy of dO (a row scale of the
-                    # accumulator between two GEMMs into it, the other way, makes ptxas serialise every wgmma)
-                    T.barrier_wait(dog_read, c % 2)
-                    for i, j in T.Parallel(C, V):
-                        do_s[i, j] = T.cast(T.cast(vn_s[i, j], acc) * dec_s[i], io_dtype)
-                    T.fence_proxy_async()
+                    # d ⊙ Vn for dk comes from the state side, in dO's tile (a row scale of the accumulator between
+                    # two GEMMs into it, the other way, makes ptxas serialise every wgmma)
+                    T.barrier_wait(dvn_scaled, c % 2)
                     T.barrier_wait(dp_done, c % 2)
                     stamp(tr, 1, 11, c, tx, h, n)
                     # three products issued together, waited on once
