@@ -103,14 +103,14 @@ FUSED_STEP_US, WALK_STEP_US, CHUNK_GRAD_US = 13.8, 3.5, 20.8
 def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.device) -> bool:
     """Whether the backward runs the fused kernel on ``num_items`` sequences or segments of ``Hv`` value heads, as
     ``FUSED_BACKWARD`` says. "auto" compares the two designs' times from the per-chunk costs above: both the fused
-    kernel and the walk take (chunk steps of one CTA) = max(longest item, chunks x value heads / SMs), the walk's
-    at under a fourth of the cost, while ``chunk_grad`` spreads every chunk over the GPU. So the fused kernel wins when its
-    CTAs fill the GPU and no item is more than about twice the average load of an SM (16/32 8 x 4096: the backward
-    0.65x the two kernels' time, v0.15c), and loses when a few long items set the time (measured at v0.14's 20.7 us
-    a step: 16/32 with one of eight sequences holding 54 of its 132 chunks, 1.25x in fwd+bwd; at 13.8 the model
-    puts that mix on the fused side, ~0.87x, not yet measured). Below one CTA per SM it keeps the two kernels (2/8
-    8 x 1024, 64 CTAs: even, 1.01x, v0.15c). ``item_lengths``: the items' token counts on the host, or None (then the
-    fused kernel whenever its CTAs are at least the SM count)."""
+    kernel and the walk take (chunk steps of one CTA) = max(longest item, chunks x value heads / SMs), the walk's at
+    under a fourth of the cost, while ``chunk_grad`` spreads every chunk over the GPU. So the fused kernel wins when
+    its CTAs fill the GPU and no item is more than about twice the average load of an SM (16/32 8 x 4096: the
+    backward 0.65x the two kernels' time, v0.15c), and loses when a few long items set the time (measured at v0.14's
+    20.7 us a step: 16/32 with one of eight sequences holding 54 of its 132 chunks, 1.25x in fwd+bwd; at 13.8 the
+    model puts that mix on the fused side, ~0.87x, not yet measured). Below one CTA per SM it keeps the two kernels
+    (2/8 8 x 1024, 64 CTAs: even, 1.01x, v0.15c). ``item_lengths``: the items' token counts on the host, or None
+    (then the fused kernel whenever its CTAs are at least the SM count)."""
     if FUSED_BACKWARD != "auto":
         return bool(FUSED_BACKWARD)
     # the H200's count where there is no CUDA device to ask (the host code's CPU tests), as the CP cost model does

@@ -20,7 +20,8 @@ value head, and no walk kernel), and that the per-chunk work runs N x Hv CTAs in
 Roles (512 threads; the split of the state gradient from the two sides of the per-chunk work follows FlashQLA's
 Hopper backward, read for its structure):
 * warpgroup 0, ``state``: dS^T [V, K] float32 in registers (all of it: 128 per thread); per chunk it writes dS'^T
-  in bf16 for the others, scales by gamma_C, makes the chain's scale gamma ⊙ dO and adds the chain's two products;
+  in bf16 for the others, scales by gamma_C, makes the chain's scale gamma ⊙ dO (and d ⊙ Vn for the value side's
+  dk) and adds the chain's two products;
 * warpgroup 1, ``value side``: K dS', P^T dO -> dVn; Ag^T dVn -> dW (dv); the S^T products of dq and dk, dq, dk;
   the gate's row terms that use these;
 * warpgroup 2, ``gate side``: Q K^T -> P, K S -> W, Ag W -> Vn, dVn W^T, dO Vn^T -> dQK, the inverse's dL -> dKK,
@@ -32,17 +33,19 @@ Hopper backward, read for its structure):
 
 All warpgroups step through a chunk together on mbarriers (one completion per chunk each). Shared memory is 26
 tiles of 8 KB placed by hand: the loop keeps every buffer alive across chunks, so TileLang cannot overlap them,
-and each tile takes the next value once its last reader is done (P's tile then holds dQK, dVn's -gamma ⊙ dW, dA's A^T dA and then dKK, W's the chain's scale gamma ⊙ dO, dO's d ⊙ Vn, V's dv and Vn's dq and then dk on their way out).
+and each tile takes the next value once its last reader is done (P's tile then holds dQK, dVn's -gamma ⊙ dW, dA's
+A^T dA and then dKK, W's the chain's scale gamma ⊙ dO, dO's d ⊙ Vn, V's dv and Vn's dq and then dk on their way
+out).
 
 Measured on the H200 (``docs/hopper-notes.md``, v0.14 and v0.15): ~13.8 us per chunk step of a CTA where its CTAs
 fill the GPU at v0.15c, 12.4 at v0.15d on 16/32 (v0.14: 20.7; the walk's 3.5 and ``chunk_grad``'s 20.8 SM-us per
 chunk together), so the backward takes 0.64x-0.65x the two kernels' time on 256-512 CTAs (v0.15c), with 0.75x their
-peak memory, and loses where a few long walks set the time; ``backward.fused_backward_wanted`` chooses. What v0.15 changed, from the trace build's timeline: no loop
-over an accumulator that writes shared memory (TileLang puts a warpgroup barrier in each of its unrolled steps),
-batched column sums, V swizzled, dg's reverse cumsum as a serial sum, the chain's scale gamma ⊙ dO made by the state
-warpgroup, dq and dk stored in 16-byte rows through Vn's tile and dv through V's, P released before W is made, K
-freed by the gate side at its last read, d ⊙ Vn made by the state warpgroup. The value side is the longer path (its
-wait for P, its row terms, the S^T products).
+peak memory, and loses where a few long walks set the time; ``backward.fused_backward_wanted`` chooses. What v0.15
+changed, from the trace build's timeline: no loop over an accumulator that writes shared memory (TileLang puts a
+warpgroup barrier in each of its unrolled steps), batched column sums, V swizzled, dg's reverse cumsum as a serial
+sum, the chain's scale gamma ⊙ dO made by the state warpgroup, dq and dk stored in 16-byte rows through Vn's tile
+and dv through V's, P released before W is made, K freed by the gate side at its last read, d ⊙ Vn made by the state
+warpgroup. The value side is the longer path (its wait for P, its row terms, the S^T products).
 
 PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rule_backward_reference`` (steps 1 and 2).
 """
@@ -275,8 +278,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 1, 4, c, tx, h, n)
                     T.gemm(ag_s, dvn_s, dw_f, transpose_A=True, clear_accum=True)  # dW = Ag^T dVn
                     stamp(tr, 1, 5, c, tx, h, n)
-                    # dg~'s row terms that need kd_f or W: d_i <(K dS')_i, Vn_i> (g~_last too) and -gamma_i <dW_i, KS_i>,
-                    # here, so that W's tile is free for the state side's scale gamma ⊙ dO once -gamma dW is out
+                    # dg~'s row terms that need kd_f or W: d_i <(K dS')_i, Vn_i> (g~_last too) and
+                    # -gamma_i <dW_i, KS_i>, here, so that W's tile is free for the state side's scale gamma ⊙ dO once
+                    # -gamma dW is out
                     T.barrier_wait(vn_ready, c % 2)
                     stamp(tr, 1, 6, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
@@ -424,7 +428,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i, j in T.Parallel(C, C):
                         x_f[i, j] = x_f[i, j] * b_s[j] + T.if_then_else(
                             i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-                        dp_f[i, j] = T.if_then_else(i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                        dp_f[i, j] = T.if_then_else(
+                            i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                     T.copy(dp_f, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dp_done)
