@@ -299,12 +299,7 @@ def build_chunk_forward_rs(
                     if precise:
                         T.gemm(lb_f, p_s[st, :, :], o_f, transpose_B=True)
                 # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
-                if lean:
-                    for i, j in T.Parallel(HV2, C):
-                        u_f[i, j] = u_f[i, j] * dcol_f[j]
-                else:
-                    for i, j in T.Parallel(HV2, C):
-                        u_f[i, j] = u_f[i, j] * dec_s[st, j]
+                parts.decay_columns(u_f, dcol_f if lean else None, dec_s, st, lean)
                 T.copy(u_f, ub_f)
                 if precise:
                     for i, j in T.Parallel(HV2, C):

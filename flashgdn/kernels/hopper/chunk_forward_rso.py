@@ -164,12 +164,7 @@ def build_chunk_forward_rso(
             T.fence_proxy_async()
             T.barrier_arrive(vn_ready)
             # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
-            if lean_state:
-                for i, j in T.Parallel(HV2, C):
-                    u_f[i, j] = u_f[i, j] * dcol_f[j]
-            else:
-                for i, j in T.Parallel(HV2, C):
-                    u_f[i, j] = u_f[i, j] * dec_s[st, j]
+            parts.decay_columns(u_f, dcol_f if lean_state else None, dec_s, st, lean_state)
             T.copy(u_f, ub_f)
             T.gemm(ub_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])

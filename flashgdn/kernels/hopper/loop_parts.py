@@ -101,6 +101,17 @@ def make_loop_parts(C: int, K: int, V: int, io_dtype: str, has_initial_state: bo
             dcol_f[j] = dec_s[st, j]
 
     @T.macro
+    def decay_columns(u_f, dcol_f, dec_s, st, lean):
+        # a state path's [64, C] accumulator times d_j per column: from the thread's column fragment (``lean``, read
+        # once per chunk by ``column_factors``; None otherwise) or from shared memory per element
+        if lean:
+            for i, j in T.Parallel(HV2, C):
+                u_f[i, j] = u_f[i, j] * dcol_f[j]
+        else:
+            for i, j in T.Parallel(HV2, C):
+                u_f[i, j] = u_f[i, j] * dec_s[st, j]
+
+    @T.macro
     def zero_tail(o, n, h, eos, num_seqs, num_tokens):
         if n == num_seqs - 1:
             for c in T.serial(T.ceildiv(num_tokens - eos, C)):
@@ -110,4 +121,5 @@ def make_loop_parts(C: int, K: int, V: int, io_dtype: str, has_initial_state: bo
 
     return SimpleNamespace(load_state=load_state, store_state=store_state, store_output=store_output,
                            masked_p=masked_p, gate_qk=gate_qk, gate_p=gate_p, gate_decays=gate_decays,
-                           decay_state_once=decay_state_once, column_factors=column_factors, zero_tail=zero_tail)
+                           decay_state_once=decay_state_once, column_factors=column_factors, decay_columns=decay_columns,
+                           zero_tail=zero_tail)

@@ -129,11 +129,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             T.barrier_wait(p_ready[st], (c // 2) % 2)
             if lean:
                 parts.column_factors(gam_s, dec_s, gcol_f, dcol_f, st)
-                for i, j in T.Parallel(HV2, C):
-                    u_f[i, j] = u_f[i, j] * dcol_f[j]
-            else:
-                for i, j in T.Parallel(HV2, C):
-                    u_f[i, j] = u_f[i, j] * dec_s[st, j]
+            parts.decay_columns(u_f, dcol_f if lean else None, dec_s, st, lean)
             T.gemm(do_s[st, :, c0:c0 + HV2], p_s[st, :, :], u_f, transpose_A=True)  # + dO^T P
             T.copy(u_f, ub_f)
             if precise:  # all three terms first: this GEMM overwrites X^T
