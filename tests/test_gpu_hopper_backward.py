@@ -237,12 +237,18 @@ def test_hopper_backward_matches_the_float64_backward(case, with_dht, cuda):
 def test_hopper_backward_with_context_parallelism(opts, paired, monkeypatch, cuda):
     """The backward on segments of 4 chunks (``cp.cp_backward`` with the kernels' stages): the walk of every
     segment in parallel from the reverse splice's end gradients, on the same bars against float64."""
-    from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_PAIRED", paired)
+    _assert_cp_backward_on_the_bars(opts, cuda)
+
+
+def _assert_cp_backward_on_the_bars(opts, cuda):
+    """``hopper_backward`` on segments of 4 chunks of ``opts``' sequences against the float64 chunked backward."""
+    from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper.backward import hopper_backward
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
-    monkeypatch.setattr(backend, "CP_PAIRED", paired)
     inp, do, dht, svf = _backward_inputs(opts, cuda)
     q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
     cu = inp.get("cu_seqlens")
@@ -553,21 +559,10 @@ def test_fused_backward_matches_the_float64_backward(case, with_dht, monkeypatch
 def test_fused_backward_with_context_parallelism(opts, monkeypatch, cuda):
     """The fused kernel on segments of 4 chunks (``cp.cp_backward`` step 4), from the reverse splice's end
     gradients, on the bars against float64."""
-    from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import backward
-    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    inp, do, dht, svf = _backward_inputs(opts, cuda)
-    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
-    cu = inp.get("cu_seqlens")
-    plan = split_sequences(opts["seqlens"], 4)
-    scale = 128 ** -0.5
-    got = backward.hopper_backward(q, k, v, g, beta, do, dht, scale, h0, cu, svf, plan,
-                                   None if cu is None else cu.cpu())
-    want = chunk_gated_delta_rule_backward_reference(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0,
-                                                     cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
-    _assert_on_the_bars(got, want)
+    _assert_cp_backward_on_the_bars(opts, cuda)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
