@@ -45,7 +45,21 @@ def profile(step, steps: int):
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return per_kernel(prof.events(), steps)
+    events = prof.events()
+    return per_kernel(events, steps), one_step_in_order(events, steps)
+
+
+def one_step_in_order(events, steps: int):
+    """``[(kernel name, start us, ms)]`` of the last profiled step, in launch order, start relative to the step's
+    first kernel: the chain of kernels (and the gaps between them) that the totals hide."""
+    gpu = sorted((ev for ev in events if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    per_step = len(gpu) // steps
+    last = gpu[len(gpu) - per_step:]
+    if not last:
+        return []
+    t0 = last[0].time_range.start
+    return [(ev.name, ev.time_range.start - t0, ev.device_time_total / 1000.0) for ev in last]
 
 
 def per_kernel(events, steps: int):
@@ -65,6 +79,7 @@ def main(argv=None):
                     "1000+3000); repeatable; default 16/32:4096x8")
     ap.add_argument("--cp", default="off")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--sequence", action="store_true", help="also print the last step's kernels in launch order")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -76,14 +91,19 @@ def main(argv=None):
         heads, mix = spec.split(":")
         h_qk, h_v = (int(x) for x in heads.split("/"))
         seqlens = parse_seqlens(mix)[0]
-        rows = profile(step_fn(h_qk, h_v, seqlens, args.cp), args.steps)
+        rows, sequence = profile(step_fn(h_qk, h_v, seqlens, args.cp), args.steps)
         total = sum(ms for _, ms, _ in rows)
         label = f"{h_qk}/{h_v} {len(seqlens)} seqs, {sum(seqlens)} tokens, cp={args.cp}"
         print(f"\n{label}: {total:.3f} ms of kernels per step")
         for name, ms, n in rows:
             print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{n:<3d} {name[:110]}")
+        if args.sequence:
+            print("  the last step in launch order (start us, ms):")
+            for name, start, ms in sequence:
+                print(f"    {start:9.1f} {ms:8.4f}  {name[:100]}")
         results.append(dict(heads=heads, seqlens=list(seqlens), cp=args.cp, total_ms=total,
-                            kernels=[dict(name=name, ms=ms, calls=n) for name, ms, n in rows]))
+                            kernels=[dict(name=name, ms=ms, calls=n) for name, ms, n in rows],
+                            sequence=[dict(name=name, start_us=start, ms=ms) for name, start, ms in sequence]))
     if args.out:
         sys.path.insert(0, "benchmarks")
         from stage_timing import results_header
