@@ -639,3 +639,120 @@ def test_auto_plan_is_the_argmin_of_the_estimates():
             us, best = min((estimated_us(seqlens, heads, s, model, qk), s) for s in CANDIDATE_SEGMENT_CHUNKS)
             want = best if us < AUTO_GAIN * off else None
             assert plan_segments(seqlens, heads, "auto", model, qk_heads=qk).segment_chunks == want
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the backward's own plan
+
+
+def test_list_schedule_takes_the_jobs_in_order_as_workers_come_free():
+    from flashgdn.cp.plan import list_schedule
+
+    assert list_schedule([], 4) == 0.0
+    assert list_schedule([(10.0, 4)], 2) == 20.0  # two waves
+    assert list_schedule([(10.0, 1), (1.0, 3)], 2) == 10.0  # the short ones queue on the second worker
+    assert list_schedule([(1.0, 3), (10.0, 1)], 2) == 11.0  # the long one starts once a worker is free
+    # the same as one job per copy
+    rnd = random.Random(3)
+    for _ in range(50):
+        jobs = [(rnd.uniform(1, 20), rnd.randint(1, 9)) for _ in range(rnd.randint(1, 30))]
+        flat = [(d, 1) for d, n in jobs for _ in range(n)]
+        assert list_schedule(jobs, 13) == pytest.approx(list_schedule(flat, 13))
+
+
+def test_makespan_of_equal_items_is_whole_waves_or_the_busy_total():
+    m = CostModel()
+    one = 34.0 + 64 * 11.1
+    assert m.makespan_us([64] * 8, 32, 34.0, 11.1, 11.1) == pytest.approx(2 * one)  # 256 CTAs: two waves
+    assert m.makespan_us([64] * 4, 32, 34.0, 11.1, 11.1) == pytest.approx(one)  # 128: one
+    # past four waves, the total over the SMs at the busy rate
+    assert m.makespan_us([64] * 40, 32, 34.0, 11.1, 11.3) == pytest.approx(40 * 32 * (34.0 + 64 * 11.3) / 132)
+    assert m.makespan_us([], 32, 34.0, 11.1, 11.1) == 0.0
+
+
+@pytest.mark.parametrize("heads,seqlens,segment_chunks,measured_ms", [
+    # the backward's stages that the plan changes, summed from backward/step-kernels-v0.15d-cp.json (the forward's
+    # plans, two kernels): transitions, splice, walk from zero, reverse splice, states, walk, chunk_grad
+    (32, [32768], 128, 4.100), (8, [32768], 64, 1.323), (4, [8192], 16, 0.303), (32, [8192], 32, 1.136),
+    (16, [8192], 32, 0.695)])
+def test_backward_cost_model_reproduces_the_measured_two_kernel_backward(heads, seqlens, segment_chunks, measured_ms):
+    from flashgdn.cp import backward_estimated_us
+
+    us, fused = backward_estimated_us(seqlens, heads, segment_chunks, BACKEND_MODEL, fused_allowed=False)
+    assert not fused
+    assert 0.9 < us / 1000 / measured_ms < 1.12
+
+
+def test_plan_backward_follows_cp():
+    from flashgdn.cp import plan_backward
+
+    assert plan_backward([32768], 32, "off", BACKEND_MODEL) == (None, None)
+    plan, fused = plan_backward([32768], 32, 64, BACKEND_MODEL)
+    assert plan.segment_chunks == 64 and plan.num_segments == 8 and fused is None  # the caller's length, as given
+    assert plan_backward([1000], 32, 64, BACKEND_MODEL) == (None, None)  # nothing to split
+    with pytest.raises(ValueError, match="cp must be"):
+        plan_backward([32768], 32, "on", BACKEND_MODEL)
+
+
+@pytest.mark.parametrize("heads,seqlens,want_chunks,want_fused", [
+    (32, [32768], 128, True),  # four segments: 128 CTAs, one wave of the fused kernel instead of the two kernels
+    (8, [32768], 32, True),  # the forward splits in 64-chunk segments (64 CTAs); the backward wants 128
+    (32, [4096] * 8, None, True),  # the GPU is full without segments
+    # one walk sets the time without a split (the two kernels then); split, the fused kernel on 11 items
+    (32, [6400] + [64] * 7, 32, True),
+])
+def test_plan_backward_auto_picks_segments_for_the_fused_kernel(heads, seqlens, want_chunks, want_fused):
+    from flashgdn.cp import plan_backward
+
+    plan, fused = plan_backward(seqlens, heads, "auto", BACKEND_MODEL)
+    assert (None if plan is None else plan.segment_chunks) == want_chunks
+    assert fused is want_fused
+    # without the fused kernel (the precise mode, or switched off) the two kernels' costs decide
+    plan, fused = plan_backward(seqlens, heads, "auto", BACKEND_MODEL, fused_allowed=False)
+    assert fused is False
+
+
+def test_plan_backward_is_the_argmin_of_its_estimates():
+    from flashgdn.cp import backward_estimated_us, plan_backward
+    from flashgdn.cp.plan import AUTO_GAIN
+
+    rnd = random.Random(5)
+    for _ in range(100):
+        seqlens = [rnd.choice([rnd.randint(1, 500), rnd.randint(1, 70000)]) for _ in range(rnd.choice([1, 2, 3, 12]))]
+        heads = rnd.choice([4, 8, 16, 32, 64])
+        plan, fused = plan_backward(seqlens, heads, "auto", BACKEND_MODEL)
+        off, off_fused = backward_estimated_us(seqlens, heads, None, BACKEND_MODEL)
+        if plan is None:
+            assert fused is off_fused
+            continue
+        us, want_fused = backward_estimated_us(seqlens, heads, plan.segment_chunks, BACKEND_MODEL)
+        assert fused is want_fused and us < AUTO_GAIN * off
+        for c in (16, 32, 64, 128, 256):
+            assert us <= backward_estimated_us(seqlens, heads, c, BACKEND_MODEL)[0] + 1e-9
+
+
+def test_backend_backward_plan_follows_the_switches(monkeypatch):
+    """The Hopper backend's backward plan: its own under cp="auto", the forward's under a segment length; the fused
+    kernel left out under FLASHGDN_HOPPER_FUSED_BACKWARD=0 and in the precise mode, forced under =1."""
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper import backend, backward, forward
+
+    inp = make_inputs(Hqk=16, Hv=32, K=128, V=128, dtype=torch.bfloat16, device="cpu", seqlens=[32768])
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"]
+
+    def plan(cp):
+        p = validate(**{n: inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens",
+                                               "cu_seqlens_cpu")}, scale=0.1, cp=cp, check_values=False)
+        return backend.HopperBackend._backward_plan(p)
+
+    got = plan("auto")
+    assert got.plan.segment_chunks == 128 and got.fused is True
+    assert plan(64).plan.segment_chunks == 64 and plan(64).fused is None
+    assert plan("off") == (None, None)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", False)
+    assert plan("auto").fused is False
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    assert plan(64).fused is True
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", "auto")
+    monkeypatch.setattr(forward, "PRECISE", True)
+    assert plan("auto").fused is False

@@ -632,3 +632,46 @@ def test_fused_backward_trace_build_gives_the_same_bits_and_ordered_stamps(cuda)
         assert (stamps > 0).all(), role
         assert (stamps[:, 1:] >= stamps[:, :-1]).all(), role
     assert (tr[:, steps:] == 0).all()
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[16384], Hqk=4, Hv=8),  # the forward on 32-chunk segments, the backward on 16-chunk ones
+    dict(seqlens=[5000, 64, 3000], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,), pad=70),
+    dict(seqlens=[8192, 8192], Hqk=2, Hv=4, dense=True, state_v_first=True),
+])
+def test_backward_on_its_own_plan(opts, cuda):
+    """The op's gradients under cp="auto", where the backward runs on a plan of its own (``cp.plan_backward``: the
+    fused kernel on segments that the cost model picked for it): on the bars against the float64 backward, and
+    within the CP machinery's 1e-2 of the gradients with cp="off" (two bf16 roundings of one result,
+    ``test_gpu_hopper_cp.py``)."""
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper.backend import HopperBackend
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    inp, do, dht, svf = _backward_inputs(opts, cuda)
+    cu = inp.get("cu_seqlens")
+    if cu is not None:
+        inp["cu_seqlens_cpu"] = cu.cpu()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    args = {n: inp[n] for n in inp if n not in names}
+    p = validate(**{n: inp[n] for n in names}, **args, scale=128 ** -0.5, cp="auto", check_values=False)
+    backward_plan = HopperBackend._backward_plan(p)
+    forward_plan = HopperBackend._plan(p)
+    assert backward_plan.plan is not None and backward_plan.fused, backward_plan
+    assert forward_plan is None or forward_plan.segment_chunks != backward_plan.plan.segment_chunks \
+        or len(opts["seqlens"]) > 1
+
+    grads = {}
+    for cp in ("auto", "off"):
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**xs, **args, scale=128 ** -0.5, output_final_state=True, backend="hopper",
+                                       cp=cp)
+        torch.autograd.backward([o, ht], [do, dht])
+        grads[cp] = [xs[n].grad for n in names]
+    for name, a, b in zip(GRADIENTS, grads["off"], grads["auto"]):
+        assert rel_rms(b.double(), a.double()) < 1e-2, name
+    want = chunk_gated_delta_rule_backward_reference(
+        *(inp[n] for n in ("q", "k", "v", "g", "beta")), do, dht, scale=128 ** -0.5,
+        initial_state=inp["initial_state"], cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+    _assert_on_the_bars(grads["auto"], want)

@@ -105,19 +105,23 @@ def test_more_launch_rows_than_the_grid_takes_are_clear_errors():
 
 
 @pytest.mark.parametrize("setting,lengths,items,Hv,want", [
-    # measured on the H200 (backward.py's switch): faster fused, or faster with the two kernels
+    # measured on the H200 (backward.py's switch; stages-hopper-v0.15d-bwd.json, backward/mix-fused-v0.15d-*.json):
+    # faster fused, or faster with the two kernels
     ("auto", [4096] * 8, 8, 32, True), ("auto", [4096] * 8, 8, 64, True),
-    ("auto", [1024] * 8, 8, 8, False),  # 64 CTAs
-    ("auto", [6400] + [64] * 7, 8, 32, False),  # one item holds 100 of the 107 chunks
-    # one item holds 54 of the 132 chunks: 1.25x slower fused at v0.14's 20.7 us a step, the model's ~0.87x at 13.8
-    ("auto", [949, 465, 545, 137, 799, 3437, 468, 1392], 8, 32, True),
-    ("auto", [1024] * 32, 32, 8, True),  # 2/8 32768 on segments of 16 chunks
+    ("auto", [1024] * 8, 8, 8, True),  # 64 CTAs of 16 chunks: 0.282 ms against 0.296 (v0.15c: 1.01x)
+    ("auto", [6400] + [64] * 7, 8, 32, False),  # one item holds 100 of the 107 chunks: 1.398 ms either way
+    ("auto", [949, 465, 545, 137, 799, 3437, 468, 1392], 8, 32, True),  # one of 132 chunks in 54: 0.91x
+    ("auto", [32768], 1, 32, False), ("auto", [32768], 1, 8, False),  # one long walk: 6.96 and 5.35 ms, 6.96 and 3.14
+    ("auto", [8192], 1, 32, False),  # 32/32: 1.755 and 1.334 ms
+    # the model's alone, to be checked on the GPU: 2/8 32768 on segments of 16 chunks, 16/32 32768 on four segments
+    ("auto", [1024] * 32, 32, 8, True), ("auto", [8192] * 4, 4, 32, True),
     # the count alone when the host has no lengths, and the forced settings
     ("auto", None, 5, 32, True), ("auto", None, 4, 32, False), ("auto", [], 0, 32, False),
     (True, [64], 1, 1, True), (False, [4096] * 8, 8, 64, False)])
 def test_fused_backward_is_taken_where_it_is_faster(setting, lengths, items, Hv, want, monkeypatch):
-    """``backward.fused_backward_wanted``: "auto" takes the fused kernel when its CTAs (items x value heads) fill
-    the SMs (132 here) and no item is so much longer than the rest that its walk sets the time; True / False force
+    """``backward.fused_backward_wanted``: "auto" takes the fused kernel where the cost model finds it faster (its
+    CTAs, items x value heads, near the SM count, 132 here, and no item so much longer than the rest that its walk
+    sets the time); True / False force
     it."""
     from types import SimpleNamespace
 

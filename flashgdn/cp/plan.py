@@ -24,9 +24,11 @@ times its choices on the GPU.
 """
 from __future__ import annotations
 
+import functools
+import heapq
 import math
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -133,6 +135,35 @@ class CostModel:
     # segments that are not a sequence's last and M of those that are neither its first nor its last run, all whole
     # segments; the skipped CTAs (a state load and store each) are not counted (the default since v0.12b).
     skip_unread: bool = False
+    # The backward (``plan_backward``), from the H200 on 2026-12-01 (v0.15d kernels;
+    # ``backward/step-kernels-v0.15d-cp.json`` for the stages inside CP backwards, ``stages-hopper-v0.15d-bwd.json`` for the fused kernel alone). Each pass is
+    # one CTA per item and value head: item_us + chunks x chunk_us on one SM, busy_chunk_us per chunk once the SMs
+    # are shared by more CTAs than they hold. The fused kernel (walk and per-chunk gradients in one): 2/8 1024x8
+    # (16 chunks) 0.212 ms, 32/32 8192x1 (128) 1.456, 16/32 32768x1 (512) 5.706 give 34 us + 11.1 us a chunk; on a
+    # full GPU 16/32 4096x8 (two waves of 64) 1.514 and 16/64 4096x8 (four) 3.039 give 11.3. The walk alone:
+    # 3 us + 3.15 us a chunk (2/4 8192 on 16-chunk segments 52.5 us, 4/8 32768 on 64-chunk segments 0.203 ms,
+    # 16/32 32768 on 128-chunk ones 0.413), 3.5 on a full GPU (v0.14b). The forward's states stored at every
+    # chunk (the rs state-only pass with stores): 2 us + 1.85 us a chunk (31.4 us at 16 chunks, 0.12 ms at 64),
+    # 2.66 on a full GPU (16/32 4096x8, 0.34 ms). ``chunk_grad`` spreads every chunk and value head over the
+    # SMs: 21 us of one SM each (4/8 32768x1 0.668 ms for 4096, 16/32 32768x1 2.61 ms for 16384). A splice step
+    # grows with the value heads (the fused splice kernel's 128 x 128 fp32 products): forward 2.2 us + 0.17 us a
+    # head, reverse (M^T and D) 3.6 + 0.38 (2/4: 2.5 and 4.4 us a step, 16/32: 7.5 and 15.4). The backward's CP
+    # driver (index tensors, end gradients) adds ~15 us of small kernels.
+    fused_item_us: float = 34.0
+    fused_chunk_us: float = 11.1
+    fused_busy_chunk_us: float = 11.3
+    walk_item_us: float = 3.0
+    walk_chunk_us: float = 3.15
+    walk_busy_chunk_us: float = 3.5
+    states_item_us: float = 2.0
+    states_chunk_us: float = 1.85
+    states_busy_chunk_us: float = 2.66
+    chunk_grad_us: float = 21.0
+    splice_step_fixed_us: float = 2.2
+    splice_step_head_us: float = 0.17
+    reverse_splice_step_fixed_us: float = 3.6
+    reverse_splice_step_head_us: float = 0.38
+    backward_cp_driver_us: float = 15.0
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
@@ -180,6 +211,48 @@ class CostModel:
         plan = self.plan_us + items.longest * self.plan_chunk_us
         kkt = items.total * (qk_heads * self.kkt_chunk_qk_head_us + heads * self.kkt_chunk_head_us)
         return plan + kkt + self.loop_us(items, heads, state_only)
+
+
+    def makespan_us(self, item_chunks: Sequence[int], heads: int, item_us: float, chunk_us: float,
+                    busy_chunk_us: float) -> float:
+        """One pass of one CTA per item and value head over items of the given chunk counts, in launch order (an
+        item's ``heads`` CTAs next to each other, as the kernels' ``(Hv, items)`` grids launch them): the SMs take
+        the CTAs in that order as they come free (``list_schedule``), each CTA ``item_us + chunks x chunk_us``; and
+        no less than the CTAs' total at ``busy_chunk_us`` a chunk over the SMs. Past four waves the schedule is
+        taken as the longest CTA (the total then sets the time anyway)."""
+        if not len(item_chunks) or heads <= 0:
+            return 0.0
+        total = heads * (len(item_chunks) * item_us + sum(item_chunks) * busy_chunk_us) / self.num_sms
+        if len(item_chunks) * heads > 4 * self.num_sms:
+            return max(item_us + max(item_chunks) * chunk_us, total)
+        return max(list_schedule([(item_us + c * chunk_us, heads) for c in item_chunks], self.num_sms), total)
+
+    def backward_gradients_us(self, item_chunks: Sequence[int], heads: int) -> Tuple[float, float]:
+        """``(fused, two kernels)``: the backward's gradients on work items of the given chunk counts (launch order)
+        by the fused kernel, or by the walk and then ``chunk_grad`` (every chunk and value head spread over the SMs,
+        as many CTAs as chunks x heads: one SM's time each, in waves)."""
+        fused = self.makespan_us(item_chunks, heads, self.fused_item_us, self.fused_chunk_us, self.fused_busy_chunk_us)
+        walk = self.makespan_us(item_chunks, heads, self.walk_item_us, self.walk_chunk_us, self.walk_busy_chunk_us)
+        grads = math.ceil(sum(item_chunks) * heads / self.num_sms) * self.chunk_grad_us
+        return fused, walk + grads
+
+
+def list_schedule(jobs: Sequence[Tuple[float, int]], workers: int) -> float:
+    """The finish time of ``jobs`` (``(duration, copies)`` in order, each copy one worker's) taken by ``workers``
+    workers in order as they come free: a heap of (free time, how many workers free then), so the cost grows with
+    the jobs, not with their copies."""
+    free = [(0.0, workers)]
+    end = 0.0
+    for duration, copies in jobs:
+        while copies > 0:
+            t, n = heapq.heappop(free)
+            take = min(n, copies)
+            if n > take:
+                heapq.heappush(free, (t, n - take))
+            heapq.heappush(free, (t + duration, take))
+            end = max(end, t + duration)
+            copies -= take
+    return end
 
 
 @dataclass(frozen=True)
@@ -354,6 +427,86 @@ def plan_segments(
     return split_sequences(seqlens, best if us < AUTO_GAIN * off_us else None)
 
 
+def segment_chunk_counts(seqlens: Sequence[int], segment_chunks: Optional[int]) -> List[int]:
+    """Every segment's chunk count in order (``split_sequences``'s segments; a sequence counts one chunk at least)."""
+    out: List[int] = []
+    for L in seqlens:
+        c = max(1, -(-int(L) // CHUNK))
+        if segment_chunks is None or c <= segment_chunks:
+            out.append(c)
+        else:
+            out.extend([segment_chunks] * (c // segment_chunks) + ([c % segment_chunks] if c % segment_chunks else []))
+    return out
+
+
+def backward_estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[int], model: CostModel,
+                          fused_allowed: bool = True) -> Tuple[float, bool]:
+    """The cost model's time for the backward's stages that its segmenting changes, and whether the fused kernel
+    is the faster there: ``(us, fused)``. Without a split: the forward's states at every chunk, then the gradients
+    (the fused kernel, or the walk and ``chunk_grad``). With one (``cp.backward``): the transition pass (b of every
+    segment but a sequence's last, M of every one but its first) and its splice, the walk of every segment from a
+    zero end gradient, the reverse splice, then the same stages on the segments. Stage 1, the chunk plan and the
+    group sums of dq and dk see the same chunks either way and are left out."""
+    segs = segment_chunk_counts(seqlens, segment_chunks)
+    fused, two = model.backward_gradients_us(segs, heads)
+    use_fused = fused_allowed and fused < two
+    us = (fused if use_fused else two) + model.makespan_us(segs, heads, model.states_item_us, model.states_chunk_us,
+                                                            model.states_busy_chunk_us)
+    if len(segs) == len(seqlens):
+        return us, use_fused
+    pieces = segment_chunk_counts(seqlens, None)
+    pieces = [max(1, -(-c // segment_chunks)) for c in pieces]
+    runs = 2 * sum(p - 1 for p in pieces)  # b of all but the last, M of all but the first
+    transitions = model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
+    steps = max(pieces) - 1
+    splices = steps * (model.splice_step_fixed_us + model.reverse_splice_step_fixed_us
+                       + heads * (model.splice_step_head_us + model.reverse_splice_step_head_us))
+    walk_from_zero = model.makespan_us(segs, heads, model.walk_item_us, model.walk_chunk_us, model.walk_busy_chunk_us)
+    return us + transitions + splices + walk_from_zero + model.backward_cp_driver_us, use_fused
+
+
+class BackwardPlan(NamedTuple):
+    """The backward's segments (None: the sequences themselves) and whether it runs the fused kernel on them (None:
+    the backend decides, as for a ``cp`` the caller fixed)."""
+
+    plan: Optional[SegmentPlan]
+    fused: Optional[bool]
+
+
+def plan_backward(seqlens: Sequence[int], heads: int, cp: Union[str, int] = "auto", model: Optional[CostModel] = None,
+                  fused_allowed: bool = True) -> BackwardPlan:
+    """The backward's own segments for ``cp`` ("off", "auto" or a segment length in chunks, as ``plan_segments``).
+    The backward recomputes its segments' start states itself (``cp.backward``), so it need not split as the
+    forward did: its gradients cost ~5x a forward chunk, and the fused kernel wants about one CTA per SM, so
+    "auto" picks, by ``backward_estimated_us``, among the forward's candidate lengths, the one that gives every
+    sequence about SMs / (sequences x value heads) segments, and no split."""
+    if cp == "off":
+        return BackwardPlan(None, None)
+    if isinstance(cp, int) and not isinstance(cp, bool):
+        plan = split_sequences(seqlens, cp)
+        return BackwardPlan(plan if plan.split else None, None)
+    if cp != "auto":
+        raise ValueError(f"cp must be 'auto', 'off' or a positive int (segment length in chunks), got {cp!r}")
+    model = model or CostModel()
+    longest = max((max(1, -(-int(L) // CHUNK)) for L in seqlens), default=1)
+    per_sequence = model.num_sms // max(1, heads * len(seqlens))
+    candidates = set(CANDIDATE_SEGMENT_CHUNKS)
+    if per_sequence >= 2:  # no shorter than the forward's shortest (where the transition pass was fitted)
+        candidates.add(max(min(CANDIDATE_SEGMENT_CHUNKS), -(-longest // per_sequence)))
+    off_us, off_fused = backward_estimated_us(seqlens, heads, None, model, fused_allowed)
+    best = None
+    for c in sorted(candidates):
+        if c >= longest:  # no sequence would split
+            continue
+        us, fused = backward_estimated_us(seqlens, heads, c, model, fused_allowed)
+        if best is None or us < best[0]:
+            best = (us, c, fused)
+    # a clear gain only, as in the forward
+    if best is None or best[0] >= AUTO_GAIN * off_us:
+        return BackwardPlan(None, off_fused)
+    return BackwardPlan(split_sequences(seqlens, best[1]), best[2])
+
+
 def parse_cp(cp) -> Union[str, int]:
     """The ``cp=`` argument checked: "auto", "off" or a segment length in chunks (int >= 1)."""
     if isinstance(cp, bool):
@@ -393,3 +546,26 @@ def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None) -> Option
                          "cu_seqlens), or a CPU cu_seqlens")
     plan = plan_segments(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device), qk_heads=p.Hqk)
     return plan if plan.split else None
+
+
+def backward_plan_for_problem(p, auto: bool, model: Optional[CostModel] = None,
+                              fused_allowed: bool = True) -> BackwardPlan:
+    """``plan_for_problem`` for the backward (``plan_backward``): its own segments under cp="auto", the forward's
+    under a segment length, none under "off" or without the lengths on the host."""
+    if p.cp == "off" or (p.cp == "auto" and not auto):
+        return BackwardPlan(None, None)
+    seqlens = [p.T] * p.B if p.cu_seqlens is None else host_seqlens(p.cu_seqlens_cpu)
+    if seqlens is None:
+        if p.cp == "auto":
+            return BackwardPlan(None, None)
+        raise ValueError(f"cp={p.cp} needs the sequence lengths on the host: pass cu_seqlens_cpu (a host copy of "
+                         "cu_seqlens), or a CPU cu_seqlens")
+    return _plan_backward_cached(tuple(int(L) for L in seqlens), p.Hv, p.cp,
+                                 model or CostModel.for_device(p.device), fused_allowed)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_backward_cached(seqlens: Tuple[int, ...], heads: int, cp, model: CostModel,
+                          fused_allowed: bool) -> BackwardPlan:
+    # a training loop asks again for the shapes it has seen: the plan's few hundred microseconds of host work once
+    return plan_backward(seqlens, heads, cp, model, fused_allowed)

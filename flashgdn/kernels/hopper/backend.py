@@ -47,7 +47,7 @@ BACKWARDS = ("kernels", "reference")
 class _HopperGDN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                state_v_first, problem, plan):
+                state_v_first, problem, plan, backward_plan):
         from .forward import hopper_forward
 
         if plan is not None:
@@ -66,7 +66,7 @@ class _HopperGDN(torch.autograd.Function):
         ctx.output_final_state = output_final_state
         ctx.state_v_first = state_v_first
         ctx.has_initial_state = initial_state is not None
-        ctx.plan = plan
+        ctx.backward_plan = backward_plan
         if ht is None:
             return o
         return o, ht
@@ -78,23 +78,26 @@ class _HopperGDN(torch.autograd.Function):
             do = torch.zeros_like(v)
         grads = hopper_gradients(q, k, v, g, beta, do.contiguous(),
                                  None if (dht is None or not ctx.output_final_state) else dht.contiguous(),
-                                 ctx.scale, initial_state, cu_seqlens, ctx.cu_seqlens_cpu, ctx.state_v_first, ctx.plan)
+                                 ctx.scale, initial_state, cu_seqlens, ctx.cu_seqlens_cpu, ctx.state_v_first,
+                                 ctx.backward_plan)
         res = [None if gr is None else gr.to(x.dtype)
                for gr, x in zip(grads, (q, k, v, g, beta, initial_state))]
-        return (*res, None, None, None, None, None, None, None)
+        return (*res, None, None, None, None, None, None, None, None)
 
 
 def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first,
-                     plan=None):
+                     backward_plan=None):
     """The backend's backward (``BACKWARD``): ``(dq, dk, dv, dg, dbeta, dh0 or None)``, not yet cast. The kernels
-    run on the forward's context-parallel ``plan`` (None: no segments); the PyTorch backward ignores it."""
+    run on ``backward_plan``'s segments with its choice of the fused kernel (a ``flashgdn.cp.BackwardPlan``; None:
+    no segments, the choice by ``backward.fused_backward_wanted``); the PyTorch backward ignores it."""
     if BACKWARD not in BACKWARDS:
         raise ValueError(f"FLASHGDN_HOPPER_BACKWARD must be one of {BACKWARDS}, got {BACKWARD!r}")
     if BACKWARD == "kernels":
         from .backward import hopper_backward
 
+        plan, fused = backward_plan if backward_plan is not None else (None, None)
         return hopper_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, state_v_first, plan,
-                               cu_seqlens_cpu)
+                               cu_seqlens_cpu, fused=fused)
     from ...reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     return chunk_gated_delta_rule_backward_reference(
@@ -231,29 +234,53 @@ class HopperBackend(Backend):
 
     def backward(self, p: GDNProblem, q, k, do, dht) -> tuple:
         return hopper_gradients(q, k, p.v, p.g, p.beta, do, dht, p.scale, p.initial_state, p.cu_seqlens,
-                                p.cu_seqlens_cpu, p.state_v_first, self._plan(p))
+                                p.cu_seqlens_cpu, p.state_v_first, self._backward_plan(p))
+
+    @staticmethod
+    def _with_auto_cp(p: GDNProblem) -> GDNProblem:
+        """``p`` with cp="auto" read as AUTO_CP (FLASHGDN_HOPPER_CP=auto|off|<chunks>, default auto: the cost
+        model); a segment length always runs CP."""
+        if p.cp != "auto":
+            return p
+        from dataclasses import replace
+
+        from ...cp.plan import parse_cp
+
+        return replace(p, cp=parse_cp(AUTO_CP))
 
     @staticmethod
     def _plan(p: GDNProblem):
-        """The context-parallel plan of ``p``: cp="auto" means AUTO_CP (FLASHGDN_HOPPER_CP=auto|off|<chunks>,
-        default auto: the cost model); a segment length always runs CP."""
+        """The forward's context-parallel plan of ``p`` (``_with_auto_cp``)."""
         from ...cp import plan_for_problem
 
-        if p.cp == "auto":
-            from dataclasses import replace
+        return plan_for_problem(HopperBackend._with_auto_cp(p), auto=True, model=cp_cost_model(p.device))
 
-            from ...cp.plan import parse_cp
+    @staticmethod
+    def _backward_plan(p: GDNProblem):
+        """The backward's segments and fused-kernel choice for ``p`` (``flashgdn.cp.backward_plan_for_problem``:
+        its own under cp="auto", the forward's under a segment length)."""
+        from ...cp import backward_plan_for_problem
+        from .backward import FUSED_BACKWARD
+        from .forward import PRECISE
 
-            p = replace(p, cp=parse_cp(AUTO_CP))
-        return plan_for_problem(p, auto=True, model=cp_cost_model(p.device))
+        plan = backward_plan_for_problem(HopperBackend._with_auto_cp(p), auto=True, model=cp_cost_model(p.device),
+                                         fused_allowed=FUSED_BACKWARD is not False and not PRECISE)
+        # FLASHGDN_HOPPER_FUSED_BACKWARD=1 forces the kernel on whatever segments were chosen
+        return plan._replace(fused=True) if FUSED_BACKWARD is True and not PRECISE else plan
 
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         # in float32, then back: the kernels take normalised bf16/fp16 q and k
         q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
         plan = self._plan(p)
         check_launch_rows(p.N, plan)
+        # the backward's plan is made here, on the host, only when autograd will want it
+        wants_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, p.v, p.g, p.beta, p.initial_state))
+        backward_plan = self._backward_plan(p) if wants_grad else None
+        if backward_plan is not None:
+            check_launch_rows(p.N, backward_plan.plan)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
-                               p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first, p, plan)
+                               p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first, p, plan, backward_plan)
         if p.output_final_state:
             return out[0], out[1]
         return out, None

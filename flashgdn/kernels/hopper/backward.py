@@ -14,7 +14,8 @@ Pipeline, mirroring the forward (``forward.py``) and following ``reference/chunk
                           gradients then never reach HBM
 
 ``HopperBackwardStages`` is these stages in the form ``flashgdn.cp.backward`` drives, so the backward runs with
-exact context parallelism (every segment's walk in parallel) on the forward's segment plan.
+exact context parallelism (every segment's walk in parallel) on a segment plan of the backward's own
+(``flashgdn.cp.plan_backward``: its cost model, with the fused kernel's, picks the segments and the kernel).
 
 Autograd saves the inputs alone (q, k, v, g, beta, the initial state); the backward's largest buffers are the
 chunk states and their gradients, ``[S, Hv, V, K]`` in the io dtype each (S = number of chunk slots, about T/64),
@@ -93,39 +94,29 @@ STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1")
 _FUSED = os.environ.get("FLASHGDN_HOPPER_FUSED_BACKWARD", "auto")
 FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 
-#: microseconds per chunk step of one CTA (H200): the fused kernel 13.8 (``stages-hopper-v0.15c-bwd.json``: one CTA
-#: per SM walks a chunk in that time, 1.717 ms for 124 steps on 16/32 4096x8 and 3.413 for 248 on 16/64; 20.7 at
-#: v0.14, 16 at v0.15b), the walk 3.5 (0.45 ms for 2 x 64, ``stages-hopper-v0.14b-bwd.json``), and ``chunk_grad``
-#: 20.8 per chunk and value head on one SM (2.585 ms for 16384 on 132 SMs)
-FUSED_STEP_US, WALK_STEP_US, CHUNK_GRAD_US = 13.8, 3.5, 20.8
-
-
 def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.device) -> bool:
     """Whether the backward runs the fused kernel on ``num_items`` sequences or segments of ``Hv`` value heads, as
-    ``FUSED_BACKWARD`` says. "auto" compares the two designs' times from the per-chunk costs above: both the fused
-    kernel and the walk take (chunk steps of one CTA) = max(longest item, chunks x value heads / SMs), the walk's at
-    under a fourth of the cost, while ``chunk_grad`` spreads every chunk over the GPU. So the fused kernel wins when
-    its CTAs fill the GPU and no item is more than about twice the average load of an SM (16/32 8 x 4096: the
-    backward 0.65x the two kernels' time, v0.15c), and loses when a few long items set the time (measured at v0.14's
-    20.7 us a step: 16/32 with one of eight sequences holding 54 of its 132 chunks, 1.25x in fwd+bwd; at 13.8 the
-    model puts that mix on the fused side, ~0.87x, not yet measured). Below one CTA per SM it keeps the two kernels
-    (2/8 8 x 1024, 64 CTAs: even, 1.01x, v0.15c). ``item_lengths``: the items' token counts on the host, or None
-    (then the fused kernel whenever its CTAs are at least the SM count)."""
+    ``FUSED_BACKWARD`` says. "auto" compares the two designs' times by the CP cost model
+    (``CostModel.backward_gradients_us``: the fused kernel's 11.1 us a chunk step of one CTA against the walk's 3.15
+    and ``chunk_grad``'s 21 us for every chunk and value head spread over the SMs, v0.15d): the fused kernel wins
+    where its CTAs come near the SM count and no item is much longer than the rest (16/32 8 x 4096: 0.60x the two
+    kernels' time; the bwd set's 8-sequence mix with one of 132 chunks in 54: 0.91x in fwd+bwd), and loses where a
+    few long items set the time (6400 + 7 x 64 tokens). ``item_lengths``: the items' token counts on the host, in
+    order, or None (then the fused kernel whenever its CTAs are at least the SM count). The backward's own plan
+    (``flashgdn.cp.plan_backward``) makes the same comparison for the segments it picks and passes its choice."""
     if FUSED_BACKWARD != "auto":
         return bool(FUSED_BACKWARD)
+    from ...cp.plan import CHUNK, CostModel
+
     # the H200's count where there is no CUDA device to ask (the host code's CPU tests), as the CP cost model does
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" and torch.cuda.is_available() else 132)
-    if num_items * Hv < sms:  # fewer CTAs than SMs: not measured faster anywhere yet (64 CTAs: 1.01x, v0.15c)
-        return False
+    model = CostModel.for_device(device if device.type == "cuda" and torch.cuda.is_available() else None)
     if item_lengths is None:
-        return True
-    chunks = [-(-int(n) // 64) for n in item_lengths]
-    total = sum(chunks) * Hv
-    if total == 0:
+        return num_items * Hv >= model.num_sms
+    chunks = [-(-int(n) // CHUNK) for n in item_lengths]
+    if sum(chunks) == 0:
         return False
-    steps = max(max(chunks), total / sms)
-    return FUSED_STEP_US * steps < WALK_STEP_US * steps + CHUNK_GRAD_US * total / sms
+    fused, two_kernels = model.backward_gradients_us(chunks, Hv)
+    return fused < two_kernels
 
 
 def chunk_grad_options(group: int = 1) -> dict:
@@ -357,12 +348,16 @@ def hopper_backward(
     state_v_first: bool = False,
     plan=None,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    fused: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """All gradients of the Hopper forward, by stages 0-2 (module docstring), on the segments of ``plan`` (a
-    ``flashgdn.cp`` plan; None or unsplit: the sequences themselves) through ``flashgdn.cp.cp_backward``.
+    ``flashgdn.cp`` plan, the backward's own from ``flashgdn.cp.plan_backward``; None or unsplit: the sequences
+    themselves) through ``flashgdn.cp.cp_backward``.
     q, k (normalised as the forward used them), v, do: contiguous bf16/fp16 ``[B, T, H, D]``; g, beta
     ``[B, T, Hv]``; the states (initial state and ``dht``, the final state's gradient or None) in the
-    ``state_v_first`` layout; ``cu_seqlens_cpu`` the host copy of ``cu_seqlens`` if there is one.
+    ``state_v_first`` layout; ``cu_seqlens_cpu`` the host copy of ``cu_seqlens`` if there is one. ``fused``: whether
+    the walk and the per-chunk gradients run as the fused kernel (None: ``fused_backward_wanted`` on the plan's
+    items; never in the precise mode).
 
     Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk, dv in q's dtype, dg and dbeta float32 (the caller casts to
     the inputs' dtypes), dh0 float32 in the initial state's layout, or None without an initial state. Gradients
@@ -392,7 +387,9 @@ def hopper_backward(
     offsets = plan.seg_cu if plan is not None else cu_cpu
     lengths = None if offsets is None else (offsets[1:] - offsets[:-1]).tolist()
     items = (plan.seg_cu.shape[0] - 1) if plan is not None else N
-    stages = HopperBackwardStages(precise=PRECISE, fused=fused_backward_wanted(lengths, items, Hv, q.device))
+    if fused is None:
+        fused = fused_backward_wanted(lengths, items, Hv, q.device)
+    stages = HopperBackwardStages(precise=PRECISE, fused=fused)
     forward = None
     if split:  # the paired transition pass takes the stages' stage 1 (with A) instead of running its own
         forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE,
