@@ -267,3 +267,28 @@ def test_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
         else:
             assert per_qk not in seen, seen
             assert summed == 1
+
+
+def test_op_backward_runs_on_its_own_plan(checked_kernels):
+    """Through autograd, the forward runs on the forward's plan and the backward on its own (``cp.plan_backward``):
+    on 2/8 one 16384-token sequence, the forward's loop on 8 segments of 32 chunks, the backward's fused kernel on
+    16 of 16 (the plans the cost model gives there, checked first)."""
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[16384])
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+    p = validate(**xs, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens_cpu"], scale=0.1,
+                 output_final_state=True, cp="auto", check_values=False)
+    forward_plan, backward_plan = HopperBackend._plan(p), HopperBackend._backward_plan(p)
+    assert forward_plan.num_segments == 8 and backward_plan.plan.num_segments == 16 and backward_plan.fused
+    o, ht = HopperBackend()(p)
+    loops = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "chunk_forward_rso"]
+    assert loops == [8]
+    checked_kernels.clear()
+    grads = torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
+    fused = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "fused_backward"]
+    assert fused == [16], [c[0] for c in checked_kernels]
+    assert all(gr.shape == xs[n].shape for gr, n in zip(grads, names))
