@@ -71,8 +71,11 @@ def main(argv=None):
             _output((1, T, Hv), torch.float32, dev), _output((1, T, Hv), torch.float32, dev),
             _output((N, Hv, K, V), torch.float32, dev)]
     tr = torch.zeros((4, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=dev)
-    kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, trace=True)
-    plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True)
+    from flashgdn.kernels.hopper.backward import fused_backward_options
+
+    # the build the switches give (FLASHGDN_HOPPER_FUSED_P_FIRST), with and without its stamps
+    kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, trace=True, **fused_backward_options())
+    plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, **fused_backward_options())
     call_args = (qf, kf, v, do, st1.gcum, beta.contiguous(), st1.Ag, st1.A, cu_k, st1.first_slot, states,
                  dht.contiguous(), float(scale), *outs)
     times = {}

@@ -94,6 +94,20 @@ STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1")
 _FUSED = os.environ.get("FLASHGDN_HOPPER_FUSED_BACKWARD", "auto")
 FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 
+#: the fused kernel's gate side waits for Q K^T alone and releases P before it waits for K S (``fused_backward.py``,
+#: ``p_first``): the v0.15d trace has the value side waiting 3.2k cycles of a 23k step for P, of which K S, issued
+#: beside Q K^T and twice its work, is about a third. Predicted: ~1k cycles off the step (~4%), the same bits out.
+#: An A/B, off: compiled for sm_90a with the same registers and spills as the default, not yet run on a GPU.
+#: FLASHGDN_HOPPER_FUSED_P_FIRST=1 turns it on.
+FUSED_P_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_P_FIRST", "0") == "1"
+
+
+def fused_backward_options() -> dict:
+    """``build_fused_backward``'s options as the switches above set them (what the backward builds, and what
+    ``variants.training_variants`` precompiles)."""
+    return dict(p_first=True) if FUSED_P_FIRST else {}
+
+
 def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.device) -> bool:
     """Whether the backward runs the fused kernel on ``num_items`` sequences or segments of ``Hv`` value heads, as
     ``FUSED_BACKWARD`` says. "auto" compares the two designs' times by the CP cost model
@@ -303,7 +317,7 @@ class HopperBackwardStages:
         group = Hv // Hqk
         dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hv)
         dh0 = _output((N, Hv, K, V), torch.float32, q.device)
-        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None)(
+        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **fused_backward_options())(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg, dbeta,
             dh0)

@@ -76,10 +76,13 @@ TRACE_POINTS_OF = (
 
 
 @functools.lru_cache(maxsize=None)
-def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False):
+def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
+                         p_first: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
-    diagnostic build, the same gradients). Arguments, in order:
+    diagnostic build, the same gradients). ``p_first`` (an A/B, ``backward.FUSED_P_FIRST``): the gate side waits
+    for Q K^T alone, makes and releases P, and only then waits for K S, instead of waiting for both at once (the
+    same values). Arguments, in order:
 
       q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do      [1, T, Hv, V]    io dtype
@@ -378,7 +381,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
-                    T.wait_wgmma(0)
+                    # with p_first, Q K^T alone first (the groups complete in order): P goes out while K S, twice
+                    # its work, is still on the tensor cores, since the value side waits for P
+                    T.wait_wgmma(1 if p_first else 0)
                     stamp(tr, 2, 2, c, tx, h, n)
                     for i, j in T.Parallel(C, C):
                         cc_f[i, j] = T.if_then_else(
@@ -388,6 +393,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # P out first: the value side's P^T dO needs nothing else (W's other readers wait on later
                     # barriers: vn_ready, ydw_ready)
                     T.barrier_arrive(p_ready)
+                    if p_first:
+                        T.wait_wgmma(0)
                     # W made in registers and stored whole: a loop over the accumulator that writes shared memory
                     # gets a warpgroup barrier before the store of each unrolled step. gamma ⊙ KS is not kept: the
                     # value side takes it as V - W, from the two tiles

@@ -150,8 +150,10 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         builder, kw = v[1], v[2]
         if builder == "chunk_grad":  # the one build the options give, below
             continue
-        if builder == "fused_backward" and (not (backward.FUSED_BACKWARD and not precise) or kw.get("trace")):
-            continue
+        if builder == "fused_backward":
+            if not (backward.FUSED_BACKWARD and not precise) or kw.get("trace") or kw.get("p_first"):
+                continue
+            v = (v[0], builder, {**kw, **backward.fused_backward_options()})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
@@ -218,6 +220,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         # its trace build (benchmarks/fused_backward_trace.py), a diagnostic: never run by the operator
         yield (f"fused_backward_trace[{Hqk}/{Hv},{dtype},dht=1]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, trace=True))
+        # the A/B of P released before K S is waited for (backward.FUSED_P_FIRST)
+        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1,p_first]", "fused_backward",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, p_first=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
 
