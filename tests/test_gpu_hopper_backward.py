@@ -349,6 +349,30 @@ def test_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
         assert torch.equal(a, b), f"{name} ({SAME_BITS[switch]})"
 
 
+# the fused kernel's switches whose two settings must give the same bits, and why
+FUSED_SAME_BITS = {
+    "FUSED_P_FIRST": "P made from Q K^T before K S is waited for: the same products of the same values, only the "
+                     "wait moved",
+    "FUSED_LEAN_GATES": "P's g~_i and g~_j from register fragments read once: the same factors by the same "
+                        "expression",
+}
+
+
+@pytest.mark.parametrize("switch", sorted(FUSED_SAME_BITS))
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,), pad=70)])
+def test_fused_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
+    """The fused kernel (forced) with each switch of ``FUSED_SAME_BITS`` off, then on: every gradient the same bits;
+    and on the bars against float64."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    _, off, on, want = _backward_ab(opts, cuda, monkeypatch, switch, True, base=False)
+    for name, a, b in zip(GRADIENTS, off, on):
+        assert torch.equal(a, b), f"{name} ({FUSED_SAME_BITS[switch]})"
+    _assert_on_the_bars(on, want())
+
+
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=1, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70),
                                   dict(seqlens=[1000], Hqk=2, Hv=4, gate="normal")])

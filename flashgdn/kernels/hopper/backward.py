@@ -101,11 +101,24 @@ FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 #: FLASHGDN_HOPPER_FUSED_P_FIRST=1 turns it on.
 FUSED_P_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_P_FIRST", "0") == "1"
 
+#: the fused kernel's gate side gates P with g~ read once per chunk into register fragments of its threads' rows
+#: and columns, instead of two shared-memory loads per element (``fused_backward.py``, ``lean_gates``; as the
+#: forward's output path since v0.13c). The v0.15d trace has P out 2.2k cycles after Q K^T and K S are done, while
+#: the value side waits for it. Predicted: a few hundred cycles off P, the same bits out. An A/B, off: compiled for
+#: sm_90a with the default's registers and spills, not yet run on a GPU. FLASHGDN_HOPPER_FUSED_LEAN_GATES=1.
+FUSED_LEAN_GATES = os.environ.get("FLASHGDN_HOPPER_FUSED_LEAN_GATES", "0") == "1"
+
 
 def fused_backward_options() -> dict:
     """``build_fused_backward``'s options as the switches above set them (what the backward builds, and what
-    ``variants.training_variants`` precompiles)."""
-    return dict(p_first=True) if FUSED_P_FIRST else {}
+    ``variants.training_variants`` precompiles); options at their defaults are left out, so that the default build
+    is the one its cache key names."""
+    options = {}
+    if FUSED_P_FIRST:
+        options["p_first"] = True
+    if FUSED_LEAN_GATES:
+        options["lean_gates"] = True
+    return options
 
 
 def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.device) -> bool:

@@ -77,12 +77,15 @@ TRACE_POINTS_OF = (
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
-                         p_first: bool = False):
+                         p_first: bool = False, lean_gates: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (an A/B, ``backward.FUSED_P_FIRST``): the gate side waits
     for Q K^T alone, makes and releases P, and only then waits for K S, instead of waiting for both at once (the
-    same values). Arguments, in order:
+    same values). ``lean_gates`` (an A/B, ``backward.FUSED_LEAN_GATES``): P's gating reads g~ once per chunk
+    into register fragments of the gate side's rows and columns instead of from shared memory once per element (the
+    same values and operations, so the same bits; E's and dQK's gating the same way cost ptxas two more spilled
+    values, so they stay as they are). Arguments, in order:
 
       q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do      [1, T, Hv, V]    io dtype
@@ -369,6 +372,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 red_r = T.alloc_fragment((C,), acc)
                 red_c = T.alloc_fragment((C,), acc)
                 dg_f = T.alloc_fragment((C,), acc)
+                if lean_gates:  # g~ of the thread's rows and columns of P
+                    grow_f = T.alloc_fragment((C,), acc)
+                    gcol_f = T.alloc_fragment((C,), acc)
                 for c in T.serial(n_chunks):
                     t0 = bos + (n_chunks - 1 - c) * C
                     n_rows = T.min(eos - t0, C)
@@ -385,9 +391,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # its work, is still on the tensor cores, since the value side waits for P
                     T.wait_wgmma(1 if p_first else 0)
                     stamp(tr, 2, 2, c, tx, h, n)
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(
-                            i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                    if lean_gates:
+                        for i in T.Parallel(C):
+                            grow_f[i] = gc_s[i]
+                        for j in T.Parallel(C):
+                            gcol_f[j] = gc_s[j]
+                        for i, j in T.Parallel(C, C):
+                            cc_f[i, j] = T.if_then_else(
+                                i >= j, cc_f[i, j] * scale * T.exp2((grow_f[i] - gcol_f[j]) * LOG2E), 0.0)
+                    else:
+                        for i, j in T.Parallel(C, C):
+                            cc_f[i, j] = T.if_then_else(
+                                i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                     T.copy(cc_f, p_s)
                     T.fence_proxy_async()
                     # P out first: the value side's P^T dO needs nothing else (W's other readers wait on later
