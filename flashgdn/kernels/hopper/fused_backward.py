@@ -71,7 +71,7 @@ TRACE_POINTS_OF = (
     ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', 'scaled dO written', 'd ⊙ Vn written', '(gamma dW)^T K done', 'chain done'),
     ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'Vn ready', 'row terms done', 'dv stored, dVn free', '-gamma dW written', 'S^T products done', 'd ⊙ Vn and dQK ready', 'dq, dk products done', 'dq stored', 'dKK ready', 'dk products done'),
     ('chunk step begins', 'inputs ready', 'Q K^T, K S done', 'P, then W written', 'Vn written', 'dVn ready', 'dVn W^T, dO Vn^T done', 'E and dA stored', "dbeta's column sum done", 'E and dQK written', 'row and column sums done', 'K K^T, A^T dA done', 'dKK written', 'value-side row terms ready', 'dg and dbeta stored'),
-    ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO, A, g~, beta issued', 'K free', 'K issued'),
+    ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO issued', 'K free', 'K issued', 'A, g~, beta issued'),
 )
 
 
@@ -536,7 +536,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             for i in T.Parallel(C):
                                 b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
                         T.barrier_arrive(full_m)
-                        stamp(tr, 3, 4, c, tx, h, n)
+                        # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
+                        if tx < 448:
+                            stamp(tr, 3, 4, c, tx, h, n)
+                        else:
+                            stamp(tr, 3, 7, c, tx, h, n)
                     else:
                         if c > 0:
                             T.barrier_wait(free_k, (c + 1) % 2)
