@@ -133,15 +133,21 @@ def test_paired_transition_pass_gives_the_same_bits(opts, cuda, monkeypatch):
     assert torch.equal(o1, o0) and torch.equal(h1, h0)
 
 
-@pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([640] * 4, 10)])
-def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, cuda):
-    """``splice.py`` (forward and reverse) against the torch splices on random transitions, float32 both: equal up
-    to the order of the float32 sums."""
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([640] * 4, 10),
+                                                    ([192, 64, 256], 1)])
+def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, split_k, cuda, monkeypatch):
+    """``splice.py`` (forward and reverse; plain, and split over 512 threads with M prefetched:
+    ``forward.SPLICE_SPLIT_K``) against the torch splices on random transitions, float32 both: equal up to the order
+    of the float32 sums. Sequences of one segment (no step), two (one step), three and many."""
     from flashgdn.cp import split_sequences
     from flashgdn.cp.backward import splice_reverse
     from flashgdn.cp.exact import _splice
     from flashgdn.cp.plan import segment_index_tensors
+    from flashgdn.kernels.hopper import forward
     from flashgdn.kernels.hopper.forward import hopper_splice
+
+    monkeypatch.setattr(forward, "SPLICE_SPLIT_K", split_k)
 
     plan = split_sequences(seqlens, segment_chunks)
     cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)

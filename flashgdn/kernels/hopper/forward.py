@@ -71,6 +71,20 @@ RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "1") == "1"
 LEAN_STATE_PASSES = os.environ.get("FLASHGDN_HOPPER_LEAN_STATE_PASSES", "0") == "1"
 
 
+#: Context parallelism's splice kernel (``splice.py``) with each step's products shared by 128 x SPLICE_SPLIT_K threads
+#: and the next step's M loaded during them (``split_k``), instead of 128 threads that load M and then multiply (a
+#: step's latency: 2.5 us forward, 4.4 reverse, in a chain of one step per segment: 0.23 ms of 2/4 32768x1's
+#: backward on 16-chunk segments, ``backward/step-kernels-v0.15e-cp.json``). Predicted: ~1-1.5 us a step. An A/B,
+#: off (1): compiled for sm_90a without spills, not yet run on a GPU; FLASHGDN_HOPPER_SPLICE_SPLIT_K=4.
+SPLICE_SPLIT_K = int(os.environ.get("FLASHGDN_HOPPER_SPLICE_SPLIT_K", "1"))
+
+
+def splice_options() -> dict:
+    """``build_splice``'s options as ``SPLICE_SPLIT_K`` sets them (empty at 1, so the default build keeps its cache
+    entry)."""
+    return dict(split_k=SPLICE_SPLIT_K) if SPLICE_SPLIT_K > 1 else {}
+
+
 def lean_state_option() -> dict:
     """The ``lean`` build option of the rs loop and the walk as ``LEAN_STATE_PASSES`` sets it (empty when off, so the
     default builds keep their cache entries)."""
@@ -379,7 +393,7 @@ def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor,
     reverse = D is not None
     out = _output((num_segments, Hv, K, V), torch.float32, start.device)
     start = start.to(torch.float32).contiguous()
-    build_splice(Hv, K, V, reverse)(pairs.to(torch.float32).contiguous(),
+    build_splice(Hv, K, V, reverse, **splice_options())(pairs.to(torch.float32).contiguous(),
                                     D.to(torch.float32).contiguous() if reverse else start, start,
                                     first.to(torch.int64), count.to(torch.int64), out)
     return out

@@ -62,6 +62,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             for reverse in (False, True):
                 yield (f"splice[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
                        dict(Hv=Hv, K=K, V=V, reverse=reverse))
+                # the A/B of the split, prefetching splice (forward.SPLICE_SPLIT_K)
+                yield (f"splice_split4[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
+                       dict(Hv=Hv, K=K, V=V, reverse=reverse, split_k=4))
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False))
@@ -97,6 +100,8 @@ def with_switches(v: Variant) -> Variant:
     name, builder, kw = v
     if builder == "chunk_forward_rso":
         kw = {**kw, **forward.rso_options()}
+    elif builder == "splice" and "split_k" not in kw:
+        kw = {**kw, **forward.splice_options()}
     elif builder == "state_grad_walk" or builder == "chunk_forward_rs" and not kw.get("decayed_k", False):
         kw = {**kw, **forward.lean_state_option()}
     return name, builder, kw
@@ -129,7 +134,7 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     if backend.CP_FUSED:
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
             if v[0].startswith("segment_index[") or (v[0].startswith("splice[") and v[0].endswith(",forward]")):
-                yield v
+                yield with_switches(v)
 
 
 def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str = "bfloat16",
@@ -143,7 +148,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
                     if v[0].startswith("chunk_forward_rs_pairs_skip_backward["))
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
-        yield from (v for v in forward_variants(Hqk, Hv, K, V, dtype, "common") if v[0].endswith(",reverse]"))
+        yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
+                    if v[0].startswith("splice[") and v[0].endswith(",reverse]"))
     options = backward.chunk_grad_options(Hv // Hqk)
     precise = forward.PRECISE and dtype == "bfloat16"
     for v in backward_variants(Hqk, Hv, K, V, dtype):
