@@ -32,6 +32,15 @@ def summarize(stamps, points_of, skip=2):
     return out
 
 
+def edges_of(stamps, num_points, edges):
+    """The state side's once-per-CTA stamps (``fused_backward.TRACE_EDGES``, the last points of chunk step 0's row),
+    each counted from the first: ``[(description, cycles)]``, or [] when the trace has none."""
+    row = stamps[0][0][num_points - len(edges):]
+    if not all(row):
+        return []
+    return [(desc, t - row[0]) for desc, t in zip(edges, row)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="16/32", help="Hqk/Hv")
@@ -43,7 +52,8 @@ def main(argv=None):
 
     from flashgdn.kernels.hopper.backward import HopperBackwardStages
     from flashgdn.kernels.hopper.common import tl_dtype
-    from flashgdn.kernels.hopper.fused_backward import TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF, build_fused_backward
+    from flashgdn.kernels.hopper.fused_backward import (TRACE_CHUNKS, TRACE_EDGES, TRACE_POINTS, TRACE_POINTS_OF,
+                                                        build_fused_backward)
     from flashgdn.kernels.hopper.forward import _output
 
     Hqk, Hv = (int(x) for x in args.heads.split("/"))
@@ -97,6 +107,11 @@ def main(argv=None):
         print(f"  {role}:")
         for desc, off in rows:
             print(f"    {'-' if off is None else off:>8}  {desc}")
+    edges = edges_of(stamps, TRACE_POINTS, TRACE_EDGES)
+    if edges:
+        print("  the CTA's edges (state side, cycles from its start): "
+              + ", ".join(f"{desc} {off}" for desc, off in edges))
+        summary["edges"] = edges
     if args.out:
         from stage_timing import results_header  # this script's folder is on the path when run as a script
 

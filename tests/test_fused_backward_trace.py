@@ -31,3 +31,15 @@ def test_a_trace_is_summarised_per_role_and_point():
     assert s["roles"]["state"][0] == (TRACE_POINTS_OF[0][0], -20)
     assert all(off is None for _, off in s["roles"]["state"][1:])
     assert all(off is None for _, off in s["roles"]["producer"])
+
+
+def test_the_ctas_edges_are_read_from_step_zeros_last_points():
+    from flashgdn.kernels.hopper.fused_backward import TRACE_CHUNKS, TRACE_EDGES, TRACE_POINTS, TRACE_POINTS_OF
+
+    # the edges sit past every role's per-step points
+    assert all(len(p) <= TRACE_POINTS - len(TRACE_EDGES) for p in TRACE_POINTS_OF)
+    stamps = [[[0] * TRACE_POINTS for _ in range(TRACE_CHUNKS)] for _ in range(4)]
+    assert ft.edges_of(stamps, TRACE_POINTS, TRACE_EDGES) == []
+    for e in range(len(TRACE_EDGES)):
+        stamps[0][0][TRACE_POINTS - len(TRACE_EDGES) + e] = 1000 + 700 * e
+    assert ft.edges_of(stamps, TRACE_POINTS, TRACE_EDGES) == [(d, 700 * e) for e, d in enumerate(TRACE_EDGES)]

@@ -74,6 +74,11 @@ TRACE_POINTS_OF = (
     ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO issued', 'K free', 'K issued', 'A, g~, beta issued'),
 )
 
+#: and, once per CTA, the state side's edges of its walk, in the last four points of chunk step 0's row (past every
+#: role's per-step points): the CTA's start, dht read into registers, the last step done, dh0 written. What a CTA costs
+#: beside its steps (the cost model's per-item term, larger on short segments than fitted).
+TRACE_EDGES = ('state side begins', 'dht read', 'last step done', 'dh0 written')
+
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
@@ -121,6 +126,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             for j in T.Parallel(D):
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
         T.fence_proxy_async()
+
+    @T.macro
+    def edge_stamp(tr, edge, tx, h, n):
+        # trace builds only: the state side's edges (``TRACE_EDGES``), in chunk step 0's last points
+        if trace:
+            if h == 0 and n == 0 and tx == 0:
+                tr[0, 0, TRACE_POINTS - len(TRACE_EDGES) + edge] = T.call_extern("int64", "clock64")
 
     @T.macro
     def stamp(tr, role, point, c, tx, h, n):
@@ -196,11 +208,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 T.set_max_nreg(STATE_REGS, 1)
                 st_f = T.alloc_fragment((V, K), acc)
                 gl = T.alloc_local((1,), acc)
+                edge_stamp(tr, 0, tx, h, n)
                 if has_final_grad:
                     for i, j in T.Parallel(V, K):
                         st_f[i, j] = dht[n, h, j, i]
                 else:
                     T.clear(st_f)
+                edge_stamp(tr, 1, tx, h, n)
                 for c in T.serial(n_chunks):
                     stamp(tr, 0, 0, c, tx, h, n)
                     if c > 0:
@@ -238,8 +252,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 0, 7, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.barrier_arrive(free_k)
+                edge_stamp(tr, 2, tx, h, n)
                 for i, j in T.Parallel(V, K):
                     dh0[n, h, j, i] = st_f[i, j]
+                edge_stamp(tr, 3, tx, h, n)
 
             elif tx < 256:
                 # ================= value side
