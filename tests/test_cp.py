@@ -756,3 +756,21 @@ def test_backend_backward_plan_follows_the_switches(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_BACKWARD", "auto")
     monkeypatch.setattr(forward, "PRECISE", True)
     assert plan("auto").fused is False
+
+
+def test_problem_plans_are_made_once_per_shape():
+    """``plan_for_problem`` and ``backward_plan_for_problem`` keep the plans of the shapes they have seen (every layer
+    of a model asks for the same batch's): the same plan object again, equal to a fresh plan."""
+    from flashgdn.api.validate import validate
+    from flashgdn.cp import backward_plan_for_problem, plan_backward, plan_for_problem
+
+    inp = make_inputs(Hqk=2, Hv=4, K=16, V=16, dtype=torch.float32, device="cpu", seqlens=[30000, 500])
+    p = validate(**{n: inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")},
+                 cu_seqlens_cpu=inp["cu_seqlens"], scale=0.1, cp="auto", check_values=False)
+    one, two = plan_for_problem(p, True, BACKEND_MODEL), plan_for_problem(p, True, BACKEND_MODEL)
+    assert one is two and one is not None
+    fresh = plan_segments([30000, 500], 4, "auto", BACKEND_MODEL, qk_heads=2)
+    assert one.segment_chunks == fresh.segment_chunks and torch.equal(one.seg_cu, fresh.seg_cu)
+    b1, b2 = backward_plan_for_problem(p, True, BACKEND_MODEL), backward_plan_for_problem(p, True, BACKEND_MODEL)
+    assert b1 is b2
+    assert b1.fused == plan_backward([30000, 500], 4, "auto", BACKEND_MODEL).fused

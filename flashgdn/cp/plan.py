@@ -544,7 +544,15 @@ def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None) -> Option
             return None
         raise ValueError(f"cp={p.cp} needs the sequence lengths on the host: pass cu_seqlens_cpu (a host copy of "
                          "cu_seqlens), or a CPU cu_seqlens")
-    plan = plan_segments(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device), qk_heads=p.Hqk)
+    return _plan_segments_cached(tuple(int(L) for L in seqlens), p.Hv, p.cp, model or CostModel.for_device(p.device),
+                                 p.Hqk)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_segments_cached(seqlens: Tuple[int, ...], heads: int, cp, model: CostModel,
+                          qk_heads: int) -> Optional[SegmentPlan]:
+    # every layer of a model asks for the plan of the same batch: its host work (~1 ms for 500 sequences) once
+    plan = plan_segments(seqlens, heads, cp, model, qk_heads=qk_heads)
     return plan if plan.split else None
 
 
