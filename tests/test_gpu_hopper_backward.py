@@ -353,8 +353,8 @@ def test_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
 FUSED_SAME_BITS = {
     "FUSED_P_FIRST": "P made from Q K^T before K S is waited for: the same products of the same values, only the "
                      "wait moved",
-    "FUSED_LEAN_GATES": "P's g~_i and g~_j from register fragments read once: the same factors by the same "
-                        "expression",
+    "FUSED_LEAN_GATES": "the gating of P, E and dQK with g~_i and g~_j from register fragments: the same factors by "
+                        "the same expression",
 }
 
 

@@ -101,11 +101,12 @@ FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 #: FLASHGDN_HOPPER_FUSED_P_FIRST=1 turns it on.
 FUSED_P_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_P_FIRST", "0") == "1"
 
-#: the fused kernel's gate side gates P with g~ read once per chunk into register fragments of its threads' rows
-#: and columns, instead of two shared-memory loads per element (``fused_backward.py``, ``lean_gates``; as the
-#: forward's output path since v0.13c). The v0.15d trace has P out 2.2k cycles after Q K^T and K S are done, while
-#: the value side waits for it. Predicted: a few hundred cycles off P, the same bits out. An A/B, off: compiled for
-#: sm_90a with the default's registers and spills, not yet run on a GPU. FLASHGDN_HOPPER_FUSED_LEAN_GATES=1.
+#: the fused kernel's gate side gates P, E and dQK with g~ read into register fragments of its threads' rows and
+#: columns, instead of two shared-memory loads per element (``fused_backward.py``, ``lean_gates``; as the forward's
+#: output path since v0.13c). The v0.15d trace has P out 2.2k cycles after Q K^T and K S are done, while the value
+#: side waits for it, and E to dQK take 4.9k on the gate side's path to dKK. Predicted: a few hundred cycles off P
+#: and off dKK, the same bits out. An A/B, off: compiled for sm_90a (two more values of the gate side spilled, stored
+#: and reloaded once a chunk), not yet run on a GPU. FLASHGDN_HOPPER_FUSED_LEAN_GATES=1.
 FUSED_LEAN_GATES = os.environ.get("FLASHGDN_HOPPER_FUSED_LEAN_GATES", "0") == "1"
 
 

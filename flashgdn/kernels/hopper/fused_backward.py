@@ -87,10 +87,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (an A/B, ``backward.FUSED_P_FIRST``): the gate side waits
     for Q K^T alone, makes and releases P, and only then waits for K S, instead of waiting for both at once (the
-    same values). ``lean_gates`` (an A/B, ``backward.FUSED_LEAN_GATES``): P's gating reads g~ once per chunk
-    into register fragments of the gate side's rows and columns instead of from shared memory once per element (the
-    same values and operations, so the same bits; E's and dQK's gating the same way cost ptxas two more spilled
-    values, so they stay as they are). Arguments, in order:
+    same values). ``lean_gates`` (an A/B, ``backward.FUSED_LEAN_GATES``): the gating of P, E and dQK reads g~
+    into register fragments of the gate side's rows and columns (before P, and again before E) instead of from shared
+    memory twice per element (the same values and operations, so the same bits; ptxas keeps two more values of the
+    gate side on the stack, stored and reloaded once a chunk, against ~190 shared loads a thread saved; beta's column
+    factors the same way spilled far more and stay as they are). Arguments, in order:
 
       q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do      [1, T, Hv, V]    io dtype
@@ -388,7 +389,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 red_r = T.alloc_fragment((C,), acc)
                 red_c = T.alloc_fragment((C,), acc)
                 dg_f = T.alloc_fragment((C,), acc)
-                if lean_gates:  # g~ of the thread's rows and columns of P
+                if lean_gates:  # g~ of the thread's rows and columns of P, E and dQK
                     grow_f = T.alloc_fragment((C,), acc)
                     gcol_f = T.alloc_fragment((C,), acc)
                 for c in T.serial(n_chunks):
@@ -450,10 +451,22 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_arrive(dag_done)
                     stamp(tr, 2, 6, c, tx, h, n)
                     # E = dAg ⊙ Gam (lower): dbeta's first sum, dA = E ⊙ beta_j, X = E ⊙ A ⊙ beta_j
-                    for i, j in T.Parallel(C, C):
-                        cc_f[i, j] = T.if_then_else(i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                        x_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
-                        cc_f[i, j] = cc_f[i, j] * b_s[j]
+                    if lean_gates:  # g~ read again here rather than kept live across Vn and dVn W^T
+                        for i in T.Parallel(C):
+                            grow_f[i] = gc_s[i]
+                        for j in T.Parallel(C):
+                            gcol_f[j] = gc_s[j]
+                        for i, j in T.Parallel(C, C):
+                            cc_f[i, j] = T.if_then_else(
+                                i >= j, cc_f[i, j] * T.exp2((grow_f[i] - gcol_f[j]) * LOG2E), 0.0)
+                            x_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
+                            cc_f[i, j] = cc_f[i, j] * b_s[j]
+                    else:
+                        for i, j in T.Parallel(C, C):
+                            cc_f[i, j] = T.if_then_else(
+                                i >= j, cc_f[i, j] * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                            x_f[i, j] = cc_f[i, j] * T.cast(a_s[i, j], acc)
+                            cc_f[i, j] = cc_f[i, j] * b_s[j]
                     T.copy(cc_f, da_s)
                     stamp(tr, 2, 7, c, tx, h, n)
                     # column sums cross the warps through shared memory: batched, two barriers for eight columns
@@ -463,11 +476,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 2, 8, c, tx, h, n)
                     # P ⊙ dP joins X; dQK = scale Gam ⊙ dP takes P's tile (the value side's P^T dO is done), in a
                     # loop of its own (P read in full first, as above)
-                    for i, j in T.Parallel(C, C):
-                        x_f[i, j] = x_f[i, j] * b_s[j] + T.if_then_else(
-                            i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
-                        dp_f[i, j] = T.if_then_else(
-                            i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                    if lean_gates:
+                        for i, j in T.Parallel(C, C):
+                            x_f[i, j] = x_f[i, j] * b_s[j] + T.if_then_else(
+                                i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+                            dp_f[i, j] = T.if_then_else(
+                                i >= j, dp_f[i, j] * scale * T.exp2((grow_f[i] - gcol_f[j]) * LOG2E), 0.0)
+                    else:
+                        for i, j in T.Parallel(C, C):
+                            x_f[i, j] = x_f[i, j] * b_s[j] + T.if_then_else(
+                                i >= j, dp_f[i, j] * T.cast(p_s[i, j], acc), 0.0)
+                            dp_f[i, j] = T.if_then_else(
+                                i >= j, dp_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                     T.copy(dp_f, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dp_done)
