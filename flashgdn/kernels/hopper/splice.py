@@ -25,7 +25,7 @@ from .common import TARGET, pass_configs
 
 @functools.lru_cache(maxsize=None)
 def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, split_k: int = 1):
-    """Compile (or load) the kernel. ``split_k`` > 1 (an A/B, ``forward.SPLICE_SPLIT_K``; ``split_k_body``): 128 x
+    """Compile (or load) the kernel. ``split_k`` > 1 (an A/B, ``forward.SPLICE_SPLIT_K``; ``split_k_steps``): 128 x
     ``split_k`` threads share each step's products over K, and the next step's M is loaded while this one's are
     made. Arguments, in order:
 
@@ -45,18 +45,11 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, split_k: i
     num_seqs = T.dynamic("num_seqs")
     acc = "float32"
 
-    if split_k > 1:
-        return split_k_body(Hv, K, V, reverse, BV, split_k)
+    assert K % split_k == 0
+    KG = K // split_k  # each group's share of the sum over K
 
-    @T.prim_func
-    def splice_kernel(
-        pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
-        D: T.Tensor((num_d, Hv, K, V), acc),
-        start: T.Tensor((num_seqs, Hv, K, V), acc),
-        first: T.Tensor((num_seqs,), "int64"),
-        count: T.Tensor((num_seqs,), "int64"),
-        out: T.Tensor((num_segments, Hv, K, V), acc),
-    ):
+    @T.macro
+    def plain_steps(pairs, D, start, first, count, out):
         with T.Kernel(V // BV, Hv, num_seqs, threads=128) as (vb, h, n):
             m_s = T.alloc_shared((K, K + 1), acc)  # [k][r]: the factor of state row k in output row r (padded)
             s_s = T.alloc_shared((K, BV), acc)
@@ -93,36 +86,15 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, split_k: i
                 for r, j in T.Parallel(K, BV):
                     out[dst, h, r, c0 + j] = s_f[r, j]
 
-    return tilelang.compile(splice_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
-
-
-def split_k_body(Hv: int, K: int, V: int, reverse: bool, BV: int, split_k: int):
-    """The splice with a step's latency cut two ways (``build_splice(..., split_k=...)``). One step was ~1024 FMAs and
-    ~1150 shared-memory loads per thread on a chain of 128 (2.5 us forward, 4.4 reverse on the H200: 31 steps of
-    each took 0.23 ms of 2/4 32768x1's backward on 16-chunk segments), after a 64 KB load of M that nothing
-    overlapped. Here ``split_k`` groups of 128 threads each sum K / ``split_k`` of the products (their partial sums
-    meet in shared memory, added in group order), and M of the next step, which does not depend on the chain, is
-    loaded into registers before this step's products and stored into the other of two M tiles after them. The
-    same arguments as the plain kernel; the sums run in another order (float32 throughout)."""
-    import tilelang
-    import tilelang.language as T
-
-    assert K % split_k == 0
-    KG = K // split_k
-    num_segments = T.dynamic("num_segments")
-    num_d = T.dynamic("num_d")
-    num_seqs = T.dynamic("num_seqs")
-    acc = "float32"
-
-    @T.prim_func
-    def splice_kernel(
-        pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
-        D: T.Tensor((num_d, Hv, K, V), acc),
-        start: T.Tensor((num_seqs, Hv, K, V), acc),
-        first: T.Tensor((num_seqs,), "int64"),
-        count: T.Tensor((num_seqs,), "int64"),
-        out: T.Tensor((num_segments, Hv, K, V), acc),
-    ):
+    @T.macro
+    def split_k_steps(pairs, D, start, first, count, out):
+        # ``split_k`` > 1: a step's latency cut two ways. One step was ~1024 FMAs and ~1150 shared-memory loads per
+        # thread on a chain of 128 (2.5 us forward, 4.4 reverse on the H200: 31 steps of each took 0.23 ms of 2/4
+        # 32768x1's backward on 16-chunk segments), after a 64 KB load of M that nothing overlapped. Here
+        # ``split_k`` groups of 128 threads each sum K / ``split_k`` of the products (their partial sums meet in
+        # shared memory, added in group order), and M of the next step, which does not depend on the chain, is
+        # loaded into registers before this step's products and stored into the other of two M tiles after them.
+        # The sums run in another order than the plain kernel's (float32 throughout).
         with T.Kernel(V // BV, Hv, num_seqs, threads=128 * split_k) as (vb, h, n):
             m_s = T.alloc_shared((2, K, K + 1), acc)  # two steps' [k][r] factors (padded rows), in turn
             s_s = T.alloc_shared((K, BV), acc)  # the chain's state block, read by every group
@@ -181,5 +153,19 @@ def split_k_body(Hv: int, K: int, V: int, reverse: bool, BV: int, split_k: int):
                 for r, j in T.Parallel(K, BV):
                     s_s[r, j] = s_f[r, j]
                     out[dst, h, r, c0 + j] = s_f[r, j]
+
+    @T.prim_func
+    def splice_kernel(
+        pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
+        D: T.Tensor((num_d, Hv, K, V), acc),
+        start: T.Tensor((num_seqs, Hv, K, V), acc),
+        first: T.Tensor((num_seqs,), "int64"),
+        count: T.Tensor((num_seqs,), "int64"),
+        out: T.Tensor((num_segments, Hv, K, V), acc),
+    ):
+        if split_k > 1:
+            split_k_steps(pairs, D, start, first, count, out)
+        else:
+            plain_steps(pairs, D, start, first, count, out)
 
     return tilelang.compile(splice_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
