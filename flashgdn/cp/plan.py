@@ -427,15 +427,14 @@ def plan_segments(
     return split_sequences(seqlens, best if us < AUTO_GAIN * off_us else None)
 
 
-def segment_chunk_counts(seqlens: Sequence[int], segment_chunks: Optional[int]) -> List[int]:
-    """Every segment's chunk count in order (``split_sequences``'s segments; a sequence counts one chunk at least)."""
+def segment_chunk_counts(chunks: Sequence[int], segment_chunks: Optional[int]) -> List[int]:
+    """Every segment's chunk count in order (``split_sequences``'s segments), from the sequences' chunk counts
+    (``_sequences``: one chunk at least)."""
+    if segment_chunks is None:
+        return list(chunks)
     out: List[int] = []
-    for L in seqlens:
-        c = max(1, -(-int(L) // CHUNK))
-        if segment_chunks is None or c <= segment_chunks:
-            out.append(c)
-        else:
-            out.extend([segment_chunks] * (c // segment_chunks) + ([c % segment_chunks] if c % segment_chunks else []))
+    for c in chunks:
+        out.extend([segment_chunks] * (c // segment_chunks) + ([c % segment_chunks] if c % segment_chunks else []))
     return out
 
 
@@ -447,15 +446,20 @@ def backward_estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Op
     segment but a sequence's last, M of every one but its first) and its splice, the walk of every segment from a
     zero end gradient, the reverse splice, then the same stages on the segments. Stage 1, the chunk plan and the
     group sums of dq and dk see the same chunks either way and are left out."""
-    segs = segment_chunk_counts(seqlens, segment_chunks)
+    return _backward_estimated_us(_sequences(seqlens)[0], heads, segment_chunks, model, fused_allowed)
+
+
+def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Optional[int], model: CostModel,
+                           fused_allowed: bool) -> Tuple[float, bool]:
+    """``backward_estimated_us`` from the sequences' chunk counts, converted once for every candidate."""
+    segs = segment_chunk_counts(chunks, segment_chunks)
     fused, two = model.backward_gradients_us(segs, heads)
     use_fused = fused_allowed and fused < two
     us = (fused if use_fused else two) + model.makespan_us(segs, heads, model.states_item_us, model.states_chunk_us,
                                                             model.states_busy_chunk_us)
-    if len(segs) == len(seqlens):
+    if len(segs) == len(chunks):
         return us, use_fused
-    pieces = segment_chunk_counts(seqlens, None)
-    pieces = [max(1, -(-c // segment_chunks)) for c in pieces]
+    pieces = [-(-c // segment_chunks) for c in chunks]
     runs = 2 * sum(p - 1 for p in pieces)  # b of all but the last, M of all but the first
     transitions = model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
     steps = max(pieces) - 1
@@ -488,17 +492,18 @@ def plan_backward(seqlens: Sequence[int], heads: int, cp: Union[str, int] = "aut
     if cp != "auto":
         raise ValueError(f"cp must be 'auto', 'off' or a positive int (segment length in chunks), got {cp!r}")
     model = model or CostModel()
-    longest = max((max(1, -(-int(L) // CHUNK)) for L in seqlens), default=1)
+    chunks, seqs, _ = _sequences(seqlens)  # once for every candidate
+    longest = max(1, seqs.longest)
     per_sequence = model.num_sms // max(1, heads * len(seqlens))
     candidates = set(CANDIDATE_SEGMENT_CHUNKS)
     if per_sequence >= 2:  # no shorter than the forward's shortest (where the transition pass was fitted)
         candidates.add(max(min(CANDIDATE_SEGMENT_CHUNKS), -(-longest // per_sequence)))
-    off_us, off_fused = backward_estimated_us(seqlens, heads, None, model, fused_allowed)
+    off_us, off_fused = _backward_estimated_us(chunks, heads, None, model, fused_allowed)
     best = None
     for c in sorted(candidates):
         if c >= longest:  # no sequence would split
             continue
-        us, fused = backward_estimated_us(seqlens, heads, c, model, fused_allowed)
+        us, fused = _backward_estimated_us(chunks, heads, c, model, fused_allowed)
         if best is None or us < best[0]:
             best = (us, c, fused)
     # a clear gain only, as in the forward
