@@ -5,7 +5,7 @@
 # backward: the fused backward's tests with the two A/Bs' same-bits checks (backward.FUSED_P_FIRST,
 #   FUSED_LEAN_GATES; gpu-fused.log), its trace at each of the four settings on 16/32 8 x 4096 and at the default on
 #   CP-sized items (4/8 16 x 2048: a CTA's edges; trace-*.json, trace-*.log), the splice tests with both builds
-#   (forward.SPLICE_SPLIT_K; gpu-splice.log), and a training step's kernels with each splice build on three
+#   (forward.SPLICE_BLOCKED; gpu-splice.log), and a training step's kernels with each splice build on three
 #   few-head shapes (step-kernels-splice*.json).
 # forward: the forward's suite on the rso loop with its defaults (gpu-fwd.log), and the fused kernel timed beside
 #   the two kernels at the default and with both fused A/Bs (stages-bwd-*.json).
@@ -33,8 +33,8 @@ if [ "$part" = backward ]; then
   grep "median chunk step\|edges\|exit" "$out/trace-4x8.log"
   timeout 80 python3 -m pytest -m gpu -q -rfEx -n 4 tests/test_gpu_hopper_cp.py -k splice > "$out/gpu-splice.log" 2>&1
   echo "# exit status $?" >> "$out/gpu-splice.log"; quiet "$out/gpu-splice.log"
-  for sk in 1 4; do
-    FLASHGDN_HOPPER_SPLICE_SPLIT_K=$sk timeout 60 python3 benchmarks/step_kernels.py --cp auto --sequence \
+  for sk in 0 1; do
+    FLASHGDN_HOPPER_SPLICE_BLOCKED=$sk timeout 60 python3 benchmarks/step_kernels.py --cp auto --sequence \
       --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --out "$out/step-kernels-splice$sk.json" \
       > "$out/step-kernels-splice$sk.log" 2>&1
     echo "# exit status $?" >> "$out/step-kernels-splice$sk.log"

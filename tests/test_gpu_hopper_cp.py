@@ -133,13 +133,13 @@ def test_paired_transition_pass_gives_the_same_bits(opts, cuda, monkeypatch):
     assert torch.equal(o1, o0) and torch.equal(h1, h0)
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("build", ["plain", "blocked"])
 @pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([640] * 4, 10),
                                                     ([192, 64, 256], 1)])
-def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, split_k, cuda, monkeypatch):
-    """``splice.py`` (forward and reverse; plain, and split over 512 threads with M prefetched:
-    ``forward.SPLICE_SPLIT_K``) against the torch splices on random transitions, float32 both: equal up to the order
-    of the float32 sums. Sequences of one segment (no step), two (one step), three and many."""
+def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, build, cuda, monkeypatch):
+    """``splice.py`` (forward and reverse; plain, and register-blocked over 512 threads with M prefetched at every
+    column width: ``forward.SPLICE_BLOCKED``) against the torch splices on random transitions, float32 both: equal
+    up to the order of the float32 sums. Sequences of one segment (no step), two (one step), three and many."""
     from flashgdn.cp import split_sequences
     from flashgdn.cp.backward import splice_reverse
     from flashgdn.cp.exact import _splice
@@ -147,7 +147,8 @@ def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, split_k
     from flashgdn.kernels.hopper import forward
     from flashgdn.kernels.hopper.forward import hopper_splice
 
-    monkeypatch.setattr(forward, "SPLICE_SPLIT_K", split_k)
+    monkeypatch.setattr(forward, "SPLICE_BLOCKED", build == "blocked")
+    widths = (8, 16, 32) if build == "blocked" else (None,)
 
     plan = split_sequences(seqlens, segment_chunks)
     cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
@@ -162,10 +163,17 @@ def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, split_k
         want_fwd = _splice(lambda src: (M.index_select(0, src), b.index_select(0, src)), start, plan, index)
         want_rev = splice_reverse(lambda src: (M.index_select(0, src).transpose(-1, -2), D.index_select(0, src)),
                                   start, plan, index)
-        got_fwd = hopper_splice(pairs, start, index.first, index.count, S)
-        got_rev = hopper_splice(pairs, start, index.first, index.count, S, D=D)
-    assert rel_rms(got_fwd, want_fwd) < 1e-5
-    assert rel_rms(got_rev, want_rev) < 1e-5
+        for width in widths:
+            if width is not None:
+                # the operator's reverse splice at each width, and the blocked build's forward, which the operator
+                # does not use (slower) but which computes the same
+                monkeypatch.setattr(forward, "splice_width", lambda *a, w=width: w)
+                monkeypatch.setattr(forward, "splice_options",
+                                    lambda reverse, *a, w=width: dict(blocked=True, BV=w))
+            got_fwd = hopper_splice(pairs, start, index.first, index.count, S)
+            got_rev = hopper_splice(pairs, start, index.first, index.count, S, D=D)
+            assert rel_rms(got_fwd, want_fwd) < 1e-5, width
+            assert rel_rms(got_rev, want_rev) < 1e-5, width
 
 
 @pytest.mark.parametrize("opts", [

@@ -147,8 +147,11 @@ class CostModel:
     # 2.66 on a full GPU (16/32 4096x8, 0.34 ms). ``chunk_grad`` spreads every chunk and value head over the
     # SMs: 21 us of one SM each (4/8 32768x1 0.668 ms for 4096, 16/32 32768x1 2.61 ms for 16384). A splice step
     # grows with the value heads (the fused splice kernel's 128 x 128 fp32 products): forward 2.2 us + 0.17 us a
-    # head, reverse (M^T and D) 3.6 + 0.38 (2/4: 2.5 and 4.4 us a step, 16/32: 7.5 and 15.4). The backward's CP
-    # driver (index tensors, end gradients) adds ~15 us of small kernels.
+    # head (2/4: 2.5 us a step, 16/32: 7.5). The reverse (M^T and D) was 3.6 + 0.38 (4.4 and 15.4) in its plain
+    # build; its register-blocked build (``forward.SPLICE_BLOCKED``) takes 0.67, 0.57, 0.53 and 0.54 of the plain
+    # build's time a step alone at 4, 8, 16 and 32 heads (``cp/splice-timing-v0.16c.json``), ~0.9 us under the
+    # step in the pipeline: 2.4 + 0.2 a head. The backward's CP driver (index tensors, end gradients) adds ~15 us of
+    # small kernels.
     fused_item_us: float = 34.0
     fused_chunk_us: float = 11.1
     fused_busy_chunk_us: float = 11.3
@@ -161,8 +164,8 @@ class CostModel:
     chunk_grad_us: float = 21.0
     splice_step_fixed_us: float = 2.2
     splice_step_head_us: float = 0.17
-    reverse_splice_step_fixed_us: float = 3.6
-    reverse_splice_step_head_us: float = 0.38
+    reverse_splice_step_fixed_us: float = 2.4
+    reverse_splice_step_head_us: float = 0.2
     backward_cp_driver_us: float = 15.0
 
     @staticmethod

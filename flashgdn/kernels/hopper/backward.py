@@ -97,16 +97,18 @@ FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 #: the fused kernel's gate side waits for Q K^T alone and releases P before it waits for K S (``fused_backward.py``,
 #: ``p_first``): the v0.15d trace has the value side waiting 3.2k cycles of a 23k step for P, of which K S, issued
 #: beside Q K^T and twice its work, is about a third. Predicted: ~1k cycles off the step (~4%), the same bits out.
-#: An A/B, off: compiled for sm_90a with the same registers and spills as the default, not yet run on a GPU.
-#: FLASHGDN_HOPPER_FUSED_P_FIRST=1 turns it on.
+#: Measured: the same bits, and within 1.5% of the default either way (``stages-hopper-v0.16b-bwd-p1g0.json``). An
+#: A/B, off. FLASHGDN_HOPPER_FUSED_P_FIRST=1 turns it on.
 FUSED_P_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_P_FIRST", "0") == "1"
 
 #: the fused kernel's gate side gates P, E and dQK with g~ read into register fragments of its threads' rows and
 #: columns, instead of two shared-memory loads per element (``fused_backward.py``, ``lean_gates``; as the forward's
 #: output path since v0.13c). The v0.15d trace has P out 2.2k cycles after Q K^T and K S are done, while the value
 #: side waits for it, and E to dQK take 4.9k on the gate side's path to dKK. Predicted: a few hundred cycles off P
-#: and off dKK, the same bits out. An A/B, off: compiled for sm_90a (two more values of the gate side spilled, stored
-#: and reloaded once a chunk), not yet run on a GPU. FLASHGDN_HOPPER_FUSED_LEAN_GATES=1.
+#: and off dKK, the same bits out. Measured with P_FIRST: the same bits; 10-12% off the kernel where its CTAs leave
+#: SMs idle (2/8 32768x1, 2/8 1024x8), 0-3% on where every SM is busy (``stages-hopper-v0.16a-bwd-p1g1.json``), which
+#: is where the backward's CP plan runs it. An A/B, off (two more values of the gate side spilled, stored and
+#: reloaded once a chunk). FLASHGDN_HOPPER_FUSED_LEAN_GATES=1.
 FUSED_LEAN_GATES = os.environ.get("FLASHGDN_HOPPER_FUSED_LEAN_GATES", "0") == "1"
 
 

@@ -71,18 +71,38 @@ RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "1") == "1"
 LEAN_STATE_PASSES = os.environ.get("FLASHGDN_HOPPER_LEAN_STATE_PASSES", "0") == "1"
 
 
-#: Context parallelism's splice kernel (``splice.py``) with each step's products shared by 128 x SPLICE_SPLIT_K threads
-#: and the next step's M loaded during them (``split_k``), instead of 128 threads that load M and then multiply (a
-#: step's latency: 2.5 us forward, 4.4 reverse, in a chain of one step per segment: 0.23 ms of 2/4 32768x1's
-#: backward on 16-chunk segments, ``backward/step-kernels-v0.15e-cp.json``). Predicted: ~1-1.5 us a step. An A/B,
-#: off (1): compiled for sm_90a without spills, not yet run on a GPU; FLASHGDN_HOPPER_SPLICE_SPLIT_K=4.
-SPLICE_SPLIT_K = int(os.environ.get("FLASHGDN_HOPPER_SPLICE_SPLIT_K", "1"))
+#: Context parallelism's reverse splice (``splice.py``, the backward's) in its register-blocked build (``blocked``):
+#: 512 threads, each a 4 x (BV / 4) block of a K-group's partial sums, M stored without bank conflicts and the next
+#: step's M loaded during the products. The plain build (0) is bound by the SM's shared-memory pipe (~0.4 shared
+#: loads per FMA on one warp a sub-partition). A reverse step: 3.5 -> 2.3 us at 4 value heads, 4.3 -> 2.5 at 8,
+#: 7.1 -> 3.8 at 16, 14.5 -> 7.8 at 32 (``cp/splice-timing-v0.16c.json``). The forward splice stays plain: its
+#: blocked build reads M down its rows to store it transposed (16 B a lane from 32 rows) and took 3.9 us a step
+#: at 4 heads against the plain build's 2.0. FLASHGDN_HOPPER_SPLICE_BLOCKED=0|1.
+SPLICE_BLOCKED = os.environ.get("FLASHGDN_HOPPER_SPLICE_BLOCKED", "1") == "1"
+
+#: The forward splice blocked too (an A/B, off): M read as 16 rows x 32 B a warp, so that its transposed scalar
+#: stores into rows padded to K + 4 floats fall in 32 banks. Compiled for sm_90a without spills, not yet timed.
+#: FLASHGDN_HOPPER_SPLICE_BLOCKED_FORWARD=1.
+SPLICE_BLOCKED_FORWARD = os.environ.get("FLASHGDN_HOPPER_SPLICE_BLOCKED_FORWARD", "0") == "1"
+
+#: the blocked splice's column widths, narrowest first (a CTA's 128 x BV block of the state). 32 is slower than 16
+#: even where 16 needs two waves (8.7 against 7.8 us a step at 32 heads), and 8 slower where it needs two (5.2
+#: against 3.8 at 16 heads).
+SPLICE_WIDTHS = (8, 16)
 
 
-def splice_options() -> dict:
-    """``build_splice``'s options as ``SPLICE_SPLIT_K`` sets them (empty at 1, so the default build keeps its cache
-    entry)."""
-    return dict(split_k=SPLICE_SPLIT_K) if SPLICE_SPLIT_K > 1 else {}
+def splice_width(Hv: int, num_seqs: int, num_sms: int = 132) -> int:
+    """The blocked splice's BV: 8 where its grid (V / 8 CTAs per head and sequence, one CTA per SM for its shared
+    memory) fits the SMs, else 16."""
+    return SPLICE_WIDTHS[0] if num_seqs * Hv * (128 // SPLICE_WIDTHS[0]) <= num_sms else SPLICE_WIDTHS[1]
+
+
+def splice_options(reverse: bool, Hv: int = 8, num_seqs: int = 1, num_sms: int = 132) -> dict:
+    """``build_splice``'s options as ``SPLICE_BLOCKED`` (and ``SPLICE_BLOCKED_FORWARD``) set them: the reverse
+    splice blocked, at the width that ``splice_width`` picks; the forward splice, and both when off, plain (empty,
+    so the plain builds keep their cache entries)."""
+    blocked = SPLICE_BLOCKED and (reverse or SPLICE_BLOCKED_FORWARD)
+    return dict(blocked=True, BV=splice_width(Hv, num_seqs, num_sms)) if blocked else {}
 
 
 def lean_state_option() -> dict:
@@ -393,7 +413,8 @@ def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor,
     reverse = D is not None
     out = _output((num_segments, Hv, K, V), torch.float32, start.device)
     start = start.to(torch.float32).contiguous()
-    build_splice(Hv, K, V, reverse, **splice_options())(pairs.to(torch.float32).contiguous(),
+    num_sms = torch.cuda.get_device_properties(start.device).multi_processor_count if start.is_cuda else 132
+    build_splice(Hv, K, V, reverse, **splice_options(reverse, Hv, start.shape[0], num_sms))(pairs.to(torch.float32).contiguous(),
                                     D.to(torch.float32).contiguous() if reverse else start, start,
                                     first.to(torch.int64), count.to(torch.int64), out)
     return out

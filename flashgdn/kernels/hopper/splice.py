@@ -10,11 +10,18 @@ value head h, head 2h + 1 its M) and ``D_i`` the walk of segment i from a zero e
 one step for all sequences at once with three small kernels (gather, batched product, scatter), ~13 us per step on
 the H200 (``flashgdn/cp/plan.py``); here one launch does every step.
 
-One CTA per (sequence, value head, block of BV = 8 state columns: V / 8 x Hv x N CTAs, 128 for one sequence of 8
-heads), 128 threads, float32 throughout (as the torch splice: no TF32): per step M (transposed for the forward)
-and the state block go to shared memory, then ``state = b + M S`` by CUDA-core FMAs over K (8 outputs per
-thread). Each step is a dependent chain, so the kernel's time is the number of steps times one step's latency (a
-64 KB load of M from L2, where the transition pass just wrote it, and 128 x 8 x K FMAs).
+One CTA per (sequence, value head, block of BV state columns: V / BV x Hv x N CTAs), float32 throughout (as the
+torch splice: no TF32): per step M (transposed for the forward) and the state block go to shared memory, then
+``state = b + M S`` by CUDA-core FMAs over K. Each step is a dependent chain, so the kernel's time is the number of
+steps times one step's latency: a 64 KB load of M from L2 (where the transition pass just wrote it) and
+128 x BV x K FMAs on one SM. Two builds:
+
+- plain: BV = 8, 128 threads, 8 outputs a thread; M stored transposed into padded rows. Bound by the SM's shared
+  memory pipe (~0.4 shared loads per FMA, 4-way conflicted stores of M, one warp per sub-partition).
+- ``blocked`` (the default, ``forward.SPLICE_BLOCKED``): 512 threads in four K-groups, each thread a 4 x BV / 4
+  block of its group's partial sums from one float4 of M and BV / 4 state values per k; M stored without
+  conflicts and the next step's M loaded during this one's products; BV in 8, 16, 32 chosen so that the grid
+  fits the SMs (``forward.splice_width``: one CTA per SM for its ~150-210 KB of shared memory).
 
 PyTorch counterparts: ``flashgdn.cp.exact.splice_segments`` and ``flashgdn.cp.backward.splice_reverse``.
 """
@@ -24,10 +31,9 @@ from .common import TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, split_k: int = 1):
-    """Compile (or load) the kernel. ``split_k`` > 1 (an A/B, ``forward.SPLICE_SPLIT_K``; ``split_k_steps``): 128 x
-    ``split_k`` threads share each step's products over K, and the next step's M is loaded while this one's are
-    made. Arguments, in order:
+def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False):
+    """Compile (or load) the kernel: ``blocked`` the register-blocked build (``blocked_steps``, BV in 8, 16, 32),
+    else the plain one (``plain_steps``, BV = 8). Arguments, in order:
 
       pairs   [S, 2 Hv, K, V]  float32: head 2h + 1 is M (V = K), head 2h the forward's b
       D       [S, Hv, K, V]    float32: the backward's D (read only when ``reverse``; any such tensor otherwise)
@@ -40,13 +46,16 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, split_k: i
 
     assert K == V, "the transitions M come from the pairs, which need V = K"
     assert V % BV == 0
+    assert not blocked or BV in (8, 16, 32), "the blocked build's columns: 8, 16 or 32"
     num_segments = T.dynamic("num_segments")
     num_d = T.dynamic("num_d")
     num_seqs = T.dynamic("num_seqs")
     acc = "float32"
 
-    assert K % split_k == 0
-    KG = K // split_k  # each group's share of the sum over K
+    GROUPS = 4  # ``blocked``: K-groups of 128 threads
+    KG = K // GROUPS  # each group's share of the sum over K
+    CW = BV // 4  # ``blocked``: a thread's columns
+    MQ = K * K // 4 // (128 * GROUPS)  # ``blocked``: float4s of M a thread loads a step
 
     @T.macro
     def plain_steps(pairs, D, start, first, count, out):
@@ -87,72 +96,118 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, split_k: i
                     out[dst, h, r, c0 + j] = s_f[r, j]
 
     @T.macro
-    def split_k_steps(pairs, D, start, first, count, out):
-        # ``split_k`` > 1: a step's latency cut two ways. One step was ~1024 FMAs and ~1150 shared-memory loads per
-        # thread on a chain of 128 (2.5 us forward, 4.4 reverse on the H200: 31 steps of each took 0.23 ms of 2/4
-        # 32768x1's backward on 16-chunk segments), after a 64 KB load of M that nothing overlapped. Here
-        # ``split_k`` groups of 128 threads each sum K / ``split_k`` of the products (their partial sums meet in
-        # shared memory, added in group order), and M of the next step, which does not depend on the chain, is
-        # loaded into registers before this step's products and stored into the other of two M tiles after them.
-        # The sums run in another order than the plain kernel's (float32 throughout).
-        with T.Kernel(V // BV, Hv, num_seqs, threads=128 * split_k) as (vb, h, n):
-            m_s = T.alloc_shared((2, K, K + 1), acc)  # two steps' [k][r] factors (padded rows), in turn
-            s_s = T.alloc_shared((K, BV), acc)  # the chain's state block, read by every group
-            part_s = T.alloc_shared((split_k, K, BV), acc)
-            m_f = T.alloc_fragment((K, K), acc)  # the next step's M on its way to shared memory
-            part_f = T.alloc_fragment((split_k, K, BV), acc)
-            s_f = T.alloc_fragment((K, BV), acc)
+    def load_m(pairs, m_r, tx, h, src):
+        # M in float4s of its rows. Reverse (stored as loaded): a warp's lanes along a row. Forward (stored
+        # transposed): a warp's lanes over 16 rows x 2 float4s (one 32 B sector of each row), so that the
+        # transposed scalar stores of a warp fall in 32 different banks of the padded rows (a row of m_s is
+        # K + 4 floats: lane (r, q) writes bank r + 16 q + const)
+        for i in T.serial(MQ):
+            for e in T.vectorized(4):
+                if reverse:
+                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, tx // 32 + i * (128 * GROUPS // 32),
+                                           (tx % 32) * 4 + e]
+                else:
+                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, (tx // 32 + 16 * i) % 8 * 16 + tx % 16,
+                                           ((tx // 32 + 16 * i) // 8 * 2 + tx % 32 // 16) * 4 + e]
+
+    @T.macro
+    def store_m(m_s, m_r, tx, buf):
+        for i in T.serial(MQ):
+            if reverse:
+                for e in T.vectorized(4):
+                    m_s[buf, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e] = m_r[i * 4 + e]
+            else:
+                for e in T.serial(4):
+                    m_s[buf, ((tx // 32 + 16 * i) // 8 * 2 + tx % 32 // 16) * 4 + e,
+                        (tx // 32 + 16 * i) % 8 * 16 + tx % 16] = m_r[i * 4 + e]
+
+    @T.macro
+    def blocked_steps(pairs, D, start, first, count, out):
+        # ``blocked``: the plain step is bound by the SM's shared-memory pipe (MIO), not by its FMAs or its loads:
+        # per FMA it issues ~0.4 shared loads (a scalar of M and half a float4 of the state for each of a thread's
+        # 8 outputs), and M goes to shared memory transposed by 4-way conflicted scalar stores, on one warp per
+        # SM sub-partition at ~3.8 cycles an instruction. Splitting K over more threads (the former split_k A/B)
+        # left the loads per FMA and so the time as they were. Here each thread of a K-group makes a 4 x (BV / 4)
+        # block of outputs from one float4 of M and BV / 4 state values per k (2 or 1 shared wavefronts a warp
+        # for 8 or more FMAs); four K-groups of 128 threads share the sum over K (partial sums added in group
+        # order), M goes to shared memory unpadded by float4 stores (reverse) or conflict-free scalar ones with a
+        # warp's lanes down M's rows (forward: M transposed), and the next step's M is loaded into registers
+        # while this step's products are made.
+        with T.Kernel(V // BV, Hv, num_seqs, threads=128 * GROUPS) as (vb, h, n):
+            # two steps' [k][r] factors of state row k in output row r (rows padded for the forward's stores)
+            m_s = T.alloc_shared((2, K, K if reverse else K + 4), acc)
+            # the chain's state block and the groups' partial sums, row k at [k % 4, k // 4]: a warp's partial sums
+            # (8 row blocks x 4 column blocks) are then one contiguous run, and so are the final sums it reads back
+            s_s = T.alloc_shared((4, K // 4, BV), acc)
+            part_s = T.alloc_shared((GROUPS, 4, K // 4, BV), acc)
+            m_r = T.alloc_local((MQ * 4,), acc)  # the next step's M on its way to shared memory
+            acc_r = T.alloc_local((4 * CW,), acc)  # this thread's 4 x CW block of a group's partial sums
+            mv = T.alloc_local((4,), acc)
+            sv = T.alloc_local((CW,), acc)
+            d_r = T.alloc_local((CW,), acc)  # the output's own term (D or b) for this thread's CW outputs
+            tx = T.get_thread_binding()
+            grp = tx // 128
+            t = tx % 128
+            rg = (t // 32) * 8 + t % 8  # rows 4 rg .. 4 rg + 3: 8 row blocks and 4 column blocks a warp
+            cg = (t % 32) // 8  # columns cg CW .. cg CW + CW - 1
+            # the final sums: CW of them a thread, at flat [k % 4, k // 4, column] position tx CW
+            oe = (tx * CW) // (K // 4 * BV)
+            org = (tx * CW) % (K // 4 * BV) // BV
+            orow = org * 4 + oe
+            ocol = (tx * CW) % BV
             f = first[n]
             c = count[n]
             c0 = vb * BV
             row0 = f + c - 1 if reverse else f
-            for r, j in T.Parallel(K, BV):
-                s_s[r, j] = start[n, h, r, c0 + j]
-                out[row0, h, r, c0 + j] = start[n, h, r, c0 + j]
+            for j in T.vectorized(CW):
+                sv[j] = start[n, h, orow, c0 + ocol + j]
+            for j in T.vectorized(CW):
+                s_s[oe, org, ocol + j] = sv[j]
+                out[row0, h, orow, c0 + ocol + j] = sv[j]
+
             # the first step that multiplies: the reverse's every step, the forward's from its second (its first
             # takes b_first, which already starts from h0)
             first_mul = 0 if reverse else 1
             if c - 1 > first_mul:
-                src0 = f + c - 1 - first_mul if reverse else f + first_mul
-                for a, b in T.Parallel(K, K):
-                    if reverse:
-                        m_s[first_mul % 2, a, b] = pairs[src0, 2 * h + 1, a, b]
-                    else:
-                        m_s[first_mul % 2, b, a] = pairs[src0, 2 * h + 1, a, b]
+                load_m(pairs, m_r, tx, h, f + c - 1 - first_mul if reverse else f + first_mul)
+                store_m(m_s, m_r, tx, first_mul % 2)
             for step in T.serial(c - 1):
                 src = f + c - 1 - step if reverse else f + step
                 dst = src - 1 if reverse else src + 1
+                for j in T.vectorized(CW):
+                    d_r[j] = D[src, h, orow, c0 + ocol + j] if reverse else pairs[src, 2 * h, orow, c0 + ocol + j]
                 if reverse or step > 0:
-                    # this step's D or b and the next step's M: loads in flight while the products are made
-                    for r, j in T.Parallel(K, BV):
-                        s_f[r, j] = D[src, h, r, c0 + j] if reverse else pairs[src, 2 * h, r, c0 + j]
-                    nxt = src - 1 if reverse else src + 1
                     has_next = step + 1 < c - 1
                     if has_next:
-                        for a, b in T.Parallel(K, K):
-                            m_f[a, b] = pairs[nxt, 2 * h + 1, a, b]
+                        load_m(pairs, m_r, tx, h, src - 1 if reverse else src + 1)
                     buf = step % 2
-                    for g, r, j in T.Parallel(split_k, K, BV):
-                        part_f[g, r, j] = 0.0
+                    for i in T.serial(4 * CW):
+                        acc_r[i] = 0.0
+                    T.sync_threads()
                     for kk in T.serial(KG):
-                        for g, r, j in T.Parallel(split_k, K, BV):
-                            part_f[g, r, j] = part_f[g, r, j] + m_s[buf, g * KG + kk, r] * s_s[g * KG + kk, j]
-                    T.copy(part_f, part_s)
-                    for r, j in T.Parallel(K, BV):
-                        for g in T.serial(split_k):
-                            s_f[r, j] = s_f[r, j] + part_s[g, r, j]
+                        kglob = grp * KG + kk
+                        for e in T.vectorized(4):
+                            mv[e] = m_s[buf, kglob, rg * 4 + e]
+                        for j in T.vectorized(CW):
+                            sv[j] = s_s[kglob % 4, kglob // 4, cg * CW + j]
+                        for e in T.serial(4):
+                            for j in T.serial(CW):
+                                acc_r[e * CW + j] = acc_r[e * CW + j] + mv[e] * sv[j]
+                    for e in T.serial(4):
+                        for j in T.vectorized(CW):
+                            part_s[grp, e, rg, cg * CW + j] = acc_r[e * CW + j]
+                    T.sync_threads()
+                    for g in T.serial(GROUPS):
+                        for j in T.vectorized(CW):
+                            sv[j] = part_s[g, oe, org, ocol + j]
+                        for j in T.serial(CW):
+                            d_r[j] = d_r[j] + sv[j]
                     if has_next:
-                        for a, b in T.Parallel(K, K):
-                            if reverse:
-                                m_s[1 - buf, a, b] = m_f[a, b]
-                            else:
-                                m_s[1 - buf, b, a] = m_f[a, b]
-                else:  # the forward's first step: b_first already starts from h0
-                    for r, j in T.Parallel(K, BV):
-                        s_f[r, j] = pairs[src, 2 * h, r, c0 + j]
-                for r, j in T.Parallel(K, BV):
-                    s_s[r, j] = s_f[r, j]
-                    out[dst, h, r, c0 + j] = s_f[r, j]
+                        store_m(m_s, m_r, tx, 1 - buf)
+                # (the forward's first step: b_first already starts from h0)
+                for j in T.vectorized(CW):
+                    s_s[oe, org, ocol + j] = d_r[j]
+                    out[dst, h, orow, c0 + ocol + j] = d_r[j]
 
     @T.prim_func
     def splice_kernel(
@@ -163,8 +218,8 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, split_k: i
         count: T.Tensor((num_seqs,), "int64"),
         out: T.Tensor((num_segments, Hv, K, V), acc),
     ):
-        if split_k > 1:
-            split_k_steps(pairs, D, start, first, count, out)
+        if blocked:
+            blocked_steps(pairs, D, start, first, count, out)
         else:
             plain_steps(pairs, D, start, first, count, out)
 

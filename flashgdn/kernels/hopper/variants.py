@@ -6,7 +6,7 @@ Used by ``python -m flashgdn.precompile`` (fill the kernel cache ahead of time) 
 import itertools
 from typing import Iterator, Tuple
 
-from .forward import DEFAULT_BV
+from .forward import DEFAULT_BV, SPLICE_WIDTHS
 
 # (name, builder name, keyword arguments)
 Variant = Tuple[str, str, dict]
@@ -62,9 +62,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             for reverse in (False, True):
                 yield (f"splice[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
                        dict(Hv=Hv, K=K, V=V, reverse=reverse))
-                # the A/B of the split, prefetching splice (forward.SPLICE_SPLIT_K)
-                yield (f"splice_split4[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
-                       dict(Hv=Hv, K=K, V=V, reverse=reverse, split_k=4))
+            # the reverse splice's register-blocked builds (forward.SPLICE_BLOCKED, the default), one per column
+            # width: which one runs depends on the number of sequences (forward.splice_width)
+            for reverse in (False, True):  # the forward's an A/B (forward.SPLICE_BLOCKED_FORWARD)
+                for bv in SPLICE_WIDTHS:
+                    yield (f"splice_blocked{bv}[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
+                           dict(Hv=Hv, K=K, V=V, reverse=reverse, blocked=True, BV=bv))
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False))
@@ -91,6 +94,17 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                     state_v_first=v_first, decayed_k=True, inverse_in_loop=True))
 
 
+def _is_splice(v: Variant) -> bool:
+    """Whether ``v`` is a splice build the operator may run as ``forward.SPLICE_BLOCKED`` is set: the plain forward
+    splice; every column width of the blocked reverse splice (the width follows the number of sequences), or the
+    plain one when off."""
+    from . import forward
+
+    if v[0].endswith(",forward]") and not forward.SPLICE_BLOCKED_FORWARD:
+        return v[0].startswith("splice[")
+    return v[0].startswith("splice_blocked" if forward.SPLICE_BLOCKED else "splice[")
+
+
 def with_switches(v: Variant) -> Variant:
     """A variant with the build options the host's switches add to it, as ``forward`` and ``backward`` pass them
     (``forward.rso_options`` for the rso loop, ``forward.lean_state_option`` for the rs loop but its decayed_k
@@ -100,8 +114,6 @@ def with_switches(v: Variant) -> Variant:
     name, builder, kw = v
     if builder == "chunk_forward_rso":
         kw = {**kw, **forward.rso_options()}
-    elif builder == "splice" and "split_k" not in kw:
-        kw = {**kw, **forward.splice_options()}
     elif builder == "state_grad_walk" or builder == "chunk_forward_rs" and not kw.get("decayed_k", False):
         kw = {**kw, **forward.lean_state_option()}
     return name, builder, kw
@@ -133,7 +145,7 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                 yield with_switches(v)
     if backend.CP_FUSED:
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
-            if v[0].startswith("segment_index[") or (v[0].startswith("splice[") and v[0].endswith(",forward]")):
+            if v[0].startswith("segment_index[") or (_is_splice(v) and v[0].endswith(",forward]")):
                 yield with_switches(v)
 
 
@@ -149,7 +161,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                     if v[0].startswith("chunk_forward_rs_pairs_skip_backward["))
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
-                    if v[0].startswith("splice[") and v[0].endswith(",reverse]"))
+                    if _is_splice(v) and v[0].endswith(",reverse]"))
     options = backward.chunk_grad_options(Hv // Hqk)
     precise = forward.PRECISE and dtype == "bfloat16"
     for v in backward_variants(Hqk, Hv, K, V, dtype):
