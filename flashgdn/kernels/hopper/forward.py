@@ -80,9 +80,11 @@ LEAN_STATE_PASSES = os.environ.get("FLASHGDN_HOPPER_LEAN_STATE_PASSES", "0") == 
 #: at 4 heads against the plain build's 2.0. FLASHGDN_HOPPER_SPLICE_BLOCKED=0|1.
 SPLICE_BLOCKED = os.environ.get("FLASHGDN_HOPPER_SPLICE_BLOCKED", "1") == "1"
 
-#: The forward splice blocked too (an A/B, off): M read as 16 rows x 32 B a warp, so that its transposed scalar
-#: stores into rows padded to K + 4 floats fall in 32 banks. Compiled for sm_90a without spills, not yet timed.
-#: FLASHGDN_HOPPER_SPLICE_BLOCKED_FORWARD=1.
+#: The forward splice blocked too (an A/B, off). Its M is stored transposed; with scalar stores (conflict-free or
+#: not) a step took ~1.8 us more than with M stored as loaded (3.93 against 2.15 us at 4 heads, 5.29 against 3.41
+#: at 16, ``cp/splice-probe-v0.16e.log``), more than the plain forward step (2.0 and 4.5). Now each thread loads
+#: two 4 x 4 blocks of M and stores their transposes as float4s, 8 row blocks per quarter warp (32 banks):
+#: compiled for sm_90a without spills, not yet timed. FLASHGDN_HOPPER_SPLICE_BLOCKED_FORWARD=1.
 SPLICE_BLOCKED_FORWARD = os.environ.get("FLASHGDN_HOPPER_SPLICE_BLOCKED_FORWARD", "0") == "1"
 
 #: the blocked splice's column widths, narrowest first (a CTA's 128 x BV block of the state). 32 is slower than 16

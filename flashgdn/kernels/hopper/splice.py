@@ -98,28 +98,34 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
     @T.macro
     def load_m(pairs, m_r, tx, h, src):
         # M in float4s of its rows. Reverse (stored as loaded): a warp's lanes along a row. Forward (stored
-        # transposed): a warp's lanes over 16 rows x 2 float4s (one 32 B sector of each row), so that the
-        # transposed scalar stores of a warp fall in 32 different banks of the padded rows (a row of m_s is
-        # K + 4 floats: lane (r, q) writes bank r + 16 q + const)
-        for i in T.serial(MQ):
-            for e in T.vectorized(4):
-                if reverse:
-                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, tx // 32 + i * (128 * GROUPS // 32),
-                                           (tx % 32) * 4 + e]
-                else:
-                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, (tx // 32 + 16 * i) % 8 * 16 + tx % 16,
-                                           ((tx // 32 + 16 * i) // 8 * 2 + tx % 32 // 16) * 4 + e]
+        # transposed): each thread two 4 x 4 blocks, rows 4 ab .. 4 ab + 3 and columns 4 bq .. 4 bq + 3, a warp's
+        # lanes 8 row blocks x 4 column blocks (8 rows x 64 B a load), so that the block's transpose goes out as
+        # four float4 stores, each quarter warp's 8 of them to 8 different row blocks: 32 banks
+        if reverse:
+            for i in T.serial(MQ):
+                for e in T.vectorized(4):
+                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e]
+        else:
+            for i in T.serial(MQ):
+                # block i // 4, its row i % 4
+                for e in T.vectorized(4):
+                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, (tx % 8 + tx // 32 % 4 * 8) * 4 + i % 4,
+                                           (tx % 32 // 8 + tx // 128 * 4 + i // 4 * 16) * 4 + e]
 
     @T.macro
-    def store_m(m_s, m_r, tx, buf):
-        for i in T.serial(MQ):
-            if reverse:
+    def store_m(m_s, m_r, tv, tx, buf):
+        if reverse:
+            for i in T.serial(MQ):
                 for e in T.vectorized(4):
                     m_s[buf, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e] = m_r[i * 4 + e]
-            else:
-                for e in T.serial(4):
-                    m_s[buf, ((tx // 32 + 16 * i) // 8 * 2 + tx % 32 // 16) * 4 + e,
-                        (tx // 32 + 16 * i) % 8 * 16 + tx % 16] = m_r[i * 4 + e]
+        else:
+            for blk in T.serial(MQ // 4):
+                for c in T.serial(4):  # column 4 bq + c of M is row 4 bq + c of m_s
+                    for r in T.serial(4):
+                        tv[r] = m_r[blk * 16 + r * 4 + c]
+                    for r in T.vectorized(4):
+                        m_s[buf, (tx % 32 // 8 + tx // 128 * 4 + blk * 16) * 4 + c,
+                            (tx % 8 + tx // 32 % 4 * 8) * 4 + r] = tv[r]
 
     @T.macro
     def blocked_steps(pairs, D, start, first, count, out):
@@ -134,8 +140,7 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
         # warp's lanes down M's rows (forward: M transposed), and the next step's M is loaded into registers
         # while this step's products are made.
         with T.Kernel(V // BV, Hv, num_seqs, threads=128 * GROUPS) as (vb, h, n):
-            # two steps' [k][r] factors of state row k in output row r (rows padded for the forward's stores)
-            m_s = T.alloc_shared((2, K, K if reverse else K + 4), acc)
+            m_s = T.alloc_shared((2, K, K), acc)  # two steps' [k][r] factors of state row k in output row r
             # the chain's state block and the groups' partial sums, row k at [k % 4, k // 4]: a warp's partial sums
             # (8 row blocks x 4 column blocks) are then one contiguous run, and so are the final sums it reads back
             s_s = T.alloc_shared((4, K // 4, BV), acc)
@@ -143,6 +148,9 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             m_r = T.alloc_local((MQ * 4,), acc)  # the next step's M on its way to shared memory
             acc_r = T.alloc_local((4 * CW,), acc)  # this thread's 4 x CW block of a group's partial sums
             mv = T.alloc_local((4,), acc)
+            # the forward's column of a 4 x 4 block of M on its way to a float4 store (none in the reverse build,
+            # whose generated code and cache entry stay those measured)
+            tv = None if reverse else T.alloc_local((4,), acc)
             sv = T.alloc_local((CW,), acc)
             d_r = T.alloc_local((CW,), acc)  # the output's own term (D or b) for this thread's CW outputs
             tx = T.get_thread_binding()
@@ -170,7 +178,7 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             first_mul = 0 if reverse else 1
             if c - 1 > first_mul:
                 load_m(pairs, m_r, tx, h, f + c - 1 - first_mul if reverse else f + first_mul)
-                store_m(m_s, m_r, tx, first_mul % 2)
+                store_m(m_s, m_r, tv, tx, first_mul % 2)
             for step in T.serial(c - 1):
                 src = f + c - 1 - step if reverse else f + step
                 dst = src - 1 if reverse else src + 1
@@ -203,7 +211,7 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
                         for j in T.serial(CW):
                             d_r[j] = d_r[j] + sv[j]
                     if has_next:
-                        store_m(m_s, m_r, tx, 1 - buf)
+                        store_m(m_s, m_r, tv, tx, 1 - buf)
                 # (the forward's first step: b_first already starts from h0)
                 for j in T.vectorized(CW):
                     s_s[oe, org, ocol + j] = d_r[j]
