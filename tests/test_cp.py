@@ -774,3 +774,23 @@ def test_problem_plans_are_made_once_per_shape():
     b1, b2 = backward_plan_for_problem(p, True, BACKEND_MODEL), backward_plan_for_problem(p, True, BACKEND_MODEL)
     assert b1 is b2
     assert b1.fused == plan_backward([30000, 500], 4, "auto", BACKEND_MODEL).fused
+
+
+def test_the_backward_from_the_forwards_starts_splices_less():
+    """``forward_chunks`` (the backward starts from the forward's segment starts): the forward splice's chain is the
+    ratio of the lengths less one, none when the backward's length is a multiple of the forward's, the whole
+    sequence's when neither divides the other; the estimate drops by those steps and nothing else."""
+    from flashgdn.cp.plan import CostModel, backward_estimated_us, forward_splice_steps
+
+    assert forward_splice_steps([32], 16, None) == 31
+    assert forward_splice_steps([32, 3], 16, 32) == 1
+    assert forward_splice_steps([32], 16, 64) == 3
+    assert forward_splice_steps([2], 16, 64) == 1  # a sequence shorter than the ratio: its own chain
+    assert forward_splice_steps([32], 32, 16) == 0
+    assert forward_splice_steps([32], 48, 32) == 31
+    model = CostModel()
+    step = model.splice_step_fixed_us + 8 * model.splice_step_head_us
+    whole, fused = backward_estimated_us([32768], 8, 16, model)
+    for forward_chunks, steps in ((32, 1), (16, 0), (64, 3), (48, 2), (24, 31)):
+        us, f = backward_estimated_us([32768], 8, 16, model, forward_chunks=forward_chunks)
+        assert f == fused and us == pytest.approx(whole - (31 - steps) * step)

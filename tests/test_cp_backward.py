@@ -275,3 +275,78 @@ def test_cp_backward_reads_no_transition_it_can_skip(case, segment_chunks, own_s
     for name, x, w in zip(NAMES, got, want):
         if w is not None:
             assert rel_rms(x, w) < 1e-10, name
+
+
+class _CountingSkippingForward(_SkippingForwardWithOwnSplice):
+    """The skipping forward with the splice kernels' loops, counting each splice's longest chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.chains = []
+
+    def splice(self, pairs, h0, plan, index):
+        self.chains.append(int(plan.count.max()))
+        return super().splice(pairs, h0, plan, index)
+
+
+# V = K: the transitions' pairs (from the torch forward, the skipping paired pass, or it with its own splice); else
+# two passes without pairs
+@pytest.mark.parametrize("K,V,forward_kind", [(16, 16, "torch"), (16, 16, "skipping"), (16, 16, "skipping_own_splice"),
+                                              (16, 8, "torch")])
+@pytest.mark.parametrize("fwd_chunks,bwd_chunks", [(2, 1), (4, 1), (6, 2), (1, 2), (2, 2), (1, 3), (3, 2)])
+@pytest.mark.parametrize("case", [1, 2, 3])
+def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V, forward_kind):
+    """``forward_starts`` (the forward's plan and its true segment starts, ``cp_forward(keep_starts=True)``): the
+    backward's segments start from them, by a gather (its length a multiple of the forward's), by chains no longer
+    than the ratio (the forward's a multiple of its own; a chain's first b made from the known start, except at a
+    sequence's start), or, when neither divides the other, by the whole splice; the gradients are the reference's
+    either way, with every transition the backward may skip NaN."""
+    from flashgdn.cp import cp_forward
+
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(case, K, V)
+    seqlens = (cu[1:] - cu[:-1]).tolist()
+    fplan, plan = split_sequences(seqlens, fwd_chunks), split_sequences(seqlens, bwd_chunks)
+    fwd = {"torch": lambda: ref_forward, "skipping": _SkippingPairedReferenceForward,
+           "skipping_own_splice": _CountingSkippingForward}[forward_kind]()
+    with torch.no_grad():
+        o, ht, fstarts = cp_forward(ref_forward, q, k, v, g, beta, 0.3, h0, True, fplan, cu, keep_starts=True)
+        if isinstance(fwd, _CountingSkippingForward):
+            fwd.chains.clear()
+        got = cp_backward(ReferenceBackwardStages(), fwd, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu,
+                          forward_starts=(fplan, fstarts))
+    assert (fstarts is None) == (not fplan.split)
+    for name, x, w in zip(NAMES, got, want):
+        if w is not None:
+            assert rel_rms(x, w) < 1e-10, name
+    if isinstance(fwd, _CountingSkippingForward) and fplan.split and plan.split:
+        if bwd_chunks % fwd_chunks == 0:
+            assert fwd.chains == []  # gathered, no splice
+        elif fwd_chunks % bwd_chunks == 0:
+            assert fwd.chains == [fwd_chunks // bwd_chunks]  # chains of the ratio, not the whole sequence
+        else:
+            assert fwd.chains == [int(plan.count.max())]
+
+
+@pytest.mark.parametrize("grad", [False, True])  # with autograd on, the pairs are not written in place
+def test_starts_from_known_equal_the_whole_splice(grad):
+    """``exact.starts_from_known``: the start states from another plan's equal the whole splice's, and with autograd
+    on the transitions' pairs are left as they were."""
+    from flashgdn.cp import cp_forward
+    from flashgdn.cp.exact import KnownStarts, float_states, segment_starts
+
+    (q, k, v, g, beta, do, dht, h0, cu), _ = _grads(1, 16, 16)
+    seqlens = (cu[1:] - cu[:-1]).tolist()
+    fplan, plan = split_sequences(seqlens, 4), split_sequences(seqlens, 1)
+    fwd = _SkippingForwardWithOwnSplice()
+    with torch.set_grad_enabled(grad):
+        _, _, fstarts = cp_forward(ref_forward, q, k, v, g, beta, 0.3, h0, False, fplan, cu, keep_starts=True)
+        index = segment_index_tensors(plan, cu)
+        h = float_states(h0, q, v, len(seqlens))
+        want, _, _ = segment_starts(fwd, q, k, v, g, beta, 0.3, h, plan, index, for_backward=True)
+        known = KnownStarts(fplan, segment_index_tensors(fplan, cu), fstarts)
+        got, _, pairs = segment_starts(fwd, q, k, v, g, beta, 0.3, h, plan, index, for_backward=True, known=known)
+    assert rel_rms(got, want) < 1e-12
+    if grad:  # b of a chain's first segment is rewritten in a copy only
+        b = pairs[:, 0::2]
+        fresh = segment_starts(fwd, q, k, v, g, beta, 0.3, h, plan, index, for_backward=True)[2][:, 0::2]
+        assert torch.equal(b.isnan(), fresh.isnan()) and torch.equal(b.nan_to_num(), fresh.nan_to_num())

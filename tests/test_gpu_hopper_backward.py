@@ -663,14 +663,18 @@ def test_fused_backward_trace_build_gives_the_same_bits_and_ordered_stamps(cuda)
     dict(seqlens=[5000, 64, 3000], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,), pad=70),
     dict(seqlens=[8192, 8192], Hqk=2, Hv=4, dense=True, state_v_first=True),
 ])
-def test_backward_on_its_own_plan(opts, cuda):
+@pytest.mark.parametrize("reuse_starts", [False, True])
+def test_backward_on_its_own_plan(opts, reuse_starts, cuda, monkeypatch):
     """The op's gradients under cp="auto", where the backward runs on a plan of its own (``cp.plan_backward``: the
     fused kernel on segments that the cost model picked for it): on the bars against the float64 backward, and
     within the CP machinery's 1e-2 of the gradients with cp="off" (two bf16 roundings of one result,
-    ``test_gpu_hopper_cp.py``)."""
+    ``test_gpu_hopper_cp.py``); also starting from the forward's segment starts (``backend.CP_REUSE_STARTS``)."""
     from flashgdn import chunk_gated_delta_rule
     from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backend import HopperBackend
+
+    monkeypatch.setattr(backend, "CP_REUSE_STARTS", reuse_starts)
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     inp, do, dht, svf = _backward_inputs(opts, cuda)
@@ -684,7 +688,7 @@ def test_backward_on_its_own_plan(opts, cuda):
     forward_plan = HopperBackend._plan(p)
     assert backward_plan.plan is not None and backward_plan.fused, backward_plan
     assert forward_plan is None or forward_plan.segment_chunks != backward_plan.plan.segment_chunks \
-        or len(opts["seqlens"]) > 1
+        or len(opts["seqlens"]) > 1 or reuse_starts  # (from the forward's starts an equal length needs no splice)
 
     grads = {}
     for cp in ("auto", "off"):

@@ -292,3 +292,28 @@ def test_op_backward_runs_on_its_own_plan(checked_kernels):
     fused = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "fused_backward"]
     assert fused == [16], [c[0] for c in checked_kernels]
     assert all(gr.shape == xs[n].shape for gr, n in zip(grads, names))
+
+
+def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, monkeypatch):
+    """``CP_REUSE_STARTS``: the forward keeps its segments' start states and the backward's forward splice runs
+    from them: on 2/8 16384 (the forward on 8 segments of 32 chunks, the backward on 16 of 16) chains of two
+    segments, one per forward segment, instead of the sequence's chain of 16; the reverse splice as before."""
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    monkeypatch.setattr(backend, "CP_REUSE_STARTS", True)
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[16384])
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+    p = validate(**xs, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens_cpu"], scale=0.1,
+                 output_final_state=True, cp="auto", check_values=False)
+    forward_plan, backward_plan = HopperBackend._plan(p), HopperBackend._backward_plan(p)
+    assert forward_plan.segment_chunks == 32 and backward_plan.plan.segment_chunks == 16 and backward_plan.fused
+    o, ht = HopperBackend()(p)
+    checked_kernels.clear()
+    grads = torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
+    splices = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "splice"]
+    assert splices == [8, 1], splices  # the forward splice over 8 chains, the reverse over the sequence
+    assert all(gr.shape == xs[n].shape for gr, n in zip(grads, names))

@@ -28,7 +28,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
-from .exact import Forward, Gather, float_states, segment_indices, segment_starts, splice_steps
+from .exact import Forward, Gather, KnownStarts, float_states, segment_indices, segment_starts, splice_steps
 from .plan import SegmentIndex, SegmentPlan
 
 
@@ -82,12 +82,16 @@ def cp_backward(
     plan: Optional[SegmentPlan],
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    forward_starts: Optional[Tuple[SegmentPlan, torch.Tensor]] = None,
 ):
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the operator on packed sequences ``[1, T, ...]`` with offsets
     ``cu_seqlens`` (on q's device; ``cu_seqlens_cpu`` their host copy), K-major states, by ``stages`` on the
     plan's segments (module docstring). ``forward`` (``exact.cp_forward``'s kind) runs the forward transitions;
     it is not called when the plan does not split. ``dht``: the final state's gradient or None; ``dh0`` is the
-    initial state's gradient, float, also without an initial state (the caller drops it)."""
+    initial state's gradient, float, also without an initial state (the caller drops it). ``forward_starts``: the
+    forward's plan and its segments' true start states (``cp_forward(keep_starts=True)``), from which step 1's
+    splice runs on short chains or not at all when one segment length divides the other
+    (``exact.starts_from_known``)."""
     if plan is None or not plan.split:  # step 4 alone, on the sequences themselves
         seg_cu, seg_cu_cpu = cu_seqlens, (plan.seg_cu if plan is not None else cu_seqlens_cpu)
         starts, ends, first = initial_state, dht, None
@@ -97,7 +101,12 @@ def cp_backward(
         N = cu_seqlens.shape[0] - 1
         h0 = float_states(initial_state, q, v, N)
         # 1. every segment's true start state
-        starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=True)
+        known = None
+        if forward_starts is not None and forward_starts[1] is not None:
+            fplan, fstarts = forward_starts
+            known = KnownStarts(fplan, segment_indices(forward, fplan, cu_seqlens), fstarts.to(h0.dtype))
+        starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=True,
+                                               known=known)
         # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan,
         # index)`` when it has one)
         # (only the start gradients are kept: a name for the per-chunk ones would keep them alive to the end)

@@ -30,7 +30,7 @@ PyTorch counterpart of the transitions: ``flashgdn.reference.chunked.state_pass`
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -180,22 +180,98 @@ def float_states(x: Optional[torch.Tensor], q: torch.Tensor, v: torch.Tensor, N:
     return torch.zeros((N, v.shape[2], q.shape[3], v.shape[3]), dtype=sdt, device=q.device)
 
 
+class KnownStarts(NamedTuple):
+    """The true start states of another plan's segments of the same sequences (the forward's, kept for the
+    backward): its plan, its index tensors on the device and its starts ``[segments, Hv, K, V]``."""
+
+    plan: SegmentPlan
+    index: SegmentIndex
+    starts: torch.Tensor
+
+
 def segment_starts(forward: Forward, q, k, v, g, beta, scale, h0: torch.Tensor, plan: SegmentPlan,
-                   index: SegmentIndex, for_backward: bool = False):
+                   index: SegmentIndex, for_backward: bool = False, known: Optional[KnownStarts] = None):
     """Steps 1-3: every segment's true start state. Returns ``(starts, gather, pairs)``, the transitions'
     ``gather`` and ``pairs`` too (the backward splices with them again). The splice is the forward's own when it
     has one (``splice(pairs, h0, plan, index) -> starts``, e.g. one fused kernel) and the pairs exist.
     ``for_backward``: the backward's reverse splice will read these transitions too (M of last segments), which
-    matters to a forward that ``skips_unread_transitions``."""
+    matters to a forward that ``skips_unread_transitions``. ``known``: another plan's true starts, from which the
+    splice needs no chain longer than the ratio of the two segment lengths (``starts_from_known``) when one
+    length divides the other."""
     if k.shape[3] == v.shape[3]:
         gather, pairs = _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward)
     else:
         gather, pairs = _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index)
+    if known is not None:
+        starts = starts_from_known(forward, gather, pairs, plan, index, known)
+        if starts is not None:
+            return starts, gather, pairs
     # 3. splice: segment i + 1 of a sequence starts at M_i S_i + b_i
     own = getattr(forward, "splice", None)
     if own is not None and pairs is not None:
         return own(pairs, h0, plan, index), gather, pairs
     return _splice(gather, h0, plan, index), gather, pairs
+
+
+def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Tensor], plan: SegmentPlan,
+                      index: SegmentIndex, known: KnownStarts) -> Optional[torch.Tensor]:
+    """Every segment's true start state from ``known``, the true starts of another plan of the same sequences,
+    when one segment length divides the other (both plans cut each sequence from its start, ``split_sequences``);
+    None otherwise.
+
+    - ``plan``'s length a multiple r of ``known``'s: every segment starts where a known one does (its sequence's
+      known segment r x its own index), so its start is gathered, with no splice.
+    - ``known``'s a multiple m of ``plan``'s: each known segment holds m of ``plan``'s (fewer at a sequence's end),
+      and the splice runs on those chains of at most m, all at once, from the known starts, instead of on each
+      sequence's whole chain. A chain's first b is a zero-start end state except at a sequence's start (where it
+      already holds h0, ``_transitions_one_pass``), so there it becomes ``M start + b`` first; the b entries are
+      not read again (the reverse splice reads M and D)."""
+    Lb, Lf = plan.segment_chunks, known.plan.segment_chunks
+    if Lb is None or Lf is None or (Lb % Lf and Lf % Lb):
+        return None
+    S = plan.num_segments
+    dev = index.first.device
+    if Lb % Lf == 0:
+        own_first = index.first.index_select(0, index.seg_seq)
+        local = torch.arange(S, device=dev) - own_first
+        return known.starts.index_select(0, known.index.first.index_select(0, index.seg_seq) + local * (Lb // Lf))
+    m = Lf // Lb
+    fseq, fseq_host = known.index.seg_seq, known.plan.seg_seq
+    jf = torch.arange(fseq.numel(), device=dev) - known.index.first.index_select(0, fseq)
+    jf_host = torch.arange(fseq_host.numel()) - known.plan.first.index_select(0, fseq_host)
+    chains = SegmentIndex(index.seg_cu, index.seg_seq, index.first.index_select(0, fseq) + jf * m,
+                          torch.clamp(index.count.index_select(0, fseq) - jf * m, max=m))
+    # the host's copy for the splice's number of steps; seg_seq only gives the number of rows
+    chain_plan = SegmentPlan(plan.seg_cu, plan.seg_seq, plan.first.index_select(0, fseq_host) + jf_host * m,
+                             torch.clamp(plan.count.index_select(0, fseq_host) - jf_host * m, max=m), Lb)
+    Mc, bc = gather(chains.first)
+    K, V = bc.shape[-2], bc.shape[-1]
+    mid = (jf > 0).view(-1, *([1] * (bc.dim() - 1)))
+    # (a sequence's first M is never computed by a pass that skips unread items: where() keeps bc there)
+    from_start = torch.baddbmm(bc.reshape(-1, K, V), Mc.reshape(-1, K, K), known.starts.reshape(-1, K, V))
+    first_b = torch.where(mid, from_start.view(bc.shape), bc)
+    if pairs is not None:
+        pairs = pairs.clone() if torch.is_grad_enabled() else pairs
+        Hv = pairs.shape[1] // 2
+        by_head = pairs.view(S, Hv, 2, K, V)
+        by_head[:, :, 0].index_copy_(0, chains.first, first_b)
+        own = getattr(forward, "splice", None)
+        if own is not None:
+            return own(pairs, known.starts, chain_plan, chains)
+
+        def fixed(src):
+            pair = by_head.index_select(0, src)
+            return pair[:, :, 1], pair[:, :, 0]
+    else:
+        slot = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        slot.index_copy_(0, chains.first, torch.arange(chains.first.numel(), device=dev))
+
+        def fixed(src):
+            M, b = gather(src)
+            s = slot.index_select(0, src)
+            keep = (s >= 0).view(-1, *([1] * (b.dim() - 1)))
+            return M, torch.where(keep, first_b.index_select(0, s.clamp(min=0)), b)
+    return _splice(fixed, known.starts, chain_plan, chains)
 
 
 def cp_forward(
@@ -210,12 +286,15 @@ def cp_forward(
     output_final_state: bool,
     plan: SegmentPlan,
     cu_seqlens: torch.Tensor,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    keep_starts: bool = False,
+):
     """The operator on packed sequences ``[1, T, ...]`` (dense input reshaped by the caller) with the plan's
     segments; K-major states. ``cu_seqlens`` is the sequences' offsets on q's device (the plan's lengths): the
     segments' index tensors are built from it there (``segment_index_tensors``), so nothing is copied from
     the host and nothing synchronises; the host plan gives only sizes and the host copy of the segments'
-    offsets. Returns ``(o, final_state or None)`` as the forward without segments would."""
+    offsets. Returns ``(o, final_state or None)`` as the forward without segments would; with ``keep_starts``,
+    ``(o, final_state or None, starts)``, the segments' true start states (K-major float, ``[segments, Hv, K, V]``;
+    None when the plan does not split), which a backward can start from (``KnownStarts``)."""
     index = segment_indices(forward, plan, cu_seqlens)
     h0 = float_states(initial_state, q, v, plan.first.numel())
     starts = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index)[0] if plan.split else h0
@@ -224,12 +303,16 @@ def cp_forward(
     final = None
     if output_final_state:
         final = seg_final.index_select(0, index.first + index.count - 1)
+    if keep_starts:
+        return o, final, starts if plan.split else None
     return o, final
 
 
-def cp_problem_forward(forward: Forward, p, plan: SegmentPlan, q: torch.Tensor, k: torch.Tensor):
+def cp_problem_forward(forward: Forward, p, plan: SegmentPlan, q: torch.Tensor, k: torch.Tensor,
+                       keep_starts: bool = False):
     """``cp_forward`` for a ``GDNProblem``: dense input packed, the state layout converted both ways.
-    ``q``/``k`` are the (possibly L2-normalised) queries and keys to use instead of ``p.q``/``p.k``."""
+    ``q``/``k`` are the (possibly L2-normalised) queries and keys to use instead of ``p.q``/``p.k``.
+    ``keep_starts``: also the segments' start states, as ``cp_forward`` keeps them (K-major)."""
     B, T = p.B, p.T
 
     def packed(x):
@@ -239,9 +322,9 @@ def cp_problem_forward(forward: Forward, p, plan: SegmentPlan, q: torch.Tensor, 
     if h0 is not None and p.state_v_first:
         h0 = h0.transpose(-1, -2)
     cu = p.cu_seqlens if p.cu_seqlens is not None else dense_cu_seqlens(B, T, q.device)
-    o, final = cp_forward(forward, packed(q), packed(k), packed(p.v), packed(p.g), packed(p.beta), p.scale, h0,
-                          p.output_final_state, plan, cu)
+    o, final, *starts = cp_forward(forward, packed(q), packed(k), packed(p.v), packed(p.g), packed(p.beta), p.scale,
+                                   h0, p.output_final_state, plan, cu, keep_starts=keep_starts)
     o = o.reshape(B, T, p.Hv, p.V)
     if final is not None and p.state_v_first:
         final = final.transpose(-1, -2).contiguous()
-    return o, final
+    return (o, final, *starts)

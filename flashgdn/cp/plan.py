@@ -442,18 +442,33 @@ def segment_chunk_counts(chunks: Sequence[int], segment_chunks: Optional[int]) -
 
 
 def backward_estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Optional[int], model: CostModel,
-                          fused_allowed: bool = True) -> Tuple[float, bool]:
+                          fused_allowed: bool = True, forward_chunks: Optional[int] = None) -> Tuple[float, bool]:
     """The cost model's time for the backward's stages that its segmenting changes, and whether the fused kernel
     is the faster there: ``(us, fused)``. Without a split: the forward's states at every chunk, then the gradients
     (the fused kernel, or the walk and ``chunk_grad``). With one (``cp.backward``): the transition pass (b of every
     segment but a sequence's last, M of every one but its first) and its splice, the walk of every segment from a
     zero end gradient, the reverse splice, then the same stages on the segments. Stage 1, the chunk plan and the
-    group sums of dq and dk see the same chunks either way and are left out."""
-    return _backward_estimated_us(_sequences(seqlens)[0], heads, segment_chunks, model, fused_allowed)
+    group sums of dq and dk see the same chunks either way and are left out. ``forward_chunks``: the forward's
+    segment length when the backward starts from the forward's segment starts (``exact.starts_from_known``): the
+    forward splice then runs chains of the ratio of the lengths, or none."""
+    return _backward_estimated_us(_sequences(seqlens)[0], heads, segment_chunks, model, fused_allowed,
+                                  forward_chunks)
+
+
+def forward_splice_steps(pieces: Sequence[int], segment_chunks: int, forward_chunks: Optional[int]) -> int:
+    """The backward's forward splice's chain length in steps: each sequence's pieces less one, or, from the
+    forward's starts (``exact.starts_from_known``), the ratio of the lengths less one (none when the backward's is
+    a multiple of the forward's)."""
+    if forward_chunks is not None:
+        if segment_chunks % forward_chunks == 0:
+            return 0
+        if forward_chunks % segment_chunks == 0:
+            return min(forward_chunks // segment_chunks, max(pieces)) - 1
+    return max(pieces) - 1
 
 
 def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Optional[int], model: CostModel,
-                           fused_allowed: bool) -> Tuple[float, bool]:
+                           fused_allowed: bool, forward_chunks: Optional[int] = None) -> Tuple[float, bool]:
     """``backward_estimated_us`` from the sequences' chunk counts, converted once for every candidate."""
     segs = segment_chunk_counts(chunks, segment_chunks)
     fused, two = model.backward_gradients_us(segs, heads)
@@ -466,8 +481,9 @@ def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Op
     runs = 2 * sum(p - 1 for p in pieces)  # b of all but the last, M of all but the first
     transitions = model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
     steps = max(pieces) - 1
-    splices = steps * (model.splice_step_fixed_us + model.reverse_splice_step_fixed_us
-                       + heads * (model.splice_step_head_us + model.reverse_splice_step_head_us))
+    forward_steps = forward_splice_steps(pieces, segment_chunks, forward_chunks)
+    splices = (forward_steps * (model.splice_step_fixed_us + heads * model.splice_step_head_us)
+               + steps * (model.reverse_splice_step_fixed_us + heads * model.reverse_splice_step_head_us))
     walk_from_zero = model.makespan_us(segs, heads, model.walk_item_us, model.walk_chunk_us, model.walk_busy_chunk_us)
     return us + transitions + splices + walk_from_zero + model.backward_cp_driver_us, use_fused
 
@@ -481,12 +497,13 @@ class BackwardPlan(NamedTuple):
 
 
 def plan_backward(seqlens: Sequence[int], heads: int, cp: Union[str, int] = "auto", model: Optional[CostModel] = None,
-                  fused_allowed: bool = True) -> BackwardPlan:
+                  fused_allowed: bool = True, forward_chunks: Optional[int] = None) -> BackwardPlan:
     """The backward's own segments for ``cp`` ("off", "auto" or a segment length in chunks, as ``plan_segments``).
     The backward recomputes its segments' start states itself (``cp.backward``), so it need not split as the
     forward did: its gradients cost ~5x a forward chunk, and the fused kernel wants about one CTA per SM, so
     "auto" picks, by ``backward_estimated_us``, among the forward's candidate lengths, the one that gives every
-    sequence about SMs / (sequences x value heads) segments, and no split."""
+    sequence about SMs / (sequences x value heads) segments, and no split. ``forward_chunks``: the forward's
+    segment length, when the backward starts from the forward's segment starts (``backward_estimated_us``)."""
     if cp == "off":
         return BackwardPlan(None, None)
     if isinstance(cp, int) and not isinstance(cp, bool):
@@ -506,7 +523,7 @@ def plan_backward(seqlens: Sequence[int], heads: int, cp: Union[str, int] = "aut
     for c in sorted(candidates):
         if c >= longest:  # no sequence would split
             continue
-        us, fused = _backward_estimated_us(chunks, heads, c, model, fused_allowed)
+        us, fused = _backward_estimated_us(chunks, heads, c, model, fused_allowed, forward_chunks)
         if best is None or us < best[0]:
             best = (us, c, fused)
     # a clear gain only, as in the forward
@@ -565,9 +582,10 @@ def _plan_segments_cached(seqlens: Tuple[int, ...], heads: int, cp, model: CostM
 
 
 def backward_plan_for_problem(p, auto: bool, model: Optional[CostModel] = None,
-                              fused_allowed: bool = True) -> BackwardPlan:
+                              fused_allowed: bool = True, forward_chunks: Optional[int] = None) -> BackwardPlan:
     """``plan_for_problem`` for the backward (``plan_backward``): its own segments under cp="auto", the forward's
-    under a segment length, none under "off" or without the lengths on the host."""
+    under a segment length, none under "off" or without the lengths on the host. ``forward_chunks``: as
+    ``plan_backward``'s."""
     if p.cp == "off" or (p.cp == "auto" and not auto):
         return BackwardPlan(None, None)
     seqlens = [p.T] * p.B if p.cu_seqlens is None else host_seqlens(p.cu_seqlens_cpu)
@@ -577,11 +595,11 @@ def backward_plan_for_problem(p, auto: bool, model: Optional[CostModel] = None,
         raise ValueError(f"cp={p.cp} needs the sequence lengths on the host: pass cu_seqlens_cpu (a host copy of "
                          "cu_seqlens), or a CPU cu_seqlens")
     return _plan_backward_cached(tuple(int(L) for L in seqlens), p.Hv, p.cp,
-                                 model or CostModel.for_device(p.device), fused_allowed)
+                                 model or CostModel.for_device(p.device), fused_allowed, forward_chunks)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_backward_cached(seqlens: Tuple[int, ...], heads: int, cp, model: CostModel,
-                          fused_allowed: bool) -> BackwardPlan:
+                          fused_allowed: bool, forward_chunks: Optional[int] = None) -> BackwardPlan:
     # a training loop asks again for the shapes it has seen: the plan's few hundred microseconds of host work once
-    return plan_backward(seqlens, heads, cp, model, fused_allowed)
+    return plan_backward(seqlens, heads, cp, model, fused_allowed, forward_chunks)

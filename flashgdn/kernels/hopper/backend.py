@@ -56,7 +56,12 @@ class _HopperGDN(torch.autograd.Function):
             from .forward import PRECISE
 
             forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE)
-            o, ht = cp_problem_forward(forward, problem, plan, q, k)
+            if _reuses_starts(plan, backward_plan):
+                # the segments' start states, from which the backward's own splice starts (CP_REUSE_STARTS)
+                o, ht, starts = cp_problem_forward(forward, problem, plan, q, k, keep_starts=True)
+                ctx.forward_starts = (plan, starts)
+            else:
+                o, ht = cp_problem_forward(forward, problem, plan, q, k)
         else:
             o, ht = hopper_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                    state_v_first)
@@ -79,17 +84,18 @@ class _HopperGDN(torch.autograd.Function):
         grads = hopper_gradients(q, k, v, g, beta, do.contiguous(),
                                  None if (dht is None or not ctx.output_final_state) else dht.contiguous(),
                                  ctx.scale, initial_state, cu_seqlens, ctx.cu_seqlens_cpu, ctx.state_v_first,
-                                 ctx.backward_plan)
+                                 ctx.backward_plan, getattr(ctx, "forward_starts", None))
         res = [None if gr is None else gr.to(x.dtype)
                for gr, x in zip(grads, (q, k, v, g, beta, initial_state))]
         return (*res, None, None, None, None, None, None, None, None)
 
 
 def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first,
-                     backward_plan=None):
+                     backward_plan=None, forward_starts=None):
     """The backend's backward (``BACKWARD``): ``(dq, dk, dv, dg, dbeta, dh0 or None)``, not yet cast. The kernels
     run on ``backward_plan``'s segments with its choice of the fused kernel (a ``flashgdn.cp.BackwardPlan``; None:
-    no segments, the choice by ``backward.fused_backward_wanted``); the PyTorch backward ignores it."""
+    no segments, the choice by ``backward.fused_backward_wanted``), from the forward's segment starts when given
+    (``forward_starts``: its plan and starts, ``CP_REUSE_STARTS``); the PyTorch backward ignores both."""
     if BACKWARD not in BACKWARDS:
         raise ValueError(f"FLASHGDN_HOPPER_BACKWARD must be one of {BACKWARDS}, got {BACKWARD!r}")
     if BACKWARD == "kernels":
@@ -97,7 +103,7 @@ def hopper_gradients(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens
 
         plan, fused = backward_plan if backward_plan is not None else (None, None)
         return hopper_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, state_v_first, plan,
-                               cu_seqlens_cpu, fused=fused)
+                               cu_seqlens_cpu, fused=fused, forward_starts=forward_starts)
     from ...reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     return chunk_gated_delta_rule_backward_reference(
@@ -121,6 +127,22 @@ CP_FUSED = os.environ.get("FLASHGDN_HOPPER_CP_FUSED", "1") == "1"
 #: them all. The same bits (tests/test_gpu_hopper_cp.py); on the H200 8/32 24576+8192 at cp=128 took 0.75 ms
 #: instead of 0.95, its forward and backward 5.02 instead of 5.40 (``cp-choices-v0.12b*.json``).
 CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "1") == "1"
+
+
+#: the backward starts its own segments from the forward's segment start states, kept by the forward (a few MB:
+#: segments x Hv x K x V float32), instead of splicing each sequence's whole chain again: from the forward's starts
+#: a backward segment length that the forward's divides needs no splice, and one that divides the forward's only
+#: chains of the ratio (``cp.exact.starts_from_known``; on 2/4 32768x1 the backward's forward splice took 0.095 ms
+#: of a 0.86 ms training step, 31 steps). Under autograd only (the custom op's backward, a separate call, splices
+#: as before); the backward's plan counts the shorter splice. An A/B, off: CPU-tested, not yet run on a GPU.
+#: FLASHGDN_HOPPER_CP_REUSE_STARTS=1.
+CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "0") == "1"
+
+
+def _reuses_starts(plan, backward_plan) -> bool:
+    """Whether the forward keeps its segment starts for the backward: both split, and ``CP_REUSE_STARTS``."""
+    return (CP_REUSE_STARTS and plan is not None and plan.split and backward_plan is not None
+            and backward_plan.plan is not None and backward_plan.plan.split)
 
 
 def cp_cost_model(device: Optional[torch.device] = None):
@@ -263,8 +285,14 @@ class HopperBackend(Backend):
         from .backward import FUSED_BACKWARD
         from .forward import PRECISE
 
+        forward_chunks = None
+        if CP_REUSE_STARTS:  # the backward's forward splice then starts from the forward's segment starts
+            forward_plan = HopperBackend._plan(p)
+            if forward_plan is not None and forward_plan.split:
+                forward_chunks = forward_plan.segment_chunks
         plan = backward_plan_for_problem(HopperBackend._with_auto_cp(p), auto=True, model=cp_cost_model(p.device),
-                                         fused_allowed=FUSED_BACKWARD is not False and not PRECISE)
+                                         fused_allowed=FUSED_BACKWARD is not False and not PRECISE,
+                                         forward_chunks=forward_chunks)
         # FLASHGDN_HOPPER_FUSED_BACKWARD=1 forces the kernel on whatever segments were chosen
         return plan._replace(fused=True) if FUSED_BACKWARD is True and not PRECISE else plan
 

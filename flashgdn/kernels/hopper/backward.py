@@ -379,10 +379,12 @@ def hopper_backward(
     plan=None,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     fused: Optional[bool] = None,
+    forward_starts=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """All gradients of the Hopper forward, by stages 0-2 (module docstring), on the segments of ``plan`` (a
     ``flashgdn.cp`` plan, the backward's own from ``flashgdn.cp.plan_backward``; None or unsplit: the sequences
-    themselves) through ``flashgdn.cp.cp_backward``.
+    themselves) through ``flashgdn.cp.cp_backward``, from the forward's segment starts when given
+    (``forward_starts``: the forward's plan and its K-major start states, ``cp_backward``'s).
     q, k (normalised as the forward used them), v, do: contiguous bf16/fp16 ``[B, T, H, D]``; g, beta
     ``[B, T, Hv]``; the states (initial state and ``dht``, the final state's gradient or None) in the
     ``state_v_first`` layout; ``cu_seqlens_cpu`` the host copy of ``cu_seqlens`` if there is one. ``fused``: whether
@@ -426,7 +428,8 @@ def hopper_backward(
                                          stage1_source=lambda *a: stages._stage1_for(*a)[3])
     dq, dk, dv, dg, dbeta, dh0 = cp_backward(
         stages, forward, packed(q), packed(k), packed(v), packed(g), packed(beta),
-        packed(do).contiguous(), k_major(dht), scale, k_major(initial_state), plan, cu, cu_cpu)
+        packed(do).contiguous(), k_major(dht), scale, k_major(initial_state), plan, cu, cu_cpu,
+        forward_starts=forward_starts if split else None)
     if initial_state is not None:
         dh0 = dh0.transpose(-1, -2) if state_v_first else dh0
     else:
