@@ -18,10 +18,11 @@ steps times one step's latency: a 64 KB load of M from L2 (where the transition 
 
 - plain: BV = 8, 128 threads, 8 outputs a thread; M stored transposed into padded rows. Bound by the SM's shared
   memory pipe (~0.4 shared loads per FMA, 4-way conflicted stores of M, one warp per sub-partition).
-- ``blocked`` (the default, ``forward.SPLICE_BLOCKED``): 512 threads in four K-groups, each thread a 4 x BV / 4
-  block of its group's partial sums from one float4 of M and BV / 4 state values per k; M stored without
-  conflicts and the next step's M loaded during this one's products; BV in 8, 16, 32 chosen so that the grid
-  fits the SMs (``forward.splice_width``: one CTA per SM for its ~150-210 KB of shared memory).
+- ``blocked`` (the reverse splice's default, ``forward.SPLICE_BLOCKED``; the forward's an A/B,
+  ``forward.SPLICE_BLOCKED_FORWARD``): 512 threads in four K-groups, each thread a 4 x BV / 4 block of its
+  group's partial sums from one float4 of M and BV / 4 state values per k; M stored without bank conflicts and the
+  next step's M loaded during this one's products; BV 8, or 16 where the grid of 8 would not fit the SMs
+  (``forward.splice_width``: one CTA per SM for its ~150-170 KB of shared memory; 32 builds too).
 
 PyTorch counterparts: ``flashgdn.cp.exact.splice_segments`` and ``flashgdn.cp.backward.splice_reverse``.
 """
@@ -136,9 +137,9 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
         # left the loads per FMA and so the time as they were. Here each thread of a K-group makes a 4 x (BV / 4)
         # block of outputs from one float4 of M and BV / 4 state values per k (2 or 1 shared wavefronts a warp
         # for 8 or more FMAs); four K-groups of 128 threads share the sum over K (partial sums added in group
-        # order), M goes to shared memory unpadded by float4 stores (reverse) or conflict-free scalar ones with a
-        # warp's lanes down M's rows (forward: M transposed), and the next step's M is loaded into registers
-        # while this step's products are made.
+        # order), M goes to shared memory by conflict-free float4 stores (the forward's after 4 x 4 transposes in
+        # registers: ``load_m``), and the next step's M is loaded into registers while this step's products are
+        # made.
         with T.Kernel(V // BV, Hv, num_seqs, threads=128 * GROUPS) as (vb, h, n):
             m_s = T.alloc_shared((2, K, K), acc)  # two steps' [k][r] factors of state row k in output row r
             # the chain's state block and the groups' partial sums, row k at [k % 4, k // 4]: a warp's partial sums
