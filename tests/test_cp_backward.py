@@ -130,7 +130,7 @@ class _MetaStages:
     driver still holds them."""
 
     def __init__(self, plan):
-        self.plan, self.calls, self.per_chunk = plan, [], []
+        self.plan, self.calls, self.per_chunk, self.per_segment = plan, [], [], []
 
     def _check(self, name, cu, cu_cpu):
         assert cu.device.type == "meta" and cu_cpu.device.type == "cpu"
@@ -140,6 +140,7 @@ class _MetaStages:
     def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
         self._check("chunk_states", cu, cu_cpu)
         assert h0.shape[0] == self.plan.num_segments
+        self.per_segment.append(weakref.ref(h0))  # the true starts
         states = q.new_empty((1,))
         self.per_chunk.append(weakref.ref(states))
         return states
@@ -149,7 +150,12 @@ class _MetaStages:
         S, Hv, K, V = self.plan.num_segments, do.shape[2], k.shape[3], do.shape[3]
         ds_end = q.new_empty((1,))
         self.per_chunk.append(weakref.ref(ds_end))  # from the walk from zero too, whose ds_end nothing needs
-        return ds_end, torch.empty((S, Hv, K, V), device="meta")
+        ds_start = torch.empty((S, Hv, K, V), device="meta")
+        if dht is None:
+            self.per_segment.append(weakref.ref(ds_start))  # D, the walks from zero
+        else:  # the per-segment tensors of steps 1-3 are no longer held by the driver
+            assert all(ref() is None for ref in self.per_segment), "a per-segment tensor of steps 1-3 still held"
+        return ds_end, ds_start
 
     def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
         self._check("chunk_gradients", cu, cu_cpu)
@@ -172,10 +178,18 @@ def test_cp_backward_reads_nothing_back_from_the_device(with_dht):
     dht = torch.empty(h0.shape, device="meta") if with_dht else None
     cu = torch.tensor([0] + seqlens).cumsum(0).to(device="meta", dtype=torch.int32)
     stages, passes = _MetaStages(plan), []
+    forward = _meta_forward(plan, passes)
+
+    def transitions_watched(*args, **kwargs):  # the transition pass's pairs too, released before step 4's walk
+        o, end = forward(*args, **kwargs)
+        stages.per_segment.append(weakref.ref(end))
+        return o, end
+
     with torch.no_grad(), DeviceOps():
-        dq, dk, dv, dg, dbeta, dh0 = cp_backward(stages, _meta_forward(plan, passes), q, k, v, g, beta, do, dht,
+        dq, dk, dv, dg, dbeta, dh0 = cp_backward(stages, transitions_watched, q, k, v, g, beta, do, dht,
                                                  0.1, h0, plan, cu, torch.tensor([0] + seqlens).cumsum(0))
     assert passes == [(8, False)], "the forward transitions: one state-only pass of twice the value heads"
+    assert len(stages.per_segment) == 3  # pairs, D, starts
     assert stages.calls == ["state_gradients_from_zero", "chunk_states", "state_gradients", "chunk_gradients",
                             "finish_gradients"]
     assert dh0.shape == h0.shape and dq.shape == q.shape

@@ -118,11 +118,15 @@ def cp_backward(
         else:
             ends = splice_reverse(lambda src: (gather(src)[0].transpose(-1, -2), D.index_select(0, src)), end,
                                   plan, index)
+        # the transitions and the walks from zero are done with: not live beside step 4's per-chunk tensors, where
+        # the backward's memory peaks (segments x Hv x K x V float32 each, the pairs twice that)
+        del D, gather, pairs, known
     # 4. the stages on every segment (or sequence) from its true states
     states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
+    del starts
     if getattr(stages, "fuses_gradients", False):  # the walk and the per-chunk gradients in one pass
         grads, ds_start = stages.fused_gradients(q, k, v, g, beta, do, states, ends, scale, seg_cu, seg_cu_cpu)
-        del states
+        del states, ends
     else:
         ds_end, ds_start = stages.state_gradients(q, k, g, beta, do, ends, scale, seg_cu, seg_cu_cpu)
         grads = stages.chunk_gradients(q, k, v, g, beta, do, states, ds_end, scale, seg_cu, seg_cu_cpu)
