@@ -223,9 +223,9 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
       known segment r x its own index), so its start is gathered, with no splice.
     - ``known``'s a multiple m of ``plan``'s: each known segment holds m of ``plan``'s (fewer at a sequence's end),
       and the splice runs on those chains of at most m, all at once, from the known starts, instead of on each
-      sequence's whole chain. A chain's first b is a zero-start end state except at a sequence's start (where it
-      already holds h0, ``_transitions_one_pass``), so there it becomes ``M start + b`` first; the b entries are
-      not read again (the reverse splice reads M and D)."""
+      sequence's whole chain. A chain's first b is its segment's end state from a zero start, so it becomes
+      ``M start + b`` first, except at a sequence's start, where it already holds h0 (``_transitions_one_pass``);
+      the b entries are not read again (the reverse splice reads M and D)."""
     Lb, Lf = plan.segment_chunks, known.plan.segment_chunks
     if Lb is None or Lf is None or (Lb % Lf and Lf % Lb):
         return None
