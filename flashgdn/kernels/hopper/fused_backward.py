@@ -144,6 +144,14 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 tr[role, c, point] = T.call_extern("int64", "clock64")
 
     @T.macro
+    def gates_to_fragments(gc_s, grow_f, gcol_f):
+        # ``lean_gates``: g~ of the chunk into the fragments of a thread's rows and columns of a [C, C] accumulator
+        for i in T.Parallel(C):
+            grow_f[i] = gc_s[i]
+        for j in T.Parallel(C):
+            gcol_f[j] = gc_s[j]
+
+    @T.macro
     def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
                             dg, dbeta, dh0, tr):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
@@ -409,10 +417,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.wait_wgmma(1 if p_first else 0)
                     stamp(tr, 2, 2, c, tx, h, n)
                     if lean_gates:
-                        for i in T.Parallel(C):
-                            grow_f[i] = gc_s[i]
-                        for j in T.Parallel(C):
-                            gcol_f[j] = gc_s[j]
+                        gates_to_fragments(gc_s, grow_f, gcol_f)
                         for i, j in T.Parallel(C, C):
                             cc_f[i, j] = T.if_then_else(
                                 i >= j, cc_f[i, j] * scale * T.exp2((grow_f[i] - gcol_f[j]) * LOG2E), 0.0)
@@ -452,10 +457,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 2, 6, c, tx, h, n)
                     # E = dAg ⊙ Gam (lower): dbeta's first sum, dA = E ⊙ beta_j, X = E ⊙ A ⊙ beta_j
                     if lean_gates:  # g~ read again here rather than kept live across Vn and dVn W^T
-                        for i in T.Parallel(C):
-                            grow_f[i] = gc_s[i]
-                        for j in T.Parallel(C):
-                            gcol_f[j] = gc_s[j]
+                        gates_to_fragments(gc_s, grow_f, gcol_f)
                         for i, j in T.Parallel(C, C):
                             cc_f[i, j] = T.if_then_else(
                                 i >= j, cc_f[i, j] * T.exp2((grow_f[i] - gcol_f[j]) * LOG2E), 0.0)
