@@ -561,6 +561,16 @@ def host_seqlens(cu_seqlens_cpu: Optional[torch.Tensor]) -> Optional[List[int]]:
 def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None) -> Optional[SegmentPlan]:
     """The segments a backend runs ``p`` (a ``GDNProblem``) with, or None for no split. ``auto`` says whether
     this backend lets ``cp="auto"`` decide by the cost model (otherwise "auto" means off)."""
+    seqlens = _problem_seqlens(p, auto)
+    if seqlens is None:
+        return None
+    return _plan_segments_cached(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device), p.Hqk)
+
+
+def _problem_seqlens(p, auto: bool) -> Optional[Tuple[int, ...]]:
+    """The sequence lengths a plan of ``p`` is made from, or None where no plan is made: cp="off", "auto" where the
+    backend does not plan (``auto`` False) or without the lengths on the host. A segment length without them is an
+    error."""
     if p.cp == "off" or (p.cp == "auto" and not auto):
         return None
     seqlens = [p.T] * p.B if p.cu_seqlens is None else host_seqlens(p.cu_seqlens_cpu)
@@ -569,8 +579,7 @@ def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None) -> Option
             return None
         raise ValueError(f"cp={p.cp} needs the sequence lengths on the host: pass cu_seqlens_cpu (a host copy of "
                          "cu_seqlens), or a CPU cu_seqlens")
-    return _plan_segments_cached(tuple(int(L) for L in seqlens), p.Hv, p.cp, model or CostModel.for_device(p.device),
-                                 p.Hqk)
+    return tuple(int(L) for L in seqlens)
 
 
 @functools.lru_cache(maxsize=256)
@@ -586,16 +595,11 @@ def backward_plan_for_problem(p, auto: bool, model: Optional[CostModel] = None,
     """``plan_for_problem`` for the backward (``plan_backward``): its own segments under cp="auto", the forward's
     under a segment length, none under "off" or without the lengths on the host. ``forward_chunks``: as
     ``plan_backward``'s."""
-    if p.cp == "off" or (p.cp == "auto" and not auto):
-        return BackwardPlan(None, None)
-    seqlens = [p.T] * p.B if p.cu_seqlens is None else host_seqlens(p.cu_seqlens_cpu)
+    seqlens = _problem_seqlens(p, auto)
     if seqlens is None:
-        if p.cp == "auto":
-            return BackwardPlan(None, None)
-        raise ValueError(f"cp={p.cp} needs the sequence lengths on the host: pass cu_seqlens_cpu (a host copy of "
-                         "cu_seqlens), or a CPU cu_seqlens")
-    return _plan_backward_cached(tuple(int(L) for L in seqlens), p.Hv, p.cp,
-                                 model or CostModel.for_device(p.device), fused_allowed, forward_chunks)
+        return BackwardPlan(None, None)
+    return _plan_backward_cached(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device), fused_allowed,
+                                 forward_chunks)
 
 
 @functools.lru_cache(maxsize=256)
