@@ -684,8 +684,8 @@ def test_backward_on_its_own_plan(opts, reuse_starts, cuda, monkeypatch):
     names = ("q", "k", "v", "g", "beta", "initial_state")
     args = {n: inp[n] for n in inp if n not in names}
     p = validate(**{n: inp[n] for n in names}, **args, scale=128 ** -0.5, cp="auto", check_values=False)
-    backward_plan = HopperBackend._backward_plan(p)
     forward_plan = HopperBackend._plan(p)
+    backward_plan = HopperBackend._backward_plan(p, forward_plan)  # as the op makes it
     assert backward_plan.plan is not None and backward_plan.fused, backward_plan
     assert forward_plan is None or forward_plan.segment_chunks != backward_plan.plan.segment_chunks \
         or len(opts["seqlens"]) > 1 or reuse_starts  # (from the forward's starts an equal length needs no splice)

@@ -269,12 +269,10 @@ def test_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
             assert summed == 1
 
 
-def test_op_backward_runs_on_its_own_plan(checked_kernels):
-    """Through autograd, the forward runs on the forward's plan and the backward on its own (``cp.plan_backward``):
-    on 2/8 one 16384-token sequence, the forward's loop on 8 segments of 32 chunks, the backward's fused kernel on
-    16 of 16 (the plans the cost model gives there, checked first)."""
+def _long_sequence_problem():
+    """``(problem, input names, leaves)``: 2/8 one 16384-token sequence under cp="auto", every input a leaf that
+    wants its gradient (the op's backward under autograd)."""
     from flashgdn.api.validate import validate
-    from flashgdn.kernels.hopper.backend import HopperBackend
 
     inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[16384])
     inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
@@ -282,6 +280,16 @@ def test_op_backward_runs_on_its_own_plan(checked_kernels):
     xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
     p = validate(**xs, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens_cpu"], scale=0.1,
                  output_final_state=True, cp="auto", check_values=False)
+    return p, names, xs
+
+
+def test_op_backward_runs_on_its_own_plan(checked_kernels):
+    """Through autograd, the forward runs on the forward's plan and the backward on its own (``cp.plan_backward``):
+    on 2/8 one 16384-token sequence, the forward's loop on 8 segments of 32 chunks, the backward's fused kernel on
+    16 of 16 (the plans the cost model gives there, checked first)."""
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    p, names, xs = _long_sequence_problem()
     forward_plan, backward_plan = HopperBackend._plan(p), HopperBackend._backward_plan(p)
     assert forward_plan.num_segments == 8 and backward_plan.plan.num_segments == 16 and backward_plan.fused
     o, ht = HopperBackend()(p)
@@ -298,18 +306,13 @@ def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, mo
     """``CP_REUSE_STARTS``: the forward keeps its segments' start states and the backward's forward splice runs
     from them: on 2/8 16384 (the forward on 8 segments of 32 chunks, the backward on 16 of 16) chains of two
     segments, one per forward segment, instead of the sequence's chain of 16; the reverse splice as before."""
-    from flashgdn.api.validate import validate
     from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backend import HopperBackend
 
     monkeypatch.setattr(backend, "CP_REUSE_STARTS", True)
-    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[16384])
-    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
-    p = validate(**xs, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens_cpu"], scale=0.1,
-                 output_final_state=True, cp="auto", check_values=False)
-    forward_plan, backward_plan = HopperBackend._plan(p), HopperBackend._backward_plan(p)
+    p, names, xs = _long_sequence_problem()
+    forward_plan = HopperBackend._plan(p)
+    backward_plan = HopperBackend._backward_plan(p, forward_plan)
     assert forward_plan.segment_chunks == 32 and backward_plan.plan.segment_chunks == 16 and backward_plan.fused
     o, ht = HopperBackend()(p)
     checked_kernels.clear()

@@ -278,18 +278,18 @@ class HopperBackend(Backend):
         return plan_for_problem(HopperBackend._with_auto_cp(p), auto=True, model=cp_cost_model(p.device))
 
     @staticmethod
-    def _backward_plan(p: GDNProblem):
+    def _backward_plan(p: GDNProblem, forward_plan=None):
         """The backward's segments and fused-kernel choice for ``p`` (``flashgdn.cp.backward_plan_for_problem``:
-        its own under cp="auto", the forward's under a segment length)."""
+        its own under cp="auto", the forward's under a segment length). ``forward_plan``: the plan of the forward
+        that keeps its segment starts for this backward (``CP_REUSE_STARTS``, under autograd), whose shorter
+        splice the choice then counts; None where the backward starts from nothing (the custom op's)."""
         from ...cp import backward_plan_for_problem
         from .backward import FUSED_BACKWARD
         from .forward import PRECISE
 
         forward_chunks = None
-        if CP_REUSE_STARTS:  # the backward's forward splice then starts from the forward's segment starts
-            forward_plan = HopperBackend._plan(p)
-            if forward_plan is not None and forward_plan.split:
-                forward_chunks = forward_plan.segment_chunks
+        if CP_REUSE_STARTS and forward_plan is not None and forward_plan.split:
+            forward_chunks = forward_plan.segment_chunks
         plan = backward_plan_for_problem(HopperBackend._with_auto_cp(p), auto=True, model=cp_cost_model(p.device),
                                          fused_allowed=FUSED_BACKWARD is not False and not PRECISE,
                                          forward_chunks=forward_chunks)
@@ -304,7 +304,7 @@ class HopperBackend(Backend):
         # the backward's plan is made here, on the host, only when autograd will want it
         wants_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, p.v, p.g, p.beta, p.initial_state))
-        backward_plan = self._backward_plan(p) if wants_grad else None
+        backward_plan = self._backward_plan(p, plan) if wants_grad else None
         if backward_plan is not None:
             check_launch_rows(p.N, backward_plan.plan)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
