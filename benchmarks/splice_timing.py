@@ -5,8 +5,8 @@
 Each case is one sequence of ``S`` segments: its transition pairs (M near 0.9 I, as a decaying segment's are, and b
 random), a start state, and for the reverse splice a D per segment; the splice then makes ``S - 1`` dependent
 steps, so the time per step is the slope of the kernel's time over S. A build is ``plain:BV`` (``splice.py``'s
-128-thread steps over BV state columns a CTA) or ``blocked:BV`` (its register-blocked build). Checks each build against the torch
-splice (``flashgdn.cp.exact`` / ``flashgdn.cp.backward``'s formulas, float64) before timing it.
+128-thread steps over BV state columns a CTA, both directions) or ``blocked:BV`` (its register-blocked build, the
+reverse splice's). Checks each build against the torch splice (``flashgdn.cp.exact`` / ``flashgdn.cp.backward``'s formulas, float64) before timing it.
 """
 import argparse
 import json
@@ -89,7 +89,8 @@ def main(argv=None):
             first, count = first_c.cuda(), count_c.cuda()
             for text in args.builds.split(","):
                 opts = parse_build(text)
-                for reverse in (False, True):
+                # the blocked build is the reverse splice's (its forward, with M transposed, was slower than plain)
+                for reverse in (True,) if opts["blocked"] else (False, True):
                     kernel = build_splice(Hv, 128, 128, reverse, **opts)
                     out = torch.full((S, Hv, 128, 128), float("nan"), device="cuda")
 

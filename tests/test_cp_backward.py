@@ -195,9 +195,10 @@ def test_cp_backward_reads_nothing_back_from_the_device(with_dht):
     assert dh0.shape == h0.shape and dq.shape == q.shape
 
 
-def _splice_from_pairs(pairs, D, start, plan, reverse):
+def _splice_from_pairs(pairs, D, start, plan, reverse, from_known=None):
     """What the Hopper splice kernel computes (``kernels/hopper/splice.py``), written as its per-sequence loop:
-    from the pairs ``[S, 2 Hv, K, V]`` (head 2h: b, 2h + 1: M)."""
+    from the pairs ``[S, 2 Hv, K, V]`` (head 2h: b, 2h + 1: M); ``from_known`` its ``chains`` build (a chain with a
+    nonzero entry takes its first step as ``M start + b``)."""
     out = torch.empty((plan.num_segments,) + tuple(start.shape[1:]), dtype=start.dtype)
     b, M = pairs[:, 0::2], pairs[:, 1::2]
     for n in range(start.shape[0]):
@@ -209,9 +210,10 @@ def _splice_from_pairs(pairs, D, start, plan, reverse):
                 state = M[s].transpose(-1, -2) @ state + D[s]
                 out[s - 1] = state
         else:
-            out[f] = start[n]
+            state = out[f] = start[n]
             for s in range(f, f + c - 1):
-                state = b[s] if s == f else M[s] @ state + b[s]
+                mid = from_known is not None and bool(from_known[n])
+                state = b[s] if s == f and not mid else M[s] @ state + b[s]
                 out[s + 1] = state
     return out
 
@@ -303,10 +305,24 @@ class _CountingSkippingForward(_SkippingForwardWithOwnSplice):
         return super().splice(pairs, h0, plan, index)
 
 
+class _CountingChainsForward(_CountingSkippingForward):
+    """``_CountingSkippingForward`` with the splice kernel's ``chains`` build as ``splice_chains`` (as the Hopper
+    forward offers): the chains' first products are made in the splice, the pairs left as they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.pairs_seen = []
+
+    def splice_chains(self, pairs, starts, plan, chains, from_known):
+        self.chains.append(int(plan.count.max()))
+        self.pairs_seen.append(pairs.clone())
+        return _splice_from_pairs(pairs, None, starts, plan, reverse=False, from_known=from_known)
+
+
 # V = K: the transitions' pairs (from the torch forward, the skipping paired pass, or it with its own splice); else
 # two passes without pairs
 @pytest.mark.parametrize("K,V,forward_kind", [(16, 16, "torch"), (16, 16, "skipping"), (16, 16, "skipping_own_splice"),
-                                              (16, 8, "torch")])
+                                              (16, 16, "skipping_own_chains"), (16, 8, "torch")])
 @pytest.mark.parametrize("fwd_chunks,bwd_chunks", [(2, 1), (4, 1), (6, 2), (1, 2), (2, 2), (1, 3), (3, 2)])
 @pytest.mark.parametrize("case", [1, 2, 3])
 def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V, forward_kind):
@@ -316,12 +332,14 @@ def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V
     sequence's start), or, when neither divides the other, by the whole splice; the gradients are the reference's
     either way, with every transition the backward may skip NaN."""
     from flashgdn.cp import cp_forward
+    from flashgdn.cp.exact import float_states, segment_starts
 
     (q, k, v, g, beta, do, dht, h0, cu), want = _grads(case, K, V)
     seqlens = (cu[1:] - cu[:-1]).tolist()
     fplan, plan = split_sequences(seqlens, fwd_chunks), split_sequences(seqlens, bwd_chunks)
     fwd = {"torch": lambda: ref_forward, "skipping": _SkippingPairedReferenceForward,
-           "skipping_own_splice": _CountingSkippingForward}[forward_kind]()
+           "skipping_own_splice": _CountingSkippingForward,
+           "skipping_own_chains": _CountingChainsForward}[forward_kind]()
     with torch.no_grad():
         o, ht, fstarts = cp_forward(ref_forward, q, k, v, g, beta, 0.3, h0, True, fplan, cu, keep_starts=True)
         if isinstance(fwd, _CountingSkippingForward):
@@ -337,6 +355,10 @@ def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V
             assert fwd.chains == []  # gathered, no splice
         elif fwd_chunks % bwd_chunks == 0:
             assert fwd.chains == [fwd_chunks // bwd_chunks]  # chains of the ratio, not the whole sequence
+            if isinstance(fwd, _CountingChainsForward):  # through splice_chains, with no b rewritten first
+                fresh = segment_starts(fwd, q, k, v, g, beta, 0.3, float_states(h0, q, v, len(seqlens)), plan,
+                                       segment_index_tensors(plan, cu), for_backward=True)[2]
+                assert torch.equal(fwd.pairs_seen[0].nan_to_num(), fresh.nan_to_num())
         else:
             assert fwd.chains == [int(plan.count.max())]
 

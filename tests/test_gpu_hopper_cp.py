@@ -137,8 +137,8 @@ def test_paired_transition_pass_gives_the_same_bits(opts, cuda, monkeypatch):
 @pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([640] * 4, 10),
                                                     ([192, 64, 256], 1)])
 def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, build, cuda, monkeypatch):
-    """``splice.py`` (forward and reverse; plain, and register-blocked over 512 threads with M prefetched at every
-    column width: ``forward.SPLICE_BLOCKED``) against the torch splices on random transitions, float32 both: equal
+    """``splice.py`` (forward and reverse plain; the reverse register-blocked over 512 threads with M prefetched at
+    every column width: ``forward.SPLICE_BLOCKED``) against the torch splices on random transitions, float32 both: equal
     up to the order of the float32 sums. Sequences of one segment (no step), two (one step), three and many."""
     from flashgdn.cp import split_sequences
     from flashgdn.cp.backward import splice_reverse
@@ -165,15 +165,53 @@ def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, build, 
                                   start, plan, index)
         for width in widths:
             if width is not None:
-                # the operator's reverse splice at each width, and the blocked build's forward, which the operator
-                # does not use (slower) but which computes the same
+                # the operator's reverse splice at each width (the forward stays plain)
                 monkeypatch.setattr(forward, "splice_width", lambda *a, w=width: w)
                 monkeypatch.setattr(forward, "splice_options",
-                                    lambda reverse, *a, w=width: dict(blocked=True, BV=w))
+                                    lambda reverse, *a, w=width: dict(blocked=True, BV=w) if reverse else {})
             got_fwd = hopper_splice(pairs, start, index.first, index.count, S)
             got_rev = hopper_splice(pairs, start, index.first, index.count, S, D=D)
             assert rel_rms(got_fwd, want_fwd) < 1e-5, width
             assert rel_rms(got_rev, want_rev) < 1e-5, width
+
+
+@pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([192, 64, 256], 1)])
+def test_splice_chains_kernel_matches_the_loop(seqlens, segment_chunks, cuda):
+    """The splice's ``chains`` build (the backward from the forward's segment starts): on every chain that the
+    random ``from_known`` marks, the first step is ``M start + b``; elsewhere the plain forward splice's. Against the
+    kernel's loop in float64 (random transitions, float32 kernel), with rows no chain writes NaN; the chains' M of
+    unmarked first segments NaN too, as a skipping transition pass leaves them."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.cp.plan import segment_index_tensors
+    from flashgdn.kernels.hopper.forward import hopper_splice
+
+    plan = split_sequences(seqlens, segment_chunks)
+    cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
+    index = segment_index_tensors(plan, cu)
+    S, N, Hv, K = plan.num_segments, len(seqlens), 4, 128
+    gen = torch.Generator(device=cuda).manual_seed(7)
+    pairs = torch.randn((S, 2 * Hv, K, K), generator=gen, device=cuda) / K ** 0.5
+    start = torch.randn((N, Hv, K, K), generator=gen, device=cuda)
+    from_known = torch.randint(0, 2, (N,), generator=gen, device=cuda)
+    from_known[0] = 1
+    if N > 1:
+        from_known[1] = 0
+    first, count = plan.first.tolist(), plan.count.tolist()
+    for n in range(N):
+        if not from_known[n]:
+            pairs[first[n], 1::2] = float("nan")  # never read
+    got = hopper_splice(pairs, start, index.first, index.count, S, from_known=from_known)
+    p, st = pairs.double().cpu(), start.double().cpu()
+    b, M = p[:, 0::2], p[:, 1::2]
+    for n in range(N):
+        f, c = first[n], count[n]
+        state = st[n]
+        assert rel_rms(got[f].cpu().double(), state) < 1e-6
+        for s in range(f, f + c - 1):
+            state = M[s] @ state + b[s] if (s > f or from_known[n]) else b[s]
+            assert rel_rms(got[s + 1].cpu().double(), state) < 1e-5, (n, s)
+    with pytest.raises(ValueError, match="from_known"):
+        hopper_splice(pairs, start, index.first, index.count, S, D=pairs[:, 0::2], from_known=from_known)
 
 
 @pytest.mark.parametrize("opts", [

@@ -225,7 +225,10 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
       and the splice runs on those chains of at most m, all at once, from the known starts, instead of on each
       sequence's whole chain. A chain's first b is its segment's end state from a zero start, so it becomes
       ``M start + b`` first, except at a sequence's start, where it already holds h0 (``_transitions_one_pass``);
-      the b entries are not read again (the reverse splice reads M and D)."""
+      the b entries are not read again (the reverse splice reads M and D). A forward with its own
+      ``splice_chains(pairs, starts, plan, chains, jf) -> starts`` (the Hopper splice kernel's ``chains`` build)
+      makes that first product inside the splice, where ``jf`` (each chain's place in its sequence) is nonzero;
+      the pairs are then left as they are."""
     Lb, Lf = plan.segment_chunks, known.plan.segment_chunks
     if Lb is None or Lf is None or (Lb % Lf and Lf % Lb):
         return None
@@ -237,13 +240,18 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
         return known.starts.index_select(0, known.index.first.index_select(0, index.seg_seq) + local * (Lb // Lf))
     m = Lf // Lb
     fseq, fseq_host = known.index.seg_seq, known.plan.seg_seq
+    # jf: each known segment's place in its sequence; its chain is the sequence's own segments m jf .. m jf + m - 1
     jf = torch.arange(fseq.numel(), device=dev) - known.index.first.index_select(0, fseq)
+    chains = SegmentIndex(index.seg_cu, index.seg_seq, torch.add(index.first.index_select(0, fseq), jf, alpha=m),
+                          torch.sub(index.count.index_select(0, fseq), jf, alpha=m).clamp_(max=m))
     jf_host = torch.arange(fseq_host.numel()) - known.plan.first.index_select(0, fseq_host)
-    chains = SegmentIndex(index.seg_cu, index.seg_seq, index.first.index_select(0, fseq) + jf * m,
-                          torch.clamp(index.count.index_select(0, fseq) - jf * m, max=m))
     # the host's copy for the splice's number of steps; seg_seq only gives the number of rows
     chain_plan = SegmentPlan(plan.seg_cu, plan.seg_seq, plan.first.index_select(0, fseq_host) + jf_host * m,
                              torch.clamp(plan.count.index_select(0, fseq_host) - jf_host * m, max=m), Lb)
+    chained = getattr(forward, "splice_chains", None)
+    if chained is not None and pairs is not None:
+        # the forward's own splice makes each chain's first M start + b itself (nonzero jf: inside a sequence)
+        return chained(pairs, known.starts, chain_plan, chains, jf)
     Mc, bc = gather(chains.first)
     K, V = bc.shape[-2], bc.shape[-1]
     mid = (jf > 0).view(-1, *([1] * (bc.dim() - 1)))

@@ -132,10 +132,9 @@ CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "1") == "1"
 #: the backward starts its own segments from the forward's segment start states, kept by the forward (a few MB:
 #: segments x Hv x K x V float32), instead of splicing each sequence's whole chain again: from the forward's starts
 #: a backward segment length that the forward's divides needs no splice, and one that divides the forward's only
-#: chains of the ratio (``cp.exact.starts_from_known``; on 2/4 32768x1 the backward's forward splice took 0.095 ms
-#: of a 0.86 ms training step, 31 steps). Under autograd only (the custom op's backward, a separate call, splices
-#: as before); the backward's plan counts the shorter splice. An A/B, off: CPU-tested, not yet run on a GPU.
-#: FLASHGDN_HOPPER_CP_REUSE_STARTS=1.
+#: chains of the ratio, each chain's first ``M start + b`` made in the splice (its ``chains`` build;
+#: ``cp.exact.starts_from_known``). Under autograd only (the custom op's backward, a separate call, splices as
+#: before); the backward's plan counts the shorter splice. An A/B, off. FLASHGDN_HOPPER_CP_REUSE_STARTS=1.
 CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "0") == "1"
 
 
@@ -160,8 +159,8 @@ class _HopperSegmentsForward:
     state-only kernel when no output is needed). With ``paired`` it also offers ``transition_pairs``: the
     transition pass from undoubled inputs (``forward.hopper_transition_pairs``), keeping stages 0 and 1 for the
     forward over the same segments that follows. With ``fused`` (default ``CP_FUSED``) it offers
-    ``segment_index``, ``splice`` and ``splice_reverse``, which the CP drivers then use
-    (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
+    ``segment_index``, ``splice``, ``splice_chains`` (the backward's from the forward's segment starts) and
+    ``splice_reverse``, which the CP drivers then use (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
 
     def __init__(self, paired: bool, fused: Optional[bool] = None, stage1_source=None,
                  skip_unread: Optional[bool] = None):
@@ -191,6 +190,10 @@ class _HopperSegmentsForward:
         return self._splice if self._fused else None
 
     @property
+    def splice_chains(self):
+        return self._splice_chains if self._fused else None
+
+    @property
     def splice_reverse(self):
         return self._splice_reverse if self._fused else None
 
@@ -205,6 +208,12 @@ class _HopperSegmentsForward:
         from .forward import hopper_splice
 
         return hopper_splice(pairs, h0, index.first, index.count, plan.num_segments)
+
+    @staticmethod
+    def _splice_chains(pairs, starts, plan, chains, from_known):
+        from .forward import hopper_splice
+
+        return hopper_splice(pairs, starts, chains.first, chains.count, plan.num_segments, from_known=from_known)
 
     @staticmethod
     def _splice_reverse(pairs, D, end, plan, index):

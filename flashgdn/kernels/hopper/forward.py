@@ -75,17 +75,11 @@ LEAN_STATE_PASSES = os.environ.get("FLASHGDN_HOPPER_LEAN_STATE_PASSES", "0") == 
 #: 512 threads, each a 4 x (BV / 4) block of a K-group's partial sums, M stored without bank conflicts and the next
 #: step's M loaded during the products. The plain build (0) is bound by the SM's shared-memory pipe (~0.4 shared
 #: loads per FMA on one warp a sub-partition). A reverse step: 3.5 -> 2.3 us at 4 value heads, 4.3 -> 2.5 at 8,
-#: 7.1 -> 3.8 at 16, 14.5 -> 7.8 at 32 (``cp/splice-timing-v0.16c.json``). The forward splice stays plain: its
-#: blocked build reads M down its rows to store it transposed (16 B a lane from 32 rows) and took 3.9 us a step
-#: at 4 heads against the plain build's 2.0. FLASHGDN_HOPPER_SPLICE_BLOCKED=0|1.
+#: 7.1 -> 3.8 at 16, 14.5 -> 7.8 at 32 (``cp/splice-timing-v0.16c.json``). The forward splice stays plain: it
+#: needs M's transpose in shared memory, and its blocked builds were slower than plain, by scalar transposed stores
+#: (3.9 against 2.0 us a step at 4 heads) and by 4 x 4 register transposes (4.4 against 2.4 at 4 heads, 5.6
+#: against 5.0 at 16: ``cp/splice-timing-v0.16h.json``; notes v0.16e, v0.16h). FLASHGDN_HOPPER_SPLICE_BLOCKED=0|1.
 SPLICE_BLOCKED = os.environ.get("FLASHGDN_HOPPER_SPLICE_BLOCKED", "1") == "1"
-
-#: The forward splice blocked too (an A/B, off). Its M is stored transposed; with scalar stores (conflict-free or
-#: not) a step took ~1.8 us more than with M stored as loaded (3.93 against 2.15 us at 4 heads, 5.29 against 3.41
-#: at 16, ``cp/splice-probe-v0.16e.log``), more than the plain forward step (2.0 and 4.5). Now each thread loads
-#: two 4 x 4 blocks of M and stores their transposes as float4s, 8 row blocks per quarter warp (32 banks):
-#: compiled for sm_90a without spills, not yet timed. FLASHGDN_HOPPER_SPLICE_BLOCKED_FORWARD=1.
-SPLICE_BLOCKED_FORWARD = os.environ.get("FLASHGDN_HOPPER_SPLICE_BLOCKED_FORWARD", "0") == "1"
 
 #: the blocked splice's column widths, narrowest first (a CTA's 128 x BV block of the state). 32 is slower than 16
 #: even where 16 needs two waves (8.7 against 7.8 us a step at 32 heads), and 8 slower where it needs two (5.2
@@ -100,11 +94,10 @@ def splice_width(Hv: int, num_seqs: int, num_sms: int = 132) -> int:
 
 
 def splice_options(reverse: bool, Hv: int = 8, num_seqs: int = 1, num_sms: int = 132) -> dict:
-    """``build_splice``'s options as ``SPLICE_BLOCKED`` (and ``SPLICE_BLOCKED_FORWARD``) set them: the reverse
-    splice blocked, at the width that ``splice_width`` picks; the forward splice, and both when off, plain (empty,
-    so the plain builds keep their cache entries)."""
-    blocked = SPLICE_BLOCKED and (reverse or SPLICE_BLOCKED_FORWARD)
-    return dict(blocked=True, BV=splice_width(Hv, num_seqs, num_sms)) if blocked else {}
+    """``build_splice``'s options as ``SPLICE_BLOCKED`` sets them: the reverse splice blocked, at the width that
+    ``splice_width`` picks; the forward splice, and both when off, plain (empty, so the plain builds keep their
+    cache entries)."""
+    return dict(blocked=True, BV=splice_width(Hv, num_seqs, num_sms)) if SPLICE_BLOCKED and reverse else {}
 
 
 def lean_state_option() -> dict:
@@ -403,22 +396,31 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 
 def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
-                  num_segments: int, D: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  num_segments: int, D: Optional[torch.Tensor] = None,
+                  from_known: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context parallelism's splice in one kernel (``splice.py``): from the transition pass's ``pairs``
     ``[S, 2 Hv, K, V]`` float32, every segment's start state from the sequences' initial states ``start``
     ``[N, Hv, K, V]`` (forward), or, with ``D`` (the walk of every segment from zero, ``[S, Hv, K, V]``), every
     segment's end gradient from the final states' gradients ``start`` (backward). ``first``/``count``: each
-    sequence's first segment and segment count (``flashgdn.cp.SegmentIndex``). Returns ``[S, Hv, K, V]``."""
+    sequence's first segment and segment count (``flashgdn.cp.SegmentIndex``). ``from_known`` (forward only,
+    ``[N]``): the rows are chains of segments from known starts (``flashgdn.cp.exact.starts_from_known``), and
+    a chain whose entry is nonzero begins inside its sequence, so its first step is ``M start + b`` (the splice's
+    ``chains`` build). Returns ``[S, Hv, K, V]``."""
     from .splice import build_splice
 
     _, Hv, K, V = start.shape
     reverse = D is not None
+    if reverse and from_known is not None:
+        raise ValueError("from_known is the forward splice's (its chains from known starts), not the reverse's")
     out = _output((num_segments, Hv, K, V), torch.float32, start.device)
     start = start.to(torch.float32).contiguous()
     num_sms = torch.cuda.get_device_properties(start.device).multi_processor_count if start.is_cuda else 132
-    build_splice(Hv, K, V, reverse, **splice_options(reverse, Hv, start.shape[0], num_sms))(pairs.to(torch.float32).contiguous(),
-                                    D.to(torch.float32).contiguous() if reverse else start, start,
-                                    first.to(torch.int64), count.to(torch.int64), out)
+    args = (pairs.to(torch.float32).contiguous(), D.to(torch.float32).contiguous() if reverse else start, start,
+            first.to(torch.int64), count.to(torch.int64))
+    if from_known is not None:
+        build_splice(Hv, K, V, False, chains=True)(*args, from_known.to(torch.int64), out)
+    else:
+        build_splice(Hv, K, V, reverse, **splice_options(reverse, Hv, start.shape[0], num_sms))(*args, out)
     return out
 
 

@@ -18,11 +18,17 @@ steps times one step's latency: a 64 KB load of M from L2 (where the transition 
 
 - plain: BV = 8, 128 threads, 8 outputs a thread; M stored transposed into padded rows. Bound by the SM's shared
   memory pipe (~0.4 shared loads per FMA, 4-way conflicted stores of M, one warp per sub-partition).
-- ``blocked`` (the reverse splice's default, ``forward.SPLICE_BLOCKED``; the forward's an A/B,
-  ``forward.SPLICE_BLOCKED_FORWARD``): 512 threads in four K-groups, each thread a 4 x BV / 4 block of its
-  group's partial sums from one float4 of M and BV / 4 state values per k; M stored without bank conflicts and the
-  next step's M loaded during this one's products; BV 8, or 16 where the grid of 8 would not fit the SMs
-  (``forward.splice_width``: one CTA per SM for its ~150-170 KB of shared memory; 32 builds too).
+- ``blocked`` (reverse only, its default: ``forward.SPLICE_BLOCKED``): 512 threads in four K-groups, each thread a
+  4 x BV / 4 block of its group's partial sums from one float4 of M^T and BV / 4 state values per k; M stored
+  without bank conflicts and the next step's M loaded during this one's products; BV 8, or 16 where the grid of 8
+  would not fit the SMs (``forward.splice_width``: one CTA per SM for its ~150-170 KB of shared memory; 32 builds
+  too). The forward needs M's transpose in shared memory, and a blocked forward build that transposed it (by
+  scalar stores, then by 4 x 4 register transposes) was slower than plain (notes v0.16e, v0.16h).
+
+``chains`` (forward, plain): the splice of a backward that starts from the forward's segment starts
+(``flashgdn.cp.exact.starts_from_known``) runs on chains of segments, each from a known start; a chain that
+begins inside its sequence (``from_known[n]`` nonzero) takes its first step as ``M_first start + b_first`` (its b
+was walked from a zero start), one at the sequence's start as above.
 
 PyTorch counterparts: ``flashgdn.cp.exact.splice_segments`` and ``flashgdn.cp.backward.splice_reverse``.
 """
@@ -32,14 +38,16 @@ from .common import TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False):
-    """Compile (or load) the kernel: ``blocked`` the register-blocked build (``blocked_steps``, BV in 8, 16, 32),
-    else the plain one (``plain_steps``, BV = 8). Arguments, in order:
+def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False, chains: bool = False):
+    """Compile (or load) the kernel: ``blocked`` the reverse's register-blocked build (``blocked_steps``, BV in 8,
+    16, 32), else the plain one (``plain_steps``, BV = 8); ``chains`` the forward's plain build with the chains'
+    ``from_known`` flags. Arguments, in order:
 
       pairs   [S, 2 Hv, K, V]  float32: head 2h + 1 is M (V = K), head 2h the forward's b
       D       [S, Hv, K, V]    float32: the backward's D (read only when ``reverse``; any such tensor otherwise)
       start   [N, Hv, K, V]    float32: h0 (forward) or d(final state) (backward)
       first   [N] int64, count [N] int64: each sequence's first segment and its number of segments
+      from_known [N] int64     (``chains`` only): nonzero where the chain's first step multiplies its M
       out     [S, Hv, K, V]    float32, written: every segment's start state (forward) / end gradient (backward)
     """
     import tilelang
@@ -48,6 +56,8 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
     assert K == V, "the transitions M come from the pairs, which need V = K"
     assert V % BV == 0
     assert not blocked or BV in (8, 16, 32), "the blocked build's columns: 8, 16 or 32"
+    assert not blocked or reverse, "the blocked build is the reverse splice's"
+    assert not chains or not (reverse or blocked), "chains are the forward's plain build"
     num_segments = T.dynamic("num_segments")
     num_d = T.dynamic("num_d")
     num_seqs = T.dynamic("num_seqs")
@@ -59,7 +69,28 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
     MQ = K * K // 4 // (128 * GROUPS)  # ``blocked``: float4s of M a thread loads a step
 
     @T.macro
-    def plain_steps(pairs, D, start, first, count, out):
+    def plain_multiply(pairs, D, m_s, s_s, s_f, h, c0, src):
+        for a, b in T.Parallel(K, K):
+            # forward: m_s[k][r] = M[r][k]; backward (M^T): m_s[k][r] = M^T[r][k] = M[k][r]
+            if reverse:
+                m_s[a, b] = pairs[src, 2 * h + 1, a, b]
+            else:
+                m_s[b, a] = pairs[src, 2 * h + 1, a, b]
+        for r, j in T.Parallel(K, BV):
+            s_s[r, j] = s_f[r, j]
+        for r, j in T.Parallel(K, BV):
+            s_f[r, j] = D[src, h, r, c0 + j] if reverse else pairs[src, 2 * h, r, c0 + j]
+        for kk in T.serial(K):
+            for r, j in T.Parallel(K, BV):
+                s_f[r, j] = s_f[r, j] + m_s[kk, r] * s_s[kk, j]
+
+    @T.macro
+    def plain_first_b(pairs, s_f, h, c0, src):
+        for r, j in T.Parallel(K, BV):
+            s_f[r, j] = pairs[src, 2 * h, r, c0 + j]
+
+    @T.macro
+    def plain_steps(pairs, D, start, first, count, out, from_known):
         with T.Kernel(V // BV, Hv, num_seqs, threads=128) as (vb, h, n):
             m_s = T.alloc_shared((K, K + 1), acc)  # [k][r]: the factor of state row k in output row r (padded)
             s_s = T.alloc_shared((K, BV), acc)
@@ -76,57 +107,34 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             for step in T.serial(c - 1):
                 src = f + c - 1 - step if reverse else f + step  # the segment whose transition applies
                 dst = src - 1 if reverse else src + 1
+                if chains:
+                    # the last step's products still read m_s and s_s; TileLang's sync planner leaves this
+                    # barrier out once the first step can multiply too (seen in the generated code)
+                    T.sync_threads()
                 if reverse or step > 0:
-                    for a, b in T.Parallel(K, K):
-                        # forward: m_s[k][r] = M[r][k]; backward (M^T): m_s[k][r] = M^T[r][k] = M[k][r]
-                        if reverse:
-                            m_s[a, b] = pairs[src, 2 * h + 1, a, b]
-                        else:
-                            m_s[b, a] = pairs[src, 2 * h + 1, a, b]
-                    for r, j in T.Parallel(K, BV):
-                        s_s[r, j] = s_f[r, j]
-                    for r, j in T.Parallel(K, BV):
-                        s_f[r, j] = D[src, h, r, c0 + j] if reverse else pairs[src, 2 * h, r, c0 + j]
-                    for kk in T.serial(K):
-                        for r, j in T.Parallel(K, BV):
-                            s_f[r, j] = s_f[r, j] + m_s[kk, r] * s_s[kk, j]
+                    plain_multiply(pairs, D, m_s, s_s, s_f, h, c0, src)
+                elif chains:
+                    if from_known[n] != 0:  # a chain inside its sequence: its b was walked from zero
+                        plain_multiply(pairs, D, m_s, s_s, s_f, h, c0, src)
+                    else:
+                        plain_first_b(pairs, s_f, h, c0, src)
                 else:  # the forward's first step: b_first already starts from h0
-                    for r, j in T.Parallel(K, BV):
-                        s_f[r, j] = pairs[src, 2 * h, r, c0 + j]
+                    plain_first_b(pairs, s_f, h, c0, src)
                 for r, j in T.Parallel(K, BV):
                     out[dst, h, r, c0 + j] = s_f[r, j]
 
     @T.macro
     def load_m(pairs, m_r, tx, h, src):
-        # M in float4s of its rows. Reverse (stored as loaded): a warp's lanes along a row. Forward (stored
-        # transposed): each thread two 4 x 4 blocks, rows 4 ab .. 4 ab + 3 and columns 4 bq .. 4 bq + 3, a warp's
-        # lanes 8 row blocks x 4 column blocks (8 rows x 64 B a load), so that the block's transpose goes out as
-        # four float4 stores, each quarter warp's 8 of them to 8 different row blocks: 32 banks
-        if reverse:
-            for i in T.serial(MQ):
-                for e in T.vectorized(4):
-                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e]
-        else:
-            for i in T.serial(MQ):
-                # block i // 4, its row i % 4
-                for e in T.vectorized(4):
-                    m_r[i * 4 + e] = pairs[src, 2 * h + 1, (tx % 8 + tx // 32 % 4 * 8) * 4 + i % 4,
-                                           (tx % 32 // 8 + tx // 128 * 4 + i // 4 * 16) * 4 + e]
+        # M in float4s of its rows (M^T's columns, as the products read them), a warp's lanes along a row
+        for i in T.serial(MQ):
+            for e in T.vectorized(4):
+                m_r[i * 4 + e] = pairs[src, 2 * h + 1, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e]
 
     @T.macro
-    def store_m(m_s, m_r, tv, tx, buf):
-        if reverse:
-            for i in T.serial(MQ):
-                for e in T.vectorized(4):
-                    m_s[buf, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e] = m_r[i * 4 + e]
-        else:
-            for blk in T.serial(MQ // 4):
-                for c in T.serial(4):  # column 4 bq + c of M is row 4 bq + c of m_s
-                    for r in T.serial(4):
-                        tv[r] = m_r[blk * 16 + r * 4 + c]
-                    for r in T.vectorized(4):
-                        m_s[buf, (tx % 32 // 8 + tx // 128 * 4 + blk * 16) * 4 + c,
-                            (tx % 8 + tx // 32 % 4 * 8) * 4 + r] = tv[r]
+    def store_m(m_s, m_r, tx, buf):
+        for i in T.serial(MQ):
+            for e in T.vectorized(4):
+                m_s[buf, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e] = m_r[i * 4 + e]
 
     @T.macro
     def blocked_steps(pairs, D, start, first, count, out):
@@ -137,9 +145,8 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
         # left the loads per FMA and so the time as they were. Here each thread of a K-group makes a 4 x (BV / 4)
         # block of outputs from one float4 of M and BV / 4 state values per k (2 or 1 shared wavefronts a warp
         # for 8 or more FMAs); four K-groups of 128 threads share the sum over K (partial sums added in group
-        # order), M goes to shared memory by conflict-free float4 stores (the forward's after 4 x 4 transposes in
-        # registers: ``load_m``), and the next step's M is loaded into registers while this step's products are
-        # made.
+        # order), M goes to shared memory by conflict-free float4 stores, and the next step's M is loaded into
+        # registers while this step's products are made.
         with T.Kernel(V // BV, Hv, num_seqs, threads=128 * GROUPS) as (vb, h, n):
             m_s = T.alloc_shared((2, K, K), acc)  # two steps' [k][r] factors of state row k in output row r
             # the chain's state block and the groups' partial sums, row k at [k % 4, k // 4]: a warp's partial sums
@@ -149,9 +156,6 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             m_r = T.alloc_local((MQ * 4,), acc)  # the next step's M on its way to shared memory
             acc_r = T.alloc_local((4 * CW,), acc)  # this thread's 4 x CW block of a group's partial sums
             mv = T.alloc_local((4,), acc)
-            # the forward's column of a 4 x 4 block of M on its way to a float4 store (none in the reverse build,
-            # whose generated code and cache entry stay those measured)
-            tv = None if reverse else T.alloc_local((4,), acc)
             sv = T.alloc_local((CW,), acc)
             d_r = T.alloc_local((CW,), acc)  # the output's own term (D or b) for this thread's CW outputs
             tx = T.get_thread_binding()
@@ -167,69 +171,77 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             f = first[n]
             c = count[n]
             c0 = vb * BV
-            row0 = f + c - 1 if reverse else f
+            row0 = f + c - 1
             for j in T.vectorized(CW):
                 sv[j] = start[n, h, orow, c0 + ocol + j]
             for j in T.vectorized(CW):
                 s_s[oe, org, ocol + j] = sv[j]
                 out[row0, h, orow, c0 + ocol + j] = sv[j]
 
-            # the first step that multiplies: the reverse's every step, the forward's from its second (its first
-            # takes b_first, which already starts from h0)
-            first_mul = 0 if reverse else 1
-            if c - 1 > first_mul:
-                load_m(pairs, m_r, tx, h, f + c - 1 - first_mul if reverse else f + first_mul)
-                store_m(m_s, m_r, tv, tx, first_mul % 2)
+            if c - 1 > 0:
+                load_m(pairs, m_r, tx, h, f + c - 1)
+                store_m(m_s, m_r, tx, 0)
             for step in T.serial(c - 1):
-                src = f + c - 1 - step if reverse else f + step
-                dst = src - 1 if reverse else src + 1
+                src = f + c - 1 - step
+                dst = src - 1
                 for j in T.vectorized(CW):
-                    d_r[j] = D[src, h, orow, c0 + ocol + j] if reverse else pairs[src, 2 * h, orow, c0 + ocol + j]
-                if reverse or step > 0:
-                    has_next = step + 1 < c - 1
-                    if has_next:
-                        load_m(pairs, m_r, tx, h, src - 1 if reverse else src + 1)
-                    buf = step % 2
-                    for i in T.serial(4 * CW):
-                        acc_r[i] = 0.0
-                    T.sync_threads()
-                    for kk in T.serial(KG):
-                        kglob = grp * KG + kk
-                        for e in T.vectorized(4):
-                            mv[e] = m_s[buf, kglob, rg * 4 + e]
-                        for j in T.vectorized(CW):
-                            sv[j] = s_s[kglob % 4, kglob // 4, cg * CW + j]
-                        for e in T.serial(4):
-                            for j in T.serial(CW):
-                                acc_r[e * CW + j] = acc_r[e * CW + j] + mv[e] * sv[j]
+                    d_r[j] = D[src, h, orow, c0 + ocol + j]
+                has_next = step + 1 < c - 1
+                if has_next:
+                    load_m(pairs, m_r, tx, h, src - 1)
+                buf = step % 2
+                for i in T.serial(4 * CW):
+                    acc_r[i] = 0.0
+                T.sync_threads()
+                for kk in T.serial(KG):
+                    kglob = grp * KG + kk
+                    for e in T.vectorized(4):
+                        mv[e] = m_s[buf, kglob, rg * 4 + e]
+                    for j in T.vectorized(CW):
+                        sv[j] = s_s[kglob % 4, kglob // 4, cg * CW + j]
                     for e in T.serial(4):
-                        for j in T.vectorized(CW):
-                            part_s[grp, e, rg, cg * CW + j] = acc_r[e * CW + j]
-                    T.sync_threads()
-                    for g in T.serial(GROUPS):
-                        for j in T.vectorized(CW):
-                            sv[j] = part_s[g, oe, org, ocol + j]
                         for j in T.serial(CW):
-                            d_r[j] = d_r[j] + sv[j]
-                    if has_next:
-                        store_m(m_s, m_r, tv, tx, 1 - buf)
-                # (the forward's first step: b_first already starts from h0)
+                            acc_r[e * CW + j] = acc_r[e * CW + j] + mv[e] * sv[j]
+                for e in T.serial(4):
+                    for j in T.vectorized(CW):
+                        part_s[grp, e, rg, cg * CW + j] = acc_r[e * CW + j]
+                T.sync_threads()
+                for g in T.serial(GROUPS):
+                    for j in T.vectorized(CW):
+                        sv[j] = part_s[g, oe, org, ocol + j]
+                    for j in T.serial(CW):
+                        d_r[j] = d_r[j] + sv[j]
+                if has_next:
+                    store_m(m_s, m_r, tx, 1 - buf)
                 for j in T.vectorized(CW):
                     s_s[oe, org, ocol + j] = d_r[j]
                     out[dst, h, orow, c0 + ocol + j] = d_r[j]
 
-    @T.prim_func
-    def splice_kernel(
-        pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
-        D: T.Tensor((num_d, Hv, K, V), acc),
-        start: T.Tensor((num_seqs, Hv, K, V), acc),
-        first: T.Tensor((num_seqs,), "int64"),
-        count: T.Tensor((num_seqs,), "int64"),
-        out: T.Tensor((num_segments, Hv, K, V), acc),
-    ):
-        if blocked:
-            blocked_steps(pairs, D, start, first, count, out)
-        else:
-            plain_steps(pairs, D, start, first, count, out)
+    if chains:
+        @T.prim_func
+        def splice_kernel(
+            pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
+            D: T.Tensor((num_d, Hv, K, V), acc),
+            start: T.Tensor((num_seqs, Hv, K, V), acc),
+            first: T.Tensor((num_seqs,), "int64"),
+            count: T.Tensor((num_seqs,), "int64"),
+            from_known: T.Tensor((num_seqs,), "int64"),
+            out: T.Tensor((num_segments, Hv, K, V), acc),
+        ):
+            plain_steps(pairs, D, start, first, count, out, from_known)
+    else:
+        @T.prim_func
+        def splice_kernel(
+            pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
+            D: T.Tensor((num_d, Hv, K, V), acc),
+            start: T.Tensor((num_seqs, Hv, K, V), acc),
+            first: T.Tensor((num_seqs,), "int64"),
+            count: T.Tensor((num_seqs,), "int64"),
+            out: T.Tensor((num_segments, Hv, K, V), acc),
+        ):
+            if blocked:
+                blocked_steps(pairs, D, start, first, count, out)
+            else:
+                plain_steps(pairs, D, start, first, count, out, None)
 
     return tilelang.compile(splice_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

@@ -62,12 +62,13 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             for reverse in (False, True):
                 yield (f"splice[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
                        dict(Hv=Hv, K=K, V=V, reverse=reverse))
+            # the forward splice on chains from known starts (the backward from the forward's segment starts)
+            yield (f"splice_chains[{Hv},forward]", "splice", dict(Hv=Hv, K=K, V=V, reverse=False, chains=True))
             # the reverse splice's register-blocked builds (forward.SPLICE_BLOCKED, the default), one per column
             # width: which one runs depends on the number of sequences (forward.splice_width)
-            for reverse in (False, True):  # the forward's an A/B (forward.SPLICE_BLOCKED_FORWARD)
-                for bv in SPLICE_WIDTHS:
-                    yield (f"splice_blocked{bv}[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
-                           dict(Hv=Hv, K=K, V=V, reverse=reverse, blocked=True, BV=bv))
+            for bv in SPLICE_WIDTHS:
+                yield (f"splice_blocked{bv}[{Hv},reverse]", "splice",
+                       dict(Hv=Hv, K=K, V=V, reverse=True, blocked=True, BV=bv))
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False))
@@ -97,10 +98,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
 def _is_splice(v: Variant) -> bool:
     """Whether ``v`` is a splice build the operator may run as ``forward.SPLICE_BLOCKED`` is set: the plain forward
     splice; every column width of the blocked reverse splice (the width follows the number of sequences), or the
-    plain one when off."""
+    plain one when off. (The chains build is the backward's, under ``backend.CP_REUSE_STARTS``.)"""
     from . import forward
 
-    if v[0].endswith(",forward]") and not forward.SPLICE_BLOCKED_FORWARD:
+    if v[0].endswith(",forward]"):
         return v[0].startswith("splice[")
     return v[0].startswith("splice_blocked" if forward.SPLICE_BLOCKED else "splice[")
 
@@ -161,7 +162,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                     if v[0].startswith("chunk_forward_rs_pairs_skip_backward["))
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
-                    if _is_splice(v) and v[0].endswith(",reverse]"))
+                    if (_is_splice(v) and v[0].endswith(",reverse]"))
+                    or (backend.CP_REUSE_STARTS and v[0].startswith("splice_chains[")))
     options = backward.chunk_grad_options(Hv // Hqk)
     precise = forward.PRECISE and dtype == "bfloat16"
     for v in backward_variants(Hqk, Hv, K, V, dtype):
