@@ -134,8 +134,10 @@ CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "1") == "1"
 #: a backward segment length that the forward's divides needs no splice, and one that divides the forward's only
 #: chains of the ratio, each chain's first ``M start + b`` made in the splice (its ``chains`` build;
 #: ``cp.exact.starts_from_known``). Under autograd only (the custom op's backward, a separate call, splices as
-#: before); the backward's plan counts the shorter splice. An A/B, off. FLASHGDN_HOPPER_CP_REUSE_STARTS=1.
-CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "0") == "1"
+#: before); the backward's plan counts the shorter splice. A training step's kernels on the H200
+#: (``backward/step-kernels-v0.16i-reuse{0,1}.json``): 2/4 32768x1 0.864 -> 0.813 ms, 1/4 131072x1 2.290 -> 2.230,
+#: 4/8 32768x1 1.267 -> 1.263, 16/32 32768x1 3.791 -> 3.786; the cp set's fwd+bwd 1.007x. FLASHGDN_HOPPER_CP_REUSE_STARTS=0|1.
+CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "1") == "1"
 
 
 def _reuses_starts(plan, backward_plan) -> bool:
