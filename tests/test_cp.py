@@ -587,7 +587,7 @@ class _SkippingPairedReferenceForward(_PairedReferenceForward):
         s = torch.arange(end.shape[0])
         first = index.first[index.seg_seq]
         last = first + index.count[index.seg_seq] - 1
-        end[s == last, 0::2] = float("nan")  # b of a last segment
+        end[(s == last) | (mode == "m_only"), 0::2] = float("nan")  # b of a last segment (of all: m_only)
         end[(s == first) | ((s == last) & (mode == "forward")), 1::2] = float("nan")  # M of a first (or last)
         return end
 
@@ -779,8 +779,9 @@ def test_problem_plans_are_made_once_per_shape():
 def test_the_backward_from_the_forwards_starts_splices_less():
     """``forward_chunks`` (the backward starts from the forward's segment starts): the forward splice's chain is the
     ratio of the lengths less one, none when the backward's length is a multiple of the forward's, the whole
-    sequence's when neither divides the other; the estimate drops by those steps and nothing else."""
-    from flashgdn.cp.plan import CostModel, backward_estimated_us, forward_splice_steps
+    sequence's when neither divides the other; the estimate drops by those steps, and when the starts are gathered
+    by the b half of the transition pass too (``skip_unread="m_only"``), nothing else."""
+    from flashgdn.cp.plan import CostModel, Items, backward_estimated_us, forward_splice_steps
 
     assert forward_splice_steps([32], 16, None) == 31
     assert forward_splice_steps([32, 3], 16, 32) == 1
@@ -791,6 +792,9 @@ def test_the_backward_from_the_forwards_starts_splices_less():
     model = CostModel()
     step = model.splice_step_fixed_us + 8 * model.splice_step_head_us
     whole, fused = backward_estimated_us([32768], 8, 16, model)
-    for forward_chunks, steps in ((32, 1), (16, 0), (64, 3), (48, 2), (24, 31)):
+    b_half = model.pair_items_us(Items(62, 62 * 16, 16), 8) - model.pair_items_us(Items(31, 31 * 16, 16), 8)
+    assert b_half > 0
+    for forward_chunks, steps in ((32, 1), (16, 0), (8, 0), (64, 3), (48, 2), (24, 31)):
         us, f = backward_estimated_us([32768], 8, 16, model, forward_chunks=forward_chunks)
-        assert f == fused and us == pytest.approx(whole - (31 - steps) * step)
+        gathered = 16 % forward_chunks == 0
+        assert f == fused and us == pytest.approx(whole - (31 - steps) * step - gathered * b_half)

@@ -64,8 +64,9 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
 
 
 def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
-    """The serving kernels, the splices of the backward's CP (the forward's chains build from the forward's segment
-    starts, the reverse's blocked build at both widths), and the backward's kernels as its switches
+    """The serving kernels, the backward's CP transition passes (and the one that makes only M, for starts gathered
+    from the forward's) and splices (the forward's chains build from the forward's segment starts, the reverse's
+    blocked build at both widths), and the backward's kernels as its switches
     are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
     with their default stores, the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes
     that fill the GPU) with and without a final-state gradient, in the precise mode (which keeps the two kernels)
@@ -76,6 +77,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     serving = [v[0] for v in serving_variants(2, 8, flags="common")]
     names = [v[0] for v in training_variants(2, 8, flags="common")]
     assert names == serving + ["chunk_forward_rs_pairs_skip_backward[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+                               "chunk_forward_rs_pairs_skip_m_only[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                                "splice_chains[8,forward]", "splice_blocked8[8,reverse]",
                                "splice_blocked16[8,reverse]",
                                "chunk_states[2/8,bfloat16,h0=1,staged]",
@@ -129,4 +131,4 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     assert set(lean_of_state_passes().values()) == {None}
     monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
     lean = lean_of_state_passes()
-    assert len(lean) == 6 and set(lean.values()) == {True}, lean
+    assert len(lean) == 7 and set(lean.values()) == {True}, lean

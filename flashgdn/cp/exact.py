@@ -131,14 +131,16 @@ def _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index):
     return (lambda src: (M.index_select(0, src), b.index_select(0, src))), None
 
 
-def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=False):
+def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=False, m_only=False):
     """Steps 1 and 2 in one pass of twice the value heads (when V = K): value head 2h carries head h's b pass
     and head 2h + 1 its M pass (v = 0, identity start). Interleaving keeps both on qk head h // group, since
     (2h or 2h + 1) // (2 group) = h // group; one launch with twice the CTAs instead of two. A forward with a
     ``transition_pairs(q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu) -> end`` attribute runs that pass
     from the undoubled inputs itself (``start``/``end``: ``[S, 2 Hv, K, V]``). Returns ``(gather, pairs)``:
     ``gather`` for the splice (one gather of both (b, M) pairs per step) and the pairs ``[S, 2 Hv, K, V]`` (head
-    2h: b of value head h, 2h + 1: its M), for a forward's own ``splice`` / ``splice_reverse``."""
+    2h: b of value head h, 2h + 1: its M), for a forward's own ``splice`` / ``splice_reverse``. ``m_only``: no b
+    will be read (the backward's starts gathered from the forward's, ``starts_from_known``), which a forward that
+    skips unread items is told (``"m_only"``)."""
     S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
     start = h0.new_empty((S, Hv, 2, K, V))
     start[:, :, 0].zero_()
@@ -152,7 +154,7 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for
         # kernel never read them.
         skip = {}
         if getattr(forward, "skips_unread_transitions", False):
-            skip["unread"] = (index, "backward" if for_backward else "forward")
+            skip["unread"] = (index, "m_only" if m_only else "backward" if for_backward else "forward")
         end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu, **skip)
     else:
         v2 = v.new_empty(v.shape[:3] + (2,) + v.shape[3:])  # [1, T, Hv, 2, V]: v, then zeros
@@ -199,7 +201,8 @@ def segment_starts(forward: Forward, q, k, v, g, beta, scale, h0: torch.Tensor, 
     splice needs no chain longer than the ratio of the two segment lengths (``starts_from_known``) when one
     length divides the other."""
     if k.shape[3] == v.shape[3]:
-        gather, pairs = _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward)
+        gather, pairs = _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward,
+                                              m_only=known is not None and gathers_starts(plan, known.plan))
     else:
         gather, pairs = _transitions_two_passes(forward, q, k, v, g, beta, scale, h0, plan, index)
     if known is not None:
@@ -213,6 +216,13 @@ def segment_starts(forward: Forward, q, k, v, g, beta, scale, h0: torch.Tensor, 
     return _splice(gather, h0, plan, index), gather, pairs
 
 
+def gathers_starts(plan: SegmentPlan, known_plan: SegmentPlan) -> bool:
+    """Whether ``starts_from_known`` gathers every start of ``plan`` from those of ``known_plan``, with no splice:
+    both split by a length, ``plan``'s a multiple of the other's."""
+    Lb, Lf = plan.segment_chunks, known_plan.segment_chunks
+    return Lb is not None and Lf is not None and Lb % Lf == 0
+
+
 def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Tensor], plan: SegmentPlan,
                       index: SegmentIndex, known: KnownStarts) -> Optional[torch.Tensor]:
     """Every segment's true start state from ``known``, the true starts of another plan of the same sequences,
@@ -220,7 +230,8 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
     None otherwise.
 
     - ``plan``'s length a multiple r of ``known``'s: every segment starts where a known one does (its sequence's
-      known segment r x its own index), so its start is gathered, with no splice.
+      known segment r x its own index), so its start is gathered, with no splice (``gathers_starts``; the
+      transition pass then need not make any b: ``segment_starts`` asks a skipping forward for ``"m_only"``).
     - ``known``'s a multiple m of ``plan``'s: each known segment holds m of ``plan``'s (fewer at a sequence's end),
       and the splice runs on those chains of at most m, all at once, from the known starts, instead of on each
       sequence's whole chain. A chain's first b is its segment's end state from a zero start, so it becomes
@@ -234,7 +245,7 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
         return None
     S = plan.num_segments
     dev = index.first.device
-    if Lb % Lf == 0:
+    if gathers_starts(plan, known.plan):
         own_first = index.first.index_select(0, index.seg_seq)
         local = torch.arange(S, device=dev) - own_first
         return known.starts.index_select(0, known.index.first.index_select(0, index.seg_seq) + local * (Lb // Lf))

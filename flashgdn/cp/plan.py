@@ -450,7 +450,7 @@ def backward_estimated_us(seqlens: Sequence[int], heads: int, segment_chunks: Op
     zero end gradient, the reverse splice, then the same stages on the segments. Stage 1, the chunk plan and the
     group sums of dq and dk see the same chunks either way and are left out. ``forward_chunks``: the forward's
     segment length when the backward starts from the forward's segment starts (``exact.starts_from_known``): the
-    forward splice then runs chains of the ratio of the lengths, or none."""
+    forward splice then runs chains of the ratio of the lengths, or none (and the transition pass makes no b)."""
     return _backward_estimated_us(_sequences(seqlens)[0], heads, segment_chunks, model, fused_allowed,
                                   forward_chunks)
 
@@ -478,7 +478,9 @@ def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Op
     if len(segs) == len(chunks):
         return us, use_fused
     pieces = [-(-c // segment_chunks) for c in chunks]
-    runs = 2 * sum(p - 1 for p in pieces)  # b of all but the last, M of all but the first
+    # b of all but the last, M of all but the first; no b when the starts are gathered from the forward's
+    gathered = forward_chunks is not None and segment_chunks % forward_chunks == 0
+    runs = (1 if gathered else 2) * sum(p - 1 for p in pieces)
     transitions = model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
     steps = max(pieces) - 1
     forward_steps = forward_splice_steps(pieces, segment_chunks, forward_chunks)

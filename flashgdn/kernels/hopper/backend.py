@@ -136,7 +136,9 @@ CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "1") == "1"
 #: ``cp.exact.starts_from_known``). Under autograd only (the custom op's backward, a separate call, splices as
 #: before); the backward's plan counts the shorter splice. A training step's kernels on the H200
 #: (``backward/step-kernels-v0.16i-reuse{0,1}.json``): 2/4 32768x1 0.864 -> 0.813 ms, 1/4 131072x1 2.290 -> 2.230,
-#: 4/8 32768x1 1.267 -> 1.263, 16/32 32768x1 3.791 -> 3.786; the cp set's fwd+bwd 1.007x. FLASHGDN_HOPPER_CP_REUSE_STARTS=0|1.
+#: 4/8 32768x1 1.267 -> 1.263, 16/32 32768x1 3.791 -> 3.786; the cp set's fwd+bwd 1.007x. Where the starts are
+#: gathered the transition pass makes no b either (``skip_unread="m_only"``): 1/4 131072x1 2.281 -> 2.161 ms
+#: (``-v0.16j-reuse{0,1}.json``). FLASHGDN_HOPPER_CP_REUSE_STARTS=0|1.
 CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "1") == "1"
 
 

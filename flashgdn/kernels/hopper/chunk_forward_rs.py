@@ -101,7 +101,8 @@ def build_chunk_forward_rs(
     index tensors ``seg_seq [segments]``, ``first [sequences]`` and ``count [sequences]`` (int64,
     ``flashgdn.cp.SegmentIndex``), and walks no chunk for the items that context parallelism's splices never read
     (docs/context-parallel.md): b of a sequence's last segment, M of its first, and with ``"forward"`` M of its last.
-    Such a CTA stores its start state as its end state.
+    ``"m_only"``: every b as well (the backward whose segments start from the forward's segment starts, gathered:
+    it reads only M, in its reverse splice). Such a CTA stores its start state as its end state.
 
     ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
     writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
@@ -161,8 +162,8 @@ def build_chunk_forward_rs(
         heads = 2 * Hv
         state_shape_h0 = (n_h0, heads, K, V)
         state_shape_ht = (n_ht, heads, K, V)
-    if skip_unread not in ("", "forward", "backward") or skip_unread and not transition_pairs:
-        raise ValueError(f"skip_unread must be '', 'forward' or 'backward' (with transition_pairs), "
+    if skip_unread not in ("", "forward", "backward", "m_only") or skip_unread and not transition_pairs:
+        raise ValueError(f"skip_unread must be '', 'forward', 'backward' or 'm_only' (with transition_pairs), "
                          f"got {skip_unread!r}")
     skipping, forward_skips = skip_unread != "", skip_unread == "forward"
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
@@ -341,10 +342,10 @@ def build_chunk_forward_rs(
                 seq = seg_seq[n]
                 is_first = T.cast(n, "int64") == first[seq]
                 is_last = T.cast(n, "int64") == first[seq] + count[seq] - 1
-                # head 2h: b (never read for a last segment); 2h + 1: M (never for a first one, in the forward
-                # not for a last one either)
+                # head 2h: b (never read for a last segment; with "m_only" for none); 2h + 1: M (never for a
+                # first one, in the forward not for a last one either)
                 unread_m = T.Or(is_first, is_last) if forward_skips else is_first
-                unread = T.if_then_else(h % 2 == 0, is_last, unread_m)
+                unread = T.if_then_else(h % 2 == 0, True if skip_unread == "m_only" else is_last, unread_m)
                 n_chunks = T.if_then_else(unread, 0, n_chunks)
 
             # two-stage input ring

@@ -51,7 +51,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs"), "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True))
-            for mode in ("forward", "backward"):  # the items the splices never read skipped (CP_SKIP_UNREAD)
+            # the items the splices never read skipped (CP_SKIP_UNREAD); m_only: the backward whose starts are gathered
+            # from the forward's (CP_REUSE_STARTS) reads no b
+            for mode in ("forward", "backward", "m_only"):
                 yield (name.replace("chunk_forward", f"chunk_forward_rs_pairs_skip_{mode}"), "chunk_forward_rs",
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                             store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True,
@@ -157,9 +159,10 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     from . import backend, backward, forward
 
     yield from serving_variants(Hqk, Hv, K, V, dtype, flags)
-    if backend.CP_PAIRED and backend.CP_SKIP_UNREAD:  # the backward's transitions skip fewer items
+    if backend.CP_PAIRED and backend.CP_SKIP_UNREAD:  # the backward's transitions skip fewer items (or every b)
         yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
-                    if v[0].startswith("chunk_forward_rs_pairs_skip_backward["))
+                    if v[0].startswith("chunk_forward_rs_pairs_skip_backward[")
+                    or (backend.CP_REUSE_STARTS and v[0].startswith("chunk_forward_rs_pairs_skip_m_only[")))
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
                     if (_is_splice(v) and v[0].endswith(",reverse]"))
