@@ -6,7 +6,8 @@ Each case is one sequence of ``S`` segments: its transition pairs (M near 0.9 I,
 random), a start state, and for the reverse splice a D per segment; the splice then makes ``S - 1`` dependent
 steps, so the time per step is the slope of the kernel's time over S. A build is ``plain:BV`` (``splice.py``'s
 128-thread steps over BV state columns a CTA, both directions) or ``blocked:BV`` (its register-blocked build, the
-reverse splice's). Checks each build against the torch splice (``flashgdn.cp.exact`` / ``flashgdn.cp.backward``'s formulas, float64) before timing it.
+reverse splice's). Checks each build against the torch splice (``flashgdn.cp.exact`` / ``flashgdn.cp.backward``'s
+formulas, float64) before timing it.
 """
 import argparse
 import json
