@@ -3,16 +3,20 @@
 # machine from the project root (OUTDIR best a local folder packed afterwards: the parts write many files):
 #   source .device/setup.sh && scripts/gpu_ab_round.sh splice OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh bwd-set OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh starts OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
 #   training step's kernels on four few-head shapes both ways (step-kernels-reuse{0,1}.json), and the cp set's
 #   fwd+bwd with the reuse on, flashgdn alone (cp-fwdbwd-reuse.json).
 # bwd-set: the bwd set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (bwd-set.json).
+# starts: the transition pass's start states made in the kernel (backend.CP_STARTS_IN_KERNEL): its same-bits test
+#   (gpu-starts.log), then a training step's kernels on four few-head shapes without and with it
+#   (step-kernels-starts{0,1}.json), and the cp set's forward with it, flashgdn alone (cp-fwd-starts.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set OUTDIR}
+part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts OUTDIR}
+out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -37,7 +41,21 @@ elif [ "$part" = bwd-set ]; then
   timeout 560 python3 -m flashgdn.bench --set bwd --impls flashgdn,flashqla --modes fwdbwd --time-budget 520 \
     --no-plots --out-dir "$out" --name bwd-set > "$out/bwd-set.log" 2>&1
   echo "# exit status $?" >> "$out/bwd-set.log"; tail -3 "$out/bwd-set.log"
+elif [ "$part" = starts ]; then
+  timeout 120 python3 -m pytest -m gpu -q -rfEx -n 6 tests/test_gpu_hopper_cp.py -k "starts_made_in_the_kernel" \
+    > "$out/gpu-starts.log" 2>&1
+  echo "# exit status $?" >> "$out/gpu-starts.log"; quiet "$out/gpu-starts.log"
+  for on in 0 1; do
+    FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=$on timeout 60 python3 benchmarks/step_kernels.py --cp auto --sequence \
+      --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768 \
+      --out "$out/step-kernels-starts$on.json" > "$out/step-kernels-starts$on.log" 2>&1
+    echo "# exit status $?" >> "$out/step-kernels-starts$on.log"
+    grep "kernels per step\|exit" "$out/step-kernels-starts$on.log"
+  done
+  FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1 timeout 200 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwd \
+    --time-budget 170 --no-plots --out-dir "$out" --name cp-fwd-starts > "$out/cp-fwd-starts.log" 2>&1
+  echo "# exit status $?" >> "$out/cp-fwd-starts.log"; tail -2 "$out/cp-fwd-starts.log"
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set OUTDIR" >&2
+  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts OUTDIR" >&2
   exit 2
 fi

@@ -592,6 +592,38 @@ class _SkippingPairedReferenceForward(_PairedReferenceForward):
         return end
 
 
+class _StartsBuildingForward(_SkippingPairedReferenceForward):
+    """The skipping forward that, like the Hopper pass's ``starts_from_h0``, is given the sequences' initial states
+    instead of the start states and makes these itself from the segment index as the kernel does (a segment is its
+    sequence's first where ``first[seg_seq[n]] == n``: b from h0 there, else zero; M from the identity)."""
+
+    builds_transition_starts = True
+
+    def transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu, unread=None, h0=None):
+        assert start is None and h0 is not None and unread is not None
+        index = unread[0]
+        S, (Hv, K, V) = index.seg_seq.numel(), h0.shape[1:]
+        made = h0.new_zeros((S, Hv, 2, K, V))
+        seq = index.seg_seq
+        at_first = index.first.index_select(0, seq) == torch.arange(S)
+        made[at_first, :, 0] = h0.index_select(0, seq[at_first])
+        made[:, :, 1] = torch.eye(K, dtype=h0.dtype)
+        return super().transition_pairs(q, k, v, g, beta, scale, made.flatten(1, 2), seg_cu, seg_cu_cpu, unread)
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cp_forward_with_the_starts_made_by_the_pass(case, segment_chunks):
+    """A forward that ``builds_transition_starts`` gets h0 (no start tensor) and the result is the reference's."""
+    q, k, v, g, beta, h0, cu = _packed_case(case, 16, 16)
+    o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.25, h0, cu, True)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    fwd = _StartsBuildingForward()
+    o, ht = cp_forward(fwd, q, k, v, g, beta, 0.25, h0, True, plan, cu)
+    assert fwd.modes == (["forward"] if plan.split else [])
+    assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10
+
+
 @pytest.mark.parametrize("segment_chunks", [1, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cp_forward_reads_no_transition_it_can_skip(case, segment_chunks):

@@ -12,7 +12,7 @@ from flashgdn.cp.plan import segment_index_tensors
 from flashgdn.reference.chunked_backward import ReferenceBackwardStages, chunk_gated_delta_rule_backward_reference
 from helpers import assert_same_computation, rel_rms
 from test_cp import (CASES, DeviceOps, _meta_forward, _meta_inputs, _packed_case, _SkippingPairedReferenceForward,
-                     ref_forward)
+                     _StartsBuildingForward, ref_forward)
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -322,7 +322,8 @@ class _CountingChainsForward(_CountingSkippingForward):
 # V = K: the transitions' pairs (from the torch forward, the skipping paired pass, or it with its own splice); else
 # two passes without pairs
 @pytest.mark.parametrize("K,V,forward_kind", [(16, 16, "torch"), (16, 16, "skipping"), (16, 16, "skipping_own_splice"),
-                                              (16, 16, "skipping_own_chains"), (16, 8, "torch")])
+                                              (16, 16, "skipping_own_chains"), (16, 16, "starts_building"),
+                                              (16, 8, "torch")])
 @pytest.mark.parametrize("fwd_chunks,bwd_chunks", [(2, 1), (4, 1), (6, 2), (1, 2), (2, 2), (1, 3), (3, 2)])
 @pytest.mark.parametrize("case", [1, 2, 3])
 def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V, forward_kind):
@@ -339,7 +340,7 @@ def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V
     fplan, plan = split_sequences(seqlens, fwd_chunks), split_sequences(seqlens, bwd_chunks)
     fwd = {"torch": lambda: ref_forward, "skipping": _SkippingPairedReferenceForward,
            "skipping_own_splice": _CountingSkippingForward,
-           "skipping_own_chains": _CountingChainsForward}[forward_kind]()
+           "skipping_own_chains": _CountingChainsForward, "starts_building": _StartsBuildingForward}[forward_kind]()
     with torch.no_grad():
         o, ht, fstarts = cp_forward(ref_forward, q, k, v, g, beta, 0.3, h0, True, fplan, cu, keep_starts=True)
         if isinstance(fwd, _CountingSkippingForward):

@@ -133,6 +133,36 @@ def test_paired_transition_pass_gives_the_same_bits(opts, cuda, monkeypatch):
     assert torch.equal(o1, o0) and torch.equal(h1, h0)
 
 
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
+    dict(seqlens=[4096, 4096], dense=True),
+])
+@pytest.mark.parametrize("cp", [4, "auto"])
+def test_transition_starts_made_in_the_kernel_give_the_same_bits(opts, cp, cuda, monkeypatch):
+    """FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL: the transition pass makes its start states from the sequences' initial
+    states (h0, zero, the identity: the same float32 values the host's start tensor holds), in the forward and in
+    the backward (cp=4: the backward's starts gathered, its pass without b; "auto": its own plan), so the output,
+    the final state and every gradient are the same bits."""
+    from flashgdn.kernels.hopper import backend
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device=cuda).manual_seed(3)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(inp["v"].dtype)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", on)
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**{**inp, **xs}, output_final_state=True, backend="hopper", cp=cp)
+        torch.autograd.backward([o, ht], [do, torch.ones_like(ht)])
+        runs.append([o, ht] + [xs[n].grad for n in names])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("build", ["plain", "blocked"])
 @pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([640] * 4, 10),
                                                     ([192, 64, 256], 1)])

@@ -127,16 +127,22 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, fused, checked_
         assert all((x[:, end:] == 0).all() for x in (dq, dk, dv, dg, dbeta)), "the padded tail's gradients are 0"
 
 
+@pytest.mark.parametrize("starts_in_kernel", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("output_final_state", [True, False])
-def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, checked_kernels):
+def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, starts_in_kernel, checked_kernels,
+                                                    monkeypatch):
     """Context parallelism's paired transition pass (stage 1 run once, shared with the forward over the
     segments; FLASHGDN_HOPPER_CP_PAIRED) and the forward after it, with the segment index and the splice in torch
-    or by their kernels (FLASHGDN_HOPPER_CP_FUSED)."""
+    or by their kernels (FLASHGDN_HOPPER_CP_FUSED); the pass's start states read, or made by it from the sequences'
+    initial states (FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL)."""
     from flashgdn.api.validate import validate
     from flashgdn.cp import plan_for_problem
     from flashgdn.cp.exact import cp_problem_forward
+    from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
+
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", starts_in_kernel)
 
     inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[700, 30, 300], pad=5)
     inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
@@ -151,22 +157,28 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, ch
                      + ["chunk_forward_rso"])
     assert all(sizes["num_seqs"] == plan.num_segments for name, sizes in checked_kernels
                if name.startswith("chunk_forward"))
+    # the pass's first states: one per segment and pair head, or the sequences' initial states
+    assert [sizes["n_h0"] for name, sizes in checked_kernels if name == "chunk_forward_rs"] == \
+        [3 if starts_in_kernel else plan.num_segments]
     assert o.shape == p.v.shape
     assert (final is None) != output_final_state
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused,starts_in_kernel", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("with_h0", [True, False])
-def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fused, checked_kernels, monkeypatch):
+def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fused, starts_in_kernel, checked_kernels,
+                                                                   monkeypatch):
     """The backward on the forward's segments (``cp.cp_backward``): stage 1 once (with A) for the paired transition
     pass and every stage after it, the walk from zero, then the stages from the spliced states and gradients; the
-    segment index and the splices in torch or by their kernels (FLASHGDN_HOPPER_CP_FUSED)."""
+    segment index and the splices in torch or by their kernels (FLASHGDN_HOPPER_CP_FUSED); the transition pass's
+    start states made by it (FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL)."""
     from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backward import hopper_backward
 
     monkeypatch.setattr(backend, "CP_PAIRED", True)  # the 2/8 kernels test_kernels_compile.py has compiled
     monkeypatch.setattr(backend, "CP_FUSED", fused)
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", starts_in_kernel)
     seqlens = [700, 30, 300]
     inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, pad=5,
                       initial_state=with_h0)
@@ -191,6 +203,8 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
             assert sizes["num_seqs"] == len(seqlens) and sizes["num_segments"] == plan.num_segments
         else:
             assert sizes.get("num_seqs", plan.num_segments) == plan.num_segments, name
+    transition = [sizes for name, sizes in checked_kernels if name == "chunk_forward_rs"][0]
+    assert transition["n_h0"] == (len(seqlens) if starts_in_kernel else plan.num_segments)
     assert grads[0].shape == q.shape and (grads[5] is None) == (h0 is None)
 
 

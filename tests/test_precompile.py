@@ -132,3 +132,19 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
     lean = lean_of_state_passes()
     assert len(lean) == 7 and set(lean.values()) == {True}, lean
+
+
+def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
+    """FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL reaches the skipping transition passes a training step precompiles (and
+    nothing else)."""
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.variants import training_variants
+
+    def from_h0():
+        return {name: kw.get("starts_from_h0", False) for name, builder, kw in training_variants(2, 8, flags="common")
+                if builder == "chunk_forward_rs"}
+
+    assert not any(from_h0().values())
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
+    got = from_h0()
+    assert {n for n, on in got.items() if on} == {n for n in got if "_pairs_skip_" in n} != set(), got

@@ -142,21 +142,29 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for
     will be read (the backward's starts gathered from the forward's, ``starts_from_known``), which a forward that
     skips unread items is told (``"m_only"``)."""
     S, (Hv, K, V) = plan.num_segments, h0.shape[1:]
-    start = h0.new_empty((S, Hv, 2, K, V))
-    start[:, :, 0].zero_()
-    start[index.first, :, 0] = h0
-    start[:, :, 1] = torch.eye(K, dtype=h0.dtype, device=h0.device)
+
+    def starts():  # b from h0 on a sequence's first segment, else zero; M from the identity
+        start = h0.new_empty((S, Hv, 2, K, V))
+        start[:, :, 0].zero_()
+        start[index.first, :, 0] = h0
+        start[:, :, 1] = torch.eye(K, dtype=h0.dtype, device=h0.device)
+        return start
+
     paired = getattr(forward, "transition_pairs", None)
     if paired is not None:
         # the forward runs the pairs itself (value head h's inputs for both, v = 0 for the second), so the
         # doubled inputs below are never made. One that skips what neither splice reads (b of a last segment, M of
         # a first, and in the forward M of a last) leaves those entries as they come: splice_steps and the splice
-        # kernel never read them.
+        # kernel never read them. One that ``builds_transition_starts`` makes the start states itself from h0.
         skip = {}
         if getattr(forward, "skips_unread_transitions", False):
             skip["unread"] = (index, "m_only" if m_only else "backward" if for_backward else "forward")
-        end = paired(q, k, v, g, beta, scale, start.flatten(1, 2), index.seg_cu, plan.seg_cu, **skip)
+        if skip and getattr(forward, "builds_transition_starts", False):
+            end = paired(q, k, v, g, beta, scale, None, index.seg_cu, plan.seg_cu, h0=h0, **skip)
+        else:
+            end = paired(q, k, v, g, beta, scale, starts().flatten(1, 2), index.seg_cu, plan.seg_cu, **skip)
     else:
+        start = starts()
         v2 = v.new_empty(v.shape[:3] + (2,) + v.shape[3:])  # [1, T, Hv, 2, V]: v, then zeros
         v2[:, :, :, 1].zero_()
         v2[:, :, :, 0] = v

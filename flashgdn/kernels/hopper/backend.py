@@ -141,6 +141,13 @@ CP_SKIP_UNREAD = os.environ.get("FLASHGDN_HOPPER_CP_SKIP_UNREAD", "1") == "1"
 #: (``-v0.16j-reuse{0,1}.json``). FLASHGDN_HOPPER_CP_REUSE_STARTS=0|1.
 CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "1") == "1"
 
+#: the skipping transition pass makes its start states itself from the sequences' initial states (the rs loop's
+#: ``starts_from_h0``) instead of reading a [segments, 2 Hv, K, V] start tensor that four small torch kernels fill
+#: (two fills, h0's scatter, the identity's copy: ~14 us of 2/4 32768x1's ~0.21 ms CP forward, and again in its
+#: backward). An A/B, off: compiled for sm_90a without spills, CPU-tested through the drivers, not yet run on a GPU.
+#: FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1.
+CP_STARTS_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL", "0") == "1"
+
 
 def _reuses_starts(plan, backward_plan) -> bool:
     """Whether the forward keeps its segment starts for the backward: both split, and ``CP_REUSE_STARTS``."""
@@ -229,7 +236,13 @@ class _HopperSegmentsForward:
     def skips_unread_transitions(self) -> bool:
         return self._paired and self._skip_unread
 
-    def _transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu, unread=None):
+    @property
+    def builds_transition_starts(self) -> bool:
+        """Whether ``transition_pairs`` (when it skips unread items) takes the sequences' initial states ``h0=``
+        and makes the start states itself (``CP_STARTS_IN_KERNEL``)."""
+        return self.skips_unread_transitions and CP_STARTS_IN_KERNEL
+
+    def _transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu, unread=None, h0=None):
         from .forward import hopper_stage1, hopper_transition_pairs
 
         cu = seg_cu.to(torch.int32)
@@ -237,7 +250,7 @@ class _HopperSegmentsForward:
             self._stage1 = self._stage1_source(q, k, g, beta, seg_cu)
         else:
             self._stage1 = hopper_stage1(k, g, beta, cu)
-        return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread)
+        return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0)
 
 
 class HopperBackend(Backend):

@@ -70,6 +70,7 @@ def build_chunk_forward_rs(
     skip_unread: str = "",
     swizzled_v: Optional[bool] = None,
     lean: bool = False,
+    starts_from_h0: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -103,6 +104,12 @@ def build_chunk_forward_rs(
     (docs/context-parallel.md): b of a sequence's last segment, M of its first, and with ``"forward"`` M of its last.
     ``"m_only"``: every b as well (the backward whose segments start from the forward's segment starts, gathered:
     it reads only M, in its reverse splice). Such a CTA stores its start state as its end state.
+
+    ``starts_from_h0=True`` (with ``skip_unread``) makes the transition pass's start states in the kernel instead of
+    reading them: ``h0`` is then the sequences' initial states ``[sequences, Hv, K, V]``, and head 2h of segment n
+    starts from ``h0[seq_seq[n], h]`` where n is its sequence's first segment and from zero elsewhere, head 2h + 1
+    from the identity. This spares the host's [S, 2 Hv, K, V] start tensor: four small kernels (two fills, a scatter
+    of h0, the identity's copy) and its reads, per pass.
 
     ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
     writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
@@ -166,6 +173,10 @@ def build_chunk_forward_rs(
         raise ValueError(f"skip_unread must be '', 'forward', 'backward' or 'm_only' (with transition_pairs), "
                          f"got {skip_unread!r}")
     skipping, forward_skips = skip_unread != "", skip_unread == "forward"
+    if starts_from_h0:
+        if not skipping:
+            raise ValueError("starts_from_h0 is an option of the transition pass with skip_unread (its segment index)")
+        state_shape_h0 = (n_h0, Hv, K, V)
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
         raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
@@ -186,7 +197,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
-                   o_s, full, empty, p_ready, first_slot, kd_s, a_ready):
+                   o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq=None, is_first=None):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -204,7 +215,17 @@ def build_chunk_forward_rs(
             gcol_f = T.alloc_fragment((C,), acc)
             dcol_f = T.alloc_fragment((C,), acc)
             gl = T.alloc_local((1,), acc)
-        parts.load_state(st_f, h0, n, h, c0)
+        if starts_from_h0:
+            if h % 2 == 1:  # M's pass: from the identity (st_f is S^T: S[j, c0 + i])
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = T.if_then_else(c0 + i == j, T.float32(1), T.float32(0))
+            elif is_first:  # b's pass on a sequence's first segment: from the sequence's initial state
+                for i, j in T.Parallel(HV2, K):
+                    st_f[i, j] = h0[seq, h // 2, j, c0 + i]
+            else:
+                T.clear(st_f)
+        else:
+            parts.load_state(st_f, h0, n, h, c0)
 
         for c in T.serial(n_chunks):
             st = c % 2
@@ -376,12 +397,20 @@ def build_chunk_forward_rs(
 
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
-                state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
+                if starts_from_h0:
+                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
+                else:
+                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
-                state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                           dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
+                if starts_from_h0:
+                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
+                else:
+                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)

@@ -370,24 +370,31 @@ def _kkt_occupancy() -> dict:
 
 
 def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage1: Stage1,
-                            start: torch.Tensor, cu_seqlens: torch.Tensor, unread=None) -> torch.Tensor:
+                            start: Optional[torch.Tensor], cu_seqlens: torch.Tensor, unread=None,
+                            h0: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context parallelism's transition pass with stage 1 shared (the rs loop's ``transition_pairs`` variant):
     packed ``[1, T, ...]`` inputs over segments ``cu_seqlens``; ``start [S, 2 Hv, K, V]`` float32 K-major, head
     2h the b pass of value head h and 2h + 1 its M pass (v = 0). Returns the end states, same layout.
     ``unread = (index, "forward" | "backward")`` (``flashgdn.cp.SegmentIndex``): the items the splices never read
-    walk no chunk (their end is their start; the kernel's ``skip_unread``)."""
+    walk no chunk (their end is their start; the kernel's ``skip_unread``). ``h0`` (with ``unread``, instead of
+    ``start``): the sequences' initial states ``[sequences, Hv, K, V]``, from which the kernel makes the start
+    states itself (its ``starts_from_h0``: h0 for b on a sequence's first segment, else zero; the identity for M)."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     _, TT, Hqk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
     mode = "" if unread is None else unread[1]
+    if (h0 is None) == (start is None) or (h0 is not None and unread is None):
+        raise ValueError("hopper_transition_pairs takes start, or h0 with unread (the segment index)")
+    from_h0 = {} if h0 is None else dict(starts_from_h0=True)
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(k.dtype), True, True, False, with_output=False,
-                                    transition_pairs=True, skip_unread=mode, **lean_state_option())
+                                    transition_pairs=True, skip_unread=mode, **lean_state_option(), **from_h0)
     end = _output((N, 2 * Hv, K, V), torch.float32, k.device)
     o1 = torch.empty((1, 1, Hv, V), dtype=k.dtype, device=k.device)  # not touched by a state-only pass
-    args = (q, k, v, stage1.gcum, stage1.Ag, cu_seqlens, stage1.first_slot, start.to(torch.float32).contiguous(),
-            1.0, o1, end)
+    first_states = start if h0 is None else h0
+    args = (q, k, v, stage1.gcum, stage1.Ag, cu_seqlens, stage1.first_slot,
+            first_states.to(torch.float32).contiguous(), 1.0, o1, end)
     if unread is not None:
         index = unread[0]
         args += (index.seg_seq.to(torch.int64), index.first.to(torch.int64), index.count.to(torch.int64))

@@ -58,6 +58,11 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                             store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True,
                             skip_unread=mode))
+            # the start states made in the kernel (backend.CP_STARTS_IN_KERNEL, an A/B): the same code in every mode
+            yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0"), "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
+                        state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
+                        starts_from_h0=True))
             # context parallelism's own kernels (FLASHGDN_HOPPER_CP_FUSED=1): the segment index, the splices
             for cu_dtype in ("int32", "int64"):
                 yield (f"segment_index[{cu_dtype}]", "segment_index", dict(cu_dtype=cu_dtype))
@@ -111,14 +116,17 @@ def _is_splice(v: Variant) -> bool:
 def with_switches(v: Variant) -> Variant:
     """A variant with the build options the host's switches add to it, as ``forward`` and ``backward`` pass them
     (``forward.rso_options`` for the rso loop, ``forward.lean_state_option`` for the rs loop but its decayed_k
-    builds, and for the walk): what the operator then builds."""
-    from . import forward
+    builds, and for the walk; ``starts_from_h0`` for the skipping transition passes under
+    ``backend.CP_STARTS_IN_KERNEL``): what the operator then builds."""
+    from . import backend, forward
 
     name, builder, kw = v
     if builder == "chunk_forward_rso":
         kw = {**kw, **forward.rso_options()}
     elif builder == "state_grad_walk" or builder == "chunk_forward_rs" and not kw.get("decayed_k", False):
         kw = {**kw, **forward.lean_state_option()}
+        if kw.get("skip_unread") and backend.CP_STARTS_IN_KERNEL:
+            kw["starts_from_h0"] = True
     return name, builder, kw
 
 
