@@ -366,6 +366,45 @@ def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V
             assert fwd.chains == [int(plan.count.max())]
 
 
+class _StatesWatchingStages(ReferenceBackwardStages):
+    """The reference stages, checking at step 4 (the per-chunk states, where the backward's memory peaks) that a
+    tensor the test watches is no longer alive."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched = watched
+        self.checked = 0
+
+    def chunk_states(self, *args, **kwargs):
+        assert self.watched() is None, "the forward's starts are still alive at step 4"
+        self.checked += 1
+        return super().chunk_states(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fwd_chunks,bwd_chunks", [(2, 1), (1, 2), (2, 2)])
+def test_handed_off_forward_starts_are_released_before_step_4(fwd_chunks, bwd_chunks):
+    """``StartsHandoff``: the forward's starts, passed down as a handoff (as the op's autograd backward does), are
+    let go once step 1 has made the backward's own starts; the gradients are the reference's."""
+    from flashgdn.cp import cp_forward
+    from flashgdn.cp.exact import StartsHandoff
+
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(1, 16, 16)
+    seqlens = (cu[1:] - cu[:-1]).tolist()
+    fplan, plan = split_sequences(seqlens, fwd_chunks), split_sequences(seqlens, bwd_chunks)
+    with torch.no_grad():
+        _, _, fstarts = cp_forward(ref_forward, q, k, v, g, beta, 0.3, h0, True, fplan, cu, keep_starts=True)
+        watched = weakref.ref(fstarts)
+        handoff = StartsHandoff(fplan, fstarts)
+        del fstarts
+        stages = _StatesWatchingStages(watched)
+        got = cp_backward(stages, _SkippingPairedReferenceForward(), q, k, v, g, beta, do, dht, 0.3, h0, plan, cu,
+                          cu, forward_starts=handoff)
+    assert stages.checked == 1 and handoff.take() is None
+    for name, x, w in zip(NAMES, got, want):
+        if w is not None:
+            assert rel_rms(x, w) < 1e-10, name
+
+
 @pytest.mark.parametrize("grad", [False, True])  # with autograd on, the pairs are not written in place
 def test_starts_from_known_equal_the_whole_splice(grad):
     """``exact.starts_from_known``: the start states from another plan's equal the whole splice's, and with autograd

@@ -24,11 +24,12 @@ value on the host: loop counts come from the host plan, index tensors are built 
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple
+from typing import Optional, Protocol, Tuple, Union
 
 import torch
 
-from .exact import Forward, Gather, KnownStarts, float_states, segment_indices, segment_starts, splice_steps
+from .exact import (Forward, Gather, KnownStarts, StartsHandoff, float_states, segment_indices, segment_starts,
+                    splice_steps)
 from .plan import SegmentIndex, SegmentPlan
 
 
@@ -82,7 +83,7 @@ def cp_backward(
     plan: Optional[SegmentPlan],
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
-    forward_starts: Optional[Tuple[SegmentPlan, torch.Tensor]] = None,
+    forward_starts: Union[None, Tuple[SegmentPlan, torch.Tensor], StartsHandoff] = None,
 ):
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the operator on packed sequences ``[1, T, ...]`` with offsets
     ``cu_seqlens`` (on q's device; ``cu_seqlens_cpu`` their host copy), K-major states, by ``stages`` on the
@@ -91,7 +92,7 @@ def cp_backward(
     initial state's gradient, float, also without an initial state (the caller drops it). ``forward_starts``: the
     forward's plan and its segments' true start states (``cp_forward(keep_starts=True)``), from which step 1's
     splice runs on short chains or not at all when one segment length divides the other
-    (``exact.starts_from_known``)."""
+    (``exact.starts_from_known``); as a ``StartsHandoff`` they are released after step 1."""
     if plan is None or not plan.split:  # step 4 alone, on the sequences themselves
         seg_cu, seg_cu_cpu = cu_seqlens, (plan.seg_cu if plan is not None else cu_seqlens_cpu)
         starts, ends, first = initial_state, dht, None
@@ -102,9 +103,10 @@ def cp_backward(
         h0 = float_states(initial_state, q, v, N)
         # 1. every segment's true start state
         known = None
-        if forward_starts is not None and forward_starts[1] is not None:
-            fplan, fstarts = forward_starts
-            known = KnownStarts(fplan, segment_indices(forward, fplan, cu_seqlens), fstarts.to(h0.dtype))
+        taken = forward_starts.take() if isinstance(forward_starts, StartsHandoff) else forward_starts
+        if taken is not None and taken[1] is not None:
+            known = KnownStarts(taken[0], segment_indices(forward, taken[0], cu_seqlens), taken[1].to(h0.dtype))
+        del taken  # ``known`` alone holds a handed-off starts tensor now
         starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=True,
                                                known=known)
         # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan,

@@ -190,6 +190,22 @@ def float_states(x: Optional[torch.Tensor], q: torch.Tensor, v: torch.Tensor, N:
     return torch.zeros((N, v.shape[2], q.shape[3], v.shape[3]), dtype=sdt, device=q.device)
 
 
+class StartsHandoff:
+    """The forward's plan and segment starts on their way to the backward (``cp_backward(forward_starts=...)``),
+    taken once: whoever passes the handoff down keeps no reference to the starts tensor, so the backward can let it
+    go once its own starts are made, before its memory peaks (segments x Hv x K x V float32, ~8 MB on 2/4 32768x1
+    or 16/32 8192x1), instead of holding it to the end of the call as an autograd context or a caller's tuple
+    would."""
+
+    def __init__(self, plan: SegmentPlan, starts: Optional[torch.Tensor]):
+        self._value: Optional[Tuple[SegmentPlan, Optional[torch.Tensor]]] = (plan, starts)
+
+    def take(self) -> Optional[Tuple[SegmentPlan, Optional[torch.Tensor]]]:
+        """``(plan, starts)`` the first time, None after."""
+        value, self._value = self._value, None
+        return value
+
+
 class KnownStarts(NamedTuple):
     """The true start states of another plan's segments of the same sequences (the forward's, kept for the
     backward): its plan, its index tensors on the device and its starts ``[segments, Hv, K, V]``."""

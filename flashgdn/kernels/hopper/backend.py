@@ -78,13 +78,21 @@ class _HopperGDN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht=None):
+        from ...cp.exact import StartsHandoff
+
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         if do is None:  # only the final state was used
             do = torch.zeros_like(v)
+        # the forward's starts leave the context: the backward releases them once its own starts are made, before
+        # its memory peaks (a second backward through a retained graph splices from nothing, as exactly)
+        kept = getattr(ctx, "forward_starts", None)
+        ctx.forward_starts = None
+        handoff = None if kept is None else StartsHandoff(*kept)
+        del kept
         grads = hopper_gradients(q, k, v, g, beta, do.contiguous(),
                                  None if (dht is None or not ctx.output_final_state) else dht.contiguous(),
                                  ctx.scale, initial_state, cu_seqlens, ctx.cu_seqlens_cpu, ctx.state_v_first,
-                                 ctx.backward_plan, getattr(ctx, "forward_starts", None))
+                                 ctx.backward_plan, handoff)
         res = [None if gr is None else gr.to(x.dtype)
                for gr, x in zip(grads, (q, k, v, g, beta, initial_state))]
         return (*res, None, None, None, None, None, None, None, None)

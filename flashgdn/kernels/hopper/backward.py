@@ -384,7 +384,8 @@ def hopper_backward(
     """All gradients of the Hopper forward, by stages 0-2 (module docstring), on the segments of ``plan`` (a
     ``flashgdn.cp`` plan, the backward's own from ``flashgdn.cp.plan_backward``; None or unsplit: the sequences
     themselves) through ``flashgdn.cp.cp_backward``, from the forward's segment starts when given
-    (``forward_starts``: the forward's plan and its K-major start states, ``cp_backward``'s).
+    (``forward_starts``: the forward's plan and its K-major start states, or their ``StartsHandoff``,
+    ``cp_backward``'s).
     q, k (normalised as the forward used them), v, do: contiguous bf16/fp16 ``[B, T, H, D]``; g, beta
     ``[B, T, Hv]``; the states (initial state and ``dht``, the final state's gradient or None) in the
     ``state_v_first`` layout; ``cu_seqlens_cpu`` the host copy of ``cu_seqlens`` if there is one. ``fused``: whether
