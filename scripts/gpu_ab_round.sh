@@ -54,8 +54,8 @@ elif [ "$part" = starts ]; then
     echo "# exit status $?" >> "$out/step-kernels-starts$on.log"
     grep "kernels per step\|exit" "$out/step-kernels-starts$on.log"
   done
-  FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1 timeout 200 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwd \
-    --time-budget 170 --no-plots --out-dir "$out" --name cp-fwd-starts > "$out/cp-fwd-starts.log" 2>&1
+  FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1 timeout 170 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwd \
+    --time-budget 140 --no-plots --out-dir "$out" --name cp-fwd-starts > "$out/cp-fwd-starts.log" 2>&1
   echo "# exit status $?" >> "$out/cp-fwd-starts.log"; tail -2 "$out/cp-fwd-starts.log"
   timeout 150 python3 -m flashgdn.bench --heads 2/4,16/32 --seqlens 32768,8192 --impls flashgdn,flashqla \
     --modes fwdbwd --time-budget 120 --no-plots --out-dir "$out" --name memory-handoff > "$out/memory-handoff.log" 2>&1
