@@ -611,28 +611,17 @@ class _StartsBuildingForward(_SkippingPairedReferenceForward):
         return super().transition_pairs(q, k, v, g, beta, scale, made.flatten(1, 2), seg_cu, seg_cu_cpu, unread)
 
 
+@pytest.mark.parametrize("starts_made_by_the_pass", [False, True])
 @pytest.mark.parametrize("segment_chunks", [1, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_cp_forward_with_the_starts_made_by_the_pass(case, segment_chunks):
-    """A forward that ``builds_transition_starts`` gets h0 (no start tensor) and the result is the reference's."""
-    q, k, v, g, beta, h0, cu = _packed_case(case, 16, 16)
-    o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.25, h0, cu, True)
-    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
-    fwd = _StartsBuildingForward()
-    o, ht = cp_forward(fwd, q, k, v, g, beta, 0.25, h0, True, plan, cu)
-    assert fwd.modes == (["forward"] if plan.split else [])
-    assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10
-
-
-@pytest.mark.parametrize("segment_chunks", [1, 3])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_cp_forward_reads_no_transition_it_can_skip(case, segment_chunks):
+def test_cp_forward_reads_no_transition_it_can_skip(case, segment_chunks, starts_made_by_the_pass):
     """The items the paired pass may skip (``CP_SKIP_UNREAD``) are never read by the forward's splice: with them NaN
-    the result is still the reference's."""
+    the result is still the reference's; also where the pass ``builds_transition_starts`` (it gets h0, no start
+    tensor)."""
     q, k, v, g, beta, h0, cu = _packed_case(case, 16, 16)
     o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.25, h0, cu, True)
     plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
-    fwd = _SkippingPairedReferenceForward()
+    fwd = _StartsBuildingForward() if starts_made_by_the_pass else _SkippingPairedReferenceForward()
     o, ht = cp_forward(fwd, q, k, v, g, beta, 0.25, h0, True, plan, cu)
     assert fwd.modes == (["forward"] if plan.split else [])
     assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10
