@@ -23,19 +23,21 @@ mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 quiet() { grep -v "^  \|Warning\|^$\|INFO" "$1" | tail -"${2:-3}"; }
+# a training step's kernels on four few-head shapes with one switch set: step_kernels VARIABLE VALUE NAME
+step_kernels() {
+  env "$1=$2" timeout 60 python3 benchmarks/step_kernels.py --cp auto --sequence \
+    --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768 \
+    --out "$out/$3.json" > "$out/$3.log" 2>&1
+  echo "# exit status $?" >> "$out/$3.log"
+  grep "kernels per step\|exit" "$out/$3.log"
+}
 if [ "$part" = splice ]; then
   timeout 120 python3 -m pytest -m gpu -q -rfEx -n 8 tests/test_gpu_hopper_cp.py > "$out/gpu-cp.log" 2>&1
   echo "# exit status $?" >> "$out/gpu-cp.log"; quiet "$out/gpu-cp.log"
   timeout 90 python3 -m pytest -m gpu -q -rfEx -n 6 tests/test_gpu_hopper_backward.py -k own_plan \
     > "$out/gpu-bwd-plan.log" 2>&1
   echo "# exit status $?" >> "$out/gpu-bwd-plan.log"; quiet "$out/gpu-bwd-plan.log"
-  for reuse in 0 1; do
-    FLASHGDN_HOPPER_CP_REUSE_STARTS=$reuse timeout 60 python3 benchmarks/step_kernels.py --cp auto --sequence \
-      --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768 \
-      --out "$out/step-kernels-reuse$reuse.json" > "$out/step-kernels-reuse$reuse.log" 2>&1
-    echo "# exit status $?" >> "$out/step-kernels-reuse$reuse.log"
-    grep "kernels per step\|exit" "$out/step-kernels-reuse$reuse.log"
-  done
+  for reuse in 0 1; do step_kernels FLASHGDN_HOPPER_CP_REUSE_STARTS $reuse step-kernels-reuse$reuse; done
   FLASHGDN_HOPPER_CP_REUSE_STARTS=1 timeout 230 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd \
     --time-budget 200 --no-plots --out-dir "$out" --name cp-fwdbwd-reuse > "$out/cp-fwdbwd-reuse.log" 2>&1
   echo "# exit status $?" >> "$out/cp-fwdbwd-reuse.log"; tail -2 "$out/cp-fwdbwd-reuse.log"
@@ -47,13 +49,7 @@ elif [ "$part" = starts ]; then
   timeout 120 python3 -m pytest -m gpu -q -rfEx -n 6 tests/test_gpu_hopper_cp.py -k "starts_made_in_the_kernel" \
     > "$out/gpu-starts.log" 2>&1
   echo "# exit status $?" >> "$out/gpu-starts.log"; quiet "$out/gpu-starts.log"
-  for on in 0 1; do
-    FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=$on timeout 60 python3 benchmarks/step_kernels.py --cp auto --sequence \
-      --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768 \
-      --out "$out/step-kernels-starts$on.json" > "$out/step-kernels-starts$on.log" 2>&1
-    echo "# exit status $?" >> "$out/step-kernels-starts$on.log"
-    grep "kernels per step\|exit" "$out/step-kernels-starts$on.log"
-  done
+  for on in 0 1; do step_kernels FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL $on step-kernels-starts$on; done
   FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1 timeout 170 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwd \
     --time-budget 140 --no-plots --out-dir "$out" --name cp-fwd-starts > "$out/cp-fwd-starts.log" 2>&1
   echo "# exit status $?" >> "$out/cp-fwd-starts.log"; tail -2 "$out/cp-fwd-starts.log"
