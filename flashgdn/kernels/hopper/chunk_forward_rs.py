@@ -397,6 +397,8 @@ def build_chunk_forward_rs(
 
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
+                # (seq and is_first passed only where used: passing them to every skipping build changes the
+                # generated code of the measured ones, and so their cache entries)
                 if starts_from_h0:
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
