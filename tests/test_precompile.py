@@ -144,7 +144,9 @@ def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
         return {name: kw.get("starts_from_h0", False) for name, builder, kw in training_variants(2, 8, flags="common")
                 if builder == "chunk_forward_rs"}
 
-    assert not any(from_h0().values())
-    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
+    # the default: made in the kernel
     got = from_h0()
     assert {n for n, on in got.items() if on} == {n for n in got if "_pairs_skip_" in n} != set(), got
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", False)
+    got = from_h0()
+    assert {n for n, on in got.items() if on} == {n for n in got if n.endswith("_pairs_skip_forward_h0")} != set(), got

@@ -151,10 +151,11 @@ CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "1") == "1"
 
 #: the skipping transition pass makes its start states itself from the sequences' initial states (the rs loop's
 #: ``starts_from_h0``) instead of reading a [segments, 2 Hv, K, V] start tensor that four small torch kernels fill
-#: (two fills, h0's scatter, the identity's copy: ~14 us of 2/4 32768x1's ~0.21 ms CP forward, and again in its
-#: backward). An A/B, off: compiled for sm_90a without spills, CPU-tested through the drivers, not yet run on a GPU.
-#: FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1.
-CP_STARTS_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL", "0") == "1"
+#: (two fills, h0's scatter, the identity's copy), in the forward and again in the backward. The same bits (a GPU
+#: test checks the forward and every gradient); a training step's kernels on the H200
+#: (``backward/step-kernels-v0.16m-starts{0,1}.json``): 2/4 32768x1 0.815 -> 0.773 ms, 1/4 131072x1 2.149 -> 2.100,
+#: 4/8 32768x1 1.260 -> 1.214, 16/32 32768x1 3.639 -> 3.573. FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1|0.
+CP_STARTS_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL", "1") == "1"
 
 
 def _reuses_starts(plan, backward_plan) -> bool:

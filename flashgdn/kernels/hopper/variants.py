@@ -58,7 +58,8 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                             store_final_state=True, state_v_first=False, with_output=False, transition_pairs=True,
                             skip_unread=mode))
-            # the start states made in the kernel (backend.CP_STARTS_IN_KERNEL, an A/B): the same code in every mode
+            # the start states made in the kernel (backend.CP_STARTS_IN_KERNEL, the default; with_switches adds it to the
+            # builds above): one build of it compiled here, the same code in every mode
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0"), "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
                         state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
