@@ -17,7 +17,7 @@ gpu_suite() {
 # memory-peak.log; benchmarks/memory_peak.py), under the environment the caller gives it.
 memory_peak() {
   local out=$1 name=$2 cp=$3
-  timeout 60 python3 benchmarks/memory_peak.py --heads 16/32 --seqlens 32768 --cp "$cp" \
+  timeout 60 python3 benchmarks/memory_peak.py --case 16/32:32768 --cp "$cp" \
     --out "$out/memory-peak-$name.json" >> "$out/memory-peak.log" 2>&1
   echo "# exit status $? ($name)" >> "$out/memory-peak.log"
 }

@@ -721,6 +721,9 @@ def test_plan_backward_follows_cp():
     (32, [4096] * 8, None, True),  # the GPU is full without segments
     # one walk sets the time without a split (the two kernels then); split, the fused kernel on 11 items
     (32, [6400] + [64] * 7, 32, True),
+    # the bwd set's 8/16 eight-sequence mix: split for the fused kernel on a gain under AUTO_GAIN's (568 us
+    # against 611), as it also drops the per-chunk state gradients (BACKWARD_FUSED_ANY_GAIN)
+    (16, [949, 465, 545, 137, 799, 3437, 468, 1392], 16, True),
 ])
 def test_plan_backward_auto_picks_segments_for_the_fused_kernel(heads, seqlens, want_chunks, want_fused):
     from flashgdn.cp import plan_backward
@@ -733,9 +736,33 @@ def test_plan_backward_auto_picks_segments_for_the_fused_kernel(heads, seqlens, 
     assert fused is False
 
 
+def test_plan_backward_takes_a_small_gain_only_for_the_fused_kernel(monkeypatch):
+    """FLASHGDN_CP_BACKWARD_FUSED_ANY_GAIN=0: the backward splits on AUTO_GAIN's clear gain only, so the 8/16 mix
+    (a 0.93x prediction) stays whole on the two kernels; and a gain under AUTO_GAIN's that keeps the two kernels
+    is never taken either way."""
+    from flashgdn.cp import backward_estimated_us, plan_backward
+    from flashgdn.cp import plan as cp_plan
+
+    mix = [949, 465, 545, 137, 799, 3437, 468, 1392]
+    off_us, off_fused = backward_estimated_us(mix, 16, None, BACKEND_MODEL)
+    split_us, split_fused = backward_estimated_us(mix, 16, 16, BACKEND_MODEL)
+    assert not off_fused and split_fused and cp_plan.AUTO_GAIN * off_us < split_us < off_us
+    monkeypatch.setattr(cp_plan, "BACKWARD_FUSED_ANY_GAIN", False)
+    assert plan_backward(mix, 16, "auto", BACKEND_MODEL) == (None, False)
+    monkeypatch.setattr(cp_plan, "BACKWARD_FUSED_ANY_GAIN", True)
+    rnd = random.Random(7)
+    for _ in range(100):
+        seqlens = [rnd.choice([rnd.randint(1, 500), rnd.randint(1, 70000)]) for _ in range(rnd.choice([1, 2, 3, 12]))]
+        heads = rnd.choice([4, 8, 16, 32, 64])
+        plan, fused = plan_backward(seqlens, heads, "auto", BACKEND_MODEL)
+        if plan is not None and not fused:
+            off = backward_estimated_us(seqlens, heads, None, BACKEND_MODEL)[0]
+            assert backward_estimated_us(seqlens, heads, plan.segment_chunks, BACKEND_MODEL)[0] < cp_plan.AUTO_GAIN * off
+
+
 def test_plan_backward_is_the_argmin_of_its_estimates():
     from flashgdn.cp import backward_estimated_us, plan_backward
-    from flashgdn.cp.plan import AUTO_GAIN
+    from flashgdn.cp.plan import AUTO_GAIN, BACKWARD_FUSED_ANY_GAIN
 
     rnd = random.Random(5)
     for _ in range(100):
@@ -747,7 +774,9 @@ def test_plan_backward_is_the_argmin_of_its_estimates():
             assert fused is off_fused
             continue
         us, want_fused = backward_estimated_us(seqlens, heads, plan.segment_chunks, BACKEND_MODEL)
-        assert fused is want_fused and us < AUTO_GAIN * off
+        # a clear gain, or any where the split takes the fused kernel and the sequences would not
+        gain = 1.0 if BACKWARD_FUSED_ANY_GAIN and fused and not off_fused else AUTO_GAIN
+        assert fused is want_fused and us < gain * off
         for c in (16, 32, 64, 128, 256):
             assert us <= backward_estimated_us(seqlens, heads, c, BACKEND_MODEL)[0] + 1e-9
 

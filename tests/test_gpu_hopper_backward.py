@@ -633,7 +633,7 @@ def test_fused_backward_trace_build_gives_the_same_bits_and_ordered_stamps(cuda)
     q, k, v, g, beta, h0, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
     st = HopperBackwardStages()
     states = st.chunk_states(q, k, v, g, beta, h0, cu, cu.cpu())
-    (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu)
+    (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu, cu.cpu())
     T = q.shape[1]
 
     def run(trace):

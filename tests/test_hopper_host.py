@@ -131,3 +131,21 @@ def test_fused_backward_is_taken_where_it_is_faster(setting, lengths, items, Hv,
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert backward.fused_backward_wanted(lengths, items, Hv, torch.device("cuda")) is want
+
+
+@pytest.mark.parametrize("seqlens", [[1], [130, 64, 5], [0, 70, 0, 3], [0], [64] * 9])
+def test_chunk_plan_from_host_offsets_has_one_slot_per_chunk(seqlens):
+    """With the host copy of the offsets the plan has exactly as many slots as chunks (at least one), the same
+    real chunks in the same slots as the plan from the bound; without it, the bound ceil((T + 63 N) / 64)."""
+    from flashgdn.kernels.hopper.forward import chunk_plan, num_chunk_slots
+
+    cu = torch.tensor([0] + list(seqlens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    T, N = int(cu[-1]) + 70, len(seqlens)
+    chunks = sum((n + 63) // 64 for n in seqlens)
+    assert num_chunk_slots(T, N, cu) == num_chunk_slots(T, N, cu.tolist()) == max(1, chunks)
+    assert num_chunk_slots(T, N) == (T + 63 * N + 63) // 64
+    exact, first = chunk_plan(cu, T, N, cu_cpu=cu.clone())
+    loose, loose_first = chunk_plan(cu, T, N)
+    assert exact.shape == (max(1, chunks), 2)
+    assert torch.equal(exact[:chunks], loose[:chunks]) and torch.equal(first, loose_first)
+    assert (loose[chunks:] == 0).all() and (exact[chunks:] == 0).all()

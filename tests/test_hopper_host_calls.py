@@ -69,6 +69,15 @@ def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
         out.copy_(value)
 
 
+def _slot_counts(calls):
+    """The chunk-slot counts S the calls were made with (every per-slot tensor's first size)."""
+    return {sizes["num_slots"] for _, sizes in calls if "num_slots" in sizes}
+
+
+def _chunks(seqlens):
+    return sum((n + 63) // 64 for n in seqlens)
+
+
 @pytest.fixture
 def checked_kernels(monkeypatch):
     """Every kernel builder the host code uses, returning SignatureCheck stand-ins; yields the call log."""
@@ -125,6 +134,11 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, fused, checked_
     if inp.get("cu_seqlens") is not None:
         end = int(inp["cu_seqlens"][-1])
         assert all((x[:, end:] == 0).all() for x in (dq, dk, dv, dg, dbeta)), "the padded tail's gradients are 0"
+    # dense input: exactly one slot per chunk (the host knows the offsets); varlen without a host copy: the bound
+    seqlens = opts["seqlens"]
+    T = q.shape[0] * q.shape[1]
+    bound = (T + 63 * len(seqlens) + 63) // 64
+    assert _slot_counts(checked_kernels) == {_chunks(seqlens) if opts.get("dense") else bound}
 
 
 @pytest.mark.parametrize("starts_in_kernel", [False, True])
@@ -160,6 +174,8 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, st
     # the pass's first states: one per segment and pair head, or the sequences' initial states
     assert [sizes["n_h0"] for name, sizes in checked_kernels if name == "chunk_forward_rs"] == \
         [3 if starts_in_kernel else plan.num_segments]
+    # one slot per chunk, counted from the segments' host offsets (the bound would add 63 tokens per segment)
+    assert _slot_counts(checked_kernels) == {_chunks([700, 30, 300])}
     assert o.shape == p.v.shape
     assert (final is None) != output_final_state
 
@@ -205,6 +221,7 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
             assert sizes.get("num_seqs", plan.num_segments) == plan.num_segments, name
     transition = [sizes for name, sizes in checked_kernels if name == "chunk_forward_rs"][0]
     assert transition["n_h0"] == (len(seqlens) if starts_in_kernel else plan.num_segments)
+    assert _slot_counts(checked_kernels) == {_chunks(seqlens)}  # from the segments' host offsets
     assert grads[0].shape == q.shape and (grads[5] is None) == (h0 is None)
 
 

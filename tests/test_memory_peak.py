@@ -56,14 +56,14 @@ def test_allocations_are_grouped_by_their_innermost_two_flashgdn_frames():
 
 @pytest.mark.gpu
 def test_memory_peak_tool_agrees_with_torch(tmp_path, cuda):
-    """One training step on a small shape: the trace's peak equals torch's max_memory_allocated above the step's
+    """One training step on a small shape, as the benchmark's fwd+bwd runs it: the trace's peak equals torch's max_memory_allocated above the step's
     start (to 1% and 4 MiB), and the allocations live there add up to it. The trace records each allocation's
     requested size, torch's statistics the size of the block that serves it, which can be up to about 1 MiB larger
     (a large block's remainder too small to split off stays with it): on the H200 the two peaks differed by 2.0 MiB
     both on this shape (77 MiB) and on 16/32 32768x1 (2580 MiB)."""
     out = tmp_path / "peak.json"
-    assert mp.main(["--heads", "2/8", "--seqlens", "3000,700", "--out", str(out)]) == 0
-    summary = json.loads(out.read_text())
+    assert mp.main(["--case", "2/8:3000,700", "--out", str(out)]) == 0
+    (summary,) = json.loads(out.read_text())
     assert summary["peak_mib"] > 0
     assert 0 <= summary["torch_peak_mib"] - summary["peak_mib"] <= 0.01 * summary["torch_peak_mib"] + 4
     assert abs(sum(r["mib"] for r in summary["live"]) - summary["peak_mib"]) <= 0.01 * summary["peak_mib"] + 0.5

@@ -64,7 +64,7 @@ class _HopperGDN(torch.autograd.Function):
                 o, ht = cp_problem_forward(forward, problem, plan, q, k)
         else:
             o, ht = hopper_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                   state_v_first)
+                                   state_v_first, cu_seqlens_cpu=cu_seqlens_cpu)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.cu_seqlens_cpu = cu_seqlens_cpu
         ctx.scale = scale
@@ -186,8 +186,8 @@ class _HopperSegmentsForward:
                  skip_unread: Optional[bool] = None):
         self._stage1 = None
         self._skip_unread = CP_SKIP_UNREAD if skip_unread is None else skip_unread
-        # ``stage1_source(q, k, g, beta, seg_cu) -> Stage1``: where the paired pass takes stages 0 and 1 from
-        # instead of running them (the backward's, which stores A as well and serves its own stages too)
+        # ``stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu) -> Stage1``: where the paired pass takes stages 0 and 1
+        # from instead of running them (the backward's, which stores A as well and serves its own stages too)
         self._stage1_source = stage1_source
         self._paired = paired
         self._fused = CP_FUSED if fused is None else fused
@@ -221,7 +221,8 @@ class _HopperSegmentsForward:
         from .forward import hopper_forward
 
         return hopper_forward(q, k, v, g, beta, scale, h0.to(torch.float32).contiguous(), output_final_state,
-                              cu.to(torch.int32), False, with_output=need_output, stage1=self._stage1)
+                              cu.to(torch.int32), False, with_output=need_output, stage1=self._stage1,
+                              cu_seqlens_cpu=cu_cpu)
 
     @staticmethod
     def _splice(pairs, h0, plan, index):
@@ -256,9 +257,9 @@ class _HopperSegmentsForward:
 
         cu = seg_cu.to(torch.int32)
         if self._stage1_source is not None:
-            self._stage1 = self._stage1_source(q, k, g, beta, seg_cu)
+            self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu)
         else:
-            self._stage1 = hopper_stage1(k, g, beta, cu)
+            self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu)
         return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0)
 
 

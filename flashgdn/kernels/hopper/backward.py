@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from .common import tl_dtype
-from .forward import _output, hopper_stage1, packed_offsets, lean_state_option
+from .forward import _output, host_offsets, hopper_stage1, packed_offsets, lean_state_option
 
 
 #: ``chunk_grad`` loading its eight tiles by cp.async, all in flight before one wait, instead of through registers
@@ -157,16 +157,17 @@ def chunk_grad_options(group: int = 1) -> dict:
                 heads_inner=CHUNK_GRAD_HEADS_INNER)
 
 
-def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False):
+def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False, cu_cpu=None):
     """The forward's stages 0 and 1 (``forward.hopper_stage1``) on packed views:
-    ``((q, k) packed, cu, N, Stage1)``."""
+    ``((q, k) packed, cu, N, Stage1)``; ``cu_cpu``: the host copy of the offsets if there is one."""
     B, T, Hqk, K = q.shape
     Hv = g.shape[2]
     cu, N = packed_offsets(cu_seqlens, B, T, q.device)
     TT = B * T
     qf, kf = q.reshape(1, TT, Hqk, K), k.reshape(1, TT, Hqk, K)
     return (qf, kf), cu, N, hopper_stage1(kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), cu,
-                                          store_inverse=store_inverse)
+                                          store_inverse=store_inverse,
+                                          cu_cpu=host_offsets(cu_seqlens, cu_cpu, B, T))
 
 
 def _end_gradients(dht: Optional[torch.Tensor], Hv: int, K: int, V: int, device) -> torch.Tensor:
@@ -288,25 +289,26 @@ class HopperBackwardStages:
         self._cu = None
         self._stage1 = None
 
-    def _stage1_for(self, q, k, g, beta, cu):
+    def _stage1_for(self, q, k, g, beta, cu, cu_cpu):
         if self._cu is not cu:
-            self._stage1 = _plan_and_stage1(q, k, g, beta, cu, store_inverse=True)
+            self._stage1 = _plan_and_stage1(q, k, g, beta, cu, store_inverse=True, cu_cpu=cu_cpu)
             self._cu = cu
         return self._stage1
 
     def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
-        return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu),
+        return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu, cu_cpu),
                                    precise=self.precise)[0]
 
     def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
         ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu,
-                                                _stage1=self._stage1_for(q, k, g, beta, cu), precise=self.precise)
+                                                _stage1=self._stage1_for(q, k, g, beta, cu, cu_cpu),
+                                                precise=self.precise)
         return ds_end, dh0
 
     def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
         from .chunk_grad import build_chunk_grad
 
-        (qf, kf), _, _, st1 = self._stage1_for(q, k, g, beta, cu)
+        (qf, kf), _, _, st1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
         # dq and dk per value head in the io dtype (half of float32's memory; +0.4e-3 on their error,
@@ -327,7 +329,7 @@ class HopperBackwardStages:
         gradients ``dht`` (K-major float, or None: zero)."""
         from .fused_backward import build_fused_backward
 
-        (qf, kf), cu, N, st1 = self._stage1_for(q, k, g, beta, cu)
+        (qf, kf), cu, N, st1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
         group = Hv // Hqk

@@ -5,7 +5,9 @@ For sequences n with lengths L_n (from ``cu_seqlens``), chunk c of sequence n is
     first_slot[n] + c,    first_slot[n] = sum_{m < n} ceil(L_m / 64)
 
 and ``bounds[slot] = (first token, rows)``; slots past the last real chunk are idle, ``(0, 0)``. The number of
-slots S = ceil((T + 63 N) / 64) is a bound known on the host, so nothing is read back.
+slots S is known on the host, so nothing is read back: the exact chunk count from the host copy of the offsets
+where there is one (the caller's ``cu_seqlens_cpu``, dense input, CP segments), else the bound
+ceil((T + 63 N) / 64) (``forward.num_chunk_slots``).
 
 One CTA of 1024 threads walks the sequences 1024 at a time: an exclusive scan of the chunk counts gives each
 thread its sequence's first slot, and the thread writes that sequence's slots.

@@ -130,27 +130,36 @@ class ForwardConfig:
     BV: int = DEFAULT_BV
 
 
-def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
-    """``S = ceil((T + 63 N) / 64)``: a bound on the number of chunks from host-known sizes alone (each
-    sequence adds at most one partial chunk), so no value of ``cu_seqlens`` is read on the host."""
+def num_chunk_slots(num_tokens: int, num_seqs: int, cu_cpu=None) -> int:
+    """The number of chunk slots S. With the host copy of the offsets ``cu_cpu`` (a CPU tensor or sequence that
+    equals ``cu_seqlens``, as the API's ``cu_seqlens_cpu`` must), the exact chunk count ``sum ceil(len / 64)``;
+    without it ``ceil((T + 63 N) / 64)``, a bound from host-known sizes alone (each sequence adds at most one
+    partial chunk), so no value of ``cu_seqlens`` is read on the host either way. Every per-slot tensor (stage 1's
+    g~ and Ag, the backward's A, chunk states and state gradients: ~100 KB a slot and value head in all) is sized by
+    it, so the exact count matters where many short sequences or CP segments (63 tokens of bound each) are packed."""
+    if cu_cpu is not None:
+        cu = torch.as_tensor(cu_cpu, dtype=torch.int64)
+        return max(1, int(((cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK).sum()))
     return max(1, (num_tokens + (CHUNK - 1) * num_seqs + CHUNK - 1) // CHUNK)
 
 
-def chunk_plan(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def chunk_plan(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int,
+               cu_cpu=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk slots: ``(bounds, first_slot)`` as in :func:`chunk_plan_torch`, by one small kernel
-    (``chunk_plan.py``) on a CUDA device, by torch ops elsewhere."""
+    (``chunk_plan.py``) on a CUDA device, by torch ops elsewhere; ``cu_cpu``: as :func:`num_chunk_slots`."""
     if cu_seqlens.is_cuda:
         from .chunk_plan import build_chunk_plan
 
-        n_slots = num_chunk_slots(num_tokens, num_seqs)
+        n_slots = num_chunk_slots(num_tokens, num_seqs, cu_cpu)
         bounds = torch.empty((n_slots, 2), dtype=torch.int32, device=cu_seqlens.device)
         first = torch.empty((num_seqs,), dtype=torch.int32, device=cu_seqlens.device)
         build_chunk_plan()(cu_seqlens.to(torch.int32), bounds, first)
         return bounds, first
-    return chunk_plan_torch(cu_seqlens, num_tokens, num_seqs)
+    return chunk_plan_torch(cu_seqlens, num_tokens, num_seqs, cu_cpu)
 
 
-def chunk_plan_torch(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def chunk_plan_torch(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int,
+                     cu_cpu=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk slots, computed with torch ops on the tensor's device: ``(bounds, first_slot)``.
 
     ``bounds`` is int32 ``[S, 2]``: (first token, length) of every chunk slot, sequences in order; slots past
@@ -163,7 +172,7 @@ def chunk_plan_torch(cu_seqlens: torch.Tensor, num_tokens: int, num_seqs: int) -
     lens = cu[1:] - cu[:-1]
     n_chunks = (lens + CHUNK - 1) // CHUNK
     last = torch.cumsum(n_chunks, 0)  # one past each sequence's last chunk
-    n_slots = num_chunk_slots(num_tokens, num_seqs)
+    n_slots = num_chunk_slots(num_tokens, num_seqs, cu_cpu)
     slots = torch.arange(n_slots, device=dev, dtype=torch.int64)
     seq = torch.searchsorted(last, slots, right=True)
     idle = seq >= num_seqs
@@ -224,6 +233,14 @@ def packed_offsets(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -
     return cu_seqlens.to(torch.int32), cu_seqlens.shape[0] - 1
 
 
+def host_offsets(cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor], B: int, T: int):
+    """The host copy of the packed offsets where the host knows them without reading the device: the caller's copy
+    of varlen offsets (or None), or dense input's ``0, T, ..., B T``."""
+    if cu_seqlens is None:
+        return torch.arange(0, (B + 1) * T, T)
+    return cu_seqlens_cpu
+
+
 def hopper_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -239,6 +256,7 @@ def hopper_forward(
     chunk_loop: Optional[str] = None,
     with_output: bool = True,
     stage1: Optional[Stage1] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run the forward kernels. q, k, v contiguous bf16/fp16 on an SM90 device; L2 norm already applied.
 
@@ -246,6 +264,8 @@ def hopper_forward(
     that is the chunk loop; o is returned as None), which is what context parallelism's transition passes need.
 
     ``stage1``: stages 0 and 1 already run on the same k, g, beta and offsets (``hopper_stage1``), skipped here.
+    ``cu_seqlens_cpu``: the host copy of ``cu_seqlens`` if there is one (the chunk slots are then counted exactly,
+    ``num_chunk_slots``; dense input needs none).
 
     Returns ``(o, final_state or None)``; with ``return_intermediates`` also a dict of the stage outputs
     (``gcum``, ``Ag``, token-major like the reference's) for stage-by-stage checks.
@@ -314,7 +334,7 @@ def hopper_forward(
         )
 
     if stage1 is None and (not fused or return_intermediates):  # the fused loop's own g~ and Ag stay inside it
-        stage1 = hopper_stage1(kf, gf, bf, cu)
+        stage1 = hopper_stage1(kf, gf, bf, cu, cu_cpu=host_offsets(cu_seqlens, cu_seqlens_cpu, B, T))
 
     state_shape = (Hv, V, K) if state_v_first else (Hv, K, V)
     if initial_state is not None:
@@ -340,16 +360,17 @@ def hopper_forward(
 
 
 def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
-                  store_inverse: bool = False) -> Stage1:
+                  store_inverse: bool = False, cu_cpu=None) -> Stage1:
     """Stages 0 and 1 on packed ``[1, T, ...]`` k, g, beta with offsets ``cu_seqlens`` (device, int32): the chunk
-    plan, then ``kkt_inverse`` (also storing the ungated A, in k's dtype, with ``store_inverse``)."""
+    plan (exactly as many slots as chunks when the host copy ``cu_cpu`` is given), then ``kkt_inverse`` (also
+    storing the ungated A, in k's dtype, with ``store_inverse``)."""
     from .kkt_inverse import build_kkt_inverse
 
     _, TT, Hqk, K = k.shape
     Hv = g.shape[2]
     N = cu_seqlens.shape[0] - 1
     dev = k.device
-    bounds, first_slot = chunk_plan(cu_seqlens, TT, N)
+    bounds, first_slot = chunk_plan(cu_seqlens, TT, N, cu_cpu)
     S = bounds.shape[0]
     gcum = _output((Hv, S * CHUNK), torch.float32, dev)
     Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
