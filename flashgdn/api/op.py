@@ -36,7 +36,8 @@ def chunk_gated_delta_rule(
         output_final_state: also return the state after each sequence's last token.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of N sequences packed along T (then B == 1); tokens after
             ``cu_seqlens[-1]`` get ``o = 0`` and zero gradients. Dense input (None) is B sequences of length T.
-        cu_seqlens_cpu: a host copy of ``cu_seqlens``; with it, nothing reads the device copy (no host sync).
+        cu_seqlens_cpu: a host copy of ``cu_seqlens`` (equal to it: the Hopper backend sizes its per-chunk buffers
+            and plans CP segments from it); with it, nothing reads the device copy (no host sync).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first (differentiated through).
         state_v_first: the state layout, ``[..., V, K]`` instead of ``[..., K, V]``.
         backend: ``"auto"`` (Hopper kernels where they can run, else the reference), ``"hopper"`` or
