@@ -84,8 +84,8 @@ def main(argv=None):
     from flashgdn.kernels.hopper.backward import fused_backward_options
 
     # the build the switches give (FLASHGDN_HOPPER_FUSED_P_FIRST), with and without its stamps
-    kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, trace=True, **fused_backward_options())
-    plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, **fused_backward_options())
+    kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, trace=True, **fused_backward_options(Hv))
+    plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, **fused_backward_options(Hv))
     call_args = (qf, kf, v, do, st1.gcum, beta.contiguous(), st1.Ag, st1.A, cu_k, st1.first_slot, states,
                  dht.contiguous(), float(scale), *outs)
     times = {}

@@ -4,6 +4,7 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh splice OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh bwd-set OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh starts OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh gates OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -15,10 +16,14 @@
 #   (step-kernels-starts{0,1}.json), and the cp set's forward with it, flashgdn alone (cp-fwd-starts.json); then
 #   the peak memory of the shapes whose forward splits after the forward's starts are released early
 #   (StartsHandoff, notes v0.16l; memory-handoff.json, flashgdn alone).
+# gates: the fused backward's P before K S and gating from registers (backward.FUSED_P_FIRST, FUSED_LEAN_GATES,
+#   v0.16a's A/Bs, 10-12% off the kernel where its CTAs leave SMs idle) on the CP plans' shapes, where the backward
+#   now runs it in one partial wave: their same-bits tests (gpu-gates.log), then a training step's kernels on eight
+#   few-head shapes with both off and both on (step-kernels-gates{0,1}.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts OUTDIR}
+part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates OUTDIR}
+out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -58,7 +63,18 @@ elif [ "$part" = starts ]; then
   timeout 90 python3 -m flashgdn.bench --heads 16/32,2/4 --seqlens 8192,32768 --impls flashgdn \
     --modes fwdbwd --time-budget 70 --no-plots --out-dir "$out" --name memory-handoff > "$out/memory-handoff.log" 2>&1
   echo "# exit status $?" >> "$out/memory-handoff.log"; tail -2 "$out/memory-handoff.log"
+elif [ "$part" = gates ]; then
+  timeout 150 python3 -m pytest -m gpu -q -rfEx -n 4 tests/test_gpu_hopper_backward.py -k fused_switches \
+    > "$out/gpu-gates.log" 2>&1
+  echo "# exit status $?" >> "$out/gpu-gates.log"; quiet "$out/gpu-gates.log"
+  for on in 0 1; do
+    FLASHGDN_HOPPER_FUSED_P_FIRST=$on FLASHGDN_HOPPER_FUSED_LEAN_GATES=$on timeout 150 python3 \
+      benchmarks/step_kernels.py --cp auto --sequence --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 \
+      --shape 16/32:32768 --shape 2/4:8192 --shape 4/8:8192 --shape 8/16:8192 --shape 16/32:8192 \
+      --out "$out/step-kernels-gates$on.json" > "$out/step-kernels-gates$on.log" 2>&1
+    echo "# exit status $?" >> "$out/step-kernels-gates$on.log"; grep "kernels per step\|exit" "$out/step-kernels-gates$on.log"
+  done
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts OUTDIR" >&2
+  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates OUTDIR" >&2
   exit 2
 fi

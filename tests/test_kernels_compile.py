@@ -37,8 +37,8 @@ EXPLAINED_SPILLS = {
         "40-92 bytes of loop-invariant values (up to nine of the value side: the addresses of its staged stores, and "
         "four of the gate side) stored once before the chunk loop and reloaded a few times per chunk, and one or two "
         "values stored and reloaded within a chunk (read in the SASS); nothing of the accumulators, and wgmma not "
-        "serialised. The lean_gates A/B (backward.FUSED_LEAN_GATES) up to 100: two more gate-side values stored and "
-        "one reloaded once a chunk",
+        "serialised. With lean_gates (backward.FUSED_LEAN_GATES, the default up to 16 value heads) up to 100: two "
+        "more gate-side values stored and one reloaded once a chunk",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",

@@ -94,32 +94,45 @@ STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1")
 _FUSED = os.environ.get("FLASHGDN_HOPPER_FUSED_BACKWARD", "auto")
 FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 
+def _auto_switch(name: str):
+    """A build switch read from the environment: "auto" (unset: ``fused_backward_options`` decides by the head
+    count), or True/False for "1"/"0"."""
+    value = os.environ.get(name, "auto")
+    return "auto" if value == "auto" else value == "1"
+
+
 #: the fused kernel's gate side waits for Q K^T alone and releases P before it waits for K S (``fused_backward.py``,
 #: ``p_first``): the v0.15d trace has the value side waiting 3.2k cycles of a 23k step for P, of which K S, issued
 #: beside Q K^T and twice its work, is about a third. Predicted: ~1k cycles off the step (~4%), the same bits out.
-#: Measured: the same bits, and within 1.5% of the default either way (``stages-hopper-v0.16b-bwd-p1g0.json``). An
-#: A/B, off. FLASHGDN_HOPPER_FUSED_P_FIRST=1 turns it on.
-FUSED_P_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_P_FIRST", "0") == "1"
+#: Measured alone: the same bits, and within 1.5% of the default either way (``stages-hopper-v0.16b-bwd-p1g0.json``).
+#: Taken with ``lean_gates`` (below, ``FUSED_GATES_MAX_HV``). FLASHGDN_HOPPER_FUSED_P_FIRST=auto|1|0.
+FUSED_P_FIRST = _auto_switch("FLASHGDN_HOPPER_FUSED_P_FIRST")
 
 #: the fused kernel's gate side gates P, E and dQK with g~ read into register fragments of its threads' rows and
 #: columns, instead of two shared-memory loads per element (``fused_backward.py``, ``lean_gates``; as the forward's
 #: output path since v0.13c). The v0.15d trace has P out 2.2k cycles after Q K^T and K S are done, while the value
 #: side waits for it, and E to dQK take 4.9k on the gate side's path to dKK. Predicted: a few hundred cycles off P
-#: and off dKK, the same bits out. Measured with P_FIRST: the same bits; 10-12% off the kernel where its CTAs leave
-#: SMs idle (2/8 32768x1, 2/8 1024x8), 0-3% on where every SM is busy (``stages-hopper-v0.16a-bwd-p1g1.json``), which
-#: is where the backward's CP plan runs it. An A/B, off (two more values of the gate side spilled, stored and
-#: reloaded once a chunk). FLASHGDN_HOPPER_FUSED_LEAN_GATES=1.
-FUSED_LEAN_GATES = os.environ.get("FLASHGDN_HOPPER_FUSED_LEAN_GATES", "0") == "1"
+#: and off dKK, the same bits out (two more values of the gate side spilled, stored and reloaded once a chunk).
+#: Measured with P_FIRST: the same bits; 10-12% off the kernel on 2/8 32768x1 and 2/8 1024x8, 0-3% on at 16/32 and
+#: 16/64 (``stages-hopper-v0.16a-bwd-p1g1.json``). FLASHGDN_HOPPER_FUSED_LEAN_GATES=auto|1|0.
+FUSED_LEAN_GATES = _auto_switch("FLASHGDN_HOPPER_FUSED_LEAN_GATES")
+
+#: "auto" takes both options above for at most this many value heads. A training step's kernels on the backward's
+#: CP plans (one partial wave of the fused kernel, ``backward/step-kernels-v0.16o-gates{0,1}.json``): 0.955x-1.0x
+#: at 1/4, 2/4, 4/8 and 8/16 (8192x1 to 131072x1), 1.011x and 1.017x at 16/32 (8192x1, 32768x1), as v0.16a's
+#: 1.03x at 16/32 4096x8 and 1.00x at 16/64. Why the head count decides is not known; it is what was measured.
+FUSED_GATES_MAX_HV = 16
 
 
-def fused_backward_options() -> dict:
-    """``build_fused_backward``'s options as the switches above set them (what the backward builds, and what
-    ``variants.training_variants`` precompiles); options at their defaults are left out, so that the default build
-    is the one its cache key names."""
+def fused_backward_options(Hv: int) -> dict:
+    """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads (what the backward
+    builds, and what ``variants.training_variants`` precompiles); options at their defaults are left out, so that
+    the build without them is the one its cache key names."""
     options = {}
-    if FUSED_P_FIRST:
+    lean = Hv <= FUSED_GATES_MAX_HV
+    if FUSED_P_FIRST is True or (FUSED_P_FIRST == "auto" and lean):
         options["p_first"] = True
-    if FUSED_LEAN_GATES:
+    if FUSED_LEAN_GATES is True or (FUSED_LEAN_GATES == "auto" and lean):
         options["lean_gates"] = True
     return options
 
@@ -335,7 +348,7 @@ class HopperBackwardStages:
         group = Hv // Hqk
         dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hv)
         dh0 = _output((N, Hv, K, V), torch.float32, q.device)
-        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **fused_backward_options())(
+        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **fused_backward_options(Hv))(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg, dbeta,
             dh0)

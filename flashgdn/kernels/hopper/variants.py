@@ -186,7 +186,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             if not (backward.FUSED_BACKWARD and not precise) or kw.get("trace") or kw.get("p_first") \
                     or kw.get("lean_gates"):
                 continue
-            v = (v[0], builder, {**kw, **backward.fused_backward_options()})
+            v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
@@ -253,12 +253,17 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         # its trace build (benchmarks/fused_backward_trace.py), a diagnostic: never run by the operator
         yield (f"fused_backward_trace[{Hqk}/{Hv},{dtype},dht=1]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, trace=True))
-        # the A/Bs: P released before K S is waited for (backward.FUSED_P_FIRST), the gate side's factors in
-        # registers (backward.FUSED_LEAN_GATES)
+        # P released before K S is waited for (backward.FUSED_P_FIRST), the gate side's factors in registers
+        # (backward.FUSED_LEAN_GATES), each alone
         yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1,p_first]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, p_first=True))
         yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1,lean_gates]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, lean_gates=True))
+        # both, which the operator builds for up to backward.FUSED_GATES_MAX_HV value heads
+        for has_dht in (True, False):
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)},p_first,lean_gates]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, p_first=True,
+                        lean_gates=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
 
