@@ -848,3 +848,36 @@ def test_the_backward_from_the_forwards_starts_splices_less():
         us, f = backward_estimated_us([32768], 8, 16, model, forward_chunks=forward_chunks)
         gathered = 16 % forward_chunks == 0
         assert f == fused and us == pytest.approx(whole - (31 - steps) * step - gathered * b_half)
+
+
+@pytest.mark.parametrize("rows,path", [
+    ([0, 1, 2, 3, 4, 5], "itself"),  # every segment in order
+    ([5], "copy"),  # one sequence's last segment
+    ([0], "copy"),  # its first
+    ([1, 2, 3], "copy"),
+    ([0, 2, 4], "copy"),  # every second segment of one sequence
+    ([1, 4], "copy"),
+    ([0, 1, 3], "gather"),  # sequences of different segment counts
+    ([3, 1], "gather"),
+    ([2, 2], "gather"),
+    ([], "gather"),
+])
+def test_select_segments_takes_rows_the_host_knows_without_a_gather(rows, path):
+    """``exact.select_segments``: the rows of ``index_select`` whatever the path, with the device rows asked for
+    only when they do not step evenly, no copy when they are every row in order, and a fresh tensor otherwise (a
+    view would keep every segment's row alive)."""
+    from flashgdn.cp.exact import select_segments
+
+    x = torch.randn(6, 2, 3, 3)
+    asked = []
+
+    def device_rows():
+        asked.append(True)
+        return torch.tensor(rows, dtype=torch.int64)
+
+    got = select_segments(x, torch.tensor(rows, dtype=torch.int64), device_rows)
+    assert torch.equal(got, x.index_select(0, torch.tensor(rows, dtype=torch.int64)))
+    assert bool(asked) == (path == "gather")
+    assert (got is x) == (path == "itself")
+    if path == "copy":
+        assert got.is_contiguous() and got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

@@ -29,7 +29,7 @@ from typing import Optional, Protocol, Tuple, Union
 import torch
 
 from .exact import (Forward, Gather, KnownStarts, StartsHandoff, float_states, segment_indices, segment_starts,
-                    splice_steps)
+                    select_segments, splice_steps)
 from .plan import SegmentIndex, SegmentPlan
 
 
@@ -136,4 +136,4 @@ def cp_backward(
         # step's allocations (the sums of dq and dk over each group), not beside them
         del states, ds_end
     grads = stages.finish_gradients(grads)
-    return (*grads, ds_start if first is None else ds_start.index_select(0, first))
+    return (*grads, ds_start if first is None else select_segments(ds_start, plan.first, lambda: first))

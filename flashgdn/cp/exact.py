@@ -40,6 +40,23 @@ Forward = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
 Gather = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
+def select_segments(x: torch.Tensor, rows: torch.Tensor, device_rows: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``x.index_select(0, device_rows())`` for rows of segments that the host plan knows (``rows``, int64 on the
+    host, the same values): ``x`` itself when the rows are all of x in order, one strided copy when they step evenly
+    (one sequence's last segment or first, every r-th segment of a single sequence), else the device gather. The
+    same values with fewer small kernels (the index arithmetic, ``index_select``'s gather), and nothing read from
+    the device."""
+    n = rows.numel()
+    if n:
+        a = int(rows[0])
+        step = int(rows[1]) - a if n > 1 else 1
+        if step >= 1 and torch.equal(rows, a + step * torch.arange(n, dtype=rows.dtype)):
+            if a == 0 and step == 1 and n == x.shape[0]:
+                return x
+            return x[a:a + step * (n - 1) + 1:step].clone(memory_format=torch.contiguous_format)
+    return x.index_select(0, device_rows())
+
+
 def splice_segments(M: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, plan: SegmentPlan,
                     index: Optional[SegmentIndex] = None) -> torch.Tensor:
     """Start states of every segment, ``[num_segments, Hv, K, V]``.
@@ -270,9 +287,15 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
     S = plan.num_segments
     dev = index.first.device
     if gathers_starts(plan, known.plan):
-        own_first = index.first.index_select(0, index.seg_seq)
-        local = torch.arange(S, device=dev) - own_first
-        return known.starts.index_select(0, known.index.first.index_select(0, index.seg_seq) + local * (Lb // Lf))
+        r = Lb // Lf
+
+        def device_rows():
+            local = torch.arange(S, device=dev) - index.first.index_select(0, index.seg_seq)
+            return known.index.first.index_select(0, index.seg_seq) + local * r
+
+        local_host = torch.arange(S) - plan.first.index_select(0, plan.seg_seq)
+        rows = known.plan.first.index_select(0, plan.seg_seq) + local_host * r
+        return select_segments(known.starts, rows, device_rows)
     m = Lf // Lb
     fseq, fseq_host = known.index.seg_seq, known.plan.seg_seq
     # jf: each known segment's place in its sequence; its chain is the sequence's own segments m jf .. m jf + m - 1
@@ -345,7 +368,7 @@ def cp_forward(
     o, seg_final = forward(q, k, v, g, beta, scale, starts, index.seg_cu, output_final_state, plan.seg_cu)
     final = None
     if output_final_state:
-        final = seg_final.index_select(0, index.first + index.count - 1)
+        final = select_segments(seg_final, plan.first + plan.count - 1, lambda: index.first + index.count - 1)
     if keep_starts:
         return o, final, starts if plan.split else None
     return o, final

@@ -94,6 +94,7 @@ STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1")
 _FUSED = os.environ.get("FLASHGDN_HOPPER_FUSED_BACKWARD", "auto")
 FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 
+
 def _auto_switch(name: str):
     """A build switch read from the environment: "auto" (unset: ``fused_backward_options`` decides by the head
     count), or True/False for "1"/"0"."""
