@@ -5,6 +5,7 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh bwd-set OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh starts OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh gates OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh rows OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -20,10 +21,13 @@
 #   v0.16a's A/Bs, 10-12% off the kernel where its CTAs leave SMs idle) on the CP plans' shapes, where the backward
 #   now runs it in one partial wave: their same-bits tests (gpu-gates.log), then a training step's kernels on eight
 #   few-head shapes with both off and both on (step-kernels-gates{0,1}.json).
+# rows: segment rows the host plan knows taken without a device gather (exact.HOST_ROWS, notes v0.16p): the CP and
+#   backward GPU suites on it (gpu-rows.log), then a training step's kernels on the eight shapes of `gates` with
+#   FLASHGDN_CP_HOST_ROWS=0 and 1 (step-kernels-rows{0,1}.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates OUTDIR}
+part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows OUTDIR}
+out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -74,7 +78,17 @@ elif [ "$part" = gates ]; then
       --out "$out/step-kernels-gates$on.json" > "$out/step-kernels-gates$on.log" 2>&1
     echo "# exit status $?" >> "$out/step-kernels-gates$on.log"; grep "kernels per step\|exit" "$out/step-kernels-gates$on.log"
   done
+elif [ "$part" = rows ]; then
+  timeout 200 python3 -m pytest -m gpu -q -rfEx -n 8 tests/test_gpu_hopper_cp.py tests/test_gpu_hopper_backward.py \
+    > "$out/gpu-rows.log" 2>&1
+  echo "# exit status $?" >> "$out/gpu-rows.log"; quiet "$out/gpu-rows.log"
+  for on in 0 1; do
+    FLASHGDN_CP_HOST_ROWS=$on timeout 150 python3 benchmarks/step_kernels.py --cp auto --sequence \
+      --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768 --shape 2/4:8192 --shape 4/8:8192 \
+      --shape 8/16:8192 --shape 16/32:8192 --out "$out/step-kernels-rows$on.json" > "$out/step-kernels-rows$on.log" 2>&1
+    echo "# exit status $?" >> "$out/step-kernels-rows$on.log"; grep "kernels per step\|exit" "$out/step-kernels-rows$on.log"
+  done
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates OUTDIR" >&2
+  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows OUTDIR" >&2
   exit 2
 fi

@@ -862,7 +862,7 @@ def test_the_backward_from_the_forwards_starts_splices_less():
     ([2, 2], "gather"),
     ([], "gather"),
 ])
-def test_select_segments_takes_rows_the_host_knows_without_a_gather(rows, path):
+def test_select_segments_takes_rows_the_host_knows_without_a_gather(rows, path, monkeypatch):
     """``exact.select_segments``: the rows of ``index_select`` whatever the path, with the device rows asked for
     only when they do not step evenly, no copy when they are every row in order, and a fresh tensor otherwise (a
     view would keep every segment's row alive)."""
@@ -881,3 +881,9 @@ def test_select_segments_takes_rows_the_host_knows_without_a_gather(rows, path):
     assert (got is x) == (path == "itself")
     if path == "copy":
         assert got.is_contiguous() and got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    # FLASHGDN_CP_HOST_ROWS=0: the gather always
+    from flashgdn.cp import exact
+
+    asked.clear()
+    monkeypatch.setattr(exact, "HOST_ROWS", False)
+    assert torch.equal(select_segments(x, torch.tensor(rows, dtype=torch.int64), device_rows), got) and asked

@@ -30,6 +30,7 @@ PyTorch counterpart of the transitions: ``flashgdn.reference.chunked.state_pass`
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -40,6 +41,11 @@ Forward = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
 Gather = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
+#: ``select_segments`` takes evenly stepping rows the host plan knows without a device gather (FLASHGDN_CP_HOST_ROWS=0:
+#: always the gather, for an A/B)
+HOST_ROWS = os.environ.get("FLASHGDN_CP_HOST_ROWS", "1") == "1"
+
+
 def select_segments(x: torch.Tensor, rows: torch.Tensor, device_rows: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``x.index_select(0, device_rows())`` for rows of segments that the host plan knows (``rows``, int64 on the
     host, the same values): ``x`` itself when the rows are all of x in order, one strided copy when they step evenly
@@ -47,7 +53,7 @@ def select_segments(x: torch.Tensor, rows: torch.Tensor, device_rows: Callable[[
     same values with fewer small kernels (the index arithmetic, ``index_select``'s gather), and nothing read from
     the device."""
     n = rows.numel()
-    if n:
+    if n and HOST_ROWS:
         a = int(rows[0])
         step = int(rows[1]) - a if n > 1 else 1
         if step >= 1 and torch.equal(rows, a + step * torch.arange(n, dtype=rows.dtype)):
