@@ -419,7 +419,7 @@ def hopper_backward(
     Hv, V = v.shape[2], v.shape[3]
     TT = B * T
     cu, N = packed_offsets(cu_seqlens, B, T, q.device)
-    cu_cpu = cu_seqlens_cpu if cu_seqlens is not None else torch.arange(0, (B + 1) * T, T)
+    cu_cpu = host_offsets(cu_seqlens, cu_seqlens_cpu, B, T)
 
     def packed(x):
         return x.reshape((1, TT) + tuple(x.shape[2:]))
