@@ -32,21 +32,30 @@ mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 quiet() { grep -v "^  \|Warning\|^$\|INFO" "$1" | tail -"${2:-3}"; }
-# a training step's kernels on four few-head shapes with one switch set: step_kernels VARIABLE VALUE NAME
+# the GPU tests, quietly: gpu_tests NAME SECONDS WORKERS PYTEST_ARGS... (NAME.log)
+gpu_tests() {
+  local name=$1 limit=$2 workers=$3; shift 3
+  timeout "$limit" python3 -m pytest -m gpu -q -rfEx -n "$workers" "$@" > "$out/$name.log" 2>&1
+  echo "# exit status $?" >> "$out/$name.log"; quiet "$out/$name.log"
+}
+FOUR_SHAPES="--shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768"
+EIGHT_SHAPES="$FOUR_SHAPES --shape 2/4:8192 --shape 4/8:8192 --shape 8/16:8192 --shape 16/32:8192"
+# a training step's kernels on few-head shapes with switches set: step_kernels NAME SECONDS "SHAPES" VAR=VALUE...
+# (NAME.json, NAME.log)
 step_kernels() {
-  env "$1=$2" timeout 60 python3 benchmarks/step_kernels.py --cp auto --sequence \
-    --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768 \
-    --out "$out/$3.json" > "$out/$3.log" 2>&1
-  echo "# exit status $?" >> "$out/$3.log"
-  grep "kernels per step\|exit" "$out/$3.log"
+  local name=$1 limit=$2 shapes=$3; shift 3
+  # shellcheck disable=SC2086  # the shapes are words
+  env "$@" timeout "$limit" python3 benchmarks/step_kernels.py --cp auto --sequence $shapes \
+    --out "$out/$name.json" > "$out/$name.log" 2>&1
+  echo "# exit status $?" >> "$out/$name.log"
+  grep "kernels per step\|exit" "$out/$name.log"
 }
 if [ "$part" = splice ]; then
-  timeout 120 python3 -m pytest -m gpu -q -rfEx -n 8 tests/test_gpu_hopper_cp.py > "$out/gpu-cp.log" 2>&1
-  echo "# exit status $?" >> "$out/gpu-cp.log"; quiet "$out/gpu-cp.log"
-  timeout 90 python3 -m pytest -m gpu -q -rfEx -n 6 tests/test_gpu_hopper_backward.py -k own_plan \
-    > "$out/gpu-bwd-plan.log" 2>&1
-  echo "# exit status $?" >> "$out/gpu-bwd-plan.log"; quiet "$out/gpu-bwd-plan.log"
-  for reuse in 0 1; do step_kernels FLASHGDN_HOPPER_CP_REUSE_STARTS $reuse step-kernels-reuse$reuse; done
+  gpu_tests gpu-cp 120 8 tests/test_gpu_hopper_cp.py
+  gpu_tests gpu-bwd-plan 90 6 tests/test_gpu_hopper_backward.py -k own_plan
+  for on in 0 1; do
+    step_kernels step-kernels-reuse$on 60 "$FOUR_SHAPES" FLASHGDN_HOPPER_CP_REUSE_STARTS=$on
+  done
   FLASHGDN_HOPPER_CP_REUSE_STARTS=1 timeout 230 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd \
     --time-budget 200 --no-plots --out-dir "$out" --name cp-fwdbwd-reuse > "$out/cp-fwdbwd-reuse.log" 2>&1
   echo "# exit status $?" >> "$out/cp-fwdbwd-reuse.log"; tail -2 "$out/cp-fwdbwd-reuse.log"
@@ -55,10 +64,10 @@ elif [ "$part" = bwd-set ]; then
     --no-plots --out-dir "$out" --name bwd-set > "$out/bwd-set.log" 2>&1
   echo "# exit status $?" >> "$out/bwd-set.log"; tail -3 "$out/bwd-set.log"
 elif [ "$part" = starts ]; then
-  timeout 120 python3 -m pytest -m gpu -q -rfEx -n 6 tests/test_gpu_hopper_cp.py -k "starts_made_in_the_kernel" \
-    > "$out/gpu-starts.log" 2>&1
-  echo "# exit status $?" >> "$out/gpu-starts.log"; quiet "$out/gpu-starts.log"
-  for on in 0 1; do step_kernels FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL $on step-kernels-starts$on; done
+  gpu_tests gpu-starts 120 6 tests/test_gpu_hopper_cp.py -k "starts_made_in_the_kernel"
+  for on in 0 1; do
+    step_kernels step-kernels-starts$on 60 "$FOUR_SHAPES" FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=$on
+  done
   FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1 timeout 170 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwd \
     --time-budget 140 --no-plots --out-dir "$out" --name cp-fwd-starts > "$out/cp-fwd-starts.log" 2>&1
   echo "# exit status $?" >> "$out/cp-fwd-starts.log"; tail -2 "$out/cp-fwd-starts.log"
@@ -68,25 +77,15 @@ elif [ "$part" = starts ]; then
     --modes fwdbwd --time-budget 70 --no-plots --out-dir "$out" --name memory-handoff > "$out/memory-handoff.log" 2>&1
   echo "# exit status $?" >> "$out/memory-handoff.log"; tail -2 "$out/memory-handoff.log"
 elif [ "$part" = gates ]; then
-  timeout 150 python3 -m pytest -m gpu -q -rfEx -n 4 tests/test_gpu_hopper_backward.py -k fused_switches \
-    > "$out/gpu-gates.log" 2>&1
-  echo "# exit status $?" >> "$out/gpu-gates.log"; quiet "$out/gpu-gates.log"
+  gpu_tests gpu-gates 150 4 tests/test_gpu_hopper_backward.py -k fused_switches
   for on in 0 1; do
-    FLASHGDN_HOPPER_FUSED_P_FIRST=$on FLASHGDN_HOPPER_FUSED_LEAN_GATES=$on timeout 150 python3 \
-      benchmarks/step_kernels.py --cp auto --sequence --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 \
-      --shape 16/32:32768 --shape 2/4:8192 --shape 4/8:8192 --shape 8/16:8192 --shape 16/32:8192 \
-      --out "$out/step-kernels-gates$on.json" > "$out/step-kernels-gates$on.log" 2>&1
-    echo "# exit status $?" >> "$out/step-kernels-gates$on.log"; grep "kernels per step\|exit" "$out/step-kernels-gates$on.log"
+    step_kernels step-kernels-gates$on 150 "$EIGHT_SHAPES" FLASHGDN_HOPPER_FUSED_P_FIRST=$on \
+      FLASHGDN_HOPPER_FUSED_LEAN_GATES=$on
   done
 elif [ "$part" = rows ]; then
-  timeout 200 python3 -m pytest -m gpu -q -rfEx -n 8 tests/test_gpu_hopper_cp.py tests/test_gpu_hopper_backward.py \
-    > "$out/gpu-rows.log" 2>&1
-  echo "# exit status $?" >> "$out/gpu-rows.log"; quiet "$out/gpu-rows.log"
+  gpu_tests gpu-rows 200 8 tests/test_gpu_hopper_cp.py tests/test_gpu_hopper_backward.py
   for on in 0 1; do
-    FLASHGDN_CP_HOST_ROWS=$on timeout 150 python3 benchmarks/step_kernels.py --cp auto --sequence \
-      --shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768 --shape 2/4:8192 --shape 4/8:8192 \
-      --shape 8/16:8192 --shape 16/32:8192 --out "$out/step-kernels-rows$on.json" > "$out/step-kernels-rows$on.log" 2>&1
-    echo "# exit status $?" >> "$out/step-kernels-rows$on.log"; grep "kernels per step\|exit" "$out/step-kernels-rows$on.log"
+    step_kernels step-kernels-rows$on 150 "$EIGHT_SHAPES" FLASHGDN_CP_HOST_ROWS=$on
   done
 else
   echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows OUTDIR" >&2
