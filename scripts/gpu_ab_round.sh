@@ -6,6 +6,8 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh starts OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh gates OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh rows OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh chains OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh canonical OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -24,10 +26,15 @@
 # rows: segment rows the host plan knows taken without a device gather (exact.HOST_ROWS, notes v0.16p): the CP and
 #   backward GPU suites on it (gpu-rows.log), then a training step's kernels on the eight shapes of `gates` with
 #   FLASHGDN_CP_HOST_ROWS=0 and 1 (step-kernels-rows{0,1}.json).
+# chains: the backward's chains index by one kernel (backend.CP_CHAIN_INDEX, notes v0.16q): the CP and backward GPU
+#   suites on it (gpu-chains.log), then a training step's kernels on the eight shapes with
+#   FLASHGDN_HOPPER_CP_CHAIN_INDEX=0 and 1 (step-kernels-chains{0,1}.json).
+# canonical: the canonical set's forward, flashgdn alone, all 171 shapes (canon.json), then its 82 shapes with
+#   fewer CTAs than the GPU's SMs with cp="off" (canon-few-cp-off.json), for the 3% rule of context parallelism.
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows OUTDIR}
+part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical OUTDIR}
+out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -87,7 +94,19 @@ elif [ "$part" = rows ]; then
   for on in 0 1; do
     step_kernels step-kernels-rows$on 150 "$EIGHT_SHAPES" FLASHGDN_CP_HOST_ROWS=$on
   done
+elif [ "$part" = chains ]; then
+  gpu_tests gpu-chains 200 8 tests/test_gpu_hopper_cp.py tests/test_gpu_hopper_backward.py
+  for on in 0 1; do
+    step_kernels step-kernels-chains$on 150 "$EIGHT_SHAPES" FLASHGDN_HOPPER_CP_CHAIN_INDEX=$on
+  done
+elif [ "$part" = canonical ]; then
+  timeout 200 python3 -m flashgdn.bench --set canonical --impls flashgdn --modes fwd --time-budget 170 --no-plots \
+    --out-dir "$out" --name canon > "$out/canon.log" 2>&1
+  echo "# exit status $?" >> "$out/canon.log"; tail -2 "$out/canon.log"
+  timeout 120 python3 -m flashgdn.bench --set canonical --ctas few --cp off --impls flashgdn --modes fwd \
+    --time-budget 100 --no-plots --out-dir "$out" --name canon-few-cp-off > "$out/canon-few-cp-off.log" 2>&1
+  echo "# exit status $?" >> "$out/canon-few-cp-off.log"; tail -2 "$out/canon-few-cp-off.log"
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows OUTDIR" >&2
+  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical OUTDIR" >&2
   exit 2
 fi

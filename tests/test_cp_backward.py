@@ -312,6 +312,18 @@ class _CountingChainsForward(_CountingSkippingForward):
     def __init__(self):
         super().__init__()
         self.pairs_seen = []
+        self.chain_index_calls = 0
+        self.index_plans = []
+
+    def segment_index(self, plan, cu_seqlens):
+        self.index_plans.append(plan.segment_chunks)
+        return segment_index_tensors(plan, cu_seqlens)
+
+    def chain_index(self, index, known_index, m):
+        from flashgdn.cp.exact import chain_index_tensors
+
+        self.chain_index_calls += 1
+        return chain_index_tensors(index, known_index, m)
 
     def splice_chains(self, pairs, starts, plan, chains, from_known):
         self.chains.append(int(plan.count.max()))
@@ -353,12 +365,16 @@ def test_cp_backward_from_the_forwards_starts(case, fwd_chunks, bwd_chunks, K, V
             assert rel_rms(x, w) < 1e-10, name
     if forward_kind != "torch" and plan.split:  # gathered starts: the transition pass makes no b (all NaN here)
         assert fwd.modes == (["m_only"] if fplan.split and bwd_chunks % fwd_chunks == 0 else ["backward"])
+    if isinstance(fwd, _CountingChainsForward) and fplan.split and plan.split:
+        # the forward's index is built again only for other cuts than the backward's own
+        assert fwd.index_plans == [bwd_chunks] + ([fwd_chunks] if fwd_chunks != bwd_chunks else [])
     if isinstance(fwd, _CountingSkippingForward) and fplan.split and plan.split:
         if bwd_chunks % fwd_chunks == 0:
             assert fwd.chains == []  # gathered, no splice
         elif fwd_chunks % bwd_chunks == 0:
             assert fwd.chains == [fwd_chunks // bwd_chunks]  # chains of the ratio, not the whole sequence
             if isinstance(fwd, _CountingChainsForward):  # through splice_chains, with no b rewritten first
+                assert fwd.chain_index_calls == 1  # the chains' index by the forward's own hook
                 fresh = segment_starts(fwd, q, k, v, g, beta, 0.3, float_states(h0, q, v, len(seqlens)), plan,
                                        segment_index_tensors(plan, cu), for_backward=True)[2]
                 assert torch.equal(fwd.pairs_seen[0].nan_to_num(), fresh.nan_to_num())
@@ -410,6 +426,29 @@ def test_handed_off_forward_starts_are_released_before_step_4(fwd_chunks, bwd_ch
     for name, x, w in zip(NAMES, got, want):
         if w is not None:
             assert rel_rms(x, w) < 1e-10, name
+
+
+@pytest.mark.parametrize("seqlens,fwd_chunks,m", [([8192], 4, 4), ([5000, 64, 3000, 1, 700, 0], 6, 3),
+                                                   ([192, 64, 256], 2, 2), ([0], 3, 3)])
+def test_chain_index_tensors_follow_the_plans(seqlens, fwd_chunks, m):
+    """``exact.chain_index_tensors`` against the two host plans walked sequence by sequence: forward segment j of
+    sequence n chains the backward's segments m j .. m j + m - 1 of n (fewer at its end; an empty sequence is one
+    empty segment on both plans)."""
+    from flashgdn.cp.exact import chain_index_tensors
+
+    cu = torch.tensor([0] + seqlens).cumsum(0)
+    plan, fplan = split_sequences(seqlens, fwd_chunks // m), split_sequences(seqlens, fwd_chunks)
+    index = segment_index_tensors(plan, cu)
+    chains, jf = chain_index_tensors(index, segment_index_tensors(fplan, cu), m)
+    want_jf, want_first, want_count = [], [], []
+    for n in range(len(seqlens)):
+        for j in range(int(fplan.count[n])):
+            want_jf.append(j)
+            want_first.append(int(plan.first[n]) + m * j)
+            want_count.append(min(int(plan.count[n]) - m * j, m))
+    assert jf.tolist() == want_jf and chains.first.tolist() == want_first and chains.count.tolist() == want_count
+    assert min(want_count) >= 1
+    assert chains.seg_cu is index.seg_cu and chains.seg_seq is index.seg_seq
 
 
 @pytest.mark.parametrize("grad", [False, True])  # with autograd on, the pairs are not written in place

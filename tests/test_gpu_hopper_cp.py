@@ -288,6 +288,30 @@ def test_segment_index_kernel_equals_the_torch_index(segment_chunks, cu_dtype, c
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("m", [2, 3, 16])
+def test_chain_index_kernel_equals_the_torch_index(m, cuda):
+    """``segment_index.build_chain_index`` against ``exact.chain_index_tensors``: the same integers, for empty,
+    short and long sequences and more forward segments than one block of threads."""
+    import random
+
+    from flashgdn.cp import split_sequences
+    from flashgdn.cp.exact import chain_index_tensors
+    from flashgdn.cp.plan import segment_index_tensors
+    from flashgdn.kernels.hopper.forward import hopper_chain_index
+
+    rnd = random.Random(m)
+    for seqlens in ([8192], [0, 5, 64, 65, 3000, 0, 1], [rnd.choice([0, 1, 64, rnd.randint(1, 20000)])
+                                                       for _ in range(700)]):
+        cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
+        index = segment_index_tensors(split_sequences(seqlens, 1), cu)
+        known = segment_index_tensors(split_sequences(seqlens, m), cu)
+        (want, want_jf), (got, got_jf) = chain_index_tensors(index, known, m), hopper_chain_index(index, known, m)
+        assert known.seg_seq.numel() > 256 or len(seqlens) < 700
+        for a, b in ((got.first, want.first), (got.count, want.count), (got_jf, want_jf)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert got.seg_cu is index.seg_cu and got.seg_seq is index.seg_seq
+
+
 def _cp_op_and_gradients(opts, cuda):
     """The op with CP on 4-chunk segments and its backward (fixed output gradients) on one set of inputs: returns
     ``(names, run)``, ``run()`` giving ``[o, final state] + the gradients of names``."""

@@ -49,6 +49,8 @@ class SignatureCheck:
         self.calls.append((self.name, sizes))
         if self.name == "segment_index":  # later host code indexes with its outputs: give them their values
             _fill_segment_index(*args)
+        if self.name == "chain_index":  # the same, for the chains' index
+            _fill_chain_index(*args)
         if self.name == "group_sum":  # its outputs are the gradients returned: their values, as the kernel's
             dq_v, dk_v, dq, dk = args
             dq.copy_(dq_v.float().sum(1))
@@ -66,6 +68,18 @@ def _fill_segment_index(cu, step, seg_cu, seg_seq, first, count):
     index = segment_index_tensors(plan, cu)
     for out, value in ((seg_cu, index.seg_cu), (seg_seq, index.seg_seq), (first, index.first),
                        (count, index.count)):
+        out.copy_(value)
+
+
+def _fill_chain_index(known_seq, known_first, first, count, m, jf, chain_first, chain_count):
+    """What ``segment_index.build_chain_index`` writes: ``chain_index_tensors``'s values."""
+    from types import SimpleNamespace
+
+    from flashgdn.cp.exact import chain_index_tensors
+
+    chains, want_jf = chain_index_tensors(SimpleNamespace(seg_cu=None, seg_seq=None, first=first, count=count),
+                                          SimpleNamespace(seg_seq=known_seq, first=known_first), m)
+    for out, value in ((jf, want_jf), (chain_first, chains.first), (chain_count, chains.count)):
         out.copy_(value)
 
 
@@ -89,7 +103,7 @@ def checked_kernels(monkeypatch):
                          (chunk_forward_rso, "build_chunk_forward_rso"), (state_grad_walk, "build_state_grad_walk"),
                          (chunk_grad, "build_chunk_grad"), (fused_backward, "build_fused_backward"),
                          (splice, "build_splice"), (segment_index, "build_segment_index"),
-                         (group_sum, "build_group_sum")):
+                         (segment_index, "build_chain_index"), (group_sum, "build_group_sum")):
         real = getattr(module, attr)
 
         def builder(*args, _real=real, _name=attr[len("build_"):], **kwargs):
@@ -350,4 +364,13 @@ def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, mo
     grads = torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
     splices = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "splice"]
     assert splices == [8, 1], splices  # the forward splice over 8 chains, the reverse over the sequence
+    # the chains' index by one kernel over the forward's 8 segments; the segment index built for both plans
+    assert [sizes["num_known"] for name, sizes in checked_kernels if name == "chain_index"] == [8]
+    assert [sizes["num_segments"] for name, sizes in checked_kernels if name == "segment_index"] == [16, 8]
     assert all(gr.shape == xs[n].shape for gr, n in zip(grads, names))
+    monkeypatch.setattr(backend, "CP_CHAIN_INDEX", False)  # by torch ops: no kernel
+    o, ht = HopperBackend()(p)
+    checked_kernels.clear()
+    torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
+    assert not [name for name, _ in checked_kernels if name == "chain_index"]
+    assert [sizes["num_seqs"] for name, sizes in checked_kernels if name == "splice"] == [8, 1]

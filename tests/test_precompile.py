@@ -65,26 +65,29 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
 
 def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     """The serving kernels, the backward's CP transition passes (and the one that makes only M, for starts gathered
-    from the forward's) and splices (the forward's chains build from the forward's segment starts, the reverse's
-    blocked build at both widths), and the backward's kernels as its switches
+    from the forward's) and splices (the forward's chains build from the forward's segment starts and their index
+    kernel, the reverse's blocked build at both widths), and the backward's kernels as its switches
     are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
     with their default stores, the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes
     that fill the GPU) with and without a final-state gradient, in the precise mode (which keeps the two kernels)
     the precise builds alone."""
-    from flashgdn.kernels.hopper import backward, forward
+    from flashgdn.kernels.hopper import backend, backward, forward
     from flashgdn.kernels.hopper.variants import serving_variants, training_variants
 
     serving = [v[0] for v in serving_variants(2, 8, flags="common")]
     names = [v[0] for v in training_variants(2, 8, flags="common")]
     assert names == serving + ["chunk_forward_rs_pairs_skip_backward[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                                "chunk_forward_rs_pairs_skip_m_only[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                               "splice_chains[8,forward]", "splice_blocked8[8,reverse]",
+                               "chain_index", "splice_chains[8,forward]", "splice_blocked8[8,reverse]",
                                "splice_blocked16[8,reverse]",
                                "chunk_states[2/8,bfloat16,h0=1,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async_5[2/8,bfloat16]",
                                "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]",
                                "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
+    monkeypatch.setattr(backend, "CP_CHAIN_INDEX", False)  # the chains' index by torch ops: no kernel
+    assert "chain_index" not in [v[0] for v in training_variants(2, 8, flags="common")]
+    monkeypatch.setattr(backend, "CP_CHAIN_INDEX", True)
     monkeypatch.setattr(backward, "FUSED_BACKWARD", False)  # never fused: not precompiled
     assert not [v for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"]
     monkeypatch.setattr(backward, "FUSED_BACKWARD", "auto")

@@ -105,7 +105,10 @@ def cp_backward(
         known = None
         taken = forward_starts.take() if isinstance(forward_starts, StartsHandoff) else forward_starts
         if taken is not None and taken[1] is not None:
-            known = KnownStarts(taken[0], segment_indices(forward, taken[0], cu_seqlens), taken[1].to(h0.dtype))
+            # the forward's own segments (the same cuts of the same sequences): the same index, not built again
+            same = torch.equal(taken[0].seg_cu, plan.seg_cu)
+            known = KnownStarts(taken[0], index if same else segment_indices(forward, taken[0], cu_seqlens),
+                                taken[1].to(h0.dtype))
         del taken  # ``known`` alone holds a handed-off starts tensor now
         starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=True,
                                                known=known)

@@ -136,6 +136,25 @@ def segment_indices(forward, plan: SegmentPlan, cu_seqlens: torch.Tensor) -> Seg
     return own(plan, cu_seqlens) if own is not None else segment_index_tensors(plan, cu_seqlens)
 
 
+def chain_index_tensors(index: SegmentIndex, known_index: SegmentIndex, m: int) -> Tuple[SegmentIndex, torch.Tensor]:
+    """The chains of ``starts_from_known`` when the known plan's segments are m times ``index``'s: ``(chains, jf)``,
+    where ``jf`` is each known segment's place in its sequence, and its chain is that sequence's own segments
+    m jf .. m jf + m - 1 (fewer at its end): ``chains.first`` and ``chains.count`` per known segment, with
+    ``index``'s ``seg_cu`` and ``seg_seq``. Device arithmetic, nothing read back."""
+    fseq = known_index.seg_seq
+    jf = torch.arange(fseq.numel(), device=fseq.device) - known_index.first.index_select(0, fseq)
+    chains = SegmentIndex(index.seg_cu, index.seg_seq, torch.add(index.first.index_select(0, fseq), jf, alpha=m),
+                          torch.sub(index.count.index_select(0, fseq), jf, alpha=m).clamp_(max=m))
+    return chains, jf
+
+
+def chain_indices(forward, index: SegmentIndex, known_index: SegmentIndex, m: int) -> Tuple[SegmentIndex, torch.Tensor]:
+    """``chain_index_tensors`` by the forward's own ``chain_index(index, known_index, m)`` when it has one (e.g. one
+    kernel)."""
+    own = getattr(forward, "chain_index", None)
+    return own(index, known_index, m) if own is not None else chain_index_tensors(index, known_index, m)
+
+
 def _twice(x: torch.Tensor) -> torch.Tensor:
     """``[1, T, Hv, ...] -> [1, T, 2 Hv, ...]``, each head repeated."""
     return x.unsqueeze(3).expand(x.shape[:3] + (2,) + x.shape[3:]).flatten(2, 3)
@@ -304,11 +323,8 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
         rows = known.plan.first.index_select(0, plan.seg_seq) + local_host * r
         return select_segments(known.starts, rows, device_rows)
     m = Lf // Lb
-    fseq, fseq_host = known.index.seg_seq, known.plan.seg_seq
-    # jf: each known segment's place in its sequence; its chain is the sequence's own segments m jf .. m jf + m - 1
-    jf = torch.arange(fseq.numel(), device=dev) - known.index.first.index_select(0, fseq)
-    chains = SegmentIndex(index.seg_cu, index.seg_seq, torch.add(index.first.index_select(0, fseq), jf, alpha=m),
-                          torch.sub(index.count.index_select(0, fseq), jf, alpha=m).clamp_(max=m))
+    fseq_host = known.plan.seg_seq
+    chains, jf = chain_indices(forward, index, known.index, m)
     jf_host = torch.arange(fseq_host.numel()) - known.plan.first.index_select(0, fseq_host)
     # the host's copy for the splice's number of steps; seg_seq only gives the number of rows
     chain_plan = SegmentPlan(plan.seg_cu, plan.seg_seq, plan.first.index_select(0, fseq_host) + jf_host * m,

@@ -157,6 +157,12 @@ CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "1") == "1"
 #: 4/8 32768x1 1.260 -> 1.214, 16/32 32768x1 3.639 -> 3.573. FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1|0.
 CP_STARTS_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL", "1") == "1"
 
+#: the backward's chains from the forward's segment starts (their first segment and count, and each known
+#: segment's place in its sequence) by one kernel (``segment_index.build_chain_index``) instead of eight small torch
+#: kernels, where the forward's segments are a multiple of the backward's. The same integers (a GPU test checks
+#: them); FLASHGDN_HOPPER_CP_CHAIN_INDEX=0 for the torch ops.
+CP_CHAIN_INDEX = os.environ.get("FLASHGDN_HOPPER_CP_CHAIN_INDEX", "1") == "1"
+
 
 def _reuses_starts(plan, backward_plan) -> bool:
     """Whether the forward keeps its segment starts for the backward: both split, and ``CP_REUSE_STARTS``."""
@@ -179,7 +185,7 @@ class _HopperSegmentsForward:
     state-only kernel when no output is needed). With ``paired`` it also offers ``transition_pairs``: the
     transition pass from undoubled inputs (``forward.hopper_transition_pairs``), keeping stages 0 and 1 for the
     forward over the same segments that follows. With ``fused`` (default ``CP_FUSED``) it offers
-    ``segment_index``, ``splice``, ``splice_chains`` (the backward's from the forward's segment starts) and
+    ``segment_index``, ``chain_index`` (``CP_CHAIN_INDEX``), ``splice``, ``splice_chains`` (the backward's from the forward's segment starts) and
     ``splice_reverse``, which the CP drivers then use (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
 
     def __init__(self, paired: bool, fused: Optional[bool] = None, stage1_source=None,
@@ -204,6 +210,12 @@ class _HopperSegmentsForward:
         from .forward import hopper_segment_index
 
         return hopper_segment_index if self._fused else None
+
+    @property
+    def chain_index(self):
+        from .forward import hopper_chain_index
+
+        return hopper_chain_index if self._fused and CP_CHAIN_INDEX else None
 
     @property
     def splice(self):

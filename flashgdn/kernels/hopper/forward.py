@@ -452,6 +452,21 @@ def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor,
     return out
 
 
+def hopper_chain_index(index, known_index, m: int):
+    """The backward's chains from the forward's segment starts (``flashgdn.cp.exact.chain_index_tensors``) by one
+    kernel (``segment_index.build_chain_index``) instead of eight small torch ops: ``(chains, jf)``."""
+    from ...cp.plan import SegmentIndex
+    from .segment_index import build_chain_index
+
+    fseq = known_index.seg_seq
+    F, N = fseq.numel(), index.first.numel()
+    if known_index.first.numel() != N:
+        raise ValueError(f"the known plan has {known_index.first.numel()} sequences, this one {N}")
+    jf, chain_first, chain_count = (torch.empty((F,), dtype=torch.int64, device=fseq.device) for _ in range(3))
+    build_chain_index()(fseq, known_index.first, index.first, index.count, int(m), jf, chain_first, chain_count)
+    return SegmentIndex(index.seg_cu, index.seg_seq, chain_first, chain_count), jf
+
+
 def hopper_segment_index(plan, cu_seqlens: torch.Tensor):
     """Context parallelism's segment index tensors (``flashgdn.cp.SegmentIndex``) by one kernel
     (``segment_index.py``) instead of ~16 small torch ops; ``flashgdn.cp.plan.segment_index_tensors`` when the

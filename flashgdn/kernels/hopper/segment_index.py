@@ -14,6 +14,17 @@ scan of the counts gives each thread its sequence's first segment, and the threa
 segments.
 
 PyTorch counterpart: ``flashgdn.cp.plan.segment_index_tensors``.
+
+The second kernel here, ``build_chain_index``, is the backward's chains from the forward's segment starts
+(``flashgdn.cp.exact.starts_from_known``): with the forward's segments m times the backward's, forward segment f
+of sequence n = known_seq[f] starts the chain of the backward's segments m jf .. m jf + m - 1 of n, where
+
+    jf[f]          = f - known_first[n]                       (its place in its sequence)
+    chain_first[f] = first[n] + m jf[f]
+    chain_count[f] = min(count[n] - m jf[f], m)
+
+one thread per forward segment, instead of eight small torch kernels (an arange, three gathers, three adds, a
+clamp). PyTorch counterpart: ``flashgdn.cp.exact.chain_index_tensors``.
 """
 import functools
 
@@ -65,3 +76,42 @@ def build_segment_index(cu_dtype: str):
                 seg_cu[num_segments] = cu_seqlens[num_seqs]
 
     return tilelang.compile(segment_index_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
+
+
+CHAIN_THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def build_chain_index():
+    """Compile (or load) the chains' index kernel. Arguments: known_seq [F] int64 (the forward's segments'
+    sequences), known_first [N] int64, first [N] int64, count [N] int64 (the backward's plan), m int32, then
+    written: jf [F], chain_first [F], chain_count [F] (int64)."""
+    import tilelang
+    import tilelang.language as T
+
+    NT = CHAIN_THREADS
+    num_seqs = T.dynamic("num_seqs")
+    num_known = T.dynamic("num_known")
+
+    @T.prim_func
+    def chain_index_kernel(
+        known_seq: T.Tensor((num_known,), "int64"),
+        known_first: T.Tensor((num_seqs,), "int64"),
+        first: T.Tensor((num_seqs,), "int64"),
+        count: T.Tensor((num_seqs,), "int64"),
+        m: T.int32,
+        jf: T.Tensor((num_known,), "int64"),
+        chain_first: T.Tensor((num_known,), "int64"),
+        chain_count: T.Tensor((num_known,), "int64"),
+    ):
+        with T.Kernel(T.ceildiv(num_known, NT), threads=NT) as bx:
+            tx = T.get_thread_binding()
+            f = bx * NT + tx
+            if f < num_known:
+                n = known_seq[f]
+                j = T.cast(f, "int64") - known_first[n]
+                jf[f] = j
+                chain_first[f] = first[n] + j * T.cast(m, "int64")
+                chain_count[f] = T.min(count[n] - j * T.cast(m, "int64"), T.cast(m, "int64"))
+
+    return tilelang.compile(chain_index_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

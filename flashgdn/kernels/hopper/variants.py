@@ -67,6 +67,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             # context parallelism's own kernels (FLASHGDN_HOPPER_CP_FUSED=1): the segment index, the splices
             for cu_dtype in ("int32", "int64"):
                 yield (f"segment_index[{cu_dtype}]", "segment_index", dict(cu_dtype=cu_dtype))
+            yield ("chain_index", "chain_index", {})
             for reverse in (False, True):
                 yield (f"splice[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
                        dict(Hv=Hv, K=K, V=V, reverse=reverse))
@@ -175,7 +176,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
                     if (_is_splice(v) and v[0].endswith(",reverse]"))
-                    or (backend.CP_REUSE_STARTS and v[0].startswith("splice_chains[")))
+                    or (backend.CP_REUSE_STARTS and v[0].startswith("splice_chains["))
+                    or (backend.CP_REUSE_STARTS and backend.CP_CHAIN_INDEX and v[0] == "chain_index"))
     options = backward.chunk_grad_options(Hv // Hqk)
     precise = forward.PRECISE and dtype == "bfloat16"
     for v in backward_variants(Hqk, Hv, K, V, dtype):
@@ -297,6 +299,10 @@ def build(builder: str, kwargs: dict):
         from .segment_index import build_segment_index
 
         return build_segment_index(**kwargs)
+    if builder == "chain_index":
+        from .segment_index import build_chain_index
+
+        return build_chain_index(**kwargs)
     if builder == "splice":
         from .splice import build_splice
 
