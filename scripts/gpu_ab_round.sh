@@ -8,6 +8,9 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh rows OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh chains OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh canonical OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh auto-gain OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh cp-set OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh canon-sbs OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -31,10 +34,15 @@
 #   FLASHGDN_HOPPER_CP_CHAIN_INDEX=0 and 1 (step-kernels-chains{0,1}.json).
 # canonical: the canonical set's forward, flashgdn alone, all 171 shapes (canon.json), then its 82 shapes with
 #   fewer CTAs than the GPU's SMs with cp="off" (canon-few-cp-off.json), for the 3% rule of context parallelism.
+# auto-gain: the shapes where cp="auto" would split if it asked for a 1-10% predicted gain instead of 10%
+#   (plan.AUTO_GAIN): the forward timed without CP and at each segment length (cp-choices-gain.json), and the two
+#   bwd-set shapes among them forward and backward (cp-choices-gain-fwdbwd.json).
+# cp-set: the cp set's fwd+bwd, flashgdn alone (cp-fwdbwd.json; CP_SET_BUDGET seconds of shapes, default 170).
+# canon-sbs: the canonical set's 19 mixes on 16/32, flashgdn beside FlashQLA in one process (canon-1632.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical OUTDIR}
+part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs OUTDIR}
+out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -106,7 +114,30 @@ elif [ "$part" = canonical ]; then
   timeout 120 python3 -m flashgdn.bench --set canonical --ctas few --cp off --impls flashgdn --modes fwd \
     --time-budget 100 --no-plots --out-dir "$out" --name canon-few-cp-off > "$out/canon-few-cp-off.log" 2>&1
   echo "# exit status $?" >> "$out/canon-few-cp-off.log"; tail -2 "$out/canon-few-cp-off.log"
+elif [ "$part" = auto-gain ]; then
+  timeout 180 python3 benchmarks/cp_choices.py --segments 32,64,128,256 --out "$out/cp-choices-gain.json" \
+    --shape 8/32:16384+16384 --shape 16/32:16384+16384 --shape 32/32:16384+16384 --shape 16/64:16384 \
+    --shape 16/64:32768 --shape 8/32:4096 --shape 16/32:4096 --shape 16/48:4096 --shape 32/32:4096 \
+    --shape 4/16:4096+4096 --shape 8/24:4096+4096 --shape 16/16:4096+4096 --shape 8/32:1024+7168 \
+    --shape 16/32:1024+7168 --shape 32/32:1024+7168 --shape 16/48:1024+7168 --shape 16/48:28672+4096 \
+    --shape 16/48:4096+28672 > "$out/cp-choices-gain.log" 2>&1
+  echo "# exit status $?" >> "$out/cp-choices-gain.log"; tail -2 "$out/cp-choices-gain.log"
+  timeout 80 python3 benchmarks/cp_choices.py --fwdbwd --segments 32,64 --out "$out/cp-choices-gain-fwdbwd.json" \
+    --shape 8/16:4163+924+1801+1304 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75 \
+    > "$out/cp-choices-gain-fwdbwd.log" 2>&1
+  echo "# exit status $?" >> "$out/cp-choices-gain-fwdbwd.log"; tail -2 "$out/cp-choices-gain-fwdbwd.log"
+elif [ "$part" = cp-set ]; then
+  budget=${CP_SET_BUDGET:-170}  # seconds of shapes; the limit is 30 more
+  timeout $((budget + 30)) python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd --time-budget "$budget" --no-plots \
+    --out-dir "$out" --name cp-fwdbwd > "$out/cp-fwdbwd.log" 2>&1
+  echo "# exit status $?" >> "$out/cp-fwdbwd.log"; tail -2 "$out/cp-fwdbwd.log"
+elif [ "$part" = canon-sbs ]; then
+  timeout 130 python3 -m flashgdn.bench --heads 16/32 --seqlens 32768,16384,8192,4096,2048,28672+4096,24576+8192,\
+16384x2,8192+24576,4096+28672,12288+4096,6144+2048,4096x2,2048+6144,1024+7168,8192x4,4096x8,2048x4,1024x8 \
+    --impls flashgdn,flashqla --modes fwd --time-budget 100 --no-plots --out-dir "$out" --name canon-1632 \
+    > "$out/canon-1632.log" 2>&1
+  echo "# exit status $?" >> "$out/canon-1632.log"; tail -2 "$out/canon-1632.log"
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical OUTDIR" >&2
+  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs OUTDIR" >&2
   exit 2
 fi
