@@ -11,6 +11,7 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh auto-gain OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh cp-set OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh canon-sbs OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh forward-gain OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -39,10 +40,13 @@
 #   bwd-set shapes among them forward and backward (cp-choices-gain-fwdbwd.json).
 # cp-set: the cp set's fwd+bwd, flashgdn alone (cp-fwdbwd.json; CP_SET_BUDGET seconds of shapes, default 170).
 # canon-sbs: the canonical set's 19 mixes on 16/32, flashgdn beside FlashQLA in one process (canon-1632.json).
+# forward-gain: the forward's cp="auto" at a 3% predicted gain (plan.FORWARD_AUTO_GAIN 0.97) against 10% (0.9) on
+#   the two bwd-set shapes where it changes the forward's plan, forward and fwd+bwd with peak memory, one process
+#   each (gain-0.9.json, gain-0.97.json); then the bwd set's fwd+bwd, flashgdn alone (bwd.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs OUTDIR}
+part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain OUTDIR}
+out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -137,7 +141,17 @@ elif [ "$part" = canon-sbs ]; then
     --impls flashgdn,flashqla --modes fwd --time-budget 100 --no-plots --out-dir "$out" --name canon-1632 \
     > "$out/canon-1632.log" 2>&1
   echo "# exit status $?" >> "$out/canon-1632.log"; tail -2 "$out/canon-1632.log"
+elif [ "$part" = forward-gain ]; then
+  for gain in 0.9 0.97; do
+    FLASHGDN_CP_FORWARD_AUTO_GAIN=$gain timeout 100 python3 -m flashgdn.bench --heads 8/16 \
+      --seqlens 4163+924+1801+1304,2308+9176+8884+1687+7967+73+2598+75 --impls flashgdn --modes fwd,fwdbwd \
+      --time-budget 80 --no-plots --out-dir "$out" --name gain-$gain > "$out/gain-$gain.log" 2>&1
+    echo "# exit status $?" >> "$out/gain-$gain.log"; tail -2 "$out/gain-$gain.log"
+  done
+  timeout 160 python3 -m flashgdn.bench --set bwd --impls flashgdn --modes fwdbwd --time-budget 130 --no-plots \
+    --out-dir "$out" --name bwd > "$out/bwd.log" 2>&1
+  echo "# exit status $?" >> "$out/bwd.log"; tail -2 "$out/bwd.log"
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs OUTDIR" >&2
+  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain OUTDIR" >&2
   exit 2
 fi

@@ -39,8 +39,15 @@ CHUNK = 64
 #: were fitted on (8-chunk segments would be an extrapolation: there the per-item cost is most of an item's time)
 CANDIDATE_SEGMENT_CHUNKS = (16, 32, 64, 128, 256)
 
-#: ``cp="auto"`` splits only when the model predicts at most this fraction of the time without CP
+#: the backward's ``cp="auto"`` (``plan_backward``) splits only when the model predicts at most this fraction of the
+#: time without CP (but see ``BACKWARD_FUSED_ANY_GAIN``)
 AUTO_GAIN = 0.9
+
+#: the forward's ``cp="auto"`` (``plan_segments``) splits when the model predicts at most this fraction of the time
+#: without CP. Timed on the H200 (``cp-choices-v0.16q.json``): the 17 canonical shapes the model puts at 0.915x-0.963x
+#: ran at 0.881x-0.969x of no split at its pick, and the one at 0.981x ran at 1.032x, so 0.97 (it was 0.9, the
+#: backward's). FLASHGDN_CP_FORWARD_AUTO_GAIN sets it.
+FORWARD_AUTO_GAIN = float(os.environ.get("FLASHGDN_CP_FORWARD_AUTO_GAIN", "0.97"))
 
 #: the backward splits on any predicted gain (not only ``AUTO_GAIN``'s clear one) when that puts it on the fused
 #: kernel where the whole sequences would take the walk and ``chunk_grad``: the fused kernel keeps no per-chunk state
@@ -434,8 +441,8 @@ def plan_segments(
     seqs = _sequences(seqlens)  # once for every candidate
     off_us = _estimated_us(*seqs, heads, None, model, qk_heads)
     us, best = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
-    # a clear gain only: CP costs memory, and its own constants (launches, splice) are estimates so far
-    return split_sequences(seqlens, best if us < AUTO_GAIN * off_us else None)
+    # a gain beyond the model's error only: CP costs memory (the segments' states)
+    return split_sequences(seqlens, best if us < FORWARD_AUTO_GAIN * off_us else None)
 
 
 def segment_chunk_counts(chunks: Sequence[int], segment_chunks: Optional[int]) -> List[int]:
