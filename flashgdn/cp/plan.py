@@ -44,9 +44,13 @@ CANDIDATE_SEGMENT_CHUNKS = (16, 32, 64, 128, 256)
 AUTO_GAIN = 0.9
 
 #: the forward's ``cp="auto"`` (``plan_segments``) splits when the model predicts at most this fraction of the time
-#: without CP. Timed on the H200 (``cp-choices-v0.16q.json``): the 17 canonical shapes the model puts at 0.915x-0.963x
-#: ran at 0.881x-0.969x of no split at its pick, and the one at 0.981x ran at 1.032x, so 0.97 (it was 0.9, the
-#: backward's). FLASHGDN_CP_FORWARD_AUTO_GAIN sets it.
+#: without CP where the sequences' CTAs (sequences x value heads) would leave at least half the SMs idle, and at
+#: ``AUTO_GAIN``'s otherwise. Timed on the H200 (``cp-choices-v0.16q.json``, ``gain-v0.16q-*.json``): the 17
+#: canonical shapes the model puts at 0.915x-0.963x ran at 0.881x-0.969x of no split at its pick (16 of them with
+#: at most 66 CTAs unsplit), the one at 0.981x ran at 1.032x; and on the bwd set's 8/16 eight-sequence 8K mix (128
+#: CTAs unsplit), predicted at 0.936x, the forward ran at 1.077x: where the split's CTAs share the SMs with the
+#: others the model's busy rate is optimistic, on idle SMs it holds. FLASHGDN_CP_FORWARD_AUTO_GAIN sets it (0.9: as
+#: the backward).
 FORWARD_AUTO_GAIN = float(os.environ.get("FLASHGDN_CP_FORWARD_AUTO_GAIN", "0.97"))
 
 #: the backward splits on any predicted gain (not only ``AUTO_GAIN``'s clear one) when that puts it on the fused
@@ -442,7 +446,8 @@ def plan_segments(
     off_us = _estimated_us(*seqs, heads, None, model, qk_heads)
     us, best = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
     # a gain beyond the model's error only: CP costs memory (the segments' states)
-    return split_sequences(seqlens, best if us < FORWARD_AUTO_GAIN * off_us else None)
+    gain = FORWARD_AUTO_GAIN if seqs[1].count * heads <= model.num_sms // 2 else AUTO_GAIN
+    return split_sequences(seqlens, best if us < gain * off_us else None)
 
 
 def segment_chunk_counts(chunks: Sequence[int], segment_chunks: Optional[int]) -> List[int]:
