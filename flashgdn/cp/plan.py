@@ -46,7 +46,7 @@ AUTO_GAIN = 0.9
 #: the forward's ``cp="auto"`` (``plan_segments``) splits when the model predicts at most this fraction of the time
 #: without CP where the sequences' CTAs (sequences x value heads) would leave at least half the SMs idle, and at
 #: ``AUTO_GAIN``'s otherwise. Timed on the H200 (``cp-choices-v0.16q.json``, ``gain-v0.16q-*.json``): the 17
-#: canonical shapes the model puts at 0.915x-0.963x ran at 0.881x-0.969x of no split at its pick (16 of them with
+#: canonical shapes the model puts at 0.915x-0.963x ran at 0.881x-0.969x of no split at its pick (15 of them with
 #: at most 66 CTAs unsplit), the one at 0.981x ran at 1.032x; and on the bwd set's 8/16 eight-sequence 8K mix (128
 #: CTAs unsplit), predicted at 0.936x, the forward ran at 1.077x: where the split's CTAs share the SMs with the
 #: others the model's busy rate is optimistic, on idle SMs it holds. FLASHGDN_CP_FORWARD_AUTO_GAIN sets it (0.9: as
