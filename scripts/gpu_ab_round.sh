@@ -12,6 +12,7 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh cp-set OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh canon-sbs OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh forward-gain OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh segments OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -43,10 +44,13 @@
 # forward-gain: the forward's cp="auto" at a 3% predicted gain (plan.FORWARD_AUTO_GAIN 0.97) against 10% (0.9) on
 #   the two bwd-set shapes where it changes the forward's plan, forward and fwd+bwd with peak memory, one process
 #   each (gain-0.9.json, gain-0.97.json); then the bwd set's fwd+bwd, flashgdn alone (bwd.json).
+# segments: the forward on segment lengths between the powers of two, where the model puts them 4-20% under its
+#   pick among 16-256 (the transition items then fit one wave): eight few-CTA shapes at 24-256 chunks and without CP
+#   (cp-choices-segments.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain OUTDIR}
+part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR}
+out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -151,7 +155,13 @@ elif [ "$part" = forward-gain ]; then
   timeout 160 python3 -m flashgdn.bench --set bwd --impls flashgdn --modes fwdbwd --time-budget 130 --no-plots \
     --out-dir "$out" --name bwd > "$out/bwd.log" 2>&1
   echo "# exit status $?" >> "$out/bwd.log"; tail -2 "$out/bwd.log"
+elif [ "$part" = segments ]; then
+  timeout 300 python3 benchmarks/cp_choices.py --segments 24,32,40,48,64,80,96,128,192,224,256 \
+    --out "$out/cp-choices-segments.json" --shape 4/16:12288+4096 --shape 16/16:24576+8192 --shape 2/8:24576+8192 \
+    --shape 8/32:4096 --shape 16/32:8192 --shape 16/32:16384 --shape 16/32:32768 --shape 4/16:65536+65536 \
+    > "$out/cp-choices-segments.log" 2>&1
+  echo "# exit status $?" >> "$out/cp-choices-segments.log"; tail -2 "$out/cp-choices-segments.log"
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain OUTDIR" >&2
+  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR" >&2
   exit 2
 fi
