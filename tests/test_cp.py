@@ -666,6 +666,49 @@ def test_forward_auto_gain_follows_the_measured_splits():
         assert plan_segments(seqlens, 16, "auto", BACKEND_MODEL, qk_heads=8).segment_chunks == want
 
 
+def test_in_between_segments_follow_the_measured_record():
+    """``plan_segments(in_between=True)`` (a forward no backward follows) on the eight shapes of
+    ``cp-choices-v0.16r.json``, timed at 24-256 chunks and without CP: its pick is within 3% of the fastest timed
+    setting and never slower than the pick among the powers of two by more than 1% (run to run); it takes a length
+    between them on the five where the model puts one 10% under that pick, and those ran 1.5-11% faster."""
+    from flashgdn.cp.plan import IN_BETWEEN_SEGMENT_CHUNKS
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200", "cp-choices-v0.16r.json")
+    with open(path) as fh:
+        rows = json.load(fh)["rows"]
+    picked = {}
+    for r in rows:
+        hq, hv, seqlens = _record_shape(r)
+        measured = {"off": r["ms_off"]} | {k[3:-len("_skip")]: v for k, v in r.items()
+                                           if k.startswith("ms_") and k.endswith("_skip") and "auto" not in k}
+        base = plan_segments(seqlens, hv, "auto", BACKEND_MODEL, qk_heads=hq).segment_chunks
+        pick = plan_segments(seqlens, hv, "auto", BACKEND_MODEL, qk_heads=hq, in_between=True).segment_chunks
+        at = {c: measured["off" if c is None else str(c)] for c in (base, pick)}
+        assert at[pick] <= 1.03 * min(measured.values()), (r["shape"], pick, measured)
+        assert at[pick] <= 1.01 * at[base], (r["shape"], pick, base, measured)
+        picked[r["shape"]] = (pick, round(at[pick] / at[base], 3))
+    between = {k: v for k, v in picked.items() if v[0] in IN_BETWEEN_SEGMENT_CHUNKS}
+    assert sorted(between) == ["16/16:24576+8192", "16/32:8192", "2/8:24576+8192", "4/16:12288+4096", "8/32:4096"], picked
+    assert all(ratio < 0.99 for _, ratio in between.values()), picked
+
+
+def test_in_between_segments_only_without_a_backward():
+    """The in-between lengths are not tried unless asked for (the backward starts from the forward's segment starts
+    only when one length divides the other), nor with FLASHGDN_CP_IN_BETWEEN=0, nor for a fixed segment length."""
+    from flashgdn.cp import plan as cp_plan
+
+    seqlens = [12288, 4096]
+    assert plan_segments(seqlens, 16, "auto", BACKEND_MODEL, qk_heads=4).segment_chunks == 32
+    assert plan_segments(seqlens, 16, "auto", BACKEND_MODEL, qk_heads=4, in_between=True).segment_chunks == 40
+    assert plan_segments(seqlens, 16, 32, BACKEND_MODEL, qk_heads=4, in_between=True).segment_chunks == 32
+    old = cp_plan.IN_BETWEEN
+    try:
+        cp_plan.IN_BETWEEN = False
+        assert plan_segments(seqlens, 16, "auto", BACKEND_MODEL, qk_heads=4, in_between=True).segment_chunks == 32
+    finally:
+        cp_plan.IN_BETWEEN = old
+
+
 def test_auto_plan_is_the_argmin_of_the_estimates():
     """``plan_segments`` converts the lengths to chunks once for all the candidates; its choice is still the segment
     length ``estimated_us`` puts lowest, taken only when it beats no split by ``FORWARD_AUTO_GAIN`` where the

@@ -347,6 +347,25 @@ def test_op_backward_runs_on_its_own_plan(checked_kernels):
     assert all(gr.shape == xs[n].shape for gr, n in zip(grads, names))
 
 
+def test_forward_cuts_in_between_segments_only_without_a_backward(checked_kernels):
+    """2/8 24576+8192 under cp="auto": without autograd the forward runs on 48-chunk segments (8 + 3, an in-between
+    length, ``cp.plan.IN_BETWEEN_SEGMENT_CHUNKS``), under autograd on 32-chunk ones (12 + 4), whose starts the
+    backward can take."""
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[24576, 8192])
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    for grad, want in ((False, 11), (True, 16)):
+        xs = {n: inp[n].detach().clone().requires_grad_(grad) for n in names}
+        p = validate(**xs, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens_cpu"], scale=0.1,
+                     output_final_state=True, cp="auto", check_values=False)
+        checked_kernels.clear()
+        HopperBackend()(p)
+        assert [sizes["num_seqs"] for name, sizes in checked_kernels if name == "chunk_forward_rso"] == [want], grad
+
+
 def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, monkeypatch):
     """``CP_REUSE_STARTS``: the forward keeps its segments' start states and the backward's forward splice runs
     from them: on 2/8 16384 (the forward on 8 segments of 32 chunks, the backward on 16 of 16) chains of two

@@ -39,6 +39,19 @@ CHUNK = 64
 #: were fitted on (8-chunk segments would be an extrapolation: there the per-item cost is most of an item's time)
 CANDIDATE_SEGMENT_CHUNKS = (16, 32, 64, 128, 256)
 
+#: segment lengths between the powers of two that the forward's ``cp="auto"`` also tries when no backward follows
+#: (``plan_segments(in_between=True)``): where a length between two of ``CANDIDATE_SEGMENT_CHUNKS`` lets the
+#: transition pass's items fit one wave fewer. Timed on the H200 (``cp-choices-v0.16r.json``, eight few-CTA shapes at
+#: 24-256 chunks): the model was 3-16% optimistic about them (4/16 12288+4096 at 40 chunks predicted 0.80x of its
+#: pick at 32, measured 0.93x; 8/32 4096x1 at 24: 0.86x, 0.888x; 16/16 24576+8192 at 80: 0.84x, 0.945x; 2/8
+#: 24576+8192 and 16/32 8192x1 at 48: 0.86x and 0.89x, 0.958x and 0.985x), and lost where it predicted 4-7% (4/16
+#: 65536x2 at 224 chunks: 0.96x, 1.10x measured); so only the lengths measured to gain, taken only on a clear
+#: predicted gain (``IN_BETWEEN_GAIN``). Under autograd the forward keeps the powers of two: the backward starts from
+#: the forward's segment starts only when one segment length divides the other. FLASHGDN_CP_IN_BETWEEN=0 turns it off.
+IN_BETWEEN_SEGMENT_CHUNKS = (24, 40, 48, 80)
+IN_BETWEEN_GAIN = 0.9
+IN_BETWEEN = os.environ.get("FLASHGDN_CP_IN_BETWEEN", "1") == "1"
+
 #: the backward's ``cp="auto"`` (``plan_backward``) splits only when the model predicts at most this fraction of the
 #: time without CP (but see ``BACKWARD_FUSED_ANY_GAIN``)
 AUTO_GAIN = 0.9
@@ -430,9 +443,12 @@ def plan_segments(
     cp: Union[str, int] = "auto",
     model: Optional[CostModel] = None,
     qk_heads: Optional[int] = None,
+    in_between: bool = False,
 ) -> SegmentPlan:
     """The segments for ``cp`` ("off", "auto" or a segment length in chunks); ``seqlens`` None (lengths not
-    on the host) means no split. ``heads``/``qk_heads``: value and qk heads (for the cost model)."""
+    on the host) means no split. ``heads``/``qk_heads``: value and qk heads (for the cost model). ``in_between``
+    (a forward no backward follows): "auto" also tries ``IN_BETWEEN_SEGMENT_CHUNKS``, each taken only when the model
+    puts it at ``IN_BETWEEN_GAIN`` of the best of the others (or of no split) or less."""
     if seqlens is None:
         raise ValueError("planning context parallelism needs the sequence lengths on the host")
     if cp == "off":
@@ -447,7 +463,13 @@ def plan_segments(
     us, best = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
     # a gain beyond the model's error only: CP costs memory (the segments' states)
     gain = FORWARD_AUTO_GAIN if seqs[1].count * heads <= model.num_sms // 2 else AUTO_GAIN
-    return split_sequences(seqlens, best if us < gain * off_us else None)
+    if not us < gain * off_us:
+        us, best = off_us, None
+    if in_between and IN_BETWEEN:
+        between_us, between = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in IN_BETWEEN_SEGMENT_CHUNKS)
+        if between_us <= IN_BETWEEN_GAIN * us:
+            best = between
+    return split_sequences(seqlens, best)
 
 
 def segment_chunk_counts(chunks: Sequence[int], segment_chunks: Optional[int]) -> List[int]:
@@ -581,13 +603,15 @@ def host_seqlens(cu_seqlens_cpu: Optional[torch.Tensor]) -> Optional[List[int]]:
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
-def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None) -> Optional[SegmentPlan]:
+def plan_for_problem(p, auto: bool, model: Optional[CostModel] = None,
+                     in_between: bool = False) -> Optional[SegmentPlan]:
     """The segments a backend runs ``p`` (a ``GDNProblem``) with, or None for no split. ``auto`` says whether
-    this backend lets ``cp="auto"`` decide by the cost model (otherwise "auto" means off)."""
+    this backend lets ``cp="auto"`` decide by the cost model (otherwise "auto" means off); ``in_between``: no
+    backward follows (``plan_segments``)."""
     seqlens = _problem_seqlens(p, auto)
     if seqlens is None:
         return None
-    return _plan_segments_cached(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device), p.Hqk)
+    return _plan_segments_cached(seqlens, p.Hv, p.cp, model or CostModel.for_device(p.device), p.Hqk, in_between)
 
 
 def _problem_seqlens(p, auto: bool) -> Optional[Tuple[int, ...]]:
@@ -607,9 +631,9 @@ def _problem_seqlens(p, auto: bool) -> Optional[Tuple[int, ...]]:
 
 @functools.lru_cache(maxsize=256)
 def _plan_segments_cached(seqlens: Tuple[int, ...], heads: int, cp, model: CostModel,
-                          qk_heads: int) -> Optional[SegmentPlan]:
+                          qk_heads: int, in_between: bool = False) -> Optional[SegmentPlan]:
     # every layer of a model asks for the plan of the same batch: its host work (~1 ms for 500 sequences) once
-    plan = plan_segments(seqlens, heads, cp, model, qk_heads=qk_heads)
+    plan = plan_segments(seqlens, heads, cp, model, qk_heads=qk_heads, in_between=in_between)
     return plan if plan.split else None
 
 

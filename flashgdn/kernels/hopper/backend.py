@@ -320,11 +320,13 @@ class HopperBackend(Backend):
         return replace(p, cp=parse_cp(AUTO_CP))
 
     @staticmethod
-    def _plan(p: GDNProblem):
-        """The forward's context-parallel plan of ``p`` (``_with_auto_cp``)."""
+    def _plan(p: GDNProblem, in_between: bool = False):
+        """The forward's context-parallel plan of ``p`` (``_with_auto_cp``); ``in_between``: no backward follows, so
+        "auto" may also cut segments between the powers of two (``flashgdn.cp.plan.IN_BETWEEN_SEGMENT_CHUNKS``)."""
         from ...cp import plan_for_problem
 
-        return plan_for_problem(HopperBackend._with_auto_cp(p), auto=True, model=cp_cost_model(p.device))
+        return plan_for_problem(HopperBackend._with_auto_cp(p), auto=True, model=cp_cost_model(p.device),
+                                in_between=in_between)
 
     @staticmethod
     def _backward_plan(p: GDNProblem, forward_plan=None):
@@ -348,11 +350,11 @@ class HopperBackend(Backend):
     def __call__(self, p: GDNProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         # in float32, then back: the kernels take normalised bf16/fp16 q and k
         q, k = l2norm_qk(p.q, p.k) if p.use_qk_l2norm_in_kernel else (p.q, p.k)
-        plan = self._plan(p)
-        check_launch_rows(p.N, plan)
         # the backward's plan is made here, on the host, only when autograd will want it
         wants_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, p.v, p.g, p.beta, p.initial_state))
+        plan = self._plan(p, in_between=not wants_grad)
+        check_launch_rows(p.N, plan)
         backward_plan = self._backward_plan(p, plan) if wants_grad else None
         if backward_plan is not None:
             check_launch_rows(p.N, backward_plan.plan)
