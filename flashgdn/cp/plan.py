@@ -466,7 +466,8 @@ def plan_segments(
     if not us < gain * off_us:
         us, best = off_us, None
     if in_between and IN_BETWEEN:
-        between_us, between = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in IN_BETWEEN_SEGMENT_CHUNKS)
+        between_us, between = min((_estimated_us(*seqs, heads, s, model, qk_heads), s)
+                                  for s in IN_BETWEEN_SEGMENT_CHUNKS)
         if between_us <= IN_BETWEEN_GAIN * us:
             best = between
     return split_sequences(seqlens, best)
