@@ -140,7 +140,8 @@ def chain_index_tensors(index: SegmentIndex, known_index: SegmentIndex, m: int) 
     """The chains of ``starts_from_known`` when the known plan's segments are m times ``index``'s: ``(chains, jf)``,
     where ``jf`` is each known segment's place in its sequence, and its chain is that sequence's own segments
     m jf .. m jf + m - 1 (fewer at its end): ``chains.first`` and ``chains.count`` per known segment, with
-    ``index``'s ``seg_cu`` and ``seg_seq``. Device arithmetic, nothing read back."""
+    ``index``'s ``seg_cu`` and ``seg_seq``. Arithmetic on the tensors' own device, nothing read back; given two host
+    plans (``SegmentPlan``, the same fields), the host's copy of the same chains."""
     fseq = known_index.seg_seq
     jf = torch.arange(fseq.numel(), device=fseq.device) - known_index.first.index_select(0, fseq)
     chains = SegmentIndex(index.seg_cu, index.seg_seq, torch.add(index.first.index_select(0, fseq), jf, alpha=m),
@@ -315,20 +316,18 @@ def starts_from_known(forward: Forward, gather: Gather, pairs: Optional[torch.Te
     if gathers_starts(plan, known.plan):
         r = Lb // Lf
 
-        def device_rows():
-            local = torch.arange(S, device=dev) - index.first.index_select(0, index.seg_seq)
-            return known.index.first.index_select(0, index.seg_seq) + local * r
+        def rows_of(own, other, device=None):
+            # each segment's row among the known ones: its sequence's first known row + r x its own index
+            local = torch.arange(S, device=device) - own.first.index_select(0, own.seg_seq)
+            return other.first.index_select(0, own.seg_seq) + local * r
 
-        local_host = torch.arange(S) - plan.first.index_select(0, plan.seg_seq)
-        rows = known.plan.first.index_select(0, plan.seg_seq) + local_host * r
-        return select_segments(known.starts, rows, device_rows)
+        return select_segments(known.starts, rows_of(plan, known.plan), lambda: rows_of(index, known.index, dev))
     m = Lf // Lb
-    fseq_host = known.plan.seg_seq
     chains, jf = chain_indices(forward, index, known.index, m)
-    jf_host = torch.arange(fseq_host.numel()) - known.plan.first.index_select(0, fseq_host)
-    # the host's copy for the splice's number of steps; seg_seq only gives the number of rows
-    chain_plan = SegmentPlan(plan.seg_cu, plan.seg_seq, plan.first.index_select(0, fseq_host) + jf_host * m,
-                             torch.clamp(plan.count.index_select(0, fseq_host) - jf_host * m, max=m), Lb)
+    # the host's copy for the splice's number of steps (the same arithmetic on the host plans); seg_seq only gives
+    # the number of rows
+    host_chains, _ = chain_index_tensors(plan, known.plan, m)
+    chain_plan = SegmentPlan(plan.seg_cu, plan.seg_seq, host_chains.first, host_chains.count, Lb)
     chained = getattr(forward, "splice_chains", None)
     if chained is not None and pairs is not None:
         # the forward's own splice makes each chain's first M start + b itself (nonzero jf: inside a sequence)

@@ -462,7 +462,7 @@ def plan_segments(
     off_us = _estimated_us(*seqs, heads, None, model, qk_heads)
     us, best = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
     # a gain beyond the model's error only: CP costs memory (the segments' states)
-    gain = FORWARD_AUTO_GAIN if seqs[1].count * heads <= model.num_sms // 2 else AUTO_GAIN
+    gain = FORWARD_AUTO_GAIN if len(seqlens) * heads <= model.num_sms // 2 else AUTO_GAIN
     if not us < gain * off_us:
         us, best = off_us, None
     if in_between and IN_BETWEEN:

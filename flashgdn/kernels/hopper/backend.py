@@ -186,8 +186,8 @@ class _HopperSegmentsForward:
     state-only kernel when no output is needed). With ``paired`` it also offers ``transition_pairs``: the
     transition pass from undoubled inputs (``forward.hopper_transition_pairs``), keeping stages 0 and 1 for the
     forward over the same segments that follows. With ``fused`` (default ``CP_FUSED``) it offers
-    ``segment_index``, ``chain_index`` (``CP_CHAIN_INDEX``), ``splice``, ``splice_chains`` (the backward's from the forward's segment starts) and
-    ``splice_reverse``, which the CP drivers then use (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
+    ``segment_index``, ``chain_index`` (``CP_CHAIN_INDEX``), ``splice``, ``splice_chains`` (the backward's from the
+    forward's segment starts) and ``splice_reverse``, which the CP drivers then use (``forward.hopper_segment_index``, ``forward.hopper_splice``)."""
 
     def __init__(self, paired: bool, fused: Optional[bool] = None, stage1_source=None,
                  skip_unread: Optional[bool] = None):
