@@ -49,17 +49,23 @@
 #   (cp-choices-segments.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR}
-out=${2:?usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR}
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR"
+part=${1:?$usage}
+out=${2:?$usage}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 quiet() { grep -v "^  \|Warning\|^$\|INFO" "$1" | tail -"${2:-3}"; }
+# a command under a time limit, its output and exit status in NAME.log: logged NAME SECONDS COMMAND...
+logged() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "# exit status $?" >> "$out/$name.log"
+}
 # the GPU tests, quietly: gpu_tests NAME SECONDS WORKERS PYTEST_ARGS... (NAME.log)
 gpu_tests() {
   local name=$1 limit=$2 workers=$3; shift 3
-  timeout "$limit" python3 -m pytest -m gpu -q -rfEx -n "$workers" "$@" > "$out/$name.log" 2>&1
-  echo "# exit status $?" >> "$out/$name.log"; quiet "$out/$name.log"
+  logged "$name" "$limit" python3 -m pytest -m gpu -q -rfEx -n "$workers" "$@"; quiet "$out/$name.log"
 }
 FOUR_SHAPES="--shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768"
 EIGHT_SHAPES="$FOUR_SHAPES --shape 2/4:8192 --shape 4/8:8192 --shape 8/16:8192 --shape 16/32:8192"
@@ -68,9 +74,8 @@ EIGHT_SHAPES="$FOUR_SHAPES --shape 2/4:8192 --shape 4/8:8192 --shape 8/16:8192 -
 step_kernels() {
   local name=$1 limit=$2 shapes=$3; shift 3
   # shellcheck disable=SC2086  # the shapes are words
-  env "$@" timeout "$limit" python3 benchmarks/step_kernels.py --cp auto --sequence $shapes \
-    --out "$out/$name.json" > "$out/$name.log" 2>&1
-  echo "# exit status $?" >> "$out/$name.log"
+  logged "$name" "$limit" env "$@" python3 benchmarks/step_kernels.py --cp auto --sequence $shapes \
+    --out "$out/$name.json"
   grep "kernels per step\|exit" "$out/$name.log"
 }
 if [ "$part" = splice ]; then
@@ -79,26 +84,26 @@ if [ "$part" = splice ]; then
   for on in 0 1; do
     step_kernels step-kernels-reuse$on 60 "$FOUR_SHAPES" FLASHGDN_HOPPER_CP_REUSE_STARTS=$on
   done
-  FLASHGDN_HOPPER_CP_REUSE_STARTS=1 timeout 230 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd \
-    --time-budget 200 --no-plots --out-dir "$out" --name cp-fwdbwd-reuse > "$out/cp-fwdbwd-reuse.log" 2>&1
-  echo "# exit status $?" >> "$out/cp-fwdbwd-reuse.log"; tail -2 "$out/cp-fwdbwd-reuse.log"
+  logged cp-fwdbwd-reuse 230 env FLASHGDN_HOPPER_CP_REUSE_STARTS=1 python3 -m flashgdn.bench --set cp \
+    --impls flashgdn --modes fwdbwd --time-budget 200 --no-plots --out-dir "$out" --name cp-fwdbwd-reuse
+  tail -2 "$out/cp-fwdbwd-reuse.log"
 elif [ "$part" = bwd-set ]; then
-  timeout 560 python3 -m flashgdn.bench --set bwd --impls flashgdn,flashqla --modes fwdbwd --time-budget 520 \
-    --no-plots --out-dir "$out" --name bwd-set > "$out/bwd-set.log" 2>&1
-  echo "# exit status $?" >> "$out/bwd-set.log"; tail -3 "$out/bwd-set.log"
+  logged bwd-set 560 python3 -m flashgdn.bench --set bwd --impls flashgdn,flashqla --modes fwdbwd --time-budget 520 \
+    --no-plots --out-dir "$out" --name bwd-set
+  tail -3 "$out/bwd-set.log"
 elif [ "$part" = starts ]; then
   gpu_tests gpu-starts 120 6 tests/test_gpu_hopper_cp.py -k "starts_made_in_the_kernel"
   for on in 0 1; do
     step_kernels step-kernels-starts$on 60 "$FOUR_SHAPES" FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=$on
   done
-  FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1 timeout 170 python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwd \
-    --time-budget 140 --no-plots --out-dir "$out" --name cp-fwd-starts > "$out/cp-fwd-starts.log" 2>&1
-  echo "# exit status $?" >> "$out/cp-fwd-starts.log"; tail -2 "$out/cp-fwd-starts.log"
+  logged cp-fwd-starts 170 env FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1 python3 -m flashgdn.bench --set cp \
+    --impls flashgdn --modes fwd --time-budget 140 --no-plots --out-dir "$out" --name cp-fwd-starts
+  tail -2 "$out/cp-fwd-starts.log"
   # flashgdn alone (FlashQLA's peak on these shapes is in latest.json, parts/bwd-v016i-*.json; its compile for 2/4
   # alone takes ~150 s)
-  timeout 90 python3 -m flashgdn.bench --heads 16/32,2/4 --seqlens 8192,32768 --impls flashgdn \
-    --modes fwdbwd --time-budget 70 --no-plots --out-dir "$out" --name memory-handoff > "$out/memory-handoff.log" 2>&1
-  echo "# exit status $?" >> "$out/memory-handoff.log"; tail -2 "$out/memory-handoff.log"
+  logged memory-handoff 90 python3 -m flashgdn.bench --heads 16/32,2/4 --seqlens 8192,32768 --impls flashgdn \
+    --modes fwdbwd --time-budget 70 --no-plots --out-dir "$out" --name memory-handoff
+  tail -2 "$out/memory-handoff.log"
 elif [ "$part" = gates ]; then
   gpu_tests gpu-gates 150 4 tests/test_gpu_hopper_backward.py -k fused_switches
   for on in 0 1; do
@@ -116,52 +121,52 @@ elif [ "$part" = chains ]; then
     step_kernels step-kernels-chains$on 150 "$EIGHT_SHAPES" FLASHGDN_HOPPER_CP_CHAIN_INDEX=$on
   done
 elif [ "$part" = canonical ]; then
-  timeout 200 python3 -m flashgdn.bench --set canonical --impls flashgdn --modes fwd --time-budget 170 --no-plots \
-    --out-dir "$out" --name canon > "$out/canon.log" 2>&1
-  echo "# exit status $?" >> "$out/canon.log"; tail -2 "$out/canon.log"
-  timeout 120 python3 -m flashgdn.bench --set canonical --ctas few --cp off --impls flashgdn --modes fwd \
-    --time-budget 100 --no-plots --out-dir "$out" --name canon-few-cp-off > "$out/canon-few-cp-off.log" 2>&1
-  echo "# exit status $?" >> "$out/canon-few-cp-off.log"; tail -2 "$out/canon-few-cp-off.log"
+  logged canon 200 python3 -m flashgdn.bench --set canonical --impls flashgdn --modes fwd --time-budget 170 \
+    --no-plots --out-dir "$out" --name canon
+  tail -2 "$out/canon.log"
+  logged canon-few-cp-off 120 python3 -m flashgdn.bench --set canonical --ctas few --cp off --impls flashgdn \
+    --modes fwd --time-budget 100 --no-plots --out-dir "$out" --name canon-few-cp-off
+  tail -2 "$out/canon-few-cp-off.log"
 elif [ "$part" = auto-gain ]; then
-  timeout 180 python3 benchmarks/cp_choices.py --segments 32,64,128,256 --out "$out/cp-choices-gain.json" \
+  logged cp-choices-gain 180 python3 benchmarks/cp_choices.py --segments 32,64,128,256 \
+    --out "$out/cp-choices-gain.json" \
     --shape 8/32:16384+16384 --shape 16/32:16384+16384 --shape 32/32:16384+16384 --shape 16/64:16384 \
     --shape 16/64:32768 --shape 8/32:4096 --shape 16/32:4096 --shape 16/48:4096 --shape 32/32:4096 \
     --shape 4/16:4096+4096 --shape 8/24:4096+4096 --shape 16/16:4096+4096 --shape 8/32:1024+7168 \
     --shape 16/32:1024+7168 --shape 32/32:1024+7168 --shape 16/48:1024+7168 --shape 16/48:28672+4096 \
-    --shape 16/48:4096+28672 > "$out/cp-choices-gain.log" 2>&1
-  echo "# exit status $?" >> "$out/cp-choices-gain.log"; tail -2 "$out/cp-choices-gain.log"
-  timeout 80 python3 benchmarks/cp_choices.py --fwdbwd --segments 32,64 --out "$out/cp-choices-gain-fwdbwd.json" \
-    --shape 8/16:4163+924+1801+1304 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75 \
-    > "$out/cp-choices-gain-fwdbwd.log" 2>&1
-  echo "# exit status $?" >> "$out/cp-choices-gain-fwdbwd.log"; tail -2 "$out/cp-choices-gain-fwdbwd.log"
+    --shape 16/48:4096+28672
+  tail -2 "$out/cp-choices-gain.log"
+  logged cp-choices-gain-fwdbwd 80 python3 benchmarks/cp_choices.py --fwdbwd --segments 32,64 \
+    --out "$out/cp-choices-gain-fwdbwd.json" \
+    --shape 8/16:4163+924+1801+1304 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75
+  tail -2 "$out/cp-choices-gain-fwdbwd.log"
 elif [ "$part" = cp-set ]; then
   budget=${CP_SET_BUDGET:-170}  # seconds of shapes; the limit is 30 more
-  timeout $((budget + 30)) python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd --time-budget "$budget" --no-plots \
-    --out-dir "$out" --name cp-fwdbwd > "$out/cp-fwdbwd.log" 2>&1
-  echo "# exit status $?" >> "$out/cp-fwdbwd.log"; tail -2 "$out/cp-fwdbwd.log"
+  logged cp-fwdbwd $((budget + 30)) python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd \
+    --time-budget "$budget" --no-plots --out-dir "$out" --name cp-fwdbwd
+  tail -2 "$out/cp-fwdbwd.log"
 elif [ "$part" = canon-sbs ]; then
-  timeout 130 python3 -m flashgdn.bench --heads 16/32 --seqlens 32768,16384,8192,4096,2048,28672+4096,24576+8192,\
+  logged canon-1632 130 python3 -m flashgdn.bench --heads 16/32 \
+    --seqlens 32768,16384,8192,4096,2048,28672+4096,24576+8192,\
 16384x2,8192+24576,4096+28672,12288+4096,6144+2048,4096x2,2048+6144,1024+7168,8192x4,4096x8,2048x4,1024x8 \
-    --impls flashgdn,flashqla --modes fwd --time-budget 100 --no-plots --out-dir "$out" --name canon-1632 \
-    > "$out/canon-1632.log" 2>&1
-  echo "# exit status $?" >> "$out/canon-1632.log"; tail -2 "$out/canon-1632.log"
+    --impls flashgdn,flashqla --modes fwd --time-budget 100 --no-plots --out-dir "$out" --name canon-1632
+  tail -2 "$out/canon-1632.log"
 elif [ "$part" = forward-gain ]; then
   for gain in 0.9 0.97; do
-    FLASHGDN_CP_FORWARD_AUTO_GAIN=$gain timeout 100 python3 -m flashgdn.bench --heads 8/16 \
+    logged gain-$gain 100 env FLASHGDN_CP_FORWARD_AUTO_GAIN=$gain python3 -m flashgdn.bench --heads 8/16 \
       --seqlens 4163+924+1801+1304,2308+9176+8884+1687+7967+73+2598+75 --impls flashgdn --modes fwd,fwdbwd \
-      --time-budget 80 --no-plots --out-dir "$out" --name gain-$gain > "$out/gain-$gain.log" 2>&1
-    echo "# exit status $?" >> "$out/gain-$gain.log"; tail -2 "$out/gain-$gain.log"
+      --time-budget 80 --no-plots --out-dir "$out" --name gain-$gain
+    tail -2 "$out/gain-$gain.log"
   done
-  timeout 160 python3 -m flashgdn.bench --set bwd --impls flashgdn --modes fwdbwd --time-budget 130 --no-plots \
-    --out-dir "$out" --name bwd > "$out/bwd.log" 2>&1
-  echo "# exit status $?" >> "$out/bwd.log"; tail -2 "$out/bwd.log"
+  logged bwd 160 python3 -m flashgdn.bench --set bwd --impls flashgdn --modes fwdbwd --time-budget 130 --no-plots \
+    --out-dir "$out" --name bwd
+  tail -2 "$out/bwd.log"
 elif [ "$part" = segments ]; then
-  timeout 300 python3 benchmarks/cp_choices.py --segments 24,32,40,48,64,80,96,128,192,224,256 \
+  logged cp-choices-segments 300 python3 benchmarks/cp_choices.py --segments 24,32,40,48,64,80,96,128,192,224,256 \
     --out "$out/cp-choices-segments.json" --shape 4/16:12288+4096 --shape 16/16:24576+8192 --shape 2/8:24576+8192 \
-    --shape 8/32:4096 --shape 16/32:8192 --shape 16/32:16384 --shape 16/32:32768 --shape 4/16:65536+65536 \
-    > "$out/cp-choices-segments.log" 2>&1
-  echo "# exit status $?" >> "$out/cp-choices-segments.log"; tail -2 "$out/cp-choices-segments.log"
+    --shape 8/32:4096 --shape 16/32:8192 --shape 16/32:16384 --shape 16/32:32768 --shape 4/16:65536+65536
+  tail -2 "$out/cp-choices-segments.log"
 else
-  echo "usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR" >&2
+  echo "$usage" >&2
   exit 2
 fi
