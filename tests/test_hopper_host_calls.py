@@ -314,15 +314,15 @@ def test_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
             assert summed == 1
 
 
-def _long_sequence_problem():
-    """``(problem, input names, leaves)``: 2/8 one 16384-token sequence under cp="auto", every input a leaf that
-    wants its gradient (the op's backward under autograd)."""
+def _long_sequence_problem(seqlens=(16384,), grad=True):
+    """``(problem, input names, leaves)``: 2/8 sequences of ``seqlens`` tokens (one of 16384) under cp="auto", every
+    input a leaf that wants its gradient with ``grad`` (the op's backward under autograd)."""
     from flashgdn.api.validate import validate
 
-    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[16384])
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=list(seqlens))
     inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+    xs = {n: inp[n].detach().clone().requires_grad_(grad) for n in names}
     p = validate(**xs, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens_cpu"], scale=0.1,
                  output_final_state=True, cp="auto", check_values=False)
     return p, names, xs
@@ -351,16 +351,10 @@ def test_forward_cuts_in_between_segments_only_without_a_backward(checked_kernel
     """2/8 24576+8192 under cp="auto": without autograd the forward runs on 48-chunk segments (8 + 3, an in-between
     length, ``cp.plan.IN_BETWEEN_SEGMENT_CHUNKS``), under autograd on 32-chunk ones (12 + 4), whose starts the
     backward can take."""
-    from flashgdn.api.validate import validate
     from flashgdn.kernels.hopper.backend import HopperBackend
 
-    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[24576, 8192])
-    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
-    names = ("q", "k", "v", "g", "beta", "initial_state")
     for grad, want in ((False, 11), (True, 16)):
-        xs = {n: inp[n].detach().clone().requires_grad_(grad) for n in names}
-        p = validate(**xs, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens_cpu"], scale=0.1,
-                     output_final_state=True, cp="auto", check_values=False)
+        p, _, _ = _long_sequence_problem((24576, 8192), grad)
         checked_kernels.clear()
         HopperBackend()(p)
         assert [sizes["num_seqs"] for name, sizes in checked_kernels if name == "chunk_forward_rso"] == [want], grad
