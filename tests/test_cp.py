@@ -154,6 +154,17 @@ CP_CHOICE_RECORDS = [
 ]
 
 
+def _measured_ms(row, skip: bool) -> dict:
+    """A ``cp_choices.py`` row's timings by setting: ``"off"`` and each segment length timed (with the unread
+    transition items skipped or not, as ``skip``)."""
+    tag = "_skip" if skip else ""
+    measured = {"off": row["ms_off"]}
+    measured |= {k[3:len(k) - len(tag)]: v for k, v in row.items()
+                 if k.startswith("ms_") and k.endswith(tag) and "auto" not in k and k != "ms_off"
+                 and (skip or not k.endswith("_skip"))}
+    return measured
+
+
 @pytest.mark.parametrize("name,skip,current,misses", CP_CHOICE_RECORDS, ids=[r[0] for r in CP_CHOICE_RECORDS])
 def test_cp_auto_picks_what_measured_fastest(name, skip, current, misses):
     """On the shapes timed with CP off and at 16-128 chunks per segment (``benchmarks/cp_choices.py``), the
@@ -163,14 +174,10 @@ def test_cp_auto_picks_what_measured_fastest(name, skip, current, misses):
     with open(path) as fh:
         rows = json.load(fh)["rows"]
     model = CostModel(paired=True, fused=True, skip_unread=skip)
-    tag = "_skip" if skip else ""
     for r in rows:
         hq, hv, seqlens = _record_shape(r)
         pick = plan_segments(seqlens, hv, "auto", model, qk_heads=hq).segment_chunks
-        measured = {"off": r["ms_off"]}
-        measured |= {k[3:len(k) - len(tag)]: v for k, v in r.items()
-                     if k.startswith("ms_") and k.endswith(tag) and "auto" not in k and k != "ms_off"
-                     and (skip or not k.endswith("_skip"))}
+        measured = _measured_ms(r, skip)
         if pick is not None and str(pick) not in measured:
             assert not current, (r["shape"], pick, "a pick the record did not time")
             continue
@@ -679,8 +686,7 @@ def test_in_between_segments_follow_the_measured_record():
     picked = {}
     for r in rows:
         hq, hv, seqlens = _record_shape(r)
-        measured = {"off": r["ms_off"]} | {k[3:-len("_skip")]: v for k, v in r.items()
-                                           if k.startswith("ms_") and k.endswith("_skip") and "auto" not in k}
+        measured = _measured_ms(r, skip=True)
         base = plan_segments(seqlens, hv, "auto", BACKEND_MODEL, qk_heads=hq).segment_chunks
         pick = plan_segments(seqlens, hv, "auto", BACKEND_MODEL, qk_heads=hq, in_between=True).segment_chunks
         at = {c: measured["off" if c is None else str(c)] for c in (base, pick)}
