@@ -7,7 +7,7 @@ reached counted from the value side's start of the same chunk step, and the medi
 computes the same gradients as the default one; only the stamps are added.
 
     python benchmarks/fused_backward_trace.py --heads 16/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 \
-        --out trace.json
+        [--options default|none|tma_stores,unrolled_dg,...] --out trace.json
 """
 import argparse
 import json
@@ -41,28 +41,29 @@ def edges_of(stamps, num_points, edges):
     return [(desc, t - row[0]) for desc, t in zip(edges, row)]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", default="16/32", help="Hqk/Hv")
-    ap.add_argument("--seqlens", default=",".join(["4096"] * 8), help="comma-separated lengths")
-    ap.add_argument("--out", default=None, help="JSON file for the stamps and the summary")
-    args = ap.parse_args(argv)
+def parse_options(text):
+    """``--options`` as ``build_fused_backward``'s keyword arguments: "default" for the switches' build
+    (``backward.fused_backward_options``), else comma-separated option names (p_first, lean_gates, tma_stores,
+    unrolled_dg), "none" for none of them."""
+    if text == "default":
+        return None
+    return {} if text == "none" else {name: True for name in text.split(",")}
 
+
+def fused_inputs(Hqk, Hv, seqlens, seed=0):
+    """The fused kernel's arguments on random inputs (bf16, K = V = 128, mild decay, an initial state and a final
+    state's gradient), from the states pass and stage 1 as the backward makes them: ``(args, outputs)``, the outputs
+    a list of fresh NaN-filled tensors ``(dv, dq, dk, dg, dbeta, dh0)``."""
     import torch
 
     from flashgdn.kernels.hopper.backward import HopperBackwardStages
-    from flashgdn.kernels.hopper.common import tl_dtype
-    from flashgdn.kernels.hopper.fused_backward import (TRACE_CHUNKS, TRACE_EDGES, TRACE_POINTS, TRACE_POINTS_OF,
-                                                        build_fused_backward)
     from flashgdn.kernels.hopper.forward import _output
 
-    Hqk, Hv = (int(x) for x in args.heads.split("/"))
-    seqlens = [int(x) for x in args.seqlens.split(",")]
     K = V = 128
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     T = sum(seqlens)
-    cu = torch.tensor([0] + seqlens, device=dev).cumsum(0).to(torch.int32)
+    cu = torch.tensor([0] + list(seqlens), device=dev).cumsum(0).to(torch.int32)
     bf = torch.bfloat16
     q = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
     k = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
@@ -76,18 +77,46 @@ def main(argv=None):
 
     st = HopperBackwardStages()
     states = st.chunk_states(q, k, v, g, beta, h0, cu, cu.cpu())
-    (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu)
-    outs = [_output((1, T, Hv, V), bf, dev), _output((1, T, Hv, K), bf, dev), _output((1, T, Hv, K), bf, dev),
-            _output((1, T, Hv), torch.float32, dev), _output((1, T, Hv), torch.float32, dev),
-            _output((N, Hv, K, V), torch.float32, dev)]
-    tr = torch.zeros((4, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=dev)
-    from flashgdn.kernels.hopper.backward import fused_backward_options
+    (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu, cu.cpu())
 
-    # the build the switches give (FLASHGDN_HOPPER_FUSED_P_FIRST), with and without its stamps
-    kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, trace=True, **fused_backward_options(Hv))
-    plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(bf), True, **fused_backward_options(Hv))
-    call_args = (qf, kf, v, do, st1.gcum, beta.contiguous(), st1.Ag, st1.A, cu_k, st1.first_slot, states,
-                 dht.contiguous(), float(scale), *outs)
+    def outputs():
+        return [_output((1, T, Hv, V), bf, dev), _output((1, T, Hv, K), bf, dev), _output((1, T, Hv, K), bf, dev),
+                _output((1, T, Hv), torch.float32, dev), _output((1, T, Hv), torch.float32, dev),
+                _output((N, Hv, K, V), torch.float32, dev)]
+
+    args = (qf, kf, v, do, st1.gcum, beta.contiguous(), st1.Ag, st1.A, cu_k, st1.first_slot, states,
+            dht.contiguous(), float(scale))
+    return args, outputs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="16/32", help="Hqk/Hv")
+    ap.add_argument("--seqlens", default=",".join(["4096"] * 8), help="comma-separated lengths")
+    ap.add_argument("--options", default="default",
+                    help="the build's options: default (the switches'), none, or names (p_first,lean_gates,...)")
+    ap.add_argument("--out", default=None, help="JSON file for the stamps and the summary")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from flashgdn.kernels.hopper.backward import fused_backward_options
+    from flashgdn.kernels.hopper.common import tl_dtype
+    from flashgdn.kernels.hopper.fused_backward import (TRACE_CHUNKS, TRACE_EDGES, TRACE_POINTS, TRACE_POINTS_OF,
+                                                        build_fused_backward)
+
+    Hqk, Hv = (int(x) for x in args.heads.split("/"))
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    K = V = 128
+    call_in, outputs = fused_inputs(Hqk, Hv, seqlens)
+    call_args = (*call_in, *outputs())
+    tr = torch.zeros((4, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=call_in[0].device)
+    options = parse_options(args.options)
+    if options is None:  # the build the switches give (FLASHGDN_HOPPER_FUSED_*)
+        options = fused_backward_options(Hv)
+    # with and without its stamps
+    kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, trace=True, **options)
+    plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, **options)
     times = {}
     for name, fn in (("trace", lambda: kernel(*call_args, tr)), ("plain", lambda: plain(*call_args))):
         fn()
@@ -101,7 +130,7 @@ def main(argv=None):
         times[name] = start.elapsed_time(end) / 5
     stamps = tr.cpu().tolist()
     summary = summarize(stamps, TRACE_POINTS_OF)
-    print(f"{args.heads} {args.seqlens}: kernel {times['plain']:.3f} ms (trace build {times['trace']:.3f} ms); "
+    print(f"{args.heads} {args.seqlens} ({', '.join(sorted(options)) or 'no options'}): kernel {times['plain']:.3f} ms (trace build {times['trace']:.3f} ms); "
           f"median chunk step {summary['step_cycles']} cycles")
     for role, rows in summary["roles"].items():
         print(f"  {role}:")
@@ -117,7 +146,8 @@ def main(argv=None):
 
         with open(args.out, "w") as f:
             json.dump(results_header(argv, "fused_backward_trace.py")
-                      | {"heads": args.heads, "seqlens": seqlens, "ms": times, "stamps": stamps,
+                      | {"heads": args.heads, "seqlens": seqlens, "options": sorted(options), "ms": times,
+                         "stamps": stamps,
                          "points": TRACE_POINTS_OF, "summary": summary}, f, indent=1)
     return 0
 

@@ -1,0 +1,106 @@
+"""The fused backward kernel alone under several option sets, side by side in one process (GPU).
+
+For each shape, builds ``flashgdn/kernels/hopper/fused_backward.py`` with each option set, runs every build on the
+same inputs (the states pass and stage 1 as the backward makes them, ``fused_backward_trace.fused_inputs``), checks
+that each gives the first set's gradients bit for bit (or reports where not), then times them in interleaved rounds
+(CUDA events, a few calls per round) and prints the median per build and its ratio to the first set's.
+
+    python benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 2/8:32768 \
+        --sets none tma_stores unrolled_dg tma_stores,unrolled_dg --out options.json
+
+An option set is "none", "default" (what ``backward.fused_backward_options`` gives for the shape's head count) or
+comma-separated option names, with "default+" in front to add them to the defaults (``default+tma_stores``).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_shape(text):
+    """``Hqk/Hv:LENS`` with LENS ``4096x8`` or ``700,64,9``: ``(Hqk, Hv, [lengths])``."""
+    heads, _, lens = text.partition(":")
+    Hqk, Hv = (int(x) for x in heads.split("/"))
+    if "x" in lens:
+        length, count = lens.split("x")
+        return Hqk, Hv, [int(length)] * int(count)
+    return Hqk, Hv, [int(x) for x in lens.split(",")]
+
+
+def set_options(text, Hv):
+    """An option set's keyword arguments (module docstring)."""
+    from flashgdn.kernels.hopper.backward import fused_backward_options
+
+    base = {}
+    if text.startswith("default"):
+        base = dict(fused_backward_options(Hv))
+        text = text[len("default"):].lstrip("+")
+    if text in ("", "none"):
+        return base
+    return base | {name: True for name in text.split(",")}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", required=True, help="Hqk/Hv:4096x8 or Hqk/Hv:700,64,9")
+    ap.add_argument("--sets", nargs="+", default=["none", "tma_stores", "unrolled_dg", "tma_stores,unrolled_dg"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=3, help="calls per build and round")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from fused_backward_trace import fused_inputs
+    from flashgdn.kernels.hopper.common import tl_dtype
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    rows = []
+    for text in args.shape:
+        Hqk, Hv, seqlens = parse_shape(text)
+        call_in, outputs = fused_inputs(Hqk, Hv, seqlens)
+        builds = []
+        for name in args.sets:
+            opts = set_options(name, Hv)
+            kernel = build_fused_backward(Hqk, Hv, 128, 128, tl_dtype(torch.bfloat16), True, **opts)
+            outs = outputs()
+            kernel(*call_in, *outs)
+            builds.append((name, opts, kernel, outs))
+        torch.cuda.synchronize()
+        names = ("dv", "dq", "dk", "dg", "dbeta", "dh0")
+        ref = builds[0][3]
+        same = {name: [n for n, a, b in zip(names, ref, outs) if not torch.equal(a, b)] for name, _, _, outs in builds}
+        times = {name: [] for name, *_ in builds}
+        for _ in range(args.rounds):
+            for name, _, kernel, outs in builds:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.calls):
+                    kernel(*call_in, *outs)
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / args.calls)
+        base = statistics.median(times[builds[0][0]])
+        print(f"{text}:")
+        row = {"shape": text, "sets": {}}
+        for name, opts, _, _ in builds:
+            ms = statistics.median(times[name])
+            differs = same[name]
+            print(f"  {name:<32} {ms:8.3f} ms  {ms / base:6.3f}x  "
+                  f"{'same bits' if not differs else 'differs in ' + ','.join(differs)}")
+            row["sets"][name] = {"options": sorted(opts), "ms": ms, "ms_rounds": times[name], "ratio": ms / base,
+                                 "differs_in": differs}
+        rows.append(row)
+    if args.out:
+        from stage_timing import results_header
+
+        with open(args.out, "w") as f:
+            json.dump(results_header(argv, "fused_backward_options.py") | {"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
