@@ -6,10 +6,11 @@ that each gives the first set's gradients bit for bit (or reports where not), th
 (CUDA events, a few calls per round) and prints the median per build and its ratio to the first set's.
 
     python benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 2/8:32768 \
-        --sets none tma_stores unrolled_dg tma_stores,unrolled_dg --out options.json
+        --sets none p_first lean_gates p_first,lean_gates --out options.json
 
 An option set is "none", "default" (what ``backward.fused_backward_options`` gives for the shape's head count) or
-comma-separated option names, with "default+" in front to add them to the defaults (``default+tma_stores``).
+comma-separated ``build_fused_backward`` option names, with "default+" in front to add them to the defaults
+(``default+p_first``).
 """
 import argparse
 import json
@@ -46,7 +47,7 @@ def set_options(text, Hv):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", action="append", required=True, help="Hqk/Hv:4096x8 or Hqk/Hv:700,64,9")
-    ap.add_argument("--sets", nargs="+", default=["none", "tma_stores", "unrolled_dg", "tma_stores,unrolled_dg"])
+    ap.add_argument("--sets", nargs="+", default=["none", "p_first", "lean_gates", "p_first,lean_gates"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=3, help="calls per build and round")
     ap.add_argument("--out", default=None)

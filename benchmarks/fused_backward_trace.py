@@ -7,7 +7,7 @@ reached counted from the value side's start of the same chunk step, and the medi
 computes the same gradients as the default one; only the stamps are added.
 
     python benchmarks/fused_backward_trace.py --heads 16/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 \
-        [--options default|none|tma_stores,unrolled_dg,...] --out trace.json
+        [--options default|none|p_first,lean_gates] --out trace.json
 """
 import argparse
 import json
@@ -43,8 +43,8 @@ def edges_of(stamps, num_points, edges):
 
 def parse_options(text):
     """``--options`` as ``build_fused_backward``'s keyword arguments: "default" for the switches' build
-    (``backward.fused_backward_options``), else comma-separated option names (p_first, lean_gates, tma_stores,
-    unrolled_dg), "none" for none of them."""
+    (``backward.fused_backward_options``), else comma-separated option names (p_first, lean_gates), "none" for none
+    of them."""
     if text == "default":
         return None
     return {} if text == "none" else {name: True for name in text.split(",")}

@@ -13,7 +13,6 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh canon-sbs OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh forward-gain OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh segments OUTDIR
-#   source .device/setup.sh && scripts/gpu_ab_round.sh fused-ab OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -48,13 +47,9 @@
 # segments: the forward on segment lengths between the powers of two, where the model puts them 4-20% under its
 #   pick among 16-256 (the transition items then fit one wave): eight few-CTA shapes at 24-256 chunks and without CP
 #   (cp-choices-segments.json).
-# fused-ab: the fused backward's TMA stores, unrolled dg sum and Ag made from A (backward.FUSED_TMA_STORES,
-#   FUSED_UNROLLED_DG, FUSED_AG_FROM_A): their GPU tests (same bits; on the bars, near the default and the peak's
-#   drop; gpu-fused-ab.log), the kernel alone under each setting side by side on three shapes (fused-options.json),
-#   and the trace of the first two together on 16/32 8 x 4096 (trace-16x32-tma-dg.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|fused-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -125,15 +120,6 @@ elif [ "$part" = chains ]; then
   for on in 0 1; do
     step_kernels step-kernels-chains$on 150 "$EIGHT_SHAPES" FLASHGDN_HOPPER_CP_CHAIN_INDEX=$on
   done
-elif [ "$part" = fused-ab ]; then
-  gpu_tests gpu-fused-ab 200 4 tests/test_gpu_hopper_backward.py -k "fused_switches or ag_from_a"
-  logged fused-options 200 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 4/16:2048x8 \
-    --shape 2/8:32768 --sets default default+tma_stores default+unrolled_dg default+tma_stores,unrolled_dg \
-    default+ag_from_a default+tma_stores,unrolled_dg,ag_from_a --out "$out/fused-options.json"
-  grep -v "Warning\|INFO" "$out/fused-options.log" | tail -24
-  logged trace-16x32-tma-dg 90 python3 benchmarks/fused_backward_trace.py --options tma_stores,unrolled_dg \
-    --out "$out/trace-16x32-tma-dg.json"
-  grep "kernel\|exit" "$out/trace-16x32-tma-dg.log"
 elif [ "$part" = canonical ]; then
   logged canon 200 python3 -m flashgdn.bench --set canonical --impls flashgdn --modes fwd --time-budget 170 \
     --no-plots --out-dir "$out" --name canon

@@ -43,3 +43,28 @@ def test_the_ctas_edges_are_read_from_step_zeros_last_points():
     for e in range(len(TRACE_EDGES)):
         stamps[0][0][TRACE_POINTS - len(TRACE_EDGES) + e] = 1000 + 700 * e
     assert ft.edges_of(stamps, TRACE_POINTS, TRACE_EDGES) == [(d, 700 * e) for e, d in enumerate(TRACE_EDGES)]
+
+
+def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
+    """``--options`` of the trace (default: the switches' build, none, or names) and ``fused_backward_options.py``'s
+    shapes and option sets (``default+`` adds names to the build the switches give for the shape's head count)."""
+    from flashgdn.kernels.hopper import backward
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fused_backward_options.py")
+    spec = importlib.util.spec_from_file_location("fused_backward_options", path)
+    fo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fo)
+
+    assert ft.parse_options("default") is None
+    assert ft.parse_options("none") == {}
+    assert ft.parse_options("p_first,lean_gates") == {"p_first": True, "lean_gates": True}
+    assert fo.parse_shape("16/32:4096x8") == (16, 32, [4096] * 8)
+    assert fo.parse_shape("2/8:700,64,9") == (2, 8, [700, 64, 9])
+    monkeypatch.setattr(backward, "FUSED_P_FIRST", "auto")
+    monkeypatch.setattr(backward, "FUSED_LEAN_GATES", "auto")
+    # up to FUSED_GATES_MAX_HV value heads the default build has both options, above it neither
+    assert fo.set_options("default", 8) == {"p_first": True, "lean_gates": True}
+    assert fo.set_options("default", 32) == {}
+    assert fo.set_options("none", 8) == {}
+    assert fo.set_options("default+p_first", 32) == {"p_first": True}
+    assert fo.set_options("lean_gates", 32) == {"lean_gates": True}

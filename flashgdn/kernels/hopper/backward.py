@@ -118,25 +118,7 @@ FUSED_P_FIRST = _auto_switch("FLASHGDN_HOPPER_FUSED_P_FIRST")
 #: 16/64 (``stages-hopper-v0.16a-bwd-p1g1.json``). FLASHGDN_HOPPER_FUSED_LEAN_GATES=auto|1|0.
 FUSED_LEAN_GATES = _auto_switch("FLASHGDN_HOPPER_FUSED_LEAN_GATES")
 
-#: the fused kernel's value side sends dv, dq and dk of a whole chunk by one TMA store each from their staging tiles,
-#: waited for only before each tile's next writer (``fused_backward.py``, ``tma_stores``), instead of 16-byte stores by
-#: its 128 threads: in the v0.15d trace those took ~1k (dv), 1.4k (dq) and 1.5k (dk, the step's last) cycles of the
-#: value side's ~23k. The same values stored: the same bits. FLASHGDN_HOPPER_FUSED_TMA_STORES=1|0.
-FUSED_TMA_STORES = os.environ.get("FLASHGDN_HOPPER_FUSED_TMA_STORES", "0") == "1"
-
-#: the gate side's serial sum per token for dg (its reverse cumsum) unrolled, so that its shared loads issue ahead of
-#: the adds (``unrolled_dg``): ~1.9k cycles at the end of the gate side's step in the v0.15d trace, for 64 loads and
-#: adds a thread. The same adds in the same order: the same bits. FLASHGDN_HOPPER_FUSED_UNROLLED_DG=1|0.
-FUSED_UNROLLED_DG = os.environ.get("FLASHGDN_HOPPER_FUSED_UNROLLED_DG", "0") == "1"
-
-#: the fused kernel makes each chunk's Ag from the A tile on its state warpgroup (``ag_from_a``), so the backward
-#: lets stage 1's Ag (128 B per token and value head; the states pass reads it) go before the kernel's outputs are
-#: allocated, where a training step's memory peaks: at Hqk = Hv / 4 the peak held ~50-60 B per token and value head
-#: more than FlashQLA's, which keeps A alone (notes v0.16n). Ag is then rounded from A as stored rather than from
-#: stage 1's float32 A. FLASHGDN_HOPPER_FUSED_AG_FROM_A=1|0.
-FUSED_AG_FROM_A = os.environ.get("FLASHGDN_HOPPER_FUSED_AG_FROM_A", "0") == "1"
-
-#: "auto" takes P_FIRST and LEAN_GATES for at most this many value heads. A training step's kernels on the backward's
+#: "auto" takes both options above for at most this many value heads. A training step's kernels on the backward's
 #: CP plans (one partial wave of the fused kernel, ``backward/step-kernels-v0.16o-gates{0,1}.json``): 0.955x-1.0x
 #: at 1/4, 2/4, 4/8 and 8/16 (8192x1 to 131072x1), 1.011x and 1.017x at 16/32 (8192x1, 32768x1), as v0.16a's
 #: 1.03x at 16/32 4096x8 and 1.00x at 16/64. Why the head count decides is not known; it is what was measured.
@@ -153,12 +135,6 @@ def fused_backward_options(Hv: int) -> dict:
         options["p_first"] = True
     if FUSED_LEAN_GATES is True or (FUSED_LEAN_GATES == "auto" and lean):
         options["lean_gates"] = True
-    if FUSED_TMA_STORES:
-        options["tma_stores"] = True
-    if FUSED_UNROLLED_DG:
-        options["unrolled_dg"] = True
-    if FUSED_AG_FROM_A:
-        options["ag_from_a"] = True
     return options
 
 
@@ -371,17 +347,12 @@ class HopperBackwardStages:
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
         group = Hv // Hqk
-        options = fused_backward_options(Hv)
-        if options.get("ag_from_a"):
-            # the kernel makes Ag from A: stage 1's (read by the states pass, done) goes before the outputs come
-            # (the Stage1 object is the one the stages and a CP forward share, so no reference to it is left)
-            st1.Ag = None
         dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hv)
         dh0 = _output((N, Hv, K, V), torch.float32, q.device)
-        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **options)(
-            qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(),
-            st1.A if st1.Ag is None else st1.Ag, st1.A, cu, st1.first_slot, states,
-            _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg, dbeta, dh0)
+        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **fused_backward_options(Hv))(
+            qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
+            cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg, dbeta,
+            dh0)
         return (dq.view(1, TT, Hqk, group, K), dk.view(1, TT, Hqk, group, K), dv, dg, dbeta), dh0
 
     def finish_gradients(self, grads):

@@ -61,8 +61,6 @@ STATE_REGS, VALUE_REGS, GATE_REGS, PRODUCER_REGS = 160, 168, 144, 40
 #: time, each batch through one shared workspace between two barriers (TileLang's default, one column at a time,
 #: takes ~10 named barriers per column)
 COLUMN_SUM_BATCH = 8
-#: named barrier of the value side's own syncs around its TMA stores (``tma_stores``; ids below 12 are TileLang's)
-VALUE_BARRIER = 12
 
 #: a trace build (``trace=True``) records the SM's cycle counter at these many points of each role's chunk step,
 #: for the first TRACE_CHUNKS chunk steps of one CTA (``benchmarks/fused_backward_trace.py`` reads it): where the
@@ -84,8 +82,7 @@ TRACE_EDGES = ('state side begins', 'dht read', 'last step done', 'dh0 written')
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
-                         p_first: bool = False, lean_gates: bool = False, tma_stores: bool = False,
-                         unrolled_dg: bool = False, ag_from_a: bool = False):
+                         p_first: bool = False, lean_gates: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -94,19 +91,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     into register fragments of the gate side's rows and columns (before P, and again before E) instead of from shared
     memory twice per element (the same values and operations, so the same bits; ptxas keeps two more values of the
     gate side on the stack, stored and reloaded once a chunk, against ~190 shared loads a thread saved; beta's column
-    factors the same way spilled far more and stay as they are). ``tma_stores`` (``backward.FUSED_TMA_STORES``): the
-    value side sends dv, dq and dk of a whole chunk out of their staging tiles by one TMA store each (issued by one
-    thread, waited for only before the tile's next writer: the producer's next V, dk's staging, the gate side's next
-    Vn), instead of 16-byte stores by its 128 threads (~1-1.5k cycles each on its path in the v0.15d trace); a
-    sequence's partial chunk keeps the threads' masked stores. ``unrolled_dg`` (``backward.FUSED_UNROLLED_DG``): the
-    gate side's serial sum per token for dg unrolled, so its 128 shared loads issue ahead of the adds (the same adds
-    in the same order: the same bits); the loop took ~1.9k cycles at the end of the gate side's step. ``ag_from_a``
-    (``backward.FUSED_AG_FROM_A``): the state warpgroup makes each chunk's Ag = Gam ⊙ A ⊙ beta^T from the A tile it
-    already loads (idle ~11k cycles of a step between its dS' copy and the chain's inputs), so the kernel does not
-    read ``Ag`` (pass any io-dtype tensor of its shape) and the backward lets stage 1's Ag go before the kernel's
-    outputs are allocated: 128 B per token and value head less at the training step's peak. Ag is then rounded
-    from A as stored (bf16 or fp16) instead of from stage 1's float32 A, a second rounding of the same size.
-    Arguments, in order:
+    factors the same way spilled far more and stay as they are). Arguments, in order:
 
       q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do      [1, T, Hv, V]    io dtype
@@ -157,26 +142,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         if trace:
             if h == 0 and n == 0 and c < TRACE_CHUNKS and tx % (32 if role == 3 else 128) == 0:
                 tr[role, c, point] = T.call_extern("int64", "clock64")
-
-    @T.macro
-    def staged_store(tile_s, out, t0, n_rows, hh, D):
-        # ``tma_stores``: a whole chunk's rows leave the value side's staging tile by one TMA store, once every
-        # thread's part is in the tile and visible to the async proxy; a partial chunk by the threads' masked stores
-        T.fence_proxy_async()
-        T.sync_threads(VALUE_BARRIER, 128)
-        if n_rows == C:
-            T.tma_copy(tile_s, out[0, t0:t0 + C, hh, 0:D])
-        else:
-            for i, j in T.Parallel(C, D):
-                if i < n_rows:
-                    out[0, t0 + i, hh, j] = tile_s[i, j]
-
-    @T.macro
-    def store_read_wait():
-        # the thread that issued the value side's TMA stores (shuffle_elect elects the same one) waits until they
-        # have read their tile
-        if T.shuffle_elect(128):
-            T.tma_store_wait(0)
 
     @T.macro
     def gates_to_fragments(gc_s, grow_f, gcol_f):
@@ -241,9 +206,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             dvn_scaled = T.alloc_barrier(arrive_count=128)  # the state side's d ⊙ Vn in dO's tile
             dkk_ready = T.alloc_barrier(arrive_count=128)
             x_rows = T.alloc_barrier(arrive_count=128)
-            # ``ag_from_a``: the chunk's Ag made by the state side (a barrier of this build only, so that the
-            # default build's script, and so its cache key, stays as it was)
-            ag_ready = T.alloc_barrier(arrive_count=128) if ag_from_a else None
 
             # V is read in the accumulator's layout: unswizzled, its rows 256 B apart fall on the same banks
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s)})
@@ -278,17 +240,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         gam_s[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_s[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    if ag_from_a:
-                        # Ag's tile is free once the last chunk's Vn (gate side) and dW (value side) are made
-                        if c > 0:
-                            T.barrier_wait(free_e, (c + 1) % 2)
-                        # above the diagonal A is 0 and the exponent positive: masked, not multiplied
-                        for i, j in T.Parallel(C, C):
-                            ag_s[i, j] = T.cast(T.if_then_else(
-                                i >= j, T.cast(a_s[i, j], acc) * T.exp2((gc_s[i] - gc_s[j]) * LOG2E) * b_s[j], 0.0),
-                                io_dtype)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(ag_ready)
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ydw_ready, c % 2)
                     stamp(tr, 0, 3, c, tx, h, n)
@@ -356,8 +307,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.fence_proxy_async()
                     T.barrier_arrive(dvn_ready)
                     stamp(tr, 1, 4, c, tx, h, n)
-                    if ag_from_a:
-                        T.barrier_wait(ag_ready, c % 2)
                     T.gemm(ag_s, dvn_s, dw_f, transpose_A=True, clear_accum=True)  # dW = Ag^T dVn
                     stamp(tr, 1, 5, c, tx, h, n)
                     # dg~'s row terms that need kd_f or W: d_i <(K dS')_i, Vn_i> (g~_last too) and
@@ -379,12 +328,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # V's last reader was that row term (the gate side's W came before Vn): dv leaves through its
                     # tile in rows of 16 bytes, as dq and dk do through Vn's
                     T.copy(dw_f, v_s)
-                    if tma_stores:
-                        staged_store(v_s, dv, t0, n_rows, h, V)
-                    else:
-                        for i, j in T.Parallel(C, V):
-                            if i < n_rows:
-                                dv[0, t0 + i, h, j] = v_s[i, j]
+                    for i, j in T.Parallel(C, V):
+                        if i < n_rows:
+                            dv[0, t0 + i, h, j] = v_s[i, j]
                     T.barrier_wait(dag_done, c % 2)
                     stamp(tr, 1, 8, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
@@ -403,8 +349,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         x0_s[i] = x0_s[i] - red_f[i] + red2_f[i]
                     T.gemm(dvn_s, st_s, kd_f, clear_accum=True)
-                    if tma_stores:  # dv's store has read V's tile before the producer's next V may land there
-                        store_read_wait()
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
                     stamp(tr, 1, 10, c, tx, h, n)
@@ -424,12 +368,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # dq and dk leave through Vn's tile (free until the gate side's next Vn, which waits on vn_free) in
                     # rows of 16 bytes: from the accumulator's layout a warp's store touches 8 rows, 16 bytes each
                     T.copy(dw_f, vn_s)
-                    if tma_stores:
-                        staged_store(vn_s, dq, t0, n_rows, h, K)
-                    else:
-                        for i, j in T.Parallel(C, K):
-                            if i < n_rows:
-                                dq[0, t0 + i, h, j] = vn_s[i, j]
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dq[0, t0 + i, h, j] = vn_s[i, j]
                     stamp(tr, 1, 13, c, tx, h, n)
                     T.barrier_wait(dkk_ready, c % 2)
                     stamp(tr, 1, 14, c, tx, h, n)
@@ -438,19 +379,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_k)
                     stamp(tr, 1, 15, c, tx, h, n)
-                    if tma_stores:  # dq's store has read Vn's tile before dk is staged there
-                        store_read_wait()
-                        T.sync_threads(VALUE_BARRIER, 128)
-                        T.copy(kd_f, vn_s)
-                        staged_store(vn_s, dk, t0, n_rows, h, K)
-                        # dk's store must have read the tile before the gate side's next Vn: waited for by the
-                        # issuing thread, which then signals vn_free, while the others go on to the next chunk
-                        store_read_wait()
-                    else:
-                        T.copy(kd_f, vn_s)
-                        for i, j in T.Parallel(C, K):
-                            if i < n_rows:
-                                dk[0, t0 + i, h, j] = vn_s[i, j]
+                    T.copy(kd_f, vn_s)
+                    for i, j in T.Parallel(C, K):
+                        if i < n_rows:
+                            dk[0, t0 + i, h, j] = vn_s[i, j]
                     T.barrier_arrive(vn_free)
 
             elif tx < 384:
@@ -508,8 +440,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.copy(cv_f, w_s)
                     T.fence_proxy_async()
                     stamp(tr, 2, 3, c, tx, h, n)
-                    if ag_from_a:
-                        T.barrier_wait(ag_ready, c % 2)
                     T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
                     if c > 0:
                         T.barrier_wait(vn_free, (c + 1) % 2)
@@ -597,22 +527,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # a masked [64, 64] tile and its reduction)
                     for i in T.Parallel(C):
                         z_s[i] = x0_s[i] + xr_s[i] - xc_s[i]
-                    if unrolled_dg:
-                        for i in T.Parallel(C):
-                            dg_f[i] = 0.0
-                            for j in T.unroll(C):
-                                dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
-                            if i < n_rows:
-                                dg[0, t0 + i, h] = dg_f[i]
-                                dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
-                    else:
-                        for i in T.Parallel(C):
-                            dg_f[i] = 0.0
-                            for j in T.serial(C):
-                                dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
-                            if i < n_rows:
-                                dg[0, t0 + i, h] = dg_f[i]
-                                dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
+                    for i in T.Parallel(C):
+                        dg_f[i] = 0.0
+                        for j in T.serial(C):
+                            dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
+                        if i < n_rows:
+                            dg[0, t0 + i, h] = dg_f[i]
+                            dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
                     stamp(tr, 2, 14, c, tx, h, n)
 
             else:
@@ -628,8 +549,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         if c > 0:
                             T.barrier_wait(free_e, (c + 1) % 2)
                             stamp(tr, 3, 1, c, tx, h, n)
-                        if not ag_from_a:
-                            T.tma_copy(Ag[slot, h, 0:C, 0:C], ag_s, barrier=full_e)
+                        T.tma_copy(Ag[slot, h, 0:C, 0:C], ag_s, barrier=full_e)
                         T.tma_copy(states[slot, h, 0:V, 0:K], st_s, barrier=full_e)
                         if n_rows == C:
                             T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s, barrier=full_e)

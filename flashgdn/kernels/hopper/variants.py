@@ -186,7 +186,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "fused_backward":
             if not (backward.FUSED_BACKWARD and not precise) or kw.get("trace") or kw.get("p_first") \
-                    or kw.get("lean_gates") or kw.get("tma_stores") or kw.get("unrolled_dg") or kw.get("ag_from_a"):
+                    or kw.get("lean_gates"):
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
@@ -266,13 +266,6 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)},p_first,lean_gates]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, p_first=True,
                         lean_gates=True))
-        # the value side's TMA stores (backward.FUSED_TMA_STORES), the gate side's unrolled dg sum
-        # (backward.FUSED_UNROLLED_DG), each alone and both; Ag made from A in the kernel (backward.FUSED_AG_FROM_A):
-        # A/Bs, built in bf16 (what they are measured in)
-        for opts in ((("tma_stores",), ("unrolled_dg",), ("tma_stores", "unrolled_dg"), ("ag_from_a",))
-                     if dtype == "bfloat16" else ()):
-            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1,{','.join(opts)}]", "fused_backward",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **{o: True for o in opts}))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
 
