@@ -13,6 +13,7 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh canon-sbs OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh forward-gain OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh segments OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh overlap OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -47,9 +48,12 @@
 # segments: the forward on segment lengths between the powers of two, where the model puts them 4-20% under its
 #   pick among 16-256 (the transition items then fit one wave): eight few-CTA shapes at 24-256 chunks and without CP
 #   (cp-choices-segments.json).
+# overlap: the CP backward's walks from zero on a second stream (cp.backward.OVERLAP, notes v0.17b): the CP and backward
+#   GPU suites with it (gpu-overlap.log), then fwd+bwd on 18 few-head shapes without and with it, flashgdn alone,
+#   one process each (overlap0.json, overlap1.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -119,6 +123,14 @@ elif [ "$part" = chains ]; then
   gpu_tests gpu-chains 200 8 tests/test_gpu_hopper_cp.py tests/test_gpu_hopper_backward.py
   for on in 0 1; do
     step_kernels step-kernels-chains$on 150 "$EIGHT_SHAPES" FLASHGDN_HOPPER_CP_CHAIN_INDEX=$on
+  done
+elif [ "$part" = overlap ]; then
+  gpu_tests gpu-overlap 240 8 tests/test_gpu_hopper_cp.py tests/test_gpu_hopper_backward.py
+  for on in 0 1; do
+    logged overlap$on 130 env FLASHGDN_CP_BACKWARD_OVERLAP=$on python3 -m flashgdn.bench \
+      --heads 1/4,2/4,2/8,4/8,4/16,8/16 --seqlens 8192,32768,131072 --impls flashgdn --modes fwdbwd \
+      --time-budget 110 --no-plots --out-dir "$out" --name overlap$on
+    tail -2 "$out/overlap$on.log"
   done
 elif [ "$part" = canonical ]; then
   logged canon 200 python3 -m flashgdn.bench --set canonical --impls flashgdn --modes fwd --time-budget 170 \

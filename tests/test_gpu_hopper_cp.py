@@ -372,3 +372,56 @@ def test_lean_rs_state_paths_give_the_same_bits(opts, cuda, monkeypatch):
     got = run()
     for name, x, w in zip(["o", "final state"] + names, got, want):
         assert torch.equal(x, w), name
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
+    dict(seqlens=[4096, 4096], dense=True),
+])
+def test_backward_overlap_gives_the_same_bits_and_replays_in_a_cuda_graph(opts, cuda, monkeypatch):
+    """``cp.backward.OVERLAP``: the CP backward's walks from zero on a second stream beside the transitions and the
+    chunk states. The same kernels on the same inputs, so the op and every gradient are the same bits with and
+    without it (cp=4: the backward's starts gathered from the forward's; "auto": its own plan); and a training step
+    with it (forward, then backward on the overlapping streams), captured in a CUDA graph after a warm-up on a side
+    stream, replays to the eager bits."""
+    from flashgdn.cp import backward as cp_backward
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
+    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+    gen = torch.Generator(device=cuda)
+    do = torch.randn(inp["v"].shape, generator=gen.manual_seed(5), device=cuda).to(inp["v"].dtype)
+    N = len(opts["seqlens"])
+    dht = torch.randn((N, 4, 128, 128), generator=gen.manual_seed(6), device=cuda)
+
+    def run(cp):
+        for x in xs.values():
+            x.grad = None
+        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=cp)
+        torch.autograd.backward([o, ht], [do, dht])
+        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+
+    for cp in (4, "auto"):
+        monkeypatch.setattr(cp_backward, "OVERLAP", False)
+        want = run(cp)
+        monkeypatch.setattr(cp_backward, "OVERLAP", True)
+        got = run(cp)
+        for name, x, w in zip(["o", "final state"] + names, got, want):
+            assert torch.equal(x, w), (cp, name)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run("auto")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run("auto")
+    for x in captured:
+        x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, x, w in zip(["o", "final state"] + names, captured, got):
+        assert torch.equal(x, w), ("graph", name)

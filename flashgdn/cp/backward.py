@@ -17,6 +17,12 @@ with ``M_s`` the segment's forward transition (``S_end = M_s S_start + b_s``, th
    the walk from the true end gradients (its start gradient of a first segment is d(initial state)), the
    per-chunk gradients.
 
+Step 2 needs only the backend's stage 1, not step 1's results, and step 4's chunk states need only step 1's: on a
+CUDA device (``OVERLAP``) the walks from zero run on a second stream while step 1 and the chunk states run on the
+caller's, and the two meet before the reverse splice. Few-head shapes run each of these passes on a fraction of
+the SMs, so the two chains share the GPU instead of waiting for each other; the same kernels on the same inputs,
+so the same bits.
+
 With a plan that does not split (or none), only step 4 runs, on the sequences themselves. The stages are a
 backend's (``BackwardStages``): ``flashgdn.reference.chunked_backward.ReferenceBackwardStages`` in PyTorch,
 ``flashgdn.kernels.hopper.backward.HopperBackwardStages`` on the GPU. As in the forward, nothing reads a device
@@ -24,13 +30,30 @@ value on the host: loop counts come from the host plan, index tensors are built 
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple, Union
+import os
+from typing import Dict, Optional, Protocol, Tuple, Union
 
 import torch
 
 from .exact import (Forward, Gather, KnownStarts, StartsHandoff, float_states, segment_indices, segment_starts,
                     select_segments, splice_steps)
 from .plan import SegmentIndex, SegmentPlan
+
+
+#: the walks from zero (step 2) on a second CUDA stream beside step 1 and the chunk states (module docstring).
+#: FLASHGDN_CP_BACKWARD_OVERLAP=0: one stream, the steps in order.
+OVERLAP = os.environ.get("FLASHGDN_CP_BACKWARD_OVERLAP", "1") == "1"
+
+_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The second stream of ``device`` (one per device, made on first use)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
 
 
 class BackwardStages(Protocol):
@@ -50,7 +73,9 @@ class BackwardStages(Protocol):
         ``finish_gradients`` completes (a backend may leave dq and dk per value head for it to sum)."""
 
     # optional: ``fuses_gradients`` (True) and ``fused_gradients(q, k, v, g, beta, do, states, dht, scale, cu, cu_cpu)
-    # -> (grads, ds_start)``, the two stages above in one (``grads`` as ``chunk_gradients`` gives them)
+    # -> (grads, ds_start)``, the two stages above in one (``grads`` as ``chunk_gradients`` gives them);
+    # ``prepare(q, k, g, beta, cu, cu_cpu)``: whatever the stages share (e.g. stage 1), made now, on the current
+    # stream, so that passes on two streams can both read it (``OVERLAP``)
 
     def finish_gradients(self, grads):
         """The gradients of ``chunk_gradients`` made final (dq, dk per qk head), called once the per-chunk
@@ -93,6 +118,7 @@ def cp_backward(
     forward's plan and its segments' true start states (``cp_forward(keep_starts=True)``), from which step 1's
     splice runs on short chains or not at all when one segment length divides the other
     (``exact.starts_from_known``); as a ``StartsHandoff`` they are released after step 1."""
+    states = None  # step 4's chunk states, made early when the walks from zero overlap step 1
     if plan is None or not plan.split:  # step 4 alone, on the sequences themselves
         seg_cu, seg_cu_cpu = cu_seqlens, (plan.seg_cu if plan is not None else cu_seqlens_cpu)
         starts, ends, first = initial_state, dht, None
@@ -110,12 +136,28 @@ def cp_backward(
             known = KnownStarts(taken[0], index if same else segment_indices(forward, taken[0], cu_seqlens),
                                 taken[1].to(h0.dtype))
         del taken  # ``known`` alone holds a handed-off starts tensor now
+        prepare = getattr(stages, "prepare", None)
+        overlap = OVERLAP and q.is_cuda and prepare is not None
+        if overlap:
+            # 2. the walks from zero on the second stream, once what they share with step 1 exists
+            prepare(q, k, g, beta, seg_cu, seg_cu_cpu)
+            main, side = torch.cuda.current_stream(q.device), side_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                # (only the start gradients are kept: a name for the per-chunk ones would keep them alive)
+                D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
         starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=True,
                                                known=known)
-        # 2, 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan,
-        # index)`` when it has one)
-        # (only the start gradients are kept: a name for the per-chunk ones would keep them alive to the end)
-        D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
+        if overlap:
+            # step 4's chunk states need only the starts: made while the walks from zero run
+            states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
+            del starts
+            main.wait_stream(side)
+        else:
+            # 2. (only the start gradients are kept: a name for the per-chunk ones would keep them alive to the end)
+            D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
+        # 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan, index)``
+        # when it has one)
         end = float_states(dht, q, v, N)
         own_reverse = getattr(forward, "splice_reverse", None)
         if own_reverse is not None and pairs is not None:
@@ -127,8 +169,9 @@ def cp_backward(
         # the backward's memory peaks (segments x Hv x K x V float32 each, the pairs twice that)
         del D, gather, pairs, known
     # 4. the stages on every segment (or sequence) from its true states
-    states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
-    del starts
+    if states is None:
+        states = stages.chunk_states(q, k, v, g, beta, starts, seg_cu, seg_cu_cpu)
+        del starts
     if getattr(stages, "fuses_gradients", False):  # the walk and the per-chunk gradients in one pass
         grads, ds_start = stages.fused_gradients(q, k, v, g, beta, do, states, ends, scale, seg_cu, seg_cu_cpu)
         del states, ends

@@ -309,6 +309,11 @@ class HopperBackwardStages:
             self._cu = cu
         return self._stage1
 
+    def prepare(self, q, k, g, beta, cu, cu_cpu):
+        """Stages 0 and 1 for these offsets, made now (on the current stream) if not yet: the passes of
+        ``cp_backward`` that run on two streams both read them."""
+        self._stage1_for(q, k, g, beta, cu, cu_cpu)
+
     def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
         return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu, cu_cpu),
                                    precise=self.precise)[0]
