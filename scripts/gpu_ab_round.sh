@@ -14,7 +14,6 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh forward-gain OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh segments OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh overlap OUTDIR
-#   source .device/setup.sh && scripts/gpu_ab_round.sh deferred OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -52,12 +51,9 @@
 # overlap: the CP backward's walks from zero on a second stream (cp.backward.OVERLAP, notes v0.17b): the CP and backward
 #   GPU suites with it (gpu-overlap.log), then fwd+bwd on 18 few-head shapes without and with it, flashgdn alone,
 #   one process each (overlap0.json, overlap1.json).
-# deferred: the states pass and the walk waiting for each chunk's staged store one chunk later
-#   (forward.DEFERRED_STATE_STORES, notes v0.17c): their same-bits tests (gpu-deferred.log), then fwd+bwd on six
-#   shapes without and with it, flashgdn alone, one process each (deferred0.json, deferred1.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|deferred OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -135,14 +131,6 @@ elif [ "$part" = overlap ]; then
       --heads 1/4,2/4,2/8,4/8,4/16,8/16 --seqlens 8192,32768,131072 --impls flashgdn --modes fwdbwd \
       --time-budget 110 --no-plots --out-dir "$out" --name overlap$on
     tail -2 "$out/overlap$on.log"
-  done
-elif [ "$part" = deferred ]; then
-  gpu_tests gpu-deferred 120 6 tests/test_gpu_hopper_backward.py tests/test_gpu_hopper_cp.py -k deferred
-  for on in 0 1; do
-    logged deferred$on 100 env FLASHGDN_HOPPER_DEFERRED_STATE_STORES=$on python3 -m flashgdn.bench \
-      --heads 2/4,8/16,16/32 --seqlens 8192,32768,4096x8 --impls flashgdn --modes fwdbwd --time-budget 80 \
-      --no-plots --out-dir "$out" --name deferred$on
-    tail -2 "$out/deferred$on.log"
   done
 elif [ "$part" = canonical ]; then
   logged canon 200 python3 -m flashgdn.bench --set canonical --impls flashgdn --modes fwd --time-budget 170 \

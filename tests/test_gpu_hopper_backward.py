@@ -349,27 +349,6 @@ def test_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
         assert torch.equal(a, b), f"{name} ({SAME_BITS[switch]})"
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
-                                  dict(seqlens=[300, 5], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,), pad=70)])
-def test_deferred_state_stores_give_the_same_bits(opts, fused, monkeypatch, cuda):
-    """forward.DEFERRED_STATE_STORES: the states pass and the walk wait for each chunk's staged TMA store only before
-    the next chunk's rows enter the tile. The same values stored in the same places, so every gradient is the same
-    bits, with the walk and ``chunk_grad`` and with the fused kernel."""
-    from flashgdn.kernels.hopper import backward, forward
-
-    monkeypatch.setattr(backward, "FUSED_BACKWARD", fused)
-    inp, do, dht, _ = _backward_inputs(opts, cuda)
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
-            inp["cu_seqlens"])
-    monkeypatch.setattr(forward, "DEFERRED_STATE_STORES", False)
-    want = backward.hopper_backward(*args)
-    monkeypatch.setattr(forward, "DEFERRED_STATE_STORES", True)
-    got = backward.hopper_backward(*args)
-    for name, a, b in zip(GRADIENTS, got, want):
-        assert (a is None and b is None) or torch.equal(a, b), name
-
-
 # the fused kernel's switches whose two settings must give the same bits, and why
 FUSED_SAME_BITS = {
     "FUSED_P_FIRST": "P made from Q K^T before K S is waited for: the same products of the same values, only the "

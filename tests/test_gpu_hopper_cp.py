@@ -425,22 +425,3 @@ def test_backward_overlap_gives_the_same_bits_and_replays_in_a_cuda_graph(opts, 
     torch.cuda.synchronize()
     for name, x, w in zip(["o", "final state"] + names, captured, got):
         assert torch.equal(x, w), ("graph", name)
-
-
-@pytest.mark.parametrize("opts", [
-    dict(seqlens=[8192]),
-    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
-])
-def test_deferred_state_stores_give_the_same_bits_with_cp(opts, cuda, monkeypatch):
-    """forward.DEFERRED_STATE_STORES under CP (cp=4): the backward's chunk states on segments and its walks from zero
-    and from the true end gradients wait for each chunk's staged store one chunk later; the op and its gradients
-    are the same bits."""
-    from flashgdn.kernels.hopper import forward
-
-    names, run = _cp_op_and_gradients(opts, cuda)
-    monkeypatch.setattr(forward, "DEFERRED_STATE_STORES", False)
-    want = run()
-    monkeypatch.setattr(forward, "DEFERRED_STATE_STORES", True)
-    got = run()
-    for name, x, w in zip(["o", "final state"] + names, got, want):
-        assert torch.equal(x, w), name

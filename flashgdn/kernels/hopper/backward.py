@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from .common import tl_dtype
-from .forward import _output, host_offsets, hopper_stage1, packed_offsets, lean_state_option, state_store_options
+from .forward import _output, host_offsets, hopper_stage1, packed_offsets, lean_state_option
 
 
 #: ``chunk_grad`` loading its eight tiles by cp.async, all in flight before one wait, instead of through registers
@@ -233,8 +233,7 @@ def hopper_chunk_states(
     states = _output((S, Hv, V, K), q.dtype, dev)
     o1 = torch.empty((1, 1, Hv, V), dtype=q.dtype, device=dev)  # not touched by a state-only pass
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, precise, True,
-                                    staged_stores=STAGED_STATE_STORES, **lean_state_option(),
-                                    **state_store_options(STAGED_STATE_STORES))
+                                    staged_stores=STAGED_STATE_STORES, **lean_state_option())
     kernel(qf, kf, v.reshape(1, B * T, Hv, V), st1.gcum, st1.Ag, cu, st1.first_slot, h0, 1.0, o1, states)
     return states, st1.bounds
 
@@ -269,7 +268,7 @@ def hopper_state_gradients(
     ds_end = _output((S, Hv, V, K), q.dtype, dev)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
     build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, staged_stores=STAGED_STATE_STORES,
-                          precise=precise, **lean_state_option(), **state_store_options(STAGED_STATE_STORES))(
+                          precise=precise, **lean_state_option())(
         qf, kf, dof, st1.gcum, st1.Ag, cu, st1.first_slot, _end_gradients(dht, Hv, K, V, dev), float(scale), ds_end,
         dh0)
     return ds_end, dh0, st1.bounds

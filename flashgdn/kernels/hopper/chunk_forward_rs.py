@@ -42,9 +42,6 @@ from .ring_producer import make_ring_producer
 # file at 512 threads). ptxas ignores every setmaxnreg when a role's code needs more than its share, and
 # serialises wgmma when a state path keeps too much live across one in flight (why the GEMMs here wait).
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
-#: named barriers of the two state warpgroups' own syncs around their staging tiles (``deferred_store_wait``: this id
-#: and the next; ids below 12 are TileLang's)
-STORE_BARRIER = 12
 #: the precise mode keeps two more bf16 operand halves live on the state path; its state-only passes, which split
 #: in three, one more (and have no output to make: a lighter gate role)
 PRECISE_REGS = (200, 72, 40)
@@ -74,7 +71,6 @@ def build_chunk_forward_rs(
     swizzled_v: Optional[bool] = None,
     lean: bool = False,
     starts_from_h0: bool = False,
-    deferred_store_wait: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -93,9 +89,7 @@ def build_chunk_forward_rs(
     ``ht`` is then ``[S, Hv, V, K]`` and receives S^T at the start of every chunk slot (V-major), in the io dtype:
     the rounding this loop's own GEMMs read it with, at half float32's memory. ``staged_stores=True`` writes each
     state warpgroup's 64 rows to shared memory and sends them with one TMA store per chunk (as O leaves), instead
-    of element-wise stores from the registers (an A/B: ``backward.STAGED_STATE_STORES``); ``deferred_store_wait=True``
-    with it (``forward.DEFERRED_STATE_STORES``) waits for each chunk's store only before the next chunk's rows enter
-    the tile, instead of right after issuing it (the same values stored). With ``precise`` the stored
+    of element-wise stores from the registers (an A/B: ``backward.STAGED_STATE_STORES``). With ``precise`` the stored
     S^T is the bf16 rounding of a state that no longer depends on the register operands' rounding, so it is the same
     bits with and without context parallelism but where the two float32 states straddle a rounding boundary.
 
@@ -202,14 +196,6 @@ def build_chunk_forward_rs(
     parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
 
     @T.macro
-    def store_read_wait(w):
-        # ``deferred_store_wait``: the thread that issued this warpgroup's TMA store (shuffle_elect elects the same
-        # one) waits until it has read the staging tile; the warpgroup's barrier then holds the others
-        if T.shuffle_elect(128):
-            T.tma_store_wait(0)
-        T.sync_threads(STORE_BARRIER + w, 128)
-
-    @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
                    o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq=None, is_first=None):
         c0 = w * HV2
@@ -246,15 +232,7 @@ def build_chunk_forward_rs(
             t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
             if store_chunk_states:
-                if staged_stores and deferred_store_wait:
-                    # the last chunk's store has read the tile (it had a whole chunk to), then every thread writes
-                    store_read_wait(w)
-                    for i, j in T.Parallel(HV2, K):
-                        hs_s[i, j] = T.cast(st_f[i, j], io_dtype)
-                    T.fence_proxy_async()
-                    T.sync_threads(STORE_BARRIER + w, 128)
-                    T.tma_copy(hs_s, ht[first_slot[n] + c, h, c0:c0 + HV2, :])  # not waited for here
-                elif staged_stores:
+                if staged_stores:
                     for i, j in T.Parallel(HV2, K):
                         hs_s[i, j] = T.cast(st_f[i, j], io_dtype)
                     T.fence_proxy_async()
@@ -364,8 +342,6 @@ def build_chunk_forward_rs(
                 if with_output:
                     parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
 
-        if store_chunk_states and staged_stores and deferred_store_wait:  # the last chunk's store, before the exit
-            store_read_wait(w)
         parts.store_state(st_f, ht, n, h, c0)
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output, paired=transition_pairs,

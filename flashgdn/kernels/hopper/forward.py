@@ -70,12 +70,6 @@ RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "1") == "1"
 #: FLASHGDN_HOPPER_LEAN_STATE_PASSES=1.
 LEAN_STATE_PASSES = os.environ.get("FLASHGDN_HOPPER_LEAN_STATE_PASSES", "0") == "1"
 
-#: The backward's states pass and walk (their per-chunk states staged through shared memory and sent by TMA,
-#: ``backward.STAGED_STATE_STORES``) wait for each chunk's store only before the next chunk's rows enter the staging
-#: tile (``deferred_store_wait``), not right after issuing it: there its read of the tile held the state warpgroup's
-#: chain at every chunk. The same values stored. FLASHGDN_HOPPER_DEFERRED_STATE_STORES=1|0.
-DEFERRED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_DEFERRED_STATE_STORES", "0") == "1"
-
 
 #: Context parallelism's reverse splice (``splice.py``, the backward's) in its register-blocked build (``blocked``):
 #: 512 threads, each a 4 x (BV / 4) block of a K-group's partial sums, M stored without bank conflicts and the next
@@ -110,12 +104,6 @@ def lean_state_option() -> dict:
     """The ``lean`` build option of the rs loop and the walk as ``LEAN_STATE_PASSES`` sets it (empty when off, so the
     default builds keep their cache entries)."""
     return dict(lean=True) if LEAN_STATE_PASSES else {}
-
-
-def state_store_options(staged: bool) -> dict:
-    """The ``deferred_store_wait`` build option of the states pass and the walk as ``DEFERRED_STATE_STORES`` sets it,
-    for builds with staged stores (empty otherwise, so the default builds keep their cache entries)."""
-    return dict(deferred_store_wait=True) if DEFERRED_STATE_STORES and staged else {}
 
 
 def rso_options() -> dict:

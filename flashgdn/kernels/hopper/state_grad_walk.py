@@ -18,9 +18,7 @@ Neither v nor the initial state enters: only q, k, dO, stage 1's Ag and g~ (``kk
 state's gradient. Outputs: the state gradient at the end of every chunk (what the per-chunk gradients need) and
 at every sequence's start (d initial state). With ``staged_stores`` (an A/B, ``backward.STAGED_STATE_STORES``)
 each state warpgroup writes its 64 rows of dS'^T to shared memory and sends them with one TMA store per chunk,
-instead of element-wise stores from its registers; with ``deferred_store_wait`` as well
-(``forward.DEFERRED_STATE_STORES``) the store is waited for only before the next chunk's rows enter the tile,
-instead of right after it is issued, where its read of the tile held the warpgroup's chain every chunk.
+instead of element-wise stores from its registers.
 
 With ``precise`` (bfloat16 only; the forward's precise mode, ``forward.PRECISE``) every register operand (dS'^T,
 X^T, -Y^T diag(gamma)) goes to the tensor cores as three bf16 terms, hi + mid + lo (a float32's 24 bits), three
@@ -42,17 +40,13 @@ from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
-#: named barriers of the two state warpgroups' own syncs around their staging tiles (``deferred_store_wait``: this id
-#: and the next; ids below 12 are TileLang's)
-STORE_BARRIER = 12
 #: the precise mode keeps the second and third terms of X^T and Y^T live on the state path
 PRECISE_REGS = (200, 72, 40)
 
 
 @functools.lru_cache(maxsize=None)
 def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
-                          staged_stores: bool = False, precise: bool = False, lean: bool = False,
-                          deferred_store_wait: bool = False):
+                          staged_stores: bool = False, precise: bool = False, lean: bool = False):
     """Compile (or load) the walk. Arguments of the returned kernel, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -88,14 +82,6 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     parts = make_loop_parts(C, K, V, io_dtype)
 
     @T.macro
-    def store_read_wait(w):
-        # ``deferred_store_wait``: the thread that issued this warpgroup's TMA store (shuffle_elect elects the same
-        # one) waits until it has read the staging tile; the warpgroup's barrier then holds the others
-        if T.shuffle_elect(128):
-            T.tma_store_wait(0)
-        T.sync_threads(STORE_BARRIER + w, 128)
-
-    @T.macro
     def state_path(w, n, h, n_chunks, first_slot, dht, ds_end, dh0, k_s, do_s, a_s, gc_s, p_s, qg_s, gam_s,
                    dec_s, full, empty, p_ready):
         c0 = w * HV2
@@ -122,15 +108,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             st = c % 2
             slot = first_slot[n] + (n_chunks - 1 - c)
             # the gradient at this chunk's end, for the per-chunk gradients
-            if staged_stores and deferred_store_wait:
-                # the last chunk's store has read the tile (it had a whole chunk to), then every thread writes
-                store_read_wait(w)
-                for i, j in T.Parallel(HV2, K):
-                    dss_s[i, j] = T.cast(st_f[i, j], io_dtype)
-                T.fence_proxy_async()
-                T.sync_threads(STORE_BARRIER + w, 128)
-                T.tma_copy(dss_s, ds_end[slot, h, c0:c0 + HV2, :])  # not waited for here
-            elif staged_stores:
+            if staged_stores:
                 for i, j in T.Parallel(HV2, K):
                     dss_s[i, j] = T.cast(st_f[i, j], io_dtype)
                 T.fence_proxy_async()
@@ -187,8 +165,6 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             T.gemm(do_s[st, :, c0:c0 + HV2], qg_s[st, :, :], st_f, transpose_A=True)  # + dO^T Qg
             T.barrier_arrive(empty[st])
 
-        if staged_stores and deferred_store_wait:
-            store_read_wait(w)
         for i, j in T.Parallel(HV2, K):
             dh0[n, h, j, c0 + i] = st_f[i, j]
 

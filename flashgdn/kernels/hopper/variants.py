@@ -195,8 +195,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                                          or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM):
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
-                kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise or "lean" in kw
-                or kw.get("deferred_store_wait", False) != bool(forward.state_store_options(kw["staged_stores"]))):
+                kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise or "lean" in kw):
             continue
         yield with_switches(v)
     yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, tuple(f for f, on in options.items() if on))
@@ -228,19 +227,6 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged,
                         precise=precise))
-    # the states pass and the walk waiting for each chunk's staged store only before the next (forward.
-    # DEFERRED_STATE_STORES), with and without their optional input; and in the precise mode (bf16 only)
-    for precise in (False, True) if dtype == "bfloat16" else (False,):
-        tag = ",staged,deferred" + ",precise" * precise
-        for has_h0 in (True, False):
-            yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}{tag}]", "chunk_forward_rs",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
-                        state_v_first=False, with_output=False, precise=precise, store_chunk_states=True,
-                        staged_stores=True, deferred_store_wait=True))
-        for has_dht in (True, False):
-            yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=True,
-                        precise=precise, deferred_store_wait=True))
     # the walk with its column factors in registers (forward.LEAN_STATE_PASSES, an A/B)
     yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged,lean]", "state_grad_walk",
            dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True, precise=False,
