@@ -33,15 +33,14 @@ def parse_shape(text):
 
 def set_options(text, Hv):
     """An option set's keyword arguments (module docstring)."""
+    from fused_backward_trace import parse_options
     from flashgdn.kernels.hopper.backward import fused_backward_options
 
     base = {}
     if text.startswith("default"):
         base = dict(fused_backward_options(Hv))
         text = text[len("default"):].lstrip("+")
-    if text in ("", "none"):
-        return base
-    return base | {name: True for name in text.split(",")}
+    return base if text == "" else base | parse_options(text)
 
 
 def main(argv=None):

@@ -136,16 +136,20 @@ def cp_backward(
             known = KnownStarts(taken[0], index if same else segment_indices(forward, taken[0], cu_seqlens),
                                 taken[1].to(h0.dtype))
         del taken  # ``known`` alone holds a handed-off starts tensor now
+        def walks_from_zero():
+            # 2. every segment's D (only the start gradients are kept: a name for the per-chunk ones would keep
+            # them alive to the end)
+            return stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
+
         prepare = getattr(stages, "prepare", None)
         overlap = OVERLAP and q.is_cuda and prepare is not None
         if overlap:
-            # 2. the walks from zero on the second stream, once what they share with step 1 exists
+            # on the second stream, once what they share with step 1 exists
             prepare(q, k, g, beta, seg_cu, seg_cu_cpu)
             main, side = torch.cuda.current_stream(q.device), side_stream(q.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                # (only the start gradients are kept: a name for the per-chunk ones would keep them alive)
-                D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
+                D = walks_from_zero()
         starts, gather, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward=True,
                                                known=known)
         if overlap:
@@ -154,8 +158,7 @@ def cp_backward(
             del starts
             main.wait_stream(side)
         else:
-            # 2. (only the start gradients are kept: a name for the per-chunk ones would keep them alive to the end)
-            D = stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
+            D = walks_from_zero()
         # 3. every segment's true end gradient (by the forward's own ``splice_reverse(pairs, D, end, plan, index)``
         # when it has one)
         end = float_states(dht, q, v, N)
