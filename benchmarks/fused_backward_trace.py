@@ -130,8 +130,8 @@ def main(argv=None):
         times[name] = start.elapsed_time(end) / 5
     stamps = tr.cpu().tolist()
     summary = summarize(stamps, TRACE_POINTS_OF)
-    print(f"{args.heads} {args.seqlens} ({', '.join(sorted(options)) or 'no options'}): kernel {times['plain']:.3f} ms (trace build {times['trace']:.3f} ms); "
-          f"median chunk step {summary['step_cycles']} cycles")
+    print(f"{args.heads} {args.seqlens} ({', '.join(sorted(options)) or 'no options'}): kernel {times['plain']:.3f} ms "
+          f"(trace build {times['trace']:.3f} ms); median chunk step {summary['step_cycles']} cycles")
     for role, rows in summary["roles"].items():
         print(f"  {role}:")
         for desc, off in rows:
@@ -147,8 +147,7 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(results_header(argv, "fused_backward_trace.py")
                       | {"heads": args.heads, "seqlens": seqlens, "options": sorted(options), "ms": times,
-                         "stamps": stamps,
-                         "points": TRACE_POINTS_OF, "summary": summary}, f, indent=1)
+                         "stamps": stamps, "points": TRACE_POINTS_OF, "summary": summary}, f, indent=1)
     return 0
 
 
