@@ -14,6 +14,8 @@
 #   source .device/setup.sh && scripts/gpu_ab_round.sh forward-gain OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh segments OUTDIR
 #   source .device/setup.sh && scripts/gpu_ab_round.sh overlap OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh cluster OUTDIR
+#   source .device/setup.sh && scripts/gpu_ab_round.sh cluster-cp OUTDIR
 # splice: the CP suite (every splice build, both directions, and the forward's chains build; gpu-cp.log), the
 #   backward's own-plan tests with and without the backward started from the forward's segment starts
 #   (backend.CP_REUSE_STARTS, whose chains now make their first M start + b in the splice; gpu-bwd-plan.log), a
@@ -51,9 +53,14 @@
 # overlap: the CP backward's walks from zero on a second stream (cp.backward.OVERLAP, notes v0.17b): the CP and backward
 #   GPU suites with it (gpu-overlap.log), then fwd+bwd on 18 few-head shapes without and with it, flashgdn alone,
 #   one process each (overlap0.json, overlap1.json).
+# cluster: dq and dk summed inside the fused backward by a cluster of each group's CTAs (backward.FUSED_CLUSTER_SUM,
+#   notes v0.18a): its same-bits tests (gpu-cluster.log; the rest is skipped unless they pass), then the bwd set's
+#   fwd+bwd without and with it, flashgdn alone, one process each (bwd-cluster{0,1}.json).
+# cluster-cp: the cp set's fwd+bwd without and with it (cp-cluster{0,1}.json), then a training step's live set at its
+#   memory peak on 1/4 and 2/4 131072x1 with it (memory-peak.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -132,6 +139,24 @@ elif [ "$part" = overlap ]; then
       --time-budget 110 --no-plots --out-dir "$out" --name overlap$on
     tail -2 "$out/overlap$on.log"
   done
+elif [ "$part" = cluster ]; then
+  gpu_tests gpu-cluster 240 4 tests/test_gpu_hopper_backward.py tests/test_gpu_hopper_cp.py -k cluster_sum
+  if grep -q " passed" "$out/gpu-cluster.log" && ! grep -q "failed\|error" "$out/gpu-cluster.log"; then
+    for on in 0 1; do
+      logged bwd-cluster$on 110 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set bwd \
+        --impls flashgdn --modes fwdbwd --time-budget 90 --no-plots --out-dir "$out" --name bwd-cluster$on
+      tail -2 "$out/bwd-cluster$on.log"
+    done
+  fi
+elif [ "$part" = cluster-cp ]; then
+  for on in 0 1; do
+    logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \
+      --impls flashgdn --modes fwdbwd --time-budget 100 --no-plots --out-dir "$out" --name cp-cluster$on
+    tail -2 "$out/cp-cluster$on.log"
+  done
+  logged memory-peak 150 python3 benchmarks/memory_peak.py --case 1/4:131072 --case 2/4:131072 \
+    --out "$out/memory-peak.json"
+  tail -12 "$out/memory-peak.log"
 elif [ "$part" = canonical ]; then
   logged canon 200 python3 -m flashgdn.bench --set canonical --impls flashgdn --modes fwd --time-budget 170 \
     --no-plots --out-dir "$out" --name canon

@@ -392,6 +392,46 @@ def test_pair_sums_give_the_group_sum_bits(opts, monkeypatch, cuda):
     _assert_on_the_bars(paired, want())
 
 
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed"),
+                                  dict(seqlens=[300, 5], Hqk=1, Hv=4, gate="strong", zero_gate_heads=(1,), pad=70),
+                                  dict(seqlens=[1000, 130], Hqk=1, Hv=8, gate="normal", no_dht=True),
+                                  dict(seqlens=[2000], Hqk=2, Hv=16, gate="mixed"),
+                                  dict(seqlens=[4096, 33], Hqk=4, Hv=8, gate="normal", state_v_first=True)])
+def test_cluster_sum_gives_the_group_sums_bits(opts, monkeypatch, cuda):
+    """The fused kernel (forced) summing dq and dk over each group in a cluster of its CTAs
+    (backward.FUSED_CLUSTER_SUM; groups of 2, 4 and 8, with and without a final-state gradient) against its
+    per-value-head outputs summed by ``group_sum.py``: every gradient the same bits (the same additions in the same
+    order; a wrong row placement or an unwaited copy would show), the same bits again on a rerun, zero past the
+    padded tail's start, and on the bars against float64."""
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    opts = dict(opts)
+    no_dht = opts.pop("no_dht", False)
+    inp, do, dht, svf = _backward_inputs(opts, cuda, with_dht=not no_dht)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
+            inp["cu_seqlens"])
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    group = opts["Hv"] // opts["Hqk"]
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
+    summed = backward.hopper_backward(*args, state_v_first=svf)
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
+    assert backward.fused_backward_options(opts["Hv"], group)["cluster_sum"]
+    clustered = backward.hopper_backward(*args, state_v_first=svf)
+    for name, a, b in zip(GRADIENTS, summed, clustered):
+        assert (a is None) == (b is None), name
+        assert a is None or torch.equal(a, b), name
+    again = backward.hopper_backward(*args, state_v_first=svf)
+    for name, a, b in zip(GRADIENTS, clustered, again):
+        assert a is None or torch.equal(a, b), f"{name}: not deterministic"
+    if opts.get("pad"):
+        assert not clustered[0][:, -opts["pad"]:].any() and not clustered[1][:, -opts["pad"]:].any()
+    want = chunk_gated_delta_rule_backward_reference(*args[:5], do, dht, scale=0.1, initial_state=args[8],
+                                                     cu_seqlens=args[9], compute_dtype=torch.float64,
+                                                     state_v_first=svf)
+    _assert_on_the_bars(clustered, want)
+
+
 @pytest.mark.parametrize("group", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_group_sum_kernel_sums_in_head_order(group, dtype, cuda):

@@ -332,6 +332,22 @@ def _cp_op_and_gradients(opts, cuda):
     return names, run
 
 
+@pytest.mark.parametrize("opts", [dict(seqlens=[8192]), dict(seqlens=[5000, 64, 3000, 1], gate="strong")])
+def test_cluster_sum_gives_the_same_bits_on_segments(opts, cuda, monkeypatch):
+    """backward.FUSED_CLUSTER_SUM under CP (the fused kernel on 4-chunk segments, each segment's group of value
+    heads one cluster): the op and every gradient the same bits as with the per-value-head dq and dk summed after."""
+    from flashgdn.kernels.hopper import backward
+
+    names, run = _cp_op_and_gradients(opts, cuda)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
+    want = run()
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
+    got = run()
+    for name, x, w in zip(["o", "final state"] + names, got, want):
+        assert torch.equal(x, w), name
+
+
 @pytest.mark.parametrize("opts", [
     dict(seqlens=[8192]),
     dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),

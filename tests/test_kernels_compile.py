@@ -38,7 +38,8 @@ EXPLAINED_SPILLS = {
         "four of the gate side) stored once before the chunk loop and reloaded a few times per chunk, and one or two "
         "values stored and reloaded within a chunk (read in the SASS); nothing of the accumulators, and wgmma not "
         "serialised. With lean_gates (backward.FUSED_LEAN_GATES, the default up to 16 value heads) up to 100: two "
-        "more gate-side values stored and one reloaded once a chunk",
+        "more gate-side values stored and one reloaded once a chunk. With cluster_sum (backward.FUSED_CLUSTER_SUM) up to "
+        "88/120: the cluster exchange's addresses and ranks, kept across the chunk loop",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
@@ -95,6 +96,21 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     total = res["dynamic_smem"] + res["static_smem"]
     assert total <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} + {res['static_smem']} B of shared memory > " \
                                    f"{MAX_SMEM_SM90}"
+
+
+def test_cluster_sum_is_checked_and_launches_clusters_of_the_group():
+    """``cluster_sum`` is built for groups of 2 to 8 only (a clear error before anything compiles), and its build
+    launches the group's value heads as one cluster: the device code has the cluster exchange, the default build
+    none of it."""
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    with pytest.raises(AssertionError, match="group of 2 to 8"):
+        build_fused_backward(2, 2, 128, 128, "bfloat16", True, cluster_sum=True)
+    with pytest.raises(AssertionError, match="group of 2 to 8"):
+        build_fused_backward(1, 16, 128, 128, "bfloat16", True, cluster_sum=True)
+    src = build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True).get_kernel_source()
+    assert src.count("flashgdn_cluster::push_rows(") == 2 and "cluster_sync" in src
+    assert "flashgdn_cluster" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
 
 
 def test_loop_and_stage1_options_are_checked():

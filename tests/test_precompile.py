@@ -85,6 +85,15 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async_5[2/8,bfloat16]",
                                "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]",
                                "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
+    # with FUSED_CLUSTER_SUM, the fused builds sum dq and dk in a cluster of each group's CTAs (groups of 2 to 8)
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
+    assert [v[2].get("cluster_sum") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
+        == [True, True]
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
+    assert "cluster_sum" not in backward.fused_backward_options(8, 1)
+    assert "cluster_sum" not in backward.fused_backward_options(32, 16)
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
+    assert not [v for v in training_variants(2, 8, flags="common") if v[2].get("cluster_sum")]
     monkeypatch.setattr(backend, "CP_CHAIN_INDEX", False)  # the chains' index by torch ops: no kernel
     assert "chain_index" not in [v[0] for v in training_variants(2, 8, flags="common")]
     monkeypatch.setattr(backend, "CP_CHAIN_INDEX", True)

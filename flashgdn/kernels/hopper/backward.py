@@ -124,17 +124,30 @@ FUSED_LEAN_GATES = _auto_switch("FLASHGDN_HOPPER_FUSED_LEAN_GATES")
 #: 1.03x at 16/32 4096x8 and 1.00x at 16/64. Why the head count decides is not known; it is what was measured.
 FUSED_GATES_MAX_HV = 16
 
+#: the fused kernel sums dq and dk over each qk head's value heads itself (``fused_backward.py``, ``cluster_sum``):
+#: the group's CTAs run as one thread-block cluster and exchange their bf16 rows through shared memory, so neither
+#: the per-value-head dq and dk (2 x (group - 1) / group of 256 B per token and value head at a training step's peak)
+#: nor the group-sum pass (5-7% of the backward's kernels, notes "What limits the backward after v0.17") remain; the
+#: same additions in the same order, so the same bits. For groups of 2 to ``CLUSTER_SUM_MAX_GROUP``. Measured with
+#: the value side doing the exchange (v0.18a, ``backward/cluster-v0.18a-{0,1}.json``): the bwd set's fwd+bwd 1.11x
+#: the time (0.99x-1.29x, most on 16/32), its peak memory 0.86x: off. FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=1|0.
+FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == "1"
 
-def fused_backward_options(Hv: int) -> dict:
-    """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads (what the backward
-    builds, and what ``variants.training_variants`` precompiles); options at their defaults are left out, so that
-    the build without them is the one its cache key names."""
+
+def fused_backward_options(Hv: int, group: int = 1) -> dict:
+    """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
+    ``group`` per qk head (what the backward builds, and what ``variants.training_variants`` precompiles); options at
+    their defaults are left out, so that the build without them is the one its cache key names."""
+    from .fused_backward import CLUSTER_SUM_MAX_GROUP
+
     options = {}
     lean = Hv <= FUSED_GATES_MAX_HV
     if FUSED_P_FIRST is True or (FUSED_P_FIRST == "auto" and lean):
         options["p_first"] = True
     if FUSED_LEAN_GATES is True or (FUSED_LEAN_GATES == "auto" and lean):
         options["lean_gates"] = True
+    if FUSED_CLUSTER_SUM and 2 <= group <= CLUSTER_SUM_MAX_GROUP:
+        options["cluster_sum"] = True
     return options
 
 
@@ -352,13 +365,16 @@ class HopperBackwardStages:
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
         group = Hv // Hqk
-        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hv)
+        options = fused_backward_options(Hv, group)
+        # dq and dk per value head for finish_gradients to sum, or (cluster_sum) summed by the kernel: a group of one
+        per = 1 if options.get("cluster_sum") else group
+        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hqk * per)
         dh0 = _output((N, Hv, K, V), torch.float32, q.device)
-        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **fused_backward_options(Hv))(
+        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **options)(
             qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
             cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg, dbeta,
             dh0)
-        return (dq.view(1, TT, Hqk, group, K), dk.view(1, TT, Hqk, group, K), dv, dg, dbeta), dh0
+        return (dq.view(1, TT, Hqk, per, K), dk.view(1, TT, Hqk, per, K), dv, dg, dbeta), dh0
 
     def finish_gradients(self, grads):
         """dq and dk summed over each qk head's group of value heads; the stage-1 tensors kept for the three stages

@@ -79,10 +79,48 @@ TRACE_POINTS_OF = (
 #: beside its steps (the cost model's per-item term, larger on short segments than fitted).
 TRACE_EDGES = ('state side begins', 'dht read', 'last step done', 'dh0 written')
 
+#: ``cluster_sum``'s largest group: a cluster of more than eight CTAs is not portable on SM90
+CLUSTER_SUM_MAX_GROUP = 8
+
+#: device helpers of the ``cluster_sum`` build: rows of a [64, 128] 2-byte tile sent to the same rows' place of
+#: another CTA's tile by bulk shared-to-shared copies, and arrivals on another CTA's mbarrier. The tiles are stored as
+#: two [64, 64] halves of 128-byte rows with the 128-byte swizzle (what TileLang lays out for these wgmma operands;
+#: the swizzle depends on the row modulo 8, so a block of rows starting at a multiple of 8 moves as two contiguous
+#: byte ranges and lands where the receiver's layout expects it: ``test_cluster_sum_gives_the_group_sums_bits``).
+CLUSTER_PRELUDE = r"""
+namespace flashgdn_cluster {
+__device__ __forceinline__ unsigned peer_address(const void *local, int peer) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(local)), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
+  return r;
+}
+// one arrival on the same mbarrier of CTA ``peer``, releasing this thread's earlier memory operations to the cluster
+template <typename Bar> __device__ __forceinline__ void arrive_on_peer(Bar *bar, int peer) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
+               :: "r"(peer_address(bar, peer)) : "memory");
+}
+// rows [src_row, src_row + rows) of this CTA's tile ``src`` to rows [dst_row, dst_row + rows) of tile ``dst`` in CTA
+// ``peer``: one arrival there on ``bar`` expecting the bytes, which the two copies complete
+template <typename Bar> __device__ __forceinline__ void push_rows(void *dst, void *src, int src_row, int dst_row,
+                                                                  int rows, int peer, Bar *bar) {
+  unsigned bytes = rows * 128u;
+  unsigned b = peer_address(bar, peer), d = peer_address(dst, peer);
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(src));
+  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;"
+               :: "r"(b), "r"(2u * bytes) : "memory");
+  for (int half = 0; half < 2; ++half) {
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(d + half * 8192u + dst_row * 128u), "r"(s + half * 8192u + src_row * 128u), "r"(bytes),
+                    "r"(b) : "memory");
+  }
+}
+}  // namespace flashgdn_cluster
+"""
+
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
-                         p_first: bool = False, lean_gates: bool = False):
+                         p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -91,7 +129,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     into register fragments of the gate side's rows and columns (before P, and again before E) instead of from shared
     memory twice per element (the same values and operations, so the same bits; ptxas keeps two more values of the
     gate side on the stack, stored and reloaded once a chunk, against ~190 shared loads a thread saved; beta's column
-    factors the same way spilled far more and stay as they are). Arguments, in order:
+    factors the same way spilled far more and stay as they are). ``cluster_sum`` (``backward.FUSED_CLUSTER_SUM``,
+    for groups of 2 to ``CLUSTER_SUM_MAX_GROUP``): the CTAs of a qk head's value heads run as one thread-block
+    cluster and sum dq and dk over the group inside the kernel: each CTA owns ``64 / group`` rows of a chunk, every
+    CTA sends it those rows of its bf16 dq (then dk) by a bulk shared-memory copy, and the owner adds them in head
+    order in float32 and writes the sum: ``group_sum.py``'s arithmetic on the same addends, so the same bits, with
+    neither the per-value-head dq and dk buffers nor the group-sum pass. The rows land in tiles that are free from
+    the state side's chain to the next chunk's writers: dq's in dVn's tile, dk's in W's. Arguments, in order:
 
       q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do      [1, T, Hv, V]    io dtype
@@ -103,7 +147,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
       dht        [n, Hv, K, V]    float32, the final state's gradient (K-major; read only if has_final_grad)
       scale      float32
       dv         [1, T, Hv, V]    io dtype, written
-      dq, dk     [1, T, Hv, K]    io dtype, written per value head (the caller sums each qk head's group)
+      dq, dk     [1, T, Hv, K]    io dtype, written per value head (the caller sums each qk head's group); with
+                 ``cluster_sum`` [1, T, Hqk, K], the sums themselves
       dg, dbeta  [1, T, Hv]       float32, written
       dh0        [N, Hv, K, V]    float32, written: the gradient at every sequence's start (K-major)
     """
@@ -119,6 +164,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     slot_rows = T.dynamic("slot_rows")
     n_dht = T.dynamic("n_dht")
     acc = "float32"
+    if cluster_sum:
+        assert 2 <= group <= CLUSTER_SUM_MAX_GROUP and C % (8 * group) == 0, "cluster_sum needs a group of 2 to 8"
+    # a plain launch unless cluster_sum (None and None are T.Kernel's defaults: the same kernel as without them)
+    cluster_dims = (group, 1, 1) if cluster_sum else None
+    prelude = CLUSTER_PRELUDE if cluster_sum else None
+    dq_heads = Hqk if cluster_sum else Hv
+    own_rows = C // group  # cluster_sum: the rows of a chunk each CTA of a group sums and writes
 
     @T.macro
     def masked_rows(src, dst, t0, n_rows, hh, D):
@@ -151,10 +203,42 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         for j in T.Parallel(C):
             gcol_f[j] = gc_s[j]
 
+    def group_total(in_s, i, j):
+        # in head order, widened to float32, rounded once: group_sum.py's total
+        s = T.cast(in_s[i, j], acc)
+        for r in range(1, group):
+            s = s + T.cast(in_s[r * own_rows + i, j], acc)
+        return T.cast(s, io_dtype)
+
+    @T.macro
+    def send_and_sum(out_s, in_s, ready, staged, landed, read, dst, c, t0, n_rows, h, tx):
+        # cluster_sum: this CTA's bf16 dq or dk of the chunk is in out_s (all 128 value-side threads wrote it); one
+        # thread sends rows r * own_rows.. of it to CTA r of the group (itself included), into the same rows' place of
+        # in_s as this CTA's rank says, once every CTA's in_s is free; then the rows this CTA owns, from every CTA,
+        # are summed in head order and written, and every sender hears that its rows have landed
+        hq = h // group
+        rank = h % group  # the CTA's place in its cluster: the value heads of hq, in order
+        T.fence_proxy_async()
+        T.barrier_arrive(staged)
+        if tx == 128:
+            T.barrier_wait(staged, c % 2)
+            T.barrier_wait(ready, c % 2)
+            for p in range(group):
+                T.call_extern("handle", "flashgdn_cluster::push_rows", T.address_of(in_s[0, 0]),
+                              T.address_of(out_s[0, 0]), p * own_rows, rank * own_rows, own_rows, p,
+                              T.address_of(landed[0]))
+        T.barrier_wait(landed, c % 2)
+        for i, j in T.Parallel(own_rows, K):
+            if rank * own_rows + i < n_rows:
+                dst[0, t0 + rank * own_rows + i, hq, j] = group_total(in_s, i, j)
+        if tx == 128:
+            for p in range(group):
+                T.call_extern("handle", "flashgdn_cluster::arrive_on_peer", T.address_of(read[0]), p)
+
     @T.macro
     def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
                             dg, dbeta, dh0, tr):
-        with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
+        with T.Kernel(Hv, num_seqs, threads=512, prelude=prelude, cluster_dims=cluster_dims) as (h, n):
             hq = h // group
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
@@ -206,6 +290,19 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             dvn_scaled = T.alloc_barrier(arrive_count=128)  # the state side's d ⊙ Vn in dO's tile
             dkk_ready = T.alloc_barrier(arrive_count=128)
             x_rows = T.alloc_barrier(arrive_count=128)
+            if cluster_sum:
+                # once per chunk each: every CTA of the group (itself included) arrives on ``ready`` when its dVn
+                # and W tiles may take rows (chain_done: the state side's chain and the value side's last dVn read),
+                # and on ``q_read`` / ``k_read`` of every sender when its rows have landed (the sender's Vn tile is
+                # then free); ``q_in`` / ``k_in`` complete when every CTA's rows of dq / dk have landed
+                ready = T.alloc_cluster_barrier(arrive_count=group)
+                q_in = T.alloc_cluster_barrier(arrive_count=group)
+                k_in = T.alloc_cluster_barrier(arrive_count=group)
+                q_read = T.alloc_cluster_barrier(arrive_count=group)
+                k_read = T.alloc_cluster_barrier(arrive_count=group)
+                chain_done = T.alloc_barrier(arrive_count=256)
+                q_staged = T.alloc_barrier(arrive_count=128)
+                k_staged = T.alloc_barrier(arrive_count=128)
 
             # V is read in the accumulator's layout: unswizzled, its rows 256 B apart fall on the same banks
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s)})
@@ -261,6 +358,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 0, 7, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.barrier_arrive(free_k)
+                    if cluster_sum:
+                        # dVn's and W's tiles are read for the last time this chunk: the group may send their rows
+                        T.barrier_arrive(chain_done)
+                        if tx == 0:
+                            T.barrier_wait(chain_done, c % 2)
+                            for p in range(group):
+                                T.call_extern("handle", "flashgdn_cluster::arrive_on_peer", T.address_of(ready[0]), p)
                 edge_stamp(tr, 2, tx, h, n)
                 for i, j in T.Parallel(V, K):
                     dh0[n, h, j, i] = st_f[i, j]
@@ -351,6 +455,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.gemm(dvn_s, st_s, kd_f, clear_accum=True)
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
+                    if cluster_sum:
+                        T.barrier_arrive(chain_done)
                     stamp(tr, 1, 10, c, tx, h, n)
                     # d ⊙ Vn for dk comes from the state side, in dO's tile (a row scale of the accumulator between
                     # two GEMMs into it, the other way, makes ptxas serialise every wgmma)
@@ -368,9 +474,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # dq and dk leave through Vn's tile (free until the gate side's next Vn, which waits on vn_free) in
                     # rows of 16 bytes: from the accumulator's layout a warp's store touches 8 rows, 16 bytes each
                     T.copy(dw_f, vn_s)
-                    for i, j in T.Parallel(C, K):
-                        if i < n_rows:
-                            dq[0, t0 + i, h, j] = vn_s[i, j]
+                    if cluster_sum:
+                        send_and_sum(vn_s, dvn_s, ready, q_staged, q_in, q_read, dq, c, t0, n_rows, h, tx)
+                    else:
+                        for i, j in T.Parallel(C, K):
+                            if i < n_rows:
+                                dq[0, t0 + i, h, j] = vn_s[i, j]
                     stamp(tr, 1, 13, c, tx, h, n)
                     T.barrier_wait(dkk_ready, c % 2)
                     stamp(tr, 1, 14, c, tx, h, n)
@@ -379,10 +488,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_k)
                     stamp(tr, 1, 15, c, tx, h, n)
+                    if cluster_sum:
+                        # the group's copies of this CTA's dq rows are done with Vn's tile
+                        T.barrier_wait(q_read, c % 2)
                     T.copy(kd_f, vn_s)
-                    for i, j in T.Parallel(C, K):
-                        if i < n_rows:
-                            dk[0, t0 + i, h, j] = vn_s[i, j]
+                    if cluster_sum:
+                        send_and_sum(vn_s, w_s, ready, k_staged, k_in, k_read, dk, c, t0, n_rows, h, tx)
+                        T.barrier_wait(k_read, c % 2)
+                    else:
+                        for i, j in T.Parallel(C, K):
+                            if i < n_rows:
+                                dk[0, t0 + i, h, j] = vn_s[i, j]
                     T.barrier_arrive(vn_free)
 
             elif tx < 384:
@@ -437,12 +553,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # value side takes it as V - W, from the two tiles
                     for i, j in T.Parallel(C, V):
                         cv_f[i, j] = T.cast(v_s[i, j], acc) - cv_f[i, j] * gam_f[i]
+                    if cluster_sum:
+                        # W's tile held the group's dk rows until the value side had summed them
+                        if c > 0:
+                            T.barrier_wait(vn_free, (c + 1) % 2)
                     T.copy(cv_f, w_s)
                     T.fence_proxy_async()
                     stamp(tr, 2, 3, c, tx, h, n)
                     T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
-                    if c > 0:
-                        T.barrier_wait(vn_free, (c + 1) % 2)
+                    if not cluster_sum:
+                        if c > 0:
+                            T.barrier_wait(vn_free, (c + 1) % 2)
                     T.copy(cv_f, vn_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vn_ready)
@@ -608,8 +729,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             dht: T.Tensor((n_dht, Hv, K, V), "float32"),
             scale: T.float32,
             dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-            dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
-            dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
             dg: T.Tensor((1, num_tokens, Hv), "float32"),
             dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
             dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
@@ -634,8 +755,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             dht: T.Tensor((n_dht, Hv, K, V), "float32"),
             scale: T.float32,
             dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-            dq: T.Tensor((1, num_tokens, Hv, K), io_dtype),
-            dk: T.Tensor((1, num_tokens, Hv, K), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
             dg: T.Tensor((1, num_tokens, Hv), "float32"),
             dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
             dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),

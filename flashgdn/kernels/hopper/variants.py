@@ -186,9 +186,9 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "fused_backward":
             if not (backward.FUSED_BACKWARD and not precise) or kw.get("trace") or kw.get("p_first") \
-                    or kw.get("lean_gates"):
+                    or kw.get("lean_gates") or kw.get("cluster_sum"):
                 continue
-            v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv)})
+            v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
@@ -266,6 +266,15 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)},p_first,lean_gates]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, p_first=True,
                         lean_gates=True))
+        # dq and dk summed over each group by a cluster of its CTAs (backward.FUSED_CLUSTER_SUM), with the options of
+        # up to FUSED_GATES_MAX_HV value heads and without
+        from .fused_backward import CLUSTER_SUM_MAX_GROUP
+
+        if 2 <= Hv // Hqk <= CLUSTER_SUM_MAX_GROUP:
+            for lean in (True, False):
+                tag, opts = (",p_first,lean_gates", dict(p_first=True, lean_gates=True)) if lean else ("", {})
+                yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},cluster_sum]", "fused_backward",
+                       dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, cluster_sum=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
 
