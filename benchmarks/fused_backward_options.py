@@ -31,16 +31,32 @@ def parse_shape(text):
     return Hqk, Hv, [int(x) for x in lens.split(",")]
 
 
-def set_options(text, Hv):
+def set_options(text, Hv, group=1):
     """An option set's keyword arguments (module docstring)."""
     from fused_backward_trace import parse_options
     from flashgdn.kernels.hopper.backward import fused_backward_options
 
     base = {}
     if text.startswith("default"):
-        base = dict(fused_backward_options(Hv))
+        base = dict(fused_backward_options(Hv, group))
         text = text[len("default"):].lstrip("+")
     return base if text == "" else base | parse_options(text)
+
+
+def summed(outs, Hqk):
+    """The outputs with dq and dk summed over each qk head's value heads in head order in float32 and rounded once
+    (``group_sum.py``'s arithmetic), where a build left them per value head: what a ``cluster_sum`` build writes."""
+    def total(x):
+        x = x.unflatten(2, (Hqk, -1))
+        s = x[:, :, :, 0].float()
+        for j in range(1, x.shape[3]):
+            s = s + x[:, :, :, j].float()
+        return s.to(x.dtype)
+
+    dv, dq, dk, *rest = outs
+    if dq.shape[2] != Hqk:
+        dq, dk = total(dq), total(dk)
+    return [dv, dq, dk, *rest]
 
 
 def main(argv=None):
@@ -64,15 +80,16 @@ def main(argv=None):
         call_in, outputs = fused_inputs(Hqk, Hv, seqlens)
         builds = []
         for name in args.sets:
-            opts = set_options(name, Hv)
+            opts = set_options(name, Hv, Hv // Hqk)
             kernel = build_fused_backward(Hqk, Hv, 128, 128, tl_dtype(torch.bfloat16), True, **opts)
-            outs = outputs()
+            outs = outputs(opts.get("cluster_sum", False))
             kernel(*call_in, *outs)
             builds.append((name, opts, kernel, outs))
         torch.cuda.synchronize()
         names = ("dv", "dq", "dk", "dg", "dbeta", "dh0")
-        ref = builds[0][3]
-        same = {name: [n for n, a, b in zip(names, ref, outs) if not torch.equal(a, b)] for name, _, _, outs in builds}
+        ref = summed(builds[0][3], Hqk)
+        same = {name: [n for n, a, b in zip(names, ref, summed(outs, Hqk)) if not torch.equal(a, b)]
+                for name, _, _, outs in builds}
         times = {name: [] for name, *_ in builds}
         for _ in range(args.rounds):
             for name, _, kernel, outs in builds:

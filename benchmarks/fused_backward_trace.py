@@ -52,8 +52,9 @@ def parse_options(text):
 
 def fused_inputs(Hqk, Hv, seqlens, seed=0):
     """The fused kernel's arguments on random inputs (bf16, K = V = 128, mild decay, an initial state and a final
-    state's gradient), from the states pass and stage 1 as the backward makes them: ``(args, outputs)``, the outputs
-    a list of fresh NaN-filled tensors ``(dv, dq, dk, dg, dbeta, dh0)``."""
+    state's gradient), from the states pass and stage 1 as the backward makes them: ``(args, outputs)``,
+    ``outputs(summed=False)`` a list of fresh NaN-filled tensors ``(dv, dq, dk, dg, dbeta, dh0)``, dq and dk per value
+    head, or per qk head for a ``cluster_sum`` build (``summed``)."""
     import torch
 
     from flashgdn.kernels.hopper.backward import HopperBackwardStages
@@ -79,8 +80,9 @@ def fused_inputs(Hqk, Hv, seqlens, seed=0):
     states = st.chunk_states(q, k, v, g, beta, h0, cu, cu.cpu())
     (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu, cu.cpu())
 
-    def outputs():
-        return [_output((1, T, Hv, V), bf, dev), _output((1, T, Hv, K), bf, dev), _output((1, T, Hv, K), bf, dev),
+    def outputs(summed=False):
+        Hq = Hqk if summed else Hv
+        return [_output((1, T, Hv, V), bf, dev), _output((1, T, Hq, K), bf, dev), _output((1, T, Hq, K), bf, dev),
                 _output((1, T, Hv), torch.float32, dev), _output((1, T, Hv), torch.float32, dev),
                 _output((N, Hv, K, V), torch.float32, dev)]
 
@@ -109,11 +111,11 @@ def main(argv=None):
     seqlens = [int(x) for x in args.seqlens.split(",")]
     K = V = 128
     call_in, outputs = fused_inputs(Hqk, Hv, seqlens)
-    call_args = (*call_in, *outputs())
     tr = torch.zeros((4, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=call_in[0].device)
     options = parse_options(args.options)
     if options is None:  # the build the switches give (FLASHGDN_HOPPER_FUSED_*)
-        options = fused_backward_options(Hv)
+        options = fused_backward_options(Hv, Hv // Hqk)
+    call_args = (*call_in, *outputs(options.get("cluster_sum", False)))
     # with and without its stamps
     kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, trace=True, **options)
     plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, **options)

@@ -68,3 +68,15 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     assert fo.set_options("none", 8) == {}
     assert fo.set_options("default+p_first", 32) == {"p_first": True}
     assert fo.set_options("lean_gates", 32) == {"lean_gates": True}
+    # cluster_sum by name, or by the switch for a group of two to eight
+    assert fo.set_options("default+cluster_sum", 32, 2) == {"cluster_sum": True}
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
+    assert fo.set_options("default", 8, 4) == {"p_first": True, "lean_gates": True, "cluster_sum": True}
+    assert fo.set_options("default", 8, 1) == {"p_first": True, "lean_gates": True}
+    # the per-value-head dq and dk of the other builds, summed as a cluster_sum build writes them
+    import torch
+
+    x = torch.tensor([1.0, 2.0 ** -9, 2.0 ** -9, 3.0]).to(torch.bfloat16).reshape(1, 1, 4, 1)
+    got = fo.summed([None, x, x, None], 1)
+    assert got[1].shape == (1, 1, 1, 1) and got[1].item() == 4.0  # ((1 + 2^-9) + 2^-9) + 3 in float32, then bf16
+    assert fo.summed([None, x, x, None], 4)[1] is x

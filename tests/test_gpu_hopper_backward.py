@@ -395,7 +395,7 @@ def test_pair_sums_give_the_group_sum_bits(opts, monkeypatch, cuda):
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=1, Hv=4, gate="strong", zero_gate_heads=(1,), pad=70),
                                   dict(seqlens=[1000, 130], Hqk=1, Hv=8, gate="normal", no_dht=True),
-                                  dict(seqlens=[2000], Hqk=2, Hv=16, gate="mixed"),
+                                  dict(seqlens=[2000], Hqk=4, Hv=16, gate="mixed"),
                                   dict(seqlens=[4096, 33], Hqk=4, Hv=8, gate="normal", state_v_first=True)])
 def test_cluster_sum_gives_the_group_sums_bits(opts, monkeypatch, cuda):
     """The fused kernel (forced) summing dq and dk over each group in a cluster of its CTAs

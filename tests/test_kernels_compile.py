@@ -38,8 +38,9 @@ EXPLAINED_SPILLS = {
         "four of the gate side) stored once before the chunk loop and reloaded a few times per chunk, and one or two "
         "values stored and reloaded within a chunk (read in the SASS); nothing of the accumulators, and wgmma not "
         "serialised. With lean_gates (backward.FUSED_LEAN_GATES, the default up to 16 value heads) up to 100: two "
-        "more gate-side values stored and one reloaded once a chunk. With cluster_sum (backward.FUSED_CLUSTER_SUM) up to "
-        "88/120: the cluster exchange's addresses and ranks, kept across the chunk loop",
+        "more gate-side values stored and one reloaded once a chunk. With cluster_sum (backward.FUSED_CLUSTER_SUM, a "
+        "memory option, off) up to 204/232: the producer warps' exchange at their 40 registers (its loop-carried "
+        "addresses and the sums' 16-byte vectors)",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
@@ -109,7 +110,8 @@ def test_cluster_sum_is_checked_and_launches_clusters_of_the_group():
     with pytest.raises(AssertionError, match="group of 2 to 8"):
         build_fused_backward(1, 16, 128, 128, "bfloat16", True, cluster_sum=True)
     src = build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True).get_kernel_source()
-    assert src.count("flashgdn_cluster::push_rows(") == 2 and "cluster_sync" in src
+    # dq's and dk's rows sent from the chunk loop and again for the last chunk after it
+    assert src.count("flashgdn_cluster::push_rows(") == 4 and "cluster_sync" in src
     assert "flashgdn_cluster" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
 
 

@@ -128,9 +128,10 @@ FUSED_GATES_MAX_HV = 16
 #: the group's CTAs run as one thread-block cluster and exchange their bf16 rows through shared memory, so neither
 #: the per-value-head dq and dk (2 x (group - 1) / group of 256 B per token and value head at a training step's peak)
 #: nor the group-sum pass (5-7% of the backward's kernels, notes "What limits the backward after v0.17") remain; the
-#: same additions in the same order, so the same bits. For groups of 2 to ``CLUSTER_SUM_MAX_GROUP``. Measured with
-#: the value side doing the exchange (v0.18a, ``backward/cluster-v0.18a-{0,1}.json``): the bwd set's fwd+bwd 1.11x
-#: the time (0.99x-1.29x, most on 16/32), its peak memory 0.86x: off. FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=1|0.
+#: same additions in the same order, so the same bits. For groups of 2 to ``CLUSTER_SUM_MAX_GROUP``. A memory
+#: option, off: on the H200 the bwd set's fwd+bwd takes 1.08x the time (0.99x-1.23x, most on 16/32) at 0.86x-0.88x
+#: the peak memory wherever the fused kernel runs (``backward/cluster-v0.18e-{0,1}.json``; the kernel alone
+#: 1.25x-1.57x, ``fused-cluster-v0.18e.json``; five builds in notes v0.18a-e). FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=1|0.
 FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == "1"
 
 

@@ -94,10 +94,12 @@ __device__ __forceinline__ unsigned peer_address(const void *local, int peer) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
   return r;
 }
-// one arrival on the same mbarrier of CTA ``peer``, releasing this thread's earlier memory operations to the cluster
+// one arrival on the same mbarrier of CTA ``peer``. Every such signal here says that a tile may be written (its reads
+// are done and were ordered before by a local barrier) or that rows have landed (the bulk copy's own completion):
+// none publishes this thread's writes, so the arrival keeps the default CTA-scope release; a cluster-scope release
+// would wait for the thread's outstanding global stores (the sums') at every signal
 template <typename Bar> __device__ __forceinline__ void arrive_on_peer(Bar *bar, int peer) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
-               :: "r"(peer_address(bar, peer)) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(peer_address(bar, peer)) : "memory");
 }
 // rows [src_row, src_row + rows) of this CTA's tile ``src`` to rows [dst_row, dst_row + rows) of tile ``dst`` in CTA
 // ``peer``: one arrival there on ``bar`` expecting the bytes, which the two copies complete
@@ -106,8 +108,7 @@ template <typename Bar> __device__ __forceinline__ void push_rows(void *dst, voi
   unsigned bytes = rows * 128u;
   unsigned b = peer_address(bar, peer), d = peer_address(dst, peer);
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(src));
-  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;"
-               :: "r"(b), "r"(2u * bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;" :: "r"(b), "r"(2u * bytes) : "memory");
   for (int half = 0; half < 2; ++half) {
     asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(d + half * 8192u + dst_row * 128u), "r"(s + half * 8192u + src_row * 128u), "r"(bytes),
@@ -134,8 +135,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     cluster and sum dq and dk over the group inside the kernel: each CTA owns ``64 / group`` rows of a chunk, every
     CTA sends it those rows of its bf16 dq (then dk) by a bulk shared-memory copy, and the owner adds them in head
     order in float32 and writes the sum: ``group_sum.py``'s arithmetic on the same addends, so the same bits, with
-    neither the per-value-head dq and dk buffers nor the group-sum pass. The rows land in tiles that are free from
-    the state side's chain to the next chunk's writers: dq's in dVn's tile, dk's in W's. Arguments, in order:
+    neither the per-value-head dq and dk buffers nor the group-sum pass. The value side only stages dq and dk in
+    Vn's tile; the producer's first warp sends the rows (after issuing the next chunk's loads) and the four producer
+    warps sum a quarter each; both land in dVn's tile, free from the state side's chain to the value side's next
+    dVn. A memory option, off by default: the same bits at 0.86x-0.88x a training step's peak, but the kernel takes
+    1.25x-1.57x its time (notes v0.18). Arguments, in order:
 
       q, k       [1, T, Hqk, K]   io dtype (normalised as the forward used them)
       v, do      [1, T, Hv, V]    io dtype
@@ -211,29 +215,74 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         return T.cast(s, io_dtype)
 
     @T.macro
-    def send_and_sum(out_s, in_s, ready, staged, landed, read, dst, c, t0, n_rows, h, tx):
-        # cluster_sum: this CTA's bf16 dq or dk of the chunk is in out_s (all 128 value-side threads wrote it); one
-        # thread sends rows r * own_rows.. of it to CTA r of the group (itself included), into the same rows' place of
-        # in_s as this CTA's rank says, once every CTA's in_s is free; then the rows this CTA owns, from every CTA,
-        # are summed in head order and written, and every sender hears that its rows have landed
-        hq = h // group
-        rank = h % group  # the CTA's place in its cluster: the value heads of hq, in order
-        T.fence_proxy_async()
-        T.barrier_arrive(staged)
-        if tx == 128:
-            T.barrier_wait(staged, c % 2)
-            T.barrier_wait(ready, c % 2)
+    def send_rows(out_s, in_s, landed, rank, lane):
+        # one lane sends rows p * own_rows.. of out_s to CTA p of the group (itself included), into the rows of in_s
+        # that this CTA's rank owns there, the bytes expected on that CTA's ``landed``
+        if lane == 0:
             for p in range(group):
                 T.call_extern("handle", "flashgdn_cluster::push_rows", T.address_of(in_s[0, 0]),
                               T.address_of(out_s[0, 0]), p * own_rows, rank * own_rows, own_rows, p,
                               T.address_of(landed[0]))
-        T.barrier_wait(landed, c % 2)
-        for i, j in T.Parallel(own_rows, K):
-            if rank * own_rows + i < n_rows:
-                dst[0, t0 + rank * own_rows + i, hq, j] = group_total(in_s, i, j)
-        if tx == 128:
+
+    @T.macro
+    def heard(read, lane):
+        # every CTA of the group hears that its rows have landed here (its Vn tile is free of this CTA's copies)
+        if lane == 0:
             for p in range(group):
                 T.call_extern("handle", "flashgdn_cluster::arrive_on_peer", T.address_of(read[0]), p)
+
+    @T.macro
+    def sum_rows(src_s, dst, t0, n_rows, h, quarter):
+        # a quarter of this CTA's rows of the chunk, from every CTA of the group (in src_s, rows r * own_rows.. from
+        # CTA r), summed in head order and written by one producer warp, two rows at a time (a 16-byte vector a lane:
+        # the warp's 40 registers)
+        hq = h // group
+        rank = h % group
+        for r2 in T.serial(own_rows // 8):
+            for i, j in T.Parallel(2, K):
+                if rank * own_rows + quarter * (own_rows // 4) + r2 * 2 + i < n_rows:
+                    dst[0, t0 + rank * own_rows + quarter * (own_rows // 4) + r2 * 2 + i, hq, j] = group_total(
+                        src_s, quarter * (own_rows // 4) + r2 * 2 + i, j)
+
+    @T.macro
+    def sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c, t0, n_rows, h, quarter):
+        # cluster_sum, producer warps 13-15, each once its next chunk's loads are issued: its quarter of chunk c's dq
+        # rows, then of dk's, as they land in dVn's tile
+        T.barrier_wait(q_in, c % 2)
+        sum_rows(dvn_s, dq, t0, n_rows, h, quarter)
+        T.barrier_arrive(q_summed)
+        T.barrier_wait(k_in, c % 2)
+        sum_rows(dvn_s, dk, t0, n_rows, h, quarter)
+        T.barrier_arrive(rows_summed)
+
+    @T.macro
+    def exchange(vn_s, dvn_s, dq, dk, ready, k_ready, q_staged, k_staged, q_in, k_in, q_read, k_read, q_summed,
+                 rows_summed, vn_free, c, t0, n_rows, h, lane):
+        # cluster_sum, producer warp 12 once it has issued the next chunk's loads: chunk c's dq, then dk, staged by the
+        # value side in Vn's tile, sent to their owners; this CTA's rows from every CTA summed in head order and
+        # written by the four producer warps (a quarter each: one warp alone took ~6k cycles, latency-bound, v0.18c).
+        # Both land in dVn's tile (free from the chain to the value side's next dVn: ``ready``), dk's once every CTA
+        # has summed dq's (``k_ready``), so that the value side, the step's longer path, only stages and goes on
+        rank = h % group  # the CTA's place in its cluster: the value heads of hq, in order
+        T.barrier_wait(q_staged, c % 2)
+        T.barrier_wait(ready, c % 2)
+        send_rows(vn_s, dvn_s, q_in, rank, lane)
+        T.barrier_wait(q_in, c % 2)
+        heard(q_read, lane)
+        sum_rows(dvn_s, dq, t0, n_rows, h, 0)
+        T.barrier_arrive(q_summed)
+        T.barrier_wait(q_summed, c % 2)
+        heard(k_ready, lane)
+        T.barrier_wait(k_staged, c % 2)
+        T.barrier_wait(k_ready, c % 2)
+        send_rows(vn_s, dvn_s, k_in, rank, lane)
+        T.barrier_wait(k_in, c % 2)
+        heard(k_read, lane)
+        sum_rows(dvn_s, dk, t0, n_rows, h, 0)
+        T.barrier_arrive(rows_summed)
+        # the Vn tile's copies of dk have landed everywhere: the gate side may write the next Vn
+        T.barrier_wait(k_read, c % 2)
+        T.barrier_arrive(vn_free)
 
     @T.macro
     def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
@@ -285,17 +334,21 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             dag_done = T.alloc_barrier(arrive_count=128)  # dVn read for the last time (dVn W^T)
             ydw_ready = T.alloc_barrier(arrive_count=128)
             dp_done = T.alloc_barrier(arrive_count=128)  # dQK in P's tile; Vn's and dO's tiles read for the last time
-            vn_free = T.alloc_barrier(arrive_count=128)  # the value side's dq and dk out of Vn's tile
+            # the value side's dq and dk out of Vn's tile (cluster_sum: the exchange's warp, once they have landed)
+            vn_free = T.alloc_barrier(arrive_count=32 if cluster_sum else 128)
             dos_done = T.alloc_barrier(arrive_count=128)  # the value side's dO S^T done (dO's last raw read)
             dvn_scaled = T.alloc_barrier(arrive_count=128)  # the state side's d ⊙ Vn in dO's tile
             dkk_ready = T.alloc_barrier(arrive_count=128)
             x_rows = T.alloc_barrier(arrive_count=128)
             if cluster_sum:
                 # once per chunk each: every CTA of the group (itself included) arrives on ``ready`` when its dVn
-                # and W tiles may take rows (chain_done: the state side's chain and the value side's last dVn read),
-                # and on ``q_read`` / ``k_read`` of every sender when its rows have landed (the sender's Vn tile is
-                # then free); ``q_in`` / ``k_in`` complete when every CTA's rows of dq / dk have landed
+                # tile may take rows (chain_done: the state side's chain and the value side's last dVn read), on
+                # ``k_ready`` when it has summed dq's rows there, and on ``q_read`` / ``k_read`` of every sender when
+                # its rows have landed (the sender's Vn tile is then free); ``q_in`` / ``k_in`` complete when every
+                # CTA's rows of dq / dk have landed; q_staged / k_staged: the value side's dq / dk in Vn's tile;
+                # rows_summed: dVn's tile free for the next chunk's dVn
                 ready = T.alloc_cluster_barrier(arrive_count=group)
+                k_ready = T.alloc_cluster_barrier(arrive_count=group)
                 q_in = T.alloc_cluster_barrier(arrive_count=group)
                 k_in = T.alloc_cluster_barrier(arrive_count=group)
                 q_read = T.alloc_cluster_barrier(arrive_count=group)
@@ -303,6 +356,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 chain_done = T.alloc_barrier(arrive_count=256)
                 q_staged = T.alloc_barrier(arrive_count=128)
                 k_staged = T.alloc_barrier(arrive_count=128)
+                q_summed = T.alloc_barrier(arrive_count=128)  # the four producer warps' dq rows summed
+                rows_summed = T.alloc_barrier(arrive_count=128)
 
             # V is read in the accumulator's layout: unswizzled, its rows 256 B apart fall on the same banks
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s)})
@@ -406,6 +461,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_wait(p_ready, c % 2)
                     stamp(tr, 1, 3, c, tx, h, n)
                     T.gemm(p_s, do_s, dw_f, transpose_A=True, clear_accum=True)  # P^T dO
+                    if cluster_sum:
+                        # dVn's tile held the group's dq and dk rows of the chunk before until the exchange summed them
+                        if c > 0:
+                            T.barrier_wait(rows_summed, (c + 1) % 2)
                     for i, j in T.Parallel(C, V):
                         dvn_s[i, j] = T.cast(kd_f[i, j] + dw_f[i, j], io_dtype)
                     T.fence_proxy_async()
@@ -475,7 +534,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # rows of 16 bytes: from the accumulator's layout a warp's store touches 8 rows, 16 bytes each
                     T.copy(dw_f, vn_s)
                     if cluster_sum:
-                        send_and_sum(vn_s, dvn_s, ready, q_staged, q_in, q_read, dq, c, t0, n_rows, h, tx)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(q_staged)
                     else:
                         for i, j in T.Parallel(C, K):
                             if i < n_rows:
@@ -493,13 +553,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         T.barrier_wait(q_read, c % 2)
                     T.copy(kd_f, vn_s)
                     if cluster_sum:
-                        send_and_sum(vn_s, w_s, ready, k_staged, k_in, k_read, dk, c, t0, n_rows, h, tx)
-                        T.barrier_wait(k_read, c % 2)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(k_staged)
                     else:
                         for i, j in T.Parallel(C, K):
                             if i < n_rows:
                                 dk[0, t0 + i, h, j] = vn_s[i, j]
-                    T.barrier_arrive(vn_free)
+                        T.barrier_arrive(vn_free)
 
             elif tx < 384:
                 # ================= gate side
@@ -553,17 +613,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # value side takes it as V - W, from the two tiles
                     for i, j in T.Parallel(C, V):
                         cv_f[i, j] = T.cast(v_s[i, j], acc) - cv_f[i, j] * gam_f[i]
-                    if cluster_sum:
-                        # W's tile held the group's dk rows until the value side had summed them
-                        if c > 0:
-                            T.barrier_wait(vn_free, (c + 1) % 2)
                     T.copy(cv_f, w_s)
                     T.fence_proxy_async()
                     stamp(tr, 2, 3, c, tx, h, n)
                     T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
-                    if not cluster_sum:
-                        if c > 0:
-                            T.barrier_wait(vn_free, (c + 1) % 2)
+                    if c > 0:
+                        T.barrier_wait(vn_free, (c + 1) % 2)
                     T.copy(cv_f, vn_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vn_ready)
@@ -678,6 +733,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             masked_rows(v, v_s, t0, n_rows, h, V)
                         T.barrier_arrive(full_e)
                         stamp(tr, 3, 2, c, tx, h, n)
+                        if cluster_sum:
+                            # the chunk before's exchange, once this chunk's loads are issued (the next wait here is
+                            # for the value side's point past this chunk's dVn, so the exchange delays no load)
+                            if c > 0:
+                                exchange(vn_s, dvn_s, dq, dk, ready, k_ready, q_staged, k_staged, q_in, k_in,
+                                         q_read, k_read, q_summed, rows_summed, vn_free, c - 1, t0 + C,
+                                         T.min(eos - t0 - C, C), h, tx - 384)
                     elif tx < 480:
                         if c > 0:
                             T.barrier_wait(free_m, (c + 1) % 2)
@@ -698,8 +760,16 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
                         if tx < 448:
                             stamp(tr, 3, 4, c, tx, h, n)
+                            if cluster_sum:
+                                if c > 0:  # its quarter of the chunk before's sums
+                                    sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
+                                              T.min(eos - t0 - C, C), h, 1)
                         else:
                             stamp(tr, 3, 7, c, tx, h, n)
+                            if cluster_sum:
+                                if c > 0:
+                                    sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
+                                              T.min(eos - t0 - C, C), h, 2)
                     else:
                         if c > 0:
                             T.barrier_wait(free_k, (c + 1) % 2)
@@ -710,6 +780,29 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             masked_rows(k, k_s, t0, n_rows, hq, K)
                         T.barrier_arrive(full_k)
                         stamp(tr, 3, 6, c, tx, h, n)
+                        if cluster_sum:
+                            if c > 0:
+                                sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
+                                          T.min(eos - t0 - C, C), h, 3)
+                if cluster_sum:
+                    # the last chunk's exchange
+                    if tx < 416:
+                        if n_chunks > 0:
+                            exchange(vn_s, dvn_s, dq, dk, ready, k_ready, q_staged, k_staged, q_in, k_in, q_read,
+                                     k_read, q_summed, rows_summed, vn_free, n_chunks - 1, bos, T.min(eos - bos, C), h,
+                                     tx - 384)
+                    elif tx < 448:
+                        if n_chunks > 0:
+                            sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, n_chunks - 1, bos,
+                                      T.min(eos - bos, C), h, 1)
+                    elif tx < 480:
+                        if n_chunks > 0:
+                            sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, n_chunks - 1, bos,
+                                      T.min(eos - bos, C), h, 2)
+                    else:
+                        if n_chunks > 0:
+                            sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, n_chunks - 1, bos,
+                                      T.min(eos - bos, C), h, 3)
 
     # a prim_func's parameters are its source's: the trace build's extra argument needs a signature of its own
     if trace:
