@@ -131,7 +131,9 @@ FUSED_GATES_MAX_HV = 16
 #: same additions in the same order, so the same bits. For groups of 2 to ``CLUSTER_SUM_MAX_GROUP``. A memory
 #: option, off: on the H200 the bwd set's fwd+bwd takes 1.08x the time (0.99x-1.23x, most on 16/32) at 0.86x-0.88x
 #: the peak memory wherever the fused kernel runs (``backward/cluster-v0.18e-{0,1}.json``; the kernel alone
-#: 1.25x-1.57x, ``fused-cluster-v0.18e.json``; five builds in notes v0.18a-e). FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=1|0.
+#: 1.25x-1.57x, ``fused-cluster-v0.18e.json``; five builds in notes v0.18a-e), and on CP segments of the cp set's
+#: Hqk = Hv / 4 shapes 1.29x-1.47x at 0.79x-0.80x (``cluster-cp-quarter-v0.18e-*``).
+#: FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=1|0.
 FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == "1"
 
 
