@@ -414,7 +414,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_arrive(free_m)
                     T.barrier_arrive(free_k)
                     if cluster_sum:
-                        # dVn's and W's tiles are read for the last time this chunk: the group may send their rows
+                        # dVn's tile is read for the last time this chunk (the chain's first product here, the
+                        # value side's (gamma dW) S^T by its own arrival): the group may send rows into it
                         T.barrier_arrive(chain_done)
                         if tx == 0:
                             T.barrier_wait(chain_done, c % 2)
