@@ -65,13 +65,15 @@ COLUMN_SUM_BATCH = 8
 #: a trace build (``trace=True``) records the SM's cycle counter at these many points of each role's chunk step,
 #: for the first TRACE_CHUNKS chunk steps of one CTA (``benchmarks/fused_backward_trace.py`` reads it): where the
 #: ~20 us of a step go, role by role. The point numbers of each role are listed in ``TRACE_POINTS_OF``.
-TRACE_CHUNKS, TRACE_POINTS = 32, 20
+TRACE_CHUNKS, TRACE_POINTS = 32, 24
 #: what each trace point of each role (state, value side, gate side, producer) marks
 TRACE_POINTS_OF = (
     ('chunk step begins', "dS'^T written", 'g~ loaded', '-gamma dW ready', 'scaled dO written', 'd ⊙ Vn written', '(gamma dW)^T K done', 'chain done'),
     ('chunk step begins', "inputs and dS'^T ready", "K dS' done", 'P ready', 'dVn written', 'dW done', 'Vn ready', 'row terms done', 'dv stored, dVn free', '-gamma dW written', 'S^T products done', 'd ⊙ Vn and dQK ready', 'dq, dk products done', 'dq stored', 'dKK ready', 'dk products done'),
     ('chunk step begins', 'inputs ready', 'Q K^T, K S done', 'P, then W written', 'Vn written', 'dVn ready', 'dVn W^T, dO Vn^T done', 'E and dA stored', "dbeta's column sum done", 'E and dQK written', 'row and column sums done', 'K K^T, A^T dA done', 'dKK written', 'value-side row terms ready', 'dg and dbeta stored'),
-    ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO issued', 'K free', 'K issued', 'A, g~, beta issued'),
+    ('chunk step begins', 'V, Ag, S^T free', 'V, Ag, S^T issued', 'Q, dO, A, g~, beta free', 'Q, dO issued', 'K free', 'K issued', 'A, g~, beta issued',
+     # cluster_sum's exchange of the step's dq and dk, by the producer's first warp during the next step
+     'exchange: dq staged', 'exchange: the group ready', 'exchange: dq rows sent', 'exchange: dq rows landed', 'exchange: its dq quarter summed', 'exchange: every dq quarter summed', 'exchange: dk staged', 'exchange: the group summed dq', 'exchange: dk rows landed', 'exchange: its dk quarter summed', 'exchange: its dk rows landed everywhere'),
 )
 
 #: and, once per CTA, the state side's edges of its walk, in the last four points of chunk step 0's row (past every
@@ -257,7 +259,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
 
     @T.macro
     def exchange(vn_s, dvn_s, dq, dk, ready, k_ready, q_staged, k_staged, q_in, k_in, q_read, k_read, q_summed,
-                 rows_summed, vn_free, c, t0, n_rows, h, lane):
+                 rows_summed, vn_free, c, t0, n_rows, h, lane, tr, n, tx):
         # cluster_sum, producer warp 12 once it has issued the next chunk's loads: chunk c's dq, then dk, staged by the
         # value side in Vn's tile, sent to their owners; this CTA's rows from every CTA summed in head order and
         # written by the four producer warps (a quarter each: one warp alone took ~6k cycles, latency-bound, v0.18c).
@@ -265,23 +267,34 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         # has summed dq's (``k_ready``), so that the value side, the step's longer path, only stages and goes on
         rank = h % group  # the CTA's place in its cluster: the value heads of hq, in order
         T.barrier_wait(q_staged, c % 2)
+        stamp(tr, 3, 8, c, tx, h, n)
         T.barrier_wait(ready, c % 2)
+        stamp(tr, 3, 9, c, tx, h, n)
         send_rows(vn_s, dvn_s, q_in, rank, lane)
+        stamp(tr, 3, 10, c, tx, h, n)
         T.barrier_wait(q_in, c % 2)
+        stamp(tr, 3, 11, c, tx, h, n)
         heard(q_read, lane)
         sum_rows(dvn_s, dq, t0, n_rows, h, 0)
+        stamp(tr, 3, 12, c, tx, h, n)
         T.barrier_arrive(q_summed)
         T.barrier_wait(q_summed, c % 2)
+        stamp(tr, 3, 13, c, tx, h, n)
         heard(k_ready, lane)
         T.barrier_wait(k_staged, c % 2)
+        stamp(tr, 3, 14, c, tx, h, n)
         T.barrier_wait(k_ready, c % 2)
+        stamp(tr, 3, 15, c, tx, h, n)
         send_rows(vn_s, dvn_s, k_in, rank, lane)
         T.barrier_wait(k_in, c % 2)
+        stamp(tr, 3, 16, c, tx, h, n)
         heard(k_read, lane)
         sum_rows(dvn_s, dk, t0, n_rows, h, 0)
+        stamp(tr, 3, 17, c, tx, h, n)
         T.barrier_arrive(rows_summed)
         # the Vn tile's copies of dk have landed everywhere: the gate side may write the next Vn
         T.barrier_wait(k_read, c % 2)
+        stamp(tr, 3, 18, c, tx, h, n)
         T.barrier_arrive(vn_free)
 
     @T.macro
@@ -740,7 +753,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             if c > 0:
                                 exchange(vn_s, dvn_s, dq, dk, ready, k_ready, q_staged, k_staged, q_in, k_in,
                                          q_read, k_read, q_summed, rows_summed, vn_free, c - 1, t0 + C,
-                                         T.min(eos - t0 - C, C), h, tx - 384)
+                                         T.min(eos - t0 - C, C), h, tx - 384, tr, n, tx)
                     elif tx < 480:
                         if c > 0:
                             T.barrier_wait(free_m, (c + 1) % 2)
@@ -791,7 +804,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         if n_chunks > 0:
                             exchange(vn_s, dvn_s, dq, dk, ready, k_ready, q_staged, k_staged, q_in, k_in, q_read,
                                      k_read, q_summed, rows_summed, vn_free, n_chunks - 1, bos, T.min(eos - bos, C), h,
-                                     tx - 384)
+                                     tx - 384, tr, n, tx)
                     elif tx < 448:
                         if n_chunks > 0:
                             sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, n_chunks - 1, bos,
