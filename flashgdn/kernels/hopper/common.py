@@ -35,6 +35,18 @@ def tl_dtype(dtype: torch.dtype) -> str:
         raise NotImplementedError(f"the Hopper kernels have no {dtype} variant") from e
 
 
+def head_order_total(addends, acc: str, io_dtype: str):
+    """The sum of a GVA group's per-value-head values as both group sums write it (``group_sum.py``, and
+    ``fused_backward.py``'s ``cluster_sum``, which must give its bits): each addend widened to ``acc``, added in head
+    order, rounded once to ``io_dtype``. ``addends`` is the group's values (TileLang expressions), head 0 first."""
+    import tilelang.language as T
+
+    s = T.cast(addends[0], acc)
+    for x in addends[1:]:
+        s = s + T.cast(x, acc)
+    return T.cast(s, io_dtype)
+
+
 def pass_configs():
     import tilelang
 

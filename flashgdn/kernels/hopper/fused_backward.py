@@ -51,7 +51,7 @@ PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rul
 """
 import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, head_order_total, pass_configs
 
 #: registers per thread of each role (512 in all): the state side holds 128 for dS^T; the value side two [64, 128]
 #: float32 tiles (at 160 it spilled 56 B, with a third tile 256 B and every wgmma serialised); the producer's masked
@@ -210,11 +210,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             gcol_f[j] = gc_s[j]
 
     def group_total(in_s, i, j):
-        # in head order, widened to float32, rounded once: group_sum.py's total
-        s = T.cast(in_s[i, j], acc)
-        for r in range(1, group):
-            s = s + T.cast(in_s[r * own_rows + i, j], acc)
-        return T.cast(s, io_dtype)
+        # row i of this CTA's share from every CTA of the group (CTA r's at rows r * own_rows..): group_sum.py's total
+        return head_order_total([in_s[r * own_rows + i, j] for r in range(group)], acc, io_dtype)
 
     @T.macro
     def send_rows(out_s, in_s, landed, rank, lane):

@@ -20,7 +20,7 @@ PyTorch counterpart: ``HopperBackwardStages.finish_gradients``'s ``sum(3)`` (kep
 """
 import functools
 
-from .common import TARGET, pass_configs
+from .common import TARGET, head_order_total, pass_configs
 
 ROWS = 64
 THREADS = 256
@@ -41,10 +41,7 @@ def build_group_sum(group: int, K: int, io_dtype: str):
     acc = "float32"
 
     def total(x, r, j):  # in head order, as the docstring says
-        s = T.cast(x[r, 0, j], acc)
-        for i in range(1, group):
-            s = s + T.cast(x[r, i, j], acc)
-        return T.cast(s, io_dtype)
+        return head_order_total([x[r, i, j] for i in range(group)], acc, io_dtype)
 
     @T.prim_func
     def group_sum_kernel(
