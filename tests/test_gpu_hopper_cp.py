@@ -332,20 +332,26 @@ def _cp_op_and_gradients(opts, cuda):
     return names, run
 
 
+def _same_bits_both_ways(opts, cuda, monkeypatch, module, switch):
+    """The op and its gradients (``_cp_op_and_gradients``) with ``module.<switch>`` False, then True: every tensor the
+    same bits."""
+    names, run = _cp_op_and_gradients(opts, cuda)
+    monkeypatch.setattr(module, switch, False)
+    want = run()
+    monkeypatch.setattr(module, switch, True)
+    got = run()
+    for name, x, w in zip(["o", "final state"] + names, got, want):
+        assert torch.equal(x, w), name
+
+
 @pytest.mark.parametrize("opts", [dict(seqlens=[8192]), dict(seqlens=[5000, 64, 3000, 1], gate="strong")])
 def test_cluster_sum_gives_the_same_bits_on_segments(opts, cuda, monkeypatch):
     """backward.FUSED_CLUSTER_SUM under CP (the fused kernel on 4-chunk segments, each segment's group of value
     heads one cluster): the op and every gradient the same bits as with the per-value-head dq and dk summed after."""
     from flashgdn.kernels.hopper import backward
 
-    names, run = _cp_op_and_gradients(opts, cuda)
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
-    want = run()
-    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
-    got = run()
-    for name, x, w in zip(["o", "final state"] + names, got, want):
-        assert torch.equal(x, w), name
+    _same_bits_both_ways(opts, cuda, monkeypatch, backward, "FUSED_CLUSTER_SUM")
 
 
 @pytest.mark.parametrize("opts", [
@@ -359,15 +365,8 @@ def test_skipping_unread_transitions_gives_the_same_bits(opts, cuda, monkeypatch
     so the op and its gradients are the same bits with and without it."""
     from flashgdn.kernels.hopper import backend
 
-    names, run = _cp_op_and_gradients(opts, cuda)
-
     monkeypatch.setattr(backend, "CP_PAIRED", True)
-    monkeypatch.setattr(backend, "CP_SKIP_UNREAD", False)
-    want = run()
-    monkeypatch.setattr(backend, "CP_SKIP_UNREAD", True)
-    got = run()
-    for name, x, w in zip(["o", "final state"] + names, got, want):
-        assert torch.equal(x, w), name
+    _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_SKIP_UNREAD")
 
 
 @pytest.mark.parametrize("opts", [
@@ -380,14 +379,7 @@ def test_lean_rs_state_paths_give_the_same_bits(opts, cuda, monkeypatch):
     products, so the op with CP and its gradients are the same bits with and without it."""
     from flashgdn.kernels.hopper import forward
 
-    names, run = _cp_op_and_gradients(opts, cuda)
-
-    monkeypatch.setattr(forward, "LEAN_STATE_PASSES", False)
-    want = run()
-    monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
-    got = run()
-    for name, x, w in zip(["o", "final state"] + names, got, want):
-        assert torch.equal(x, w), name
+    _same_bits_both_ways(opts, cuda, monkeypatch, forward, "LEAN_STATE_PASSES")
 
 
 @pytest.mark.parametrize("opts", [
