@@ -283,7 +283,7 @@ def build(builder: str, kwargs: dict):
     if builder == "chunk_plan":
         from .chunk_plan import build_chunk_plan
 
-        return build_chunk_plan()
+        return build_chunk_plan(**kwargs)
     if builder == "kkt_inverse":
         from .kkt_inverse import build_kkt_inverse
 
