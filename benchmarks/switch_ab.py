@@ -1,14 +1,14 @@
 """One switch of the Hopper backend timed both ways, side by side in one process (GPU only).
 
-    python benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.common:PDL --set bwd --modes fwd,fwdbwd \
-        --rounds 2 --out benchmarks/results/h200/launch/pdl-early-v0.19a.json
+    python benchmarks/switch_ab.py --switch flashgdn.cp.backward:OVERLAP --set bwd --modes fwd,fwdbwd \
+        --rounds 2 --out overlap-ab.json
 
 For each shape and mode, the op as the benchmark harness runs it (``flashgdn.bench``: its inputs, ``cp="auto"``,
 CUDA-graph timing by ``flashgdn.bench.timing.measure``; fwdbwd is the forward and ``torch.autograd.grad`` of o and
 the final state) with ``MODULE:NAME`` set False and True, in alternating order over ``--rounds`` rounds (so that
 neither side always runs first), and whether the two give the same bits on every output and gradient. The switch
 must be one the backend reads when it runs (a host switch, or a build switch passed to the kernels when they are
-asked for, as ``common.PDL`` is). Ratios are on/off of the medians over rounds; single times drift, ratios in one
+asked for, as the build switches of ``backward`` are). Ratios are on/off of the medians over rounds; single times drift, ratios in one
 process are the figure.
 """
 import argparse
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--switch", required=True, help="MODULE:NAME of a boolean switch, e.g. "
-                                                    "flashgdn.kernels.hopper.common:PDL")
+                                                    "flashgdn.cp.backward:OVERLAP")
     ap.add_argument("--set", default=None, help="shape set(s), comma separated (flashgdn.bench's)")
     ap.add_argument("--heads", default=None, help="custom shapes: head configs, with --seqlens")
     ap.add_argument("--seqlens", default=None)

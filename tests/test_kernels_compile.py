@@ -18,8 +18,7 @@ if shutil.which("nvcc") is None:  # TileLang compiles with nvcc; the CI image ha
 os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 
 from flashgdn.kernels.hopper.common import MAX_SMEM_SM90, launch_values, resource_usage  # noqa: E402
-from flashgdn.kernels.hopper.variants import (backward_variants, build, forward_variants,  # noqa: E402
-                                              training_variants)
+from flashgdn.kernels.hopper.variants import backward_variants, build, forward_variants  # noqa: E402
 
 #: kernel-name prefix -> why a spill there is accepted
 EXPLAINED_SPILLS = {
@@ -98,49 +97,6 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     total = res["dynamic_smem"] + res["static_smem"]
     assert total <= MAX_SMEM_SM90, f"{name}: {res['dynamic_smem']} + {res['static_smem']} B of shared memory > " \
                                    f"{MAX_SMEM_SM90}"
-
-
-#: the PDL builds checked here: every small kernel of a training step, and the two largest warp-specialised ones (the
-#: wait goes in before their roles part, at the top of the body)
-PDL_VARIANTS = [v for v in training_variants(2, 8, dtype="bfloat16", flags="common")
-                if v[1] in ("chunk_plan", "segment_index", "chain_index", "splice", "group_sum", "chunk_forward_rso",
-                            "fused_backward")]
-
-
-@pytest.mark.parametrize("variant", PDL_VARIANTS, ids=[v[0] for v in PDL_VARIANTS])
-def test_pdl_build_waits_for_the_kernels_before_it(variant):
-    """``common.PDL``: the build with ``pdl="early"`` lets the next kernel launch and then waits for the ones before
-    it, once each, ahead of the body's first statement; the build without it has neither (its script, and so its cache key,
-    is the default's); and the wait costs no registers or spills beyond the default build's."""
-    name, builder, kw = variant
-    plain, pdl = build(builder, {**kw, "pdl": ""}), build(builder, {**kw, "pdl": "early"})
-    src = pdl.get_kernel_source()
-    body = src[src.index("extern \"C\" __global__ void __launch_bounds__"):]
-    assert body.count("cudaTriggerProgrammaticLaunchCompletion();") == 1
-    assert body.count("cudaGridDependencySynchronize();") == 1
-    assert body.index("cudaTriggerProgrammaticLaunchCompletion();") < body.index("cudaGridDependencySynchronize();")
-    assert "cudaGridDependencySynchronize" not in plain.get_kernel_source()
-    a, b = resource_usage(plain), resource_usage(pdl)
-    assert b["spill_stores"] <= a["spill_stores"] and b["spill_loads"] <= a["spill_loads"], (a, b)
-    assert not b["wgmma_serialized"]
-
-
-def test_pdl_trigger_points():
-    """``common.PDL_TRIGGER``: the wait first and then the trigger ("after_wait"), or the wait alone ("exit"); an
-    unknown trigger point is refused before anything is built."""
-    from flashgdn.kernels.hopper import common
-    from flashgdn.kernels.hopper.group_sum import build_group_sum
-
-    after = build_group_sum(2, 128, "bfloat16", pdl="after_wait").get_kernel_source()
-    assert after.index("cudaGridDependencySynchronize();") < after.index("cudaTriggerProgrammaticLaunchCompletion();")
-    wait = build_group_sum(2, 128, "bfloat16", pdl="exit").get_kernel_source()
-    assert "cudaGridDependencySynchronize();" in wait and "cudaTriggerProgrammaticLaunchCompletion" not in wait
-    common.PDL, common.PDL_TRIGGER = True, "late"
-    try:
-        with pytest.raises(ValueError, match="FLASHGDN_HOPPER_PDL_TRIGGER"):
-            build_group_sum(2, 128, "bfloat16")
-    finally:
-        common.PDL, common.PDL_TRIGGER = False, "early"
 
 
 def test_cluster_sum_is_checked_and_launches_clusters_of_the_group():

@@ -6,26 +6,26 @@ import os
 
 import pytest
 
-from flashgdn.kernels.hopper import common
+from flashgdn.kernels.hopper import backward
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "switch_ab.py")
 _spec = importlib.util.spec_from_file_location("switch_ab", _PATH)
 sab = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sab)
 
-ARGS = ["--switch", "flashgdn.kernels.hopper.common:PDL", "--heads", "1/2", "--seqlens", "100+30,64",
+ARGS = ["--switch", "flashgdn.kernels.hopper.backward:FUSED_CLUSTER_SUM", "--heads", "1/2", "--seqlens", "100+30,64",
         "--backend", "reference", "--device", "cpu"]
 
 
 def test_both_sides_are_timed_in_every_round_and_compared_bit_for_bit(tmp_path, monkeypatch):
     out = tmp_path / "ab.json"
-    monkeypatch.setenv("FLASHGDN_HOPPER_PDL_TRIGGER", "exit")  # recorded: the settings the switch is timed under
-    before = common.PDL
+    monkeypatch.setenv("FLASHGDN_CP_BACKWARD_OVERLAP", "0")  # recorded: the settings the switch is timed under
+    before = backward.FUSED_CLUSTER_SUM
     assert sab.main(ARGS + ["--rounds", "3", "--out", str(out)]) == 0
-    assert common.PDL == before
+    assert backward.FUSED_CLUSTER_SUM == before
     data = json.loads(out.read_text())
-    assert data["switch"] == "flashgdn.kernels.hopper.common:PDL" and data["rounds"] == 3
-    assert data["env"]["FLASHGDN_HOPPER_PDL_TRIGGER"] == "exit" and data["complete"] is True
+    assert data["switch"] == "flashgdn.kernels.hopper.backward:FUSED_CLUSTER_SUM" and data["rounds"] == 3
+    assert data["env"]["FLASHGDN_CP_BACKWARD_OVERLAP"] == "0" and data["complete"] is True
     recs = data["records"]
     assert [(r["seqlens"], r["mode"]) for r in recs] == [([100, 30], "fwd"), ([100, 30], "fwdbwd"), ([64], "fwd"),
                                                          ([64], "fwdbwd")]
@@ -38,4 +38,4 @@ def test_both_sides_are_timed_in_every_round_and_compared_bit_for_bit(tmp_path, 
 
 def test_a_switch_that_is_not_a_boolean_is_refused():
     with pytest.raises(SystemExit, match="not a boolean switch"):
-        sab.main(["--switch", "flashgdn.kernels.hopper.common:CHUNK"] + ARGS[2:])
+        sab.main(["--switch", "flashgdn.kernels.hopper.backward:FUSED_GATES_MAX_HV"] + ARGS[2:])

@@ -33,7 +33,7 @@ with ``decayed_k`` a fourth, a_ready (gate -> state: gamma and Ag, before P and 
 import functools
 from typing import Optional
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs, pdl_macro, pdl_switch
+from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .gate_inverse import make_gate_inverse
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
@@ -50,7 +50,6 @@ PRECISE_STATE_ONLY_REGS = (208, 64, 32)
 INVERSE_IN_LOOP_REGS = (192, 96, 32)
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
 def build_chunk_forward_rs(
     Hqk: int,
@@ -72,7 +71,6 @@ def build_chunk_forward_rs(
     swizzled_v: Optional[bool] = None,
     lean: bool = False,
     starts_from_h0: bool = False,
-    pdl: str = "",
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -142,8 +140,6 @@ def build_chunk_forward_rs(
     """
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     if swizzled_v is None:
         swizzled_v = not ((precise and with_output) or inverse_in_loop)
@@ -356,7 +352,6 @@ def build_chunk_forward_rs(
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
                     count=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
-            pdl_prologue(pdl)
             if transition_pairs:
                 hq = (h // 2) // group
             else:

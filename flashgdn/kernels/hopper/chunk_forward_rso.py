@@ -40,7 +40,7 @@ path releases a stage once it has made Q S, before it waits for Vn).
 """
 import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs, pdl_macro, pdl_switch
+from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
@@ -52,7 +52,6 @@ STATE_REGS, OUTPUT_REGS, PRODUCER_REGS = 160, 160, 32
 OUTPUT_BARRIER = 12
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
 def build_chunk_forward_rso(
     Hqk: int,
@@ -67,7 +66,6 @@ def build_chunk_forward_rso(
     swizzled_v: bool = True,
     lean_output: bool = True,
     lean_state: bool = False,
-    pdl: str = "",
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -96,8 +94,6 @@ def build_chunk_forward_rso(
     read once per chunk into fragments of the thread's 16 columns instead of once per element."""
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     state_regs, output_regs, producer_regs = regs
     if 2 * state_regs + output_regs + producer_regs != 512:
@@ -264,7 +260,6 @@ def build_chunk_forward_rso(
         ht: T.Tensor(state_shape_ht, "float32"),
     ):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
-            pdl_prologue(pdl)
             hq = h // group
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]

@@ -83,17 +83,16 @@ PyTorch counterpart: step 2 of ``chunk_gated_delta_rule_backward_reference``.
 """
 import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs, pdl_macro, pdl_switch
+from .common import CHUNK, LOG2E, TARGET, pass_configs
 
 #: four warpgroups (126 of the 128 registers a thread may have at 512 threads)
 THREADS = 512
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
 def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loads: bool = False,
                      row_factors: bool = False, scan_dg: bool = False, wide_stores: bool = False,
-                     pair_sums: bool = False, heads_inner: bool = False, pdl: str = ""):
+                     pair_sums: bool = False, heads_inner: bool = False):
     """Compile (or load) the kernel (``async_loads``: the eight tiles by cp.async, all in flight at once;
     ``row_factors``: gamma_i and d_i computed once per row into registers; ``scan_dg``: dg's reverse cumsum by a
     scan; ``wide_stores``: dv, dq and dk out through a dead shared tile in 16-byte stores; each off is its A/B;
@@ -119,8 +118,6 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
     """
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     C = CHUNK
     # <dS', S> is folded onto the chunk's 64 rows (V's two halves added) and totalled by the last reduction
@@ -268,7 +265,6 @@ def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loa
         # linear id, which with ``heads_inner`` is mapped value heads first, so that the group of a qk head reads its
         # q and k tiles while they are in L2
         with T.Kernel(num_slots, Hv, threads=THREADS) as (bx, by):
-            pdl_prologue(pdl)
             slot = (by * num_slots + bx) // Hv if heads_inner else bx
             h = (by * num_slots + bx) % Hv if heads_inner else by
             hq = h // group

@@ -17,7 +17,7 @@ PyTorch counterpart: ``flashgdn.kernels.hopper.forward.chunk_plan_torch`` (and, 
 """
 import functools
 
-from .common import CHUNK, TARGET, pass_configs, pdl_macro, pdl_switch
+from .common import CHUNK, TARGET, pass_configs
 
 #: threads of the one CTA that scans the sequences (a block of this many sequences per step)
 SCAN_THREADS = 1024
@@ -60,15 +60,12 @@ def make_sequence_scan():
     return sequence_scan
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
-def build_chunk_plan(pdl: str = ""):
+def build_chunk_plan():
     """Compile (or load) the kernel. Arguments: cu_seqlens [N + 1] int32, bounds [S, 2] int32 (written),
     first_slot [N] int32 (written)."""
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     C = CHUNK
     NT = SCAN_THREADS
@@ -90,7 +87,6 @@ def build_chunk_plan(pdl: str = ""):
         first_slot: T.Tensor((num_seqs,), "int32"),
     ):
         with T.Kernel(1, threads=NT) as _:
-            pdl_prologue(pdl)
             counts = T.alloc_shared((NT,), "int32")
             ends = T.alloc_shared((NT,), "int32")
             carry = T.alloc_shared((1,), "int32")

@@ -7,7 +7,6 @@ TileLang (``TILELANG_CACHE_DIR``), so a cache compiled ahead of time on a GPU-le
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -46,60 +45,6 @@ def head_order_total(addends, acc: str, io_dtype: str):
     for x in addends[1:]:
         s = s + T.cast(x, acc)
     return T.cast(s, io_dtype)
-
-
-#: programmatic dependent launch (SM90's PDL, an A/B: ``FLASHGDN_HOPPER_PDL=1``). A kernel built with ``pdl`` waits,
-#: before it touches global memory, for the kernels before it in its stream to end and flush their writes
-#: (``griddepcontrol.wait``), and lets the next kernel launch (``griddepcontrol.launch_dependents``) at the point
-#: ``PDL_TRIGGER`` names; TileLang launches a kernel that waits with programmatic stream serialisation. So the next
-#: kernel's CTAs can be placed and set up (barriers, descriptors) while this one still runs, instead of launching
-#: after the stream has seen it end. The same work in the same order on the same values, so the same bits. Read when
-#: a kernel is asked for (``pdl_switch``).
-PDL = os.environ.get("FLASHGDN_HOPPER_PDL", "0") == "1"
-#: where a kernel built with ``pdl`` lets the next one launch: "early" (its first statement, before its own wait: a
-#: chain of such kernels can have several grids resident at once, each waiting for the one before), "after_wait"
-#: (once the kernels before it are done), "exit" (no explicit trigger: as each of its CTAs exits)
-PDL_TRIGGER = os.environ.get("FLASHGDN_HOPPER_PDL_TRIGGER", "early")
-PDL_TRIGGERS = ("early", "after_wait", "exit")
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_macro():
-    """The macro ``pdl_prologue(pdl)`` a kernel's body starts with (inside ``T.Kernel``, before anything reads or
-    writes global memory), for ``pdl`` "" (nothing: the default kernels' scripts, and so their cache keys, are
-    unchanged) or one of ``PDL_TRIGGERS``."""
-    import tilelang.language as T
-    from tilelang.cuda.language import pdl_sync, pdl_trigger
-
-    @T.macro
-    def pdl_prologue(pdl):
-        if pdl == "early":
-            pdl_trigger()
-            pdl_sync()
-        if pdl == "after_wait":
-            pdl_sync()
-            pdl_trigger()
-        if pdl == "exit":
-            pdl_sync()
-
-    return pdl_prologue
-
-
-def pdl_switch(builder):
-    """``builder`` (a cached kernel factory with a ``pdl`` keyword) called with ``pdl=PDL_TRIGGER`` when ``PDL`` is on
-    (else "") unless the caller gives it: the switches read when the kernel is asked for, so a test or benchmark can
-    build both in one process."""
-
-    @functools.wraps(builder)
-    def build(*args, **kwargs):
-        if "pdl" not in kwargs:
-            if PDL and PDL_TRIGGER not in PDL_TRIGGERS:
-                raise ValueError(f"FLASHGDN_HOPPER_PDL_TRIGGER must be one of {PDL_TRIGGERS}, got {PDL_TRIGGER!r}")
-            kwargs["pdl"] = PDL_TRIGGER if PDL else ""
-        return builder(*args, **kwargs)
-
-    build.cache_info, build.cache_clear = builder.cache_info, builder.cache_clear
-    return build
 
 
 def pass_configs():

@@ -51,7 +51,7 @@ PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rul
 """
 import functools
 
-from .common import CHUNK, LOG2E, TARGET, head_order_total, pass_configs, pdl_macro, pdl_switch
+from .common import CHUNK, LOG2E, TARGET, head_order_total, pass_configs
 
 #: registers per thread of each role (512 in all): the state side holds 128 for dS^T; the value side two [64, 128]
 #: float32 tiles (at 160 it spilled 56 B, with a third tile 256 B and every wgmma serialised); the producer's masked
@@ -121,11 +121,9 @@ template <typename Bar> __device__ __forceinline__ void push_rows(void *dst, voi
 """
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
-                         p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         pdl: str = ""):
+                         p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -162,8 +160,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     """
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     C = CHUNK
     assert K == 128 and V == 128, "the kernel is written for K = V = 128"
@@ -302,7 +298,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
                             dg, dbeta, dh0, tr):
         with T.Kernel(Hv, num_seqs, threads=512, prelude=prelude, cluster_dims=cluster_dims) as (h, n):
-            pdl_prologue(pdl)
             hq = h // group
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]

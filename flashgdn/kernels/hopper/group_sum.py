@@ -20,15 +20,14 @@ PyTorch counterpart: ``HopperBackwardStages.finish_gradients``'s ``sum(3)`` (kep
 """
 import functools
 
-from .common import TARGET, head_order_total, pass_configs, pdl_macro, pdl_switch
+from .common import TARGET, head_order_total, pass_configs
 
 ROWS = 64
 THREADS = 256
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
-def build_group_sum(group: int, K: int, io_dtype: str, pdl: str = ""):
+def build_group_sum(group: int, K: int, io_dtype: str):
     """Compile (or load) the kernel. Arguments, in order:
 
       dq_v, dk_v  [rows, group, K]  io dtype: per value head, rows = T x Hqk (``[1, T, Hqk, group, K]`` flattened)
@@ -36,8 +35,6 @@ def build_group_sum(group: int, K: int, io_dtype: str, pdl: str = ""):
     """
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     assert group >= 2, "a group of one needs no sum"
     rows = T.dynamic("rows")
@@ -54,7 +51,6 @@ def build_group_sum(group: int, K: int, io_dtype: str, pdl: str = ""):
         dk: T.Tensor((rows, K), io_dtype),
     ):
         with T.Kernel(T.ceildiv(rows, ROWS), threads=THREADS) as b:
-            pdl_prologue(pdl)
             r0 = b * ROWS
             for i, j in T.Parallel(ROWS, K):
                 if r0 + i < rows:

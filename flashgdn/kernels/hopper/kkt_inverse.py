@@ -31,13 +31,12 @@ PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_i
 
 import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs, pdl_macro, pdl_switch, tl_dtype  # noqa: F401
+from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
-                      store_inverse: bool = False, async_loads: bool = False, pdl: str = ""):
+                      store_inverse: bool = False, async_loads: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -76,8 +75,6 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     five = blocks_per_sm == 5
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     C = CHUNK
     B = C // 2  # diagonal block of the inverse
@@ -131,7 +128,6 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     @T.macro
     def kernel_body(k, g, beta, bounds, gcum, Ag, A_out):
         with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
-            pdl_prologue(pdl)
             T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bounds[slot, 0]
             n_rows = bounds[slot, 1]

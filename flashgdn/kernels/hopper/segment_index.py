@@ -29,19 +29,16 @@ clamp). PyTorch counterpart: ``flashgdn.cp.exact.chain_index_tensors``.
 import functools
 
 from .chunk_plan import SCAN_THREADS, make_sequence_scan
-from .common import TARGET, pass_configs, pdl_macro, pdl_switch
+from .common import TARGET, pass_configs
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
-def build_segment_index(cu_dtype: str, pdl: str = ""):
+def build_segment_index(cu_dtype: str):
     """Compile (or load) the kernel. Arguments: cu_seqlens [N + 1] (``cu_dtype``, int32 or int64), step int32
     (segment length in tokens), seg_cu [S + 1] (``cu_dtype``), seg_seq [S] int64, first [N] int64, count [N]
     int64 (all written)."""
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     NT = SCAN_THREADS
     sequence_scan = make_sequence_scan()
@@ -66,7 +63,6 @@ def build_segment_index(cu_dtype: str, pdl: str = ""):
         count: T.Tensor((num_seqs,), "int64"),
     ):
         with T.Kernel(1, threads=NT) as _:
-            pdl_prologue(pdl)
             counts = T.alloc_shared((NT,), "int32")
             ends = T.alloc_shared((NT,), "int32")
             carry = T.alloc_shared((1,), "int32")
@@ -85,16 +81,13 @@ def build_segment_index(cu_dtype: str, pdl: str = ""):
 CHAIN_THREADS = 256
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
-def build_chain_index(pdl: str = ""):
+def build_chain_index():
     """Compile (or load) the chains' index kernel. Arguments: known_seq [F] int64 (the forward's segments'
     sequences), known_first [N] int64, first [N] int64, count [N] int64 (the backward's plan), m int32, then
     written: jf [F], chain_first [F], chain_count [F] (int64)."""
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     NT = CHAIN_THREADS
     num_seqs = T.dynamic("num_seqs")
@@ -112,7 +105,6 @@ def build_chain_index(pdl: str = ""):
         chain_count: T.Tensor((num_known,), "int64"),
     ):
         with T.Kernel(T.ceildiv(num_known, NT), threads=NT) as bx:
-            pdl_prologue(pdl)
             tx = T.get_thread_binding()
             f = bx * NT + tx
             if f < num_known:

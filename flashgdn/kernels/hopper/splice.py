@@ -34,13 +34,11 @@ PyTorch counterparts: ``flashgdn.cp.exact.splice_segments`` and ``flashgdn.cp.ba
 """
 import functools
 
-from .common import TARGET, pass_configs, pdl_macro, pdl_switch
+from .common import TARGET, pass_configs
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
-def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False, chains: bool = False,
-                 pdl: str = ""):
+def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False, chains: bool = False):
     """Compile (or load) the kernel: ``blocked`` the reverse's register-blocked build (``blocked_steps``, BV in 8,
     16, 32), else the plain one (``plain_steps``, BV = 8); ``chains`` the forward's plain build with the chains'
     ``from_known`` flags. Arguments, in order:
@@ -54,8 +52,6 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
     """
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     assert K == V, "the transitions M come from the pairs, which need V = K"
     assert V % BV == 0
@@ -96,7 +92,6 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
     @T.macro
     def plain_steps(pairs, D, start, first, count, out, from_known):
         with T.Kernel(V // BV, Hv, num_seqs, threads=128) as (vb, h, n):
-            pdl_prologue(pdl)
             m_s = T.alloc_shared((K, K + 1), acc)  # [k][r]: the factor of state row k in output row r (padded)
             s_s = T.alloc_shared((K, BV), acc)
             s_f = T.alloc_fragment((K, BV), acc)
@@ -153,7 +148,6 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
         # order), M goes to shared memory by conflict-free float4 stores, and the next step's M is loaded into
         # registers while this step's products are made.
         with T.Kernel(V // BV, Hv, num_seqs, threads=128 * GROUPS) as (vb, h, n):
-            pdl_prologue(pdl)
             m_s = T.alloc_shared((2, K, K), acc)  # two steps' [k][r] factors of state row k in output row r
             # the chain's state block and the groups' partial sums, row k at [k % 4, k // 4]: a warp's partial sums
             # (8 row blocks x 4 column blocks) are then one contiguous run, and so are the final sums it reads back

@@ -35,7 +35,7 @@ PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_state_gradients
 """
 import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs, pdl_macro, pdl_switch
+from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
@@ -44,10 +44,9 @@ STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
 PRECISE_REGS = (200, 72, 40)
 
 
-@pdl_switch
 @functools.lru_cache(maxsize=None)
 def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
-                          staged_stores: bool = False, precise: bool = False, lean: bool = False, pdl: str = ""):
+                          staged_stores: bool = False, precise: bool = False, lean: bool = False):
     """Compile (or load) the walk. Arguments of the returned kernel, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -66,8 +65,6 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     """
     import tilelang
     import tilelang.language as T
-
-    pdl_prologue = pdl_macro()
 
     if precise and io_dtype != "bfloat16":
         raise ValueError("the precise mode is bfloat16 only, as the forward's (forward.PRECISE)")
@@ -188,7 +185,6 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
         dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
     ):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
-            pdl_prologue(pdl)
             hq = h // group
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
