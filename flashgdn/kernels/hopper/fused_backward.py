@@ -255,6 +255,27 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         T.barrier_arrive(rows_summed)
 
     @T.macro
+    def exchange_one(vn_s, dvn_s, out, staged, may_land, landed, read, done, c, t0, n_rows, h, rank, lane, tr, n, tx,
+                     points):
+        # one tensor of the exchange (dq, then dk): once the value side has staged it in Vn's tile (``staged``) and
+        # dVn's tile may take the group's rows (``may_land``), its rows sent to their owners; once this CTA's rows
+        # from every CTA have landed (``landed``), every sender told (``read``), this warp's quarter summed and
+        # ``done`` arrived. ``points``: its trace points (staged, may land, sent or None, landed, summed)
+        T.barrier_wait(staged, c % 2)
+        stamp(tr, 3, points[0], c, tx, h, n)
+        T.barrier_wait(may_land, c % 2)
+        stamp(tr, 3, points[1], c, tx, h, n)
+        send_rows(vn_s, dvn_s, landed, rank, lane)
+        if points[2] is not None:
+            stamp(tr, 3, points[2], c, tx, h, n)
+        T.barrier_wait(landed, c % 2)
+        stamp(tr, 3, points[3], c, tx, h, n)
+        heard(read, lane)
+        sum_rows(dvn_s, out, t0, n_rows, h, 0)
+        stamp(tr, 3, points[4], c, tx, h, n)
+        T.barrier_arrive(done)
+
+    @T.macro
     def exchange(vn_s, dvn_s, dq, dk, ready, k_ready, q_staged, k_staged, q_in, k_in, q_read, k_read, q_summed,
                  rows_summed, vn_free, c, t0, n_rows, h, lane, tr, n, tx):
         # cluster_sum, producer warp 12 once it has issued the next chunk's loads: chunk c's dq, then dk, staged by the
@@ -263,32 +284,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         # Both land in dVn's tile (free from the chain to the value side's next dVn: ``ready``), dk's once every CTA
         # has summed dq's (``k_ready``), so that the value side, the step's longer path, only stages and goes on
         rank = h % group  # the CTA's place in its cluster: the value heads of hq, in order
-        T.barrier_wait(q_staged, c % 2)
-        stamp(tr, 3, 8, c, tx, h, n)
-        T.barrier_wait(ready, c % 2)
-        stamp(tr, 3, 9, c, tx, h, n)
-        send_rows(vn_s, dvn_s, q_in, rank, lane)
-        stamp(tr, 3, 10, c, tx, h, n)
-        T.barrier_wait(q_in, c % 2)
-        stamp(tr, 3, 11, c, tx, h, n)
-        heard(q_read, lane)
-        sum_rows(dvn_s, dq, t0, n_rows, h, 0)
-        stamp(tr, 3, 12, c, tx, h, n)
-        T.barrier_arrive(q_summed)
+        exchange_one(vn_s, dvn_s, dq, q_staged, ready, q_in, q_read, q_summed, c, t0, n_rows, h, rank, lane, tr, n,
+                     tx, (8, 9, 10, 11, 12))
         T.barrier_wait(q_summed, c % 2)
         stamp(tr, 3, 13, c, tx, h, n)
         heard(k_ready, lane)
-        T.barrier_wait(k_staged, c % 2)
-        stamp(tr, 3, 14, c, tx, h, n)
-        T.barrier_wait(k_ready, c % 2)
-        stamp(tr, 3, 15, c, tx, h, n)
-        send_rows(vn_s, dvn_s, k_in, rank, lane)
-        T.barrier_wait(k_in, c % 2)
-        stamp(tr, 3, 16, c, tx, h, n)
-        heard(k_read, lane)
-        sum_rows(dvn_s, dk, t0, n_rows, h, 0)
-        stamp(tr, 3, 17, c, tx, h, n)
-        T.barrier_arrive(rows_summed)
+        exchange_one(vn_s, dvn_s, dk, k_staged, k_ready, k_in, k_read, rows_summed, c, t0, n_rows, h, rank, lane, tr,
+                     n, tx, (14, 15, None, 16, 17))
         # the Vn tile's copies of dk have landed everywhere: the gate side may write the next Vn
         T.barrier_wait(k_read, c % 2)
         stamp(tr, 3, 18, c, tx, h, n)
