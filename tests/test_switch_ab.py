@@ -31,6 +31,7 @@ def test_both_sides_are_timed_in_every_round_and_compared_bit_for_bit(tmp_path, 
                                                          ([64], "fwdbwd")]
     for r in recs:
         assert r["same_bits"] is True  # the reference does not read the switch
+        assert r["max_rel_diff"] == 0.0
         assert len(r["ms_off_rounds"]) == len(r["ms_on_rounds"]) == 3
         assert r["ratio"] == pytest.approx(r["ms_on"] / r["ms_off"])
     assert set(data["summary"]) == {"fwd,few", "fwdbwd,few"} and data["summary"]["fwd,few"]["n"] == 2
@@ -39,3 +40,22 @@ def test_both_sides_are_timed_in_every_round_and_compared_bit_for_bit(tmp_path, 
 def test_a_switch_that_is_not_a_boolean_is_refused():
     with pytest.raises(SystemExit, match="not a boolean switch"):
         sab.main(["--switch", "flashgdn.kernels.hopper.backward:FUSED_GATES_MAX_HV"] + ARGS[2:])
+
+
+def test_a_rounding_switch_passes_on_its_difference_bound(tmp_path, monkeypatch):
+    """``--max-diff``: the run passes or fails on the two sides' relative difference instead of equal bits (here a
+    stand-in op whose "on" side is off by 1e-3 relative)."""
+    real = sab.op_fn
+
+    def drifting(inp, mode, cp, backend="hopper"):
+        fn = real(inp, mode, cp, backend)
+        return lambda: [x * 1.01 if backward.FUSED_CLUSTER_SUM else x for x in fn()]
+
+    monkeypatch.setattr(sab, "op_fn", drifting)
+    out = tmp_path / "ab.json"
+    assert sab.main(ARGS + ["--modes", "fwd", "--rounds", "1", "--out", str(out)]) == 1  # bits differ
+    assert sab.main(ARGS + ["--modes", "fwd", "--rounds", "1", "--max-diff", "3e-2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["max_diff"] == 3e-2
+    assert all(r["same_bits"] is False and 5e-3 < r["max_rel_diff"] < 2e-2 for r in data["records"])
+    assert sab.main(ARGS + ["--modes", "fwd", "--rounds", "1", "--max-diff", "1e-3"]) == 1
