@@ -44,9 +44,6 @@ EXPLAINED_SPILLS = {
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
-    "chunk_forward_rso_fold_gate[":
-        "the same 16 bytes in the producer warpgroup, in the rso loop with P's constants folded into its row and "
-        "column factors (the A/B of forward.RSO_FOLD_GATE)",
     "chunk_forward_rso_plain[":
         "8 bytes in the same producer warpgroup, in the rso loop without its trimmed output path (the A/B of "
         "forward.RSO_LEAN_OUTPUT)",

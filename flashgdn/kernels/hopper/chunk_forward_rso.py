@@ -66,7 +66,6 @@ def build_chunk_forward_rso(
     swizzled_v: bool = True,
     lean_output: bool = True,
     lean_state: bool = False,
-    fold_gate: bool = False,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -92,23 +91,11 @@ def build_chunk_forward_rso(
     arithmetic on the stack instead of 8.
 
     ``lean_state`` (an A/B) does the same for the state paths' column factors gamma_j (W^T) and d_j (Vn^T's decay):
-    read once per chunk into fragments of the thread's 16 columns instead of once per element.
-
-    ``fold_gate`` (an A/B, with ``lean_output``) folds P's constants into its row and column factors: the row factor is
-    g~_i log2(e) + log2(scale) and the column factor g~_j log2(e), made once per chunk, so that each element of P
-    is Q K^T_ij exp2(r_i - c_j): a subtraction, an exp2 and a product instead of five operations (the product by
-    scale, the subtraction, the product by log2(e), the exp2 and the last product). P's elements are the output
-    path's largest element-wise item (32 per thread and chunk, masked above the diagonal), and that warpgroup sets
-    the chunk where the GPU is not full (``docs/hopper-notes.md``, v0.13a). Not the same bits: the exponent is
-    rounded differently (an absolute error of an ulp of |g~_i| log2(e), ~1e-5 relative on P at |g~| ~ 100), far
-    under P's rounding to the io dtype that follows. For i >= j the exponent is at most log2(scale), as before at
-    most 0 before the product by scale."""
+    read once per chunk into fragments of the thread's 16 columns instead of once per element."""
     import tilelang
     import tilelang.language as T
 
     state_regs, output_regs, producer_regs = regs
-    if fold_gate and not lean_output:
-        raise ValueError("fold_gate folds the constants into lean_output's row and column factors: needs lean_output")
     if 2 * state_regs + output_regs + producer_regs != 512:
         raise ValueError(f"regs must share 512 registers per thread slot, got {regs}")
     C = CHUNK
@@ -194,9 +181,6 @@ def build_chunk_forward_rso(
             gr_f = T.alloc_fragment((C,), acc)
             sg_f = T.alloc_fragment((C,), acc)
             gcol_f = T.alloc_fragment((C,), acc)
-        if fold_gate:
-            log2_scale = T.alloc_local((1,), acc)
-            log2_scale[0] = T.log2(scale)
         for c in T.serial(n_chunks):
             st = c % 2
             t0 = bos + c * C
@@ -209,14 +193,7 @@ def build_chunk_forward_rso(
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             T.wait_wgmma(1)
-            if fold_gate:
-                for i in T.Parallel(C):
-                    gr_f[i] = gc_s[st, i] * LOG2E + log2_scale[0]
-                for j in T.Parallel(C):
-                    gcol_f[j] = gc_s[st, j] * LOG2E
-                for i, j in T.Parallel(C, C):
-                    p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * T.exp2(gr_f[i] - gcol_f[j]), 0.0)
-            elif lean_output:
+            if lean_output:
                 for i in T.Parallel(C):
                     gr_f[i] = gc_s[st, i]
                 for j in T.Parallel(C):

@@ -62,12 +62,6 @@ RSO_LEAN_OUTPUT = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_OUTPUT", "1") == "1"
 #: power cap's order-dependent drift): the default. FLASHGDN_HOPPER_RSO_LEAN_STATE=0 turns it off.
 RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "1") == "1"
 
-#: The rso loop's P with its constants folded into the row and column factors (``chunk_forward_rso.py``'s
-#: ``fold_gate``): three operations per element of P instead of five on the output path, the warpgroup that sets the
-#: chunk where the GPU is not full. Not the same bits (the exponent is rounded differently). An A/B, off;
-#: FLASHGDN_HOPPER_RSO_FOLD_GATE=1.
-RSO_FOLD_GATE = os.environ.get("FLASHGDN_HOPPER_RSO_FOLD_GATE", "0") == "1"
-
 #: The state passes' state paths with gamma_j, d_j and exp(g~_last) in registers, made once per chunk: the rs loop's
 #: (``chunk_forward_rs.py``'s ``lean``: context parallelism's transitions, the backward's chunk states, the rs loop with
 #: an output when it is chosen) and the backward's walk (``state_grad_walk.py``'s ``lean``). The same bits
@@ -113,11 +107,9 @@ def lean_state_option() -> dict:
 
 
 def rso_options() -> dict:
-    """``build_chunk_forward_rso``'s options as ``RSO_LEAN_OUTPUT``, ``RSO_LEAN_STATE`` and ``RSO_FOLD_GATE`` set them
-    (only those that differ from its defaults, so the default build keeps its cache entry; ``fold_gate`` needs the
-    trimmed output path and is left out without it)."""
-    return {**({} if RSO_LEAN_OUTPUT else dict(lean_output=False)), **(dict(lean_state=True) if RSO_LEAN_STATE else {}),
-            **(dict(fold_gate=True) if RSO_FOLD_GATE and RSO_LEAN_OUTPUT else {})}
+    """``build_chunk_forward_rso``'s options as ``RSO_LEAN_OUTPUT`` and ``RSO_LEAN_STATE`` set them (only those that
+    differ from its defaults, so the default build keeps its cache entry)."""
+    return {**({} if RSO_LEAN_OUTPUT else dict(lean_output=False)), **(dict(lean_state=True) if RSO_LEAN_STATE else {})}
 
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128
