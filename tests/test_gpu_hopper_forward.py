@@ -247,6 +247,40 @@ def test_rso_lean_output_gives_the_same_bits(kw, chunk_loop, monkeypatch):
     assert rel_rms(o1, o_ref) <= O_BAR and rel_rms(h1, h_ref) <= STATE_BAR
 
 
+def test_rso_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
+    """The rso loop's trace build (``trace=True``, benchmarks/rso_trace.py) computes what the default build does, bit
+    for bit (it only adds the stamps' stores), and each role's stamps within a chunk come in program order, in the
+    CTA of value head 0 and sequence 0 only, for as many chunks as that sequence has."""
+    from flashgdn.kernels.hopper.chunk_forward_rso import (TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF,
+                                                           build_chunk_forward_rso)
+    from flashgdn.kernels.hopper.forward import hopper_stage1, rso_options
+
+    if chunk_loop != "rso":
+        pytest.skip("a build of the rso loop; covered by its parametrisation")
+    inp = inputs([700, 64, 9], Hqk=2, Hv=8, gate="mixed")
+    q, k, v, g, beta, h0, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    st1 = hopper_stage1(k, g, beta, cu, cu_cpu=cu.cpu())
+    T = q.shape[1]
+
+    def run(trace):
+        o = torch.full((1, T, 8, 128), float("nan"), dtype=q.dtype, device=q.device)
+        ht = torch.full((3, 8, 128, 128), float("nan"), dtype=torch.float32, device=q.device)
+        tr = torch.zeros((4, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=q.device)
+        kernel = build_chunk_forward_rso(2, 8, 128, 128, "bfloat16", True, True, False, trace=trace, **rso_options())
+        kernel(q, k, v, st1.gcum, st1.Ag, cu, st1.first_slot, h0, 0.1, o, ht, *([tr] if trace else []))
+        return (o, ht), tr.cpu()
+
+    plain, _ = run(False)
+    traced, tr = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    chunks = -(-700 // 64)
+    for role, points in enumerate(TRACE_POINTS_OF):
+        stamps = tr[role, :chunks, :len(points)]
+        assert (stamps > 0).all(), role
+        assert (stamps[:, 1:] >= stamps[:, :-1]).all(), role
+    assert (tr[:, chunks:] == 0).all()
+
+
 @pytest.mark.parametrize("kw", [dict(seqlens=[700, 64, 5, 300], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)),
                                 dict(seqlens=[4096, 130], Hqk=2, Hv=4, gate="mixed", state_v_first=True)])
 def test_rso_lean_state_gives_the_same_bits(kw, chunk_loop, monkeypatch):

@@ -44,6 +44,9 @@ EXPLAINED_SPILLS = {
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
+    "chunk_forward_rso_trace[":
+        "the same 16 bytes in the producer warpgroup, in the rso loop's trace build (a diagnostic, "
+        "benchmarks/rso_trace.py)",
     "chunk_forward_rso_plain[":
         "8 bytes in the same producer warpgroup, in the rso loop without its trimmed output path (the A/B of "
         "forward.RSO_LEAN_OUTPUT)",

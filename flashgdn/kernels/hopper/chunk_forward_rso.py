@@ -51,6 +51,22 @@ STATE_REGS, OUTPUT_REGS, PRODUCER_REGS = 160, 160, 32
 #: named barrier of the output warpgroup's own syncs around O's staging tile (ids below it are TileLang's)
 OUTPUT_BARRIER = 12
 
+#: a trace build (``trace=True``) records the SM's cycle counter at these many points of each role's chunk, for the
+#: first TRACE_CHUNKS chunks of one CTA (value head 0 of sequence 0; ``benchmarks/rso_trace.py`` reads it): which
+#: role's chain, and which of its waits, sets the chunk. The point numbers of each role are in ``TRACE_POINTS_OF``.
+TRACE_CHUNKS, TRACE_POINTS = 32, 12
+#: what each trace point of each role (state path 0, state path 1, output path, decay warp) marks
+_STATE_POINTS = ('chunk begins', 'inputs ready', 'S^T K^T issued', 'S^T buffer free', 'S^T handed over',
+                 'S^T K^T done', 'decays ready', 'W^T made', 'Vn^T = W^T Ag^T done', 'Vn^T buffer free',
+                 'Vn^T handed over', "S'^T done, stage released")
+TRACE_POINTS_OF = (
+    _STATE_POINTS,
+    _STATE_POINTS,
+    ('chunk begins', 'inputs ready', 'S^T ready', 'Q K^T and Q S issued', 'Q K^T done', 'P made', 'Q S done',
+     'decays ready', 'O scaled, stage released', 'Vn^T ready', 'O += P Vn done', 'O staged, its store issued'),
+    ('chunk begins', 'inputs ready', 'decays made'),
+)
+
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_forward_rso(
@@ -66,6 +82,7 @@ def build_chunk_forward_rso(
     swizzled_v: bool = True,
     lean_output: bool = True,
     lean_state: bool = False,
+    trace: bool = False,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -91,7 +108,11 @@ def build_chunk_forward_rso(
     arithmetic on the stack instead of 8.
 
     ``lean_state`` (an A/B) does the same for the state paths' column factors gamma_j (W^T) and d_j (Vn^T's decay):
-    read once per chunk into fragments of the thread's 16 columns instead of once per element."""
+    read once per chunk into fragments of the thread's 16 columns instead of once per element.
+
+    ``trace`` (a diagnostic) adds a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64 that receives the SM's
+    cycle counter at the points of ``TRACE_POINTS_OF``, stamped by one thread of each role in the CTA of value head 0
+    and sequence 0 for its first TRACE_CHUNKS chunks; the same outputs as the build without it."""
     import tilelang
     import tilelang.language as T
 
@@ -114,8 +135,16 @@ def build_chunk_forward_rso(
     parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
 
     @T.macro
+    def stamp(tr, role, point, c, tx, h, n):
+        # trace builds only: the SM's cycle counter at ``point`` of chunk c, by one thread of the role (the first of
+        # its warpgroup; the decay warp's first), in the CTA of value head 0 and sequence 0
+        if trace:
+            if h == 0 and n == 0 and c < TRACE_CHUNKS and tx % (32 if role == 3 else 128) == 0:
+                tr[role, c, point] = T.call_extern("int64", "clock64")
+
+    @T.macro
     def state_path(w, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
-                   full, empty, d_ready, s_ready, s_free, vn_ready, vn_free):
+                   full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -130,23 +159,30 @@ def build_chunk_forward_rso(
 
         for c in T.serial(n_chunks):
             st = c % 2
+            stamp(tr, w, 0, c, tx, h, n)
             T.barrier_wait(full[st], (c // 2) % 2)
+            stamp(tr, w, 1, c, tx, h, n)
             T.copy(st_f, sb_f)
             # S^T K^T in flight while S^T goes to the output path and gamma_C S^T is formed
             T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            stamp(tr, w, 2, c, tx, h, n)
             T.barrier_wait(s_free[st], (c // 2 + 1) % 2)  # the output path is done with the chunk two back
+            stamp(tr, w, 3, c, tx, h, n)
             for i, j in T.Parallel(HV2, K):
                 s_s[st, c0 + i, j] = sb_f[i, j]
             T.fence_proxy_async()
             T.barrier_arrive(s_ready[st])
+            stamp(tr, w, 4, c, tx, h, n)
             if lean_output:
                 parts.decay_state_once(st_f, gc_s, st, gl)
             else:
                 for i, j in T.Parallel(HV2, K):
                     st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
             T.wait_wgmma(0)
+            stamp(tr, w, 5, c, tx, h, n)
             # W^T = V^T - (S^T K^T) diag(gamma)
             T.barrier_wait(d_ready[st], (c // 2) % 2)
+            stamp(tr, w, 6, c, tx, h, n)
             if lean_state:  # gamma_j and d_j of the thread's columns, once per chunk
                 parts.column_factors(gam_s, dec_s, gcol_f, dcol_f, st)
                 for i, j in T.Parallel(HV2, C):
@@ -155,25 +191,30 @@ def build_chunk_forward_rso(
                 for i, j in T.Parallel(HV2, C):
                     u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
             T.copy(u_f, ub_f)
+            stamp(tr, w, 7, c, tx, h, n)
             # Vn^T = W^T Ag^T
             T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            stamp(tr, w, 8, c, tx, h, n)
             T.copy(u_f, ub_f)
             T.barrier_wait(vn_free, (c + 1) % 2)
+            stamp(tr, w, 9, c, tx, h, n)
             for i, j in T.Parallel(HV2, C):
                 vn_s[c0 + i, j] = ub_f[i, j]
             T.fence_proxy_async()
             T.barrier_arrive(vn_ready)
+            stamp(tr, w, 10, c, tx, h, n)
             # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
             parts.decay_columns(u_f, dcol_f if lean_state else None, dec_s, st, lean_state)
             T.copy(u_f, ub_f)
             T.gemm(ub_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])
+            stamp(tr, w, 11, c, tx, h, n)
 
         parts.store_state(st_f, ht, n, h, c0)
 
     @T.macro
     def output_path(n, h, bos, eos, n_chunks, o, scale, q_s, k_s, gc_s, gam_s, s_s, vn_s, o_s,
-                    full, empty, d_ready, s_ready, s_free, vn_ready, vn_free):
+                    full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx):
         p_f = T.alloc_fragment((C, C), acc)
         pb_f = T.alloc_fragment((C, C), io_dtype)
         o_f = T.alloc_fragment((C, V), acc)
@@ -185,14 +226,19 @@ def build_chunk_forward_rso(
             st = c % 2
             t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
+            stamp(tr, 2, 0, c, tx, h, n)
             T.barrier_wait(full[st], (c // 2) % 2)
+            stamp(tr, 2, 1, c, tx, h, n)
             # Q K^T and O = Q S issued together (S^T is handed over at the start of the state chain's chunk, long
             # before this path gets to it); P = scale Gam ⊙ Q K^T (lower with the diagonal, kept in registers as the
             # A operand of P Vn) is made while Q S runs. S^T is the B operand: [V, K], K contiguous.
             T.barrier_wait(s_ready[st], (c // 2) % 2)
+            stamp(tr, 2, 2, c, tx, h, n)
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            stamp(tr, 2, 3, c, tx, h, n)
             T.wait_wgmma(1)
+            stamp(tr, 2, 4, c, tx, h, n)
             if lean_output:
                 for i in T.Parallel(C):
                     gr_f[i] = gc_s[st, i]
@@ -204,9 +250,12 @@ def build_chunk_forward_rso(
             else:
                 parts.gate_qk(gc_s, p_f, st, scale)
             T.copy(p_f, pb_f)
+            stamp(tr, 2, 5, c, tx, h, n)
             T.wait_wgmma(0)
+            stamp(tr, 2, 6, c, tx, h, n)
             T.barrier_arrive(s_free[st])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
+            stamp(tr, 2, 7, c, tx, h, n)
             if lean_output:
                 for i in T.Parallel(C):
                     sg_f[i] = scale * gam_s[st, i]
@@ -217,10 +266,13 @@ def build_chunk_forward_rso(
                     o_f[i, j] = o_f[i, j] * (scale * gam_s[st, i])
             # done with this ring stage (q, k, g~, gamma): released before the wait for Vn
             T.barrier_arrive(empty[st])
+            stamp(tr, 2, 8, c, tx, h, n)
             # O += P Vn  (Vn^T as the B operand: [V, C], C contiguous)
             T.barrier_wait(vn_ready, c % 2)
+            stamp(tr, 2, 9, c, tx, h, n)
             T.gemm(pb_f, vn_s, o_f, transpose_B=True)
             T.barrier_arrive(vn_free)
+            stamp(tr, 2, 10, c, tx, h, n)
             # the previous chunk's TMA store must have read o_s; it had this whole chunk to do so. The thread that
             # issued it waits: shuffle_elect(128) elects the same one as the store's (and, unlike a test of tx,
             # keeps the warp converged for its elect.sync)
@@ -240,25 +292,14 @@ def build_chunk_forward_rso(
                 for i, j in T.Parallel(C, V):
                     if i < n_rows:
                         o[0, t0 + i, h, j] = o_s[i, j]
+            stamp(tr, 2, 11, c, tx, h, n)
         if T.shuffle_elect(128):
             T.tma_store_wait(0)
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True)
 
-    @T.prim_func
-    def chunk_forward_rso_kernel(
-        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        gcum: T.Tensor((Hv, slot_rows), "float32"),
-        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        first_slot: T.Tensor((num_seqs,), "int32"),
-        h0: T.Tensor(state_shape_h0, "float32"),
-        scale: T.float32,
-        o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        ht: T.Tensor(state_shape_ht, "float32"),
-    ):
+    @T.macro
+    def rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht, tr):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
             hq = h // group
             bos = cu_seqlens[n]
@@ -294,15 +335,15 @@ def build_chunk_forward_rso(
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
                 state_path(0, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
-                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
+                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
                 state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
-                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
+                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx)
             elif tx < 384:
                 T.set_max_nreg(output_regs, 1 if output_regs > 128 else 0)  # 128 at launch (512 threads)
                 output_path(n, h, bos, eos, n_chunks, o, scale, q_s, k_s, gc_s, gam_s, s_s, vn_s, o_s,
-                            full, empty, d_ready, s_ready, s_free, vn_ready, vn_free)
+                            full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx)
                 parts.zero_tail(o, n, h, eos, num_seqs, num_tokens)  # padded tail after the last sequence
             else:
                 T.set_max_nreg(producer_regs, 0)
@@ -312,9 +353,48 @@ def build_chunk_forward_rso(
                 else:  # the decays of each ring stage, once its g~ has arrived
                     for c in T.serial(n_chunks):
                         st = c % 2
+                        stamp(tr, 3, 0, c, tx, h, n)
                         T.barrier_wait(full[st], (c // 2) % 2)
+                        stamp(tr, 3, 1, c, tx, h, n)
                         parts.gate_decays(gc_s, gam_s, dec_s, st)
                         T.barrier_arrive(d_ready[st])
+                        stamp(tr, 3, 2, c, tx, h, n)
+
+
+    # a prim_func's parameters are its source's: the trace build's extra argument needs a signature of its own
+    if trace:
+        @T.prim_func
+        def chunk_forward_rso_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, "float32"),
+            tr: T.Tensor((4, TRACE_CHUNKS, TRACE_POINTS), "int64"),
+        ):
+            rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht, tr)
+    else:
+        @T.prim_func
+        def chunk_forward_rso_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, "float32"),
+        ):
+            rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht, None)
 
     return tilelang.compile(
         chunk_forward_rso_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()

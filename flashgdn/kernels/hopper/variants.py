@@ -93,6 +93,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rso_lean_state"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first, lean_state=True))
+            # its trace build (benchmarks/rso_trace.py), a diagnostic: never run by the operator
+            yield (name.replace("chunk_forward", "chunk_forward_rso_trace"), "chunk_forward_rso",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                        store_final_state=store_ht, state_v_first=v_first, trace=True))
         # rs with the decay in K's tile ("rsd"), with its output and (CP's pass) state-only; and with stage 1
         # inside the loop ("fused")
         for wo in (True, False) if has_h0 and store_ht and not v_first else (True,):
