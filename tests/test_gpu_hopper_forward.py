@@ -247,31 +247,6 @@ def test_rso_lean_output_gives_the_same_bits(kw, chunk_loop, monkeypatch):
     assert rel_rms(o1, o_ref) <= O_BAR and rel_rms(h1, h_ref) <= STATE_BAR
 
 
-@pytest.mark.parametrize("kw", [dict(seqlens=[700, 64, 5, 300], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)),
-                                dict(seqlens=[4096, 130], Hqk=2, Hv=4, gate="mixed", state_v_first=True),
-                                dict(seqlens=[1000, 33], Hqk=1, Hv=2, initial_state=False)])
-@pytest.mark.parametrize("switches", [("RSO_UPDATE_FIRST",), ("RSO_VN_DOUBLE",), ("RSO_VN_DOUBLE", "RSO_UPDATE_FIRST")])
-def test_rso_update_first_gives_the_same_bits(kw, switches, chunk_loop, monkeypatch):
-    """``forward.RSO_UPDATE_FIRST`` and ``RSO_VN_DOUBLE`` (A/Bs): S''s GEMM issued before Vn^T's hand-over, its operand
-    made from the Vn^T accumulator without changing it; S^T single- and Vn^T double-buffered. The same operands and
-    values, so o and the final state are the same bits as the default build (which has ``lean_state``; the test also
-    runs without it)."""
-    from flashgdn.kernels.hopper import forward
-
-    if chunk_loop != "rso":
-        pytest.skip("a build option of the rso loop; covered by its parametrisation")
-    inp = inputs(**kw)
-    for lean_state in (True, False) if kw["Hqk"] == 2 and kw["Hv"] == 8 else (True,):
-        monkeypatch.setattr(forward, "RSO_LEAN_STATE", lean_state)
-        for name in switches:
-            monkeypatch.setattr(forward, name, False)
-        o0, h0 = run_hopper(inp)
-        for name in switches:
-            monkeypatch.setattr(forward, name, True)
-        o1, h1 = run_hopper(inp)
-        assert torch.equal(o0, o1) and torch.equal(h0, h1), f"lean_state={lean_state}"
-
-
 def test_rso_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
     """The rso loop's trace build (``trace=True``, benchmarks/rso_trace.py) computes what the default build does, bit
     for bit (it only adds the stamps' stores), and each role's stamps within a chunk come in program order, in the

@@ -44,12 +44,6 @@ EXPLAINED_SPILLS = {
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
-    "chunk_forward_rso_update_first[":
-        "the same 16 bytes in the producer warpgroup, in the rso loop with S''s GEMM issued before Vn^T's hand-over "
-        "(the A/B of forward.RSO_UPDATE_FIRST)",
-    "chunk_forward_rso_vn_double":
-        "the same 16 bytes in the producer warpgroup, in the rso loop with S^T single- and Vn^T double-buffered (the "
-        "A/B of forward.RSO_VN_DOUBLE, alone and with RSO_UPDATE_FIRST)",
     "chunk_forward_rso_trace[":
         "the same 16 bytes in the producer warpgroup, in the rso loop's trace build (a diagnostic, "
         "benchmarks/rso_trace.py)",

@@ -83,8 +83,6 @@ def build_chunk_forward_rso(
     lean_output: bool = True,
     lean_state: bool = False,
     trace: bool = False,
-    update_first: bool = False,
-    vn_double: bool = False,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -111,18 +109,6 @@ def build_chunk_forward_rso(
 
     ``lean_state`` (an A/B) does the same for the state paths' column factors gamma_j (W^T) and d_j (Vn^T's decay):
     read once per chunk into fragments of the thread's 16 columns instead of once per element.
-
-    ``update_first`` (an A/B) issues each state path's S' GEMM before it hands Vn^T over, and waits for it after:
-    its A operand, bf16(Vn^T diag(d)), is made from the Vn^T accumulator without changing it, and the hand-over then
-    stores that accumulator (bf16(Vn^T), what it stored before) while S' runs. The hand-over (the wait for the output
-    path's previous P Vn, the stores, the proxy fence and the arrival: ~400-600 cycles in the trace of
-    ``docs/hopper-notes.md`` v0.20c) leaves the state chain, which sets the chunk. The same operands and values: the
-    same bits.
-
-    ``vn_double`` (an A/B) swaps the hand-overs' buffering: S^T single-buffered (the output path's Q S of a chunk
-    is done ~1300 cycles before the state paths write the next chunk's S^T, in the trace) and Vn^T double-buffered by
-    ring stage, so that a state path hands a chunk's Vn^T over without waiting for the output path's P Vn of the chunk
-    before (16 KB less shared memory in all). The same values: the same bits.
 
     ``trace`` (a diagnostic) adds a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64 that receives the SM's
     cycle counter at the points of ``TRACE_POINTS_OF``, stamped by one thread of each role in the CTA of value head 0
@@ -180,20 +166,12 @@ def build_chunk_forward_rso(
             # S^T K^T in flight while S^T goes to the output path and gamma_C S^T is formed
             T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
             stamp(tr, w, 2, c, tx, h, n)
-            if vn_double:  # one S^T buffer: the output path is done with the chunk before
-                T.barrier_wait(s_free[0], (c + 1) % 2)
-                stamp(tr, w, 3, c, tx, h, n)
-                for i, j in T.Parallel(HV2, K):
-                    s_s[0, c0 + i, j] = sb_f[i, j]
-                T.fence_proxy_async()
-                T.barrier_arrive(s_ready[0])
-            else:
-                T.barrier_wait(s_free[st], (c // 2 + 1) % 2)  # the output path is done with the chunk two back
-                stamp(tr, w, 3, c, tx, h, n)
-                for i, j in T.Parallel(HV2, K):
-                    s_s[st, c0 + i, j] = sb_f[i, j]
-                T.fence_proxy_async()
-                T.barrier_arrive(s_ready[st])
+            T.barrier_wait(s_free[st], (c // 2 + 1) % 2)  # the output path is done with the chunk two back
+            stamp(tr, w, 3, c, tx, h, n)
+            for i, j in T.Parallel(HV2, K):
+                s_s[st, c0 + i, j] = sb_f[i, j]
+            T.fence_proxy_async()
+            T.barrier_arrive(s_ready[st])
             stamp(tr, w, 4, c, tx, h, n)
             if lean_output:
                 parts.decay_state_once(st_f, gc_s, st, gl)
@@ -217,57 +195,20 @@ def build_chunk_forward_rso(
             # Vn^T = W^T Ag^T
             T.gemm(ub_f, a_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
             stamp(tr, w, 8, c, tx, h, n)
-            if update_first:
-                # S'^T = gamma_C S^T + (Vn^T diag(d)) K issued first (its A operand made without changing Vn^T),
-                # Vn^T handed over while it runs
-                if lean_state:
-                    for i, j in T.Parallel(HV2, C):
-                        ub_f[i, j] = T.cast(u_f[i, j] * dcol_f[j], io_dtype)
-                else:
-                    for i, j in T.Parallel(HV2, C):
-                        ub_f[i, j] = T.cast(u_f[i, j] * dec_s[st, j], io_dtype)
-                T.wgmma_gemm(ub_f, k_s[st, :, :], st_f)
-                if vn_double:  # Vn^T by ring stage: the output path is done with the chunk two back
-                    T.barrier_wait(vn_free[st], (c // 2 + 1) % 2)
-                    stamp(tr, w, 9, c, tx, h, n)
-                    for i, j in T.Parallel(HV2, C):
-                        vn_s[st, c0 + i, j] = T.cast(u_f[i, j], io_dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vn_ready[st])
-                else:
-                    T.barrier_wait(vn_free, (c + 1) % 2)
-                    stamp(tr, w, 9, c, tx, h, n)
-                    for i, j in T.Parallel(HV2, C):
-                        vn_s[c0 + i, j] = T.cast(u_f[i, j], io_dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vn_ready)
-                stamp(tr, w, 10, c, tx, h, n)
-                T.wait_wgmma(0)
-                T.barrier_arrive(empty[st])
-                stamp(tr, w, 11, c, tx, h, n)
-            else:
-                T.copy(u_f, ub_f)
-                if vn_double:
-                    T.barrier_wait(vn_free[st], (c // 2 + 1) % 2)
-                    stamp(tr, w, 9, c, tx, h, n)
-                    for i, j in T.Parallel(HV2, C):
-                        vn_s[st, c0 + i, j] = ub_f[i, j]
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vn_ready[st])
-                else:
-                    T.barrier_wait(vn_free, (c + 1) % 2)
-                    stamp(tr, w, 9, c, tx, h, n)
-                    for i, j in T.Parallel(HV2, C):
-                        vn_s[c0 + i, j] = ub_f[i, j]
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vn_ready)
-                stamp(tr, w, 10, c, tx, h, n)
-                # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
-                parts.decay_columns(u_f, dcol_f if lean_state else None, dec_s, st, lean_state)
-                T.copy(u_f, ub_f)
-                T.gemm(ub_f, k_s[st, :, :], st_f)
-                T.barrier_arrive(empty[st])
-                stamp(tr, w, 11, c, tx, h, n)
+            T.copy(u_f, ub_f)
+            T.barrier_wait(vn_free, (c + 1) % 2)
+            stamp(tr, w, 9, c, tx, h, n)
+            for i, j in T.Parallel(HV2, C):
+                vn_s[c0 + i, j] = ub_f[i, j]
+            T.fence_proxy_async()
+            T.barrier_arrive(vn_ready)
+            stamp(tr, w, 10, c, tx, h, n)
+            # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
+            parts.decay_columns(u_f, dcol_f if lean_state else None, dec_s, st, lean_state)
+            T.copy(u_f, ub_f)
+            T.gemm(ub_f, k_s[st, :, :], st_f)
+            T.barrier_arrive(empty[st])
+            stamp(tr, w, 11, c, tx, h, n)
 
         parts.store_state(st_f, ht, n, h, c0)
 
@@ -291,16 +232,10 @@ def build_chunk_forward_rso(
             # Q K^T and O = Q S issued together (S^T is handed over at the start of the state chain's chunk, long
             # before this path gets to it); P = scale Gam ⊙ Q K^T (lower with the diagonal, kept in registers as the
             # A operand of P Vn) is made while Q S runs. S^T is the B operand: [V, K], K contiguous.
-            if vn_double:
-                T.barrier_wait(s_ready[0], c % 2)
-                stamp(tr, 2, 2, c, tx, h, n)
-                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(q_s[st, :, :], s_s[0, :, :], o_f, transpose_B=True, clear_accum=True)
-            else:
-                T.barrier_wait(s_ready[st], (c // 2) % 2)
-                stamp(tr, 2, 2, c, tx, h, n)
-                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+            T.barrier_wait(s_ready[st], (c // 2) % 2)
+            stamp(tr, 2, 2, c, tx, h, n)
+            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             stamp(tr, 2, 3, c, tx, h, n)
             T.wait_wgmma(1)
             stamp(tr, 2, 4, c, tx, h, n)
@@ -318,10 +253,7 @@ def build_chunk_forward_rso(
             stamp(tr, 2, 5, c, tx, h, n)
             T.wait_wgmma(0)
             stamp(tr, 2, 6, c, tx, h, n)
-            if vn_double:
-                T.barrier_arrive(s_free[0])
-            else:
-                T.barrier_arrive(s_free[st])
+            T.barrier_arrive(s_free[st])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
             stamp(tr, 2, 7, c, tx, h, n)
             if lean_output:
@@ -336,16 +268,10 @@ def build_chunk_forward_rso(
             T.barrier_arrive(empty[st])
             stamp(tr, 2, 8, c, tx, h, n)
             # O += P Vn  (Vn^T as the B operand: [V, C], C contiguous)
-            if vn_double:
-                T.barrier_wait(vn_ready[st], (c // 2) % 2)
-                stamp(tr, 2, 9, c, tx, h, n)
-                T.gemm(pb_f, vn_s[st, :, :], o_f, transpose_B=True)
-                T.barrier_arrive(vn_free[st])
-            else:
-                T.barrier_wait(vn_ready, c % 2)
-                stamp(tr, 2, 9, c, tx, h, n)
-                T.gemm(pb_f, vn_s, o_f, transpose_B=True)
-                T.barrier_arrive(vn_free)
+            T.barrier_wait(vn_ready, c % 2)
+            stamp(tr, 2, 9, c, tx, h, n)
+            T.gemm(pb_f, vn_s, o_f, transpose_B=True)
+            T.barrier_arrive(vn_free)
             stamp(tr, 2, 10, c, tx, h, n)
             # the previous chunk's TMA store must have read o_s; it had this whole chunk to do so. The thread that
             # issued it waits: shuffle_elect(128) elects the same one as the store's (and, unlike a test of tx,
@@ -389,27 +315,17 @@ def build_chunk_forward_rso(
             gam_s = T.alloc_shared((2, C), acc)  # per ring stage, from the decay warp
             dec_s = T.alloc_shared((2, C), acc)
             # state paths -> output path
-            if vn_double:
-                s_s = T.alloc_shared((1, V, K), io_dtype)  # S^T, one buffer
-                vn_s = T.alloc_shared((2, V, C), io_dtype)  # Vn^T, one per ring stage
-            else:
-                s_s = T.alloc_shared((2, V, K), io_dtype)  # S^T, one per ring stage
-                vn_s = T.alloc_shared((V, C), io_dtype)  # Vn^T
+            s_s = T.alloc_shared((2, V, K), io_dtype)  # S^T, one per ring stage
+            vn_s = T.alloc_shared((V, C), io_dtype)  # Vn^T
             o_s = T.alloc_shared((C, V), io_dtype)  # O, for the TMA store
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # state and output paths -> producer
             d_ready = T.alloc_barrier(arrive_count=[32] * 2)  # decay warp -> state and output paths
-            if vn_double:
-                s_ready = T.alloc_barrier(arrive_count=[256])
-                s_free = T.alloc_barrier(arrive_count=[128])
-                vn_ready = T.alloc_barrier(arrive_count=[256] * 2)
-                vn_free = T.alloc_barrier(arrive_count=[128] * 2)
-            else:
-                s_ready = T.alloc_barrier(arrive_count=[256] * 2)
-                s_free = T.alloc_barrier(arrive_count=[128] * 2)
-                vn_ready = T.alloc_barrier(arrive_count=256)
-                vn_free = T.alloc_barrier(arrive_count=128)
+            s_ready = T.alloc_barrier(arrive_count=[256] * 2)
+            s_free = T.alloc_barrier(arrive_count=[128] * 2)
+            vn_ready = T.alloc_barrier(arrive_count=256)
+            vn_free = T.alloc_barrier(arrive_count=128)
 
             if swizzled_v:
                 T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s)})

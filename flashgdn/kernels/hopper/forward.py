@@ -62,15 +62,6 @@ RSO_LEAN_OUTPUT = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_OUTPUT", "1") == "1"
 #: power cap's order-dependent drift): the default. FLASHGDN_HOPPER_RSO_LEAN_STATE=0 turns it off.
 RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "1") == "1"
 
-#: The rso loop's state paths issue S''s GEMM before they hand Vn^T over (``chunk_forward_rso.py``'s ``update_first``):
-#: the hand-over leaves the state chain, which sets the chunk (the rso trace, ``docs/hopper-notes.md`` v0.20c). The
-#: same bits. An A/B, off; FLASHGDN_HOPPER_RSO_UPDATE_FIRST=1.
-RSO_UPDATE_FIRST = os.environ.get("FLASHGDN_HOPPER_RSO_UPDATE_FIRST", "0") == "1"
-
-#: The rso loop's S^T hand-over single-buffered and its Vn^T hand-over double-buffered (``chunk_forward_rso.py``'s
-#: ``vn_double``; 16 KB less shared memory): the same bits. An A/B, off; FLASHGDN_HOPPER_RSO_VN_DOUBLE=1.
-RSO_VN_DOUBLE = os.environ.get("FLASHGDN_HOPPER_RSO_VN_DOUBLE", "0") == "1"
-
 #: The state passes' state paths with gamma_j, d_j and exp(g~_last) in registers, made once per chunk: the rs loop's
 #: (``chunk_forward_rs.py``'s ``lean``: context parallelism's transitions, the backward's chunk states, the rs loop with
 #: an output when it is chosen) and the backward's walk (``state_grad_walk.py``'s ``lean``). The same bits
@@ -116,11 +107,9 @@ def lean_state_option() -> dict:
 
 
 def rso_options() -> dict:
-    """``build_chunk_forward_rso``'s options as ``RSO_LEAN_OUTPUT``, ``RSO_LEAN_STATE``, ``RSO_UPDATE_FIRST`` and ``RSO_VN_DOUBLE``
-    set them
-    (only those that differ from its defaults, so the default build keeps its cache entry)."""
-    return {**({} if RSO_LEAN_OUTPUT else dict(lean_output=False)), **(dict(lean_state=True) if RSO_LEAN_STATE else {}),
-            **(dict(update_first=True) if RSO_UPDATE_FIRST else {}), **(dict(vn_double=True) if RSO_VN_DOUBLE else {})}
+    """``build_chunk_forward_rso``'s options as ``RSO_LEAN_OUTPUT`` and ``RSO_LEAN_STATE`` set them (only those that
+    differ from its defaults, so the default build keeps its cache entry)."""
+    return {**({} if RSO_LEAN_OUTPUT else dict(lean_output=False)), **(dict(lean_state=True) if RSO_LEAN_STATE else {})}
 
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128

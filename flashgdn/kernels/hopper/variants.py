@@ -93,17 +93,6 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rso_lean_state"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first, lean_state=True))
-            # S''s GEMM issued before Vn^T's hand-over, on the default state paths (forward.RSO_UPDATE_FIRST, an A/B)
-            yield (name.replace("chunk_forward", "chunk_forward_rso_update_first"), "chunk_forward_rso",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
-                        store_final_state=store_ht, state_v_first=v_first, lean_state=True, update_first=True))
-            # S^T single- and Vn^T double-buffered, alone and with update_first (forward.RSO_VN_DOUBLE, an A/B)
-            for uf in (False, True):
-                yield (name.replace("chunk_forward", "chunk_forward_rso_vn_double" + "_update_first" * uf),
-                       "chunk_forward_rso",
-                       dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
-                            store_final_state=store_ht, state_v_first=v_first, lean_state=True, update_first=uf,
-                            vn_double=True))
             # its trace build (benchmarks/rso_trace.py), a diagnostic: never run by the operator
             yield (name.replace("chunk_forward", "chunk_forward_rso_trace"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
