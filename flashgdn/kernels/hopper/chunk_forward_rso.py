@@ -27,7 +27,8 @@ Roles (one CTA = one sequence x one value head, 512 threads):
 * warpgroups 0 and 1, the **state paths**: 64 rows of S^T each in registers (float32), the chain above with
   register A operands; S^T goes to the output path while S^T K^T runs, Vn^T once it is made.
 * warpgroup 2, the **output path**: P, O = Q S, its scaling, O += P Vn and O's store, for the chunk handed over. It
-  is the longer of the two chains (``docs/hopper-notes.md``, v0.11a), so its steps overlap where they can: Q K^T and
+  was the longer of the two chains (``docs/hopper-notes.md``, v0.11a; since v0.13's trims the state chain sets the
+  chunk and this path is ~300 cycles a chunk short of it, v0.20c), so its steps overlap where they can: Q K^T and
   Q S are issued together and P's element-wise pass runs while Q S is on the tensor cores, and O's TMA store is
   waited for only when the next chunk's O is about to overwrite its staging tile (0.95x-0.98x the serial order's
   loop time on most shapes, the same bits: ``docs/hopper-notes.md``, v0.12a).
