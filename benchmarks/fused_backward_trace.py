@@ -11,7 +11,11 @@ computes the same gradients as the default one; only the stamps are added.
 """
 import argparse
 import json
-import statistics
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_stamps  # noqa: E402
 
 ROLES = ("state", "value side", "gate side", "producer")
 
@@ -20,16 +24,8 @@ def summarize(stamps, points_of, skip=2):
     """Medians over chunk steps ``skip`` .. n - 2 of a trace ``stamps[role][step][point]`` (cycles, 0 where never
     written), each point counted from the value side's point 0 of the same step: ``{"step_cycles": median step
     length, "roles": {role: [(point description, median offset or None), ...]}}``."""
-    ref = [row[0] for row in stamps[1]]
-    steps = [c for c in range(skip, len(ref) - 1) if ref[c] and ref[c + 1]]
-    out = {"step_cycles": statistics.median(ref[c + 1] - ref[c] for c in steps) if steps else None, "roles": {}}
-    for role, name in enumerate(ROLES):
-        rows = []
-        for point, desc in enumerate(points_of[role]):
-            vals = [stamps[role][c][point] - ref[c] for c in steps if stamps[role][c][point]]
-            rows.append((desc, statistics.median(vals) if vals else None))
-        out["roles"][name] = rows
-    return out
+    length, roles = trace_stamps.medians_by_point(stamps, points_of, ROLES, 1, skip)
+    return {"step_cycles": length, "roles": roles}
 
 
 def edges_of(stamps, num_points, edges):
@@ -119,17 +115,7 @@ def main(argv=None):
     # with and without its stamps
     kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, trace=True, **options)
     plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, **options)
-    times = {}
-    for name, fn in (("trace", lambda: kernel(*call_args, tr)), ("plain", lambda: plain(*call_args))):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times[name] = start.elapsed_time(end) / 5
+    times = trace_stamps.time_both({"trace": lambda: kernel(*call_args, tr), "plain": lambda: plain(*call_args)})
     stamps = tr.cpu().tolist()
     summary = summarize(stamps, TRACE_POINTS_OF)
     print(f"{args.heads} {args.seqlens} ({', '.join(sorted(options)) or 'no options'}): kernel {times['plain']:.3f} ms "

@@ -11,7 +11,11 @@ without context parallelism, on stage 1's outputs as the forward makes them.
 """
 import argparse
 import json
-import statistics
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_stamps  # noqa: E402
 
 ROLES = ("state path 0", "state path 1", "output path", "decay warp")
 
@@ -20,16 +24,8 @@ def summarize(stamps, points_of, skip=2):
     """Medians over chunks ``skip`` .. n - 2 of a trace ``stamps[role][chunk][point]`` (cycles, 0 where never
     written), each point counted from state path 0's point 0 of the same chunk: ``{"chunk_cycles": median chunk
     length, "roles": {role: [(point description, median offset or None), ...]}}``."""
-    ref = [row[0] for row in stamps[0]]
-    chunks = [c for c in range(skip, len(ref) - 1) if ref[c] and ref[c + 1]]
-    out = {"chunk_cycles": statistics.median(ref[c + 1] - ref[c] for c in chunks) if chunks else None, "roles": {}}
-    for role, name in enumerate(ROLES):
-        rows = []
-        for point, desc in enumerate(points_of[role]):
-            vals = [stamps[role][c][point] - ref[c] for c in chunks if stamps[role][c][point]]
-            rows.append((desc, statistics.median(vals) if vals else None))
-        out["roles"][name] = rows
-    return out
+    length, roles = trace_stamps.medians_by_point(stamps, points_of, ROLES, 0, skip)
+    return {"chunk_cycles": length, "roles": roles}
 
 
 def loop_inputs(Hqk, Hv, seqlens, seed=0):
@@ -82,18 +78,8 @@ def main(argv=None):
     kernel = build_chunk_forward_rso(Hqk, Hv, K, V, "bfloat16", True, True, False, trace=True, **options)
     plain = build_chunk_forward_rso(Hqk, Hv, K, V, "bfloat16", True, True, False, **options)
     outs = {"trace": outputs(), "plain": outputs()}
-    times = {}
-    for name, fn in (("trace", lambda: kernel(*call_in, *outs["trace"], tr)),
-                     ("plain", lambda: plain(*call_in, *outs["plain"]))):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times[name] = start.elapsed_time(end) / 5
+    times = trace_stamps.time_both({"trace": lambda: kernel(*call_in, *outs["trace"], tr),
+                                    "plain": lambda: plain(*call_in, *outs["plain"])})
     same = all(torch.equal(a, b) for a, b in zip(outs["trace"], outs["plain"]))
     stamps = tr.cpu().tolist()
     summary = summarize(stamps, TRACE_POINTS_OF)
