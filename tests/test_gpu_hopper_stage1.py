@@ -107,3 +107,36 @@ def test_kkt_inverse_at_five_ctas_per_sm_gives_the_same_bits(seqlens, store_inve
     for a, b in zip(*outs):
         assert torch.isfinite(a.float()).all()
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seqlens", [[64], [1000, 3, 130]])
+@pytest.mark.parametrize("store_inverse", [False, True])
+@pytest.mark.parametrize("Hv", [2, 4, 6, 8])
+def test_kkt_inverse_triangle_gives_the_same_bits(seqlens, store_inverse, Hv):
+    """Stage 1 with ``triangle`` (the substitution's warps skip the zero rows above a column): the same g~, Ag (and A)
+    bits as the five-per-SM build without it, for groups of one to four value heads, partial chunks and a padded
+    tail."""
+    from flashgdn.kernels.hopper.forward import chunk_plan
+    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+
+    inp = inputs(seqlens, Hqk=2, Hv=Hv, gate="mixed")
+    k, cu = inp["k"], inp["cu_seqlens"]
+    T, N = k.shape[1] + 7, len(seqlens)
+    pad = lambda x: torch.cat([x, torch.randn_like(x[:, :7])], dim=1).contiguous()  # noqa: E731
+    k, g, beta = pad(k), pad(inp["g"].float()), pad(inp["beta"].float())
+    bounds, _ = chunk_plan(cu, T, N)
+    S = bounds.shape[0]
+    outs = []
+    for extra in ({}, dict(triangle=True)):
+        gcum = torch.full((Hv, S * 64), float("nan"), device="cuda")
+        Ag = torch.full((S, Hv, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
+        args = [k, g, beta, bounds, gcum, Ag]
+        if store_inverse:
+            args.append(torch.full_like(Ag, float("nan")))
+        build_kkt_inverse(2, Hv, 128, "bfloat16", "bfloat16", store_inverse=store_inverse, async_loads=True,
+                          blocks_per_sm=5, **extra)(*args)
+        live = bounds[:, 1] > 0
+        outs.append([gcum.view(Hv, S, 64)[:, live], Ag[live]] + ([args[-1][live]] if store_inverse else []))
+    for a, b in zip(*outs):
+        assert torch.isfinite(a.float()).all()
+        assert torch.equal(a, b)

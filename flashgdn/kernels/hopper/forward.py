@@ -50,6 +50,11 @@ KKT_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_KKT_ASYNC_LOADS", "1") == "1"
 #: the stage alone 0.90x-1.03x (``stages-hopper-v0.13a.json``, ``gpu-kkt5-v0.13a.log``).
 KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5"))
 
+#: Stage 1's substitution with its warps given columns by where their work lies (``kkt_inverse``'s ``triangle``): the
+#: same bits, the stage 0.933x-0.985x and the op 0.977x-1.003x the time (``forward/kkt-options-v0.21a.json``,
+#: ``forward/kkt-triangle-op-v0.21a.json``). FLASHGDN_HOPPER_KKT_TRIANGLE=0 for the build before.
+KKT_TRIANGLE = os.environ.get("FLASHGDN_HOPPER_KKT_TRIANGLE", "1") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -387,7 +392,12 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
 
 def _kkt_occupancy() -> dict:
     # the four-per-SM build passes nothing (build_kkt_inverse's own default), so that its cache entry stays the same
-    return {} if KKT_BLOCKS_PER_SM == 4 else dict(blocks_per_sm=KKT_BLOCKS_PER_SM)
+    return {**({} if KKT_BLOCKS_PER_SM == 4 else dict(blocks_per_sm=KKT_BLOCKS_PER_SM)), **kkt_options()}
+
+
+def kkt_options() -> dict:
+    """Stage 1's build options that the host's switches add (``triangle`` by default)."""
+    return dict(triangle=True) if KKT_TRIANGLE else {}
 
 
 def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage1: Stage1,

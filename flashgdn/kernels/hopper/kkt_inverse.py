@@ -36,7 +36,7 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
-                      store_inverse: bool = False, async_loads: bool = False):
+                      store_inverse: bool = False, async_loads: bool = False, triangle: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -67,6 +67,15 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     load and its address arithmetic held ~22% of the stall samples (``profiles/forward-v0.9-kkt-*``). Same values in
     shared memory, so the same bits out. Measured: 0.92x-0.97x the time (``stages-hopper-v0.10e.json``); the
     default (``forward.KKT_ASYNC_LOADS``).
+
+    ``triangle=True`` gives the substitution's warps columns by where their work lies: a diagonal block's columns
+    0-15 need all 32 rows, columns 16-31 only rows 16-31 (above its diagonal a column is zero). Each of the pair's
+    heads gets one warp for the first half of both its blocks (a half-warp per block) and one for the second half,
+    which skips rows 0-15 and the products with them: 38% fewer of the substitution's FMAs and broadcast loads
+    issued. The products skipped are exact zeros added to the same partial sums in the same order, so the bits are
+    the same. Measured: the stage 0.933x-0.985x the time of the build without it (geometric mean 0.956x over eight
+    shapes, ``forward/kkt-options-v0.21a.json``), the op 0.977x-1.003x (``forward/kkt-triangle-op-v0.21a.json``);
+    the forward's default (``forward.KKT_TRIANGLE``).
     """
     if blocks_per_sm not in (3, 4, 5):
         raise ValueError(f"blocks_per_sm must be 3, 4 or 5, got {blocks_per_sm}")
@@ -78,6 +87,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
     C = CHUNK
     B = C // 2  # diagonal block of the inverse
+    H = B // 2  # with triangle: where a block's columns split
     group = Hv // Hqk
     pair = 2 if group % 2 == 0 else 1  # value heads inverted side by side (one per 64 threads)
     num_tokens = T.dynamic("num_tokens")
@@ -96,6 +106,30 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         # Ag's element from A's: Gam ⊙ A ⊙ beta^T for value head hp of the group. Every exponent is clamped at 0:
         # above the diagonal A is 0 and the factor must stay finite.
         return T.cast(a * b_s[hp, col] * T.exp2(T.min(gc_s[hp, row] - gc_s[hp, col], 0.0) * LOG2E), a_dtype)
+
+    # the substitution's threads: tx -> value head p of the pair, diagonal block d, column c of the block. With
+    # triangle a warp takes one half of the columns of one head's two blocks, a half-warp per block
+    def sub_head(tx):
+        return (tx // 32) % pair if triangle else tx // 64
+
+    def sub_block(tx):
+        return (tx // 16) % 2 if triangle else (tx // B) % 2
+
+    def sub_column(tx):
+        return (tx // (32 * pair)) * H + tx % H if triangle else tx % B
+
+    @T.macro
+    def substitute(x, part, kk_s, b_s, hp, r0, c, first):
+        # column c of a diagonal block's inverse by forward substitution, from row `first` on (x holds zeros above):
+        # x_r = -beta_r sum_{j<r} (K K^T)_rj x_j, the sum in two partial sums by the parity of j
+        for r in T.unroll(first, B):
+            part[0] = 0.0
+            part[1] = 0.0
+            for j in T.unroll(first, r):
+                part[j % 2] += kk_s[r0 + r, r0 + kk_col(r, j)] * x[j]  # r0 % 32 == 0
+            x[r] = T.if_then_else(
+                r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[hp, r0 + r] * (part[0] + part[1]))
+            )
 
     @T.macro
     def merge_a21(u, p, b_s, kk_s, d_s, l21_s, t_s, m_f):
@@ -180,20 +214,16 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     if tx < 64 * pair:
                         for r in T.unroll(B):
                             x[r] = 0.0
-                        p = tx // 64
-                        d = (tx // B) % 2
-                        r0 = d * B
-                        c = tx % B
+                        sp = sub_head(tx)
+                        sd = sub_block(tx)
+                        sc = sub_column(tx)
+                        r0 = sd * B
+                        if triangle and tx >= 32 * pair:
+                            substitute(x, part, kk_s, b_s, u * pair + sp, r0, sc, H)  # rows above H are zero
+                        else:
+                            substitute(x, part, kk_s, b_s, u * pair + sp, r0, sc, 0)
                         for r in T.unroll(B):
-                            part[0] = 0.0
-                            part[1] = 0.0
-                            for j in T.unroll(r):
-                                part[j % 2] += kk_s[r0 + r, r0 + kk_col(r, j)] * x[j]  # r0 % 32 == 0
-                            x[r] = T.if_then_else(
-                                r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[u * pair + p, r0 + r] * (part[0] + part[1]))
-                            )
-                        for r in T.unroll(B):
-                            d_s[p, d, r, c] = x[r]
+                            d_s[sp, sd, r, sc] = x[r]
                     T.sync_threads()
 
                     if five:

@@ -25,6 +25,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # five CTAs per SM (forward.KKT_BLOCKS_PER_SM, the default; the builds above are four per SM)
     yield (f"kkt_inverse_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5))
+    # with the substitution's columns split by where the work lies (forward.KKT_TRIANGLE, the default: serving and
+    # training variants add it to the build above)
+    yield (f"kkt_inverse_async_5_triangle[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, triangle=True))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
     for has_h0, store_ht, v_first in combos:
         name = f"chunk_forward[{Hqk}/{Hv},{dtype},h0={int(has_h0)},ht={int(store_ht)},v_first={int(v_first)}]"
@@ -129,6 +133,8 @@ def with_switches(v: Variant) -> Variant:
     name, builder, kw = v
     if builder == "chunk_forward_rso":
         kw = {**kw, **forward.rso_options()}
+    elif builder == "kkt_inverse":
+        kw = {**kw, **forward.kkt_options()}
     elif builder == "state_grad_walk" or builder == "chunk_forward_rs" and not kw.get("decayed_k", False):
         kw = {**kw, **forward.lean_state_option()}
         if kw.get("skip_unread") and backend.CP_STARTS_IN_KERNEL:
@@ -241,6 +247,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield (f"kkt_inverse_with_A_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
                 blocks_per_sm=5))
+    yield (f"kkt_inverse_with_A_async_5_triangle[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
+                blocks_per_sm=5, triangle=True))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
     # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
     # factors, dg by a masked sum, 4-byte stores, blocks taken value heads first; and for two value heads per qk

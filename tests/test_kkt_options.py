@@ -1,0 +1,31 @@
+"""benchmarks/kkt_options.py: its shape parsing on the CPU, and one small run on the GPU (same bits, exit status)."""
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kkt_options.py")
+_spec = importlib.util.spec_from_file_location("kkt_options", _PATH)
+kkt_options = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kkt_options)
+
+
+def test_shapes_are_parsed():
+    assert kkt_options.parse_shapes("16/32:4096x8,2/8:1000x3") == [(16, 32, [4096] * 8), (2, 8, [1000] * 3)]
+
+
+@pytest.mark.parametrize("bad", ["16/32", "16/30:4096x8", "16/32:4096", "a/b:1x1", "2/8:0x4"])
+def test_bad_shapes_are_clear_errors(bad):
+    with pytest.raises(SystemExit, match="--shapes"):
+        kkt_options.parse_shapes(bad)
+
+
+@pytest.mark.gpu
+def test_triangle_option_runs_with_the_same_bits(cuda, tmp_path):
+    out = tmp_path / "kkt.json"
+    assert kkt_options.main(["--shapes", "2/8:1000x3", "--options", "triangle", "--rounds", "1",
+                             "--out", str(out)]) == 0
+    import json
+
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["same_bits"] == {"triangle": True} and row["finite"]
