@@ -202,7 +202,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
-                                         or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM):
+                                         or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM
+                                         or "triangle" in kw):  # with_switches adds it as forward.KKT_TRIANGLE says
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
                 kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise or "lean" in kw):
