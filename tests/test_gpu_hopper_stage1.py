@@ -44,36 +44,46 @@ def test_kkt_inverse_stage(seqlens, heads):
     assert rel_rms(mid["Ag"][:, :n], Ag_ref[:, :n]) < 5e-3
 
 
-@pytest.mark.parametrize("seqlens", [[64], [1], [63, 65, 200], [1000, 3, 130]])
-@pytest.mark.parametrize("store_inverse", [False, True])
-def test_kkt_inverse_async_loads_give_the_same_bits(seqlens, store_inverse):
-    """Stage 1 with k's tile by cp.async: the same g~, Ag (and A) bits as with register-staged loads, partial chunks
-    and the last chunk past the tensor's end included (a padded tail after the last sequence)."""
+def stage1_outputs_of_builds(seqlens, Hv, store_inverse, builds):
+    """g~, Ag (and A with ``store_inverse``) of the live chunk slots from ``build_kkt_inverse(2, Hv, ...)`` with each
+    of ``builds`` (keyword options), on the same inputs with 7 tokens of padding after the last sequence, outputs
+    filled with NaN first: one list of tensors per build."""
     from flashgdn.kernels.hopper.forward import chunk_plan
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
-    inp = inputs(seqlens, Hqk=2, Hv=4, gate="mixed")
+    inp = inputs(seqlens, Hqk=2, Hv=Hv, gate="mixed")
     k, cu = inp["k"], inp["cu_seqlens"]
     T, N = k.shape[1] + 7, len(seqlens)  # 7 tokens of padding after the last sequence
     pad = lambda x: torch.cat([x, torch.randn_like(x[:, :7])], dim=1).contiguous()  # noqa: E731
     k, g, beta = pad(k), pad(inp["g"].float()), pad(inp["beta"].float())
     bounds, _ = chunk_plan(cu, T, N)
     S = bounds.shape[0]
+    live = bounds[:, 1] > 0
     outs = []
-    for async_loads in (False, True):
-        gcum = torch.full((4, S * 64), float("nan"), device="cuda")
-        Ag = torch.full((S, 4, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
+    for opts in builds:
+        gcum = torch.full((Hv, S * 64), float("nan"), device="cuda")
+        Ag = torch.full((S, Hv, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
         args = [k, g, beta, bounds, gcum, Ag]
         if store_inverse:
             args.append(torch.full_like(Ag, float("nan")))
-        kernel = build_kkt_inverse(2, 4, 128, "bfloat16", "bfloat16", store_inverse=store_inverse,
-                                   async_loads=async_loads)
-        kernel(*args)
-        live = bounds[:, 1] > 0
-        outs.append([gcum.view(4, S, 64)[:, live], Ag[live]] + ([args[-1][live]] if store_inverse else []))
+        build_kkt_inverse(2, Hv, 128, "bfloat16", "bfloat16", store_inverse=store_inverse, **opts)(*args)
+        outs.append([gcum.view(Hv, S, 64)[:, live], Ag[live]] + ([args[-1][live]] if store_inverse else []))
+    return outs
+
+
+def assert_same_finite_bits(outs):
     for a, b in zip(*outs):
         assert torch.isfinite(a.float()).all()
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seqlens", [[64], [1], [63, 65, 200], [1000, 3, 130]])
+@pytest.mark.parametrize("store_inverse", [False, True])
+def test_kkt_inverse_async_loads_give_the_same_bits(seqlens, store_inverse):
+    """Stage 1 with k's tile by cp.async: the same g~, Ag (and A) bits as with register-staged loads, partial chunks
+    and the last chunk past the tensor's end included (a padded tail after the last sequence)."""
+    assert_same_finite_bits(stage1_outputs_of_builds(seqlens, 4, store_inverse,
+                                                     [dict(async_loads=False), dict(async_loads=True)]))
 
 
 @pytest.mark.parametrize("seqlens", [[64], [63, 65, 200], [1000, 3, 130]])
@@ -83,30 +93,8 @@ def test_kkt_inverse_at_five_ctas_per_sm_gives_the_same_bits(seqlens, store_inve
     """Stage 1 built for five CTAs per SM (``blocks_per_sm=5``: each head's A21 gated right after its merge, from
     the merge's second tile): the same g~, Ag (and A) bits as the default build, for groups of one to four value
     heads (odd ones included), partial chunks and a padded tail."""
-    from flashgdn.kernels.hopper.forward import chunk_plan
-    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
-
-    inp = inputs(seqlens, Hqk=2, Hv=Hv, gate="mixed")
-    k, cu = inp["k"], inp["cu_seqlens"]
-    T, N = k.shape[1] + 7, len(seqlens)
-    pad = lambda x: torch.cat([x, torch.randn_like(x[:, :7])], dim=1).contiguous()  # noqa: E731
-    k, g, beta = pad(k), pad(inp["g"].float()), pad(inp["beta"].float())
-    bounds, _ = chunk_plan(cu, T, N)
-    S = bounds.shape[0]
-    outs = []
-    for extra in ({}, dict(blocks_per_sm=5)):
-        gcum = torch.full((Hv, S * 64), float("nan"), device="cuda")
-        Ag = torch.full((S, Hv, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
-        args = [k, g, beta, bounds, gcum, Ag]
-        if store_inverse:
-            args.append(torch.full_like(Ag, float("nan")))
-        build_kkt_inverse(2, Hv, 128, "bfloat16", "bfloat16", store_inverse=store_inverse, async_loads=True,
-                          **extra)(*args)
-        live = bounds[:, 1] > 0
-        outs.append([gcum.view(Hv, S, 64)[:, live], Ag[live]] + ([args[-1][live]] if store_inverse else []))
-    for a, b in zip(*outs):
-        assert torch.isfinite(a.float()).all()
-        assert torch.equal(a, b)
+    assert_same_finite_bits(stage1_outputs_of_builds(seqlens, Hv, store_inverse,
+                                                     [dict(async_loads=True), dict(async_loads=True, blocks_per_sm=5)]))
 
 
 @pytest.mark.parametrize("seqlens", [[64], [1000, 3, 130]])
@@ -116,27 +104,5 @@ def test_kkt_inverse_triangle_gives_the_same_bits(seqlens, store_inverse, Hv):
     """Stage 1 with ``triangle`` (the substitution's warps skip the zero rows above a column): the same g~, Ag (and A)
     bits as the five-per-SM build without it, for groups of one to four value heads, partial chunks and a padded
     tail."""
-    from flashgdn.kernels.hopper.forward import chunk_plan
-    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
-
-    inp = inputs(seqlens, Hqk=2, Hv=Hv, gate="mixed")
-    k, cu = inp["k"], inp["cu_seqlens"]
-    T, N = k.shape[1] + 7, len(seqlens)
-    pad = lambda x: torch.cat([x, torch.randn_like(x[:, :7])], dim=1).contiguous()  # noqa: E731
-    k, g, beta = pad(k), pad(inp["g"].float()), pad(inp["beta"].float())
-    bounds, _ = chunk_plan(cu, T, N)
-    S = bounds.shape[0]
-    outs = []
-    for extra in ({}, dict(triangle=True)):
-        gcum = torch.full((Hv, S * 64), float("nan"), device="cuda")
-        Ag = torch.full((S, Hv, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
-        args = [k, g, beta, bounds, gcum, Ag]
-        if store_inverse:
-            args.append(torch.full_like(Ag, float("nan")))
-        build_kkt_inverse(2, Hv, 128, "bfloat16", "bfloat16", store_inverse=store_inverse, async_loads=True,
-                          blocks_per_sm=5, **extra)(*args)
-        live = bounds[:, 1] > 0
-        outs.append([gcum.view(Hv, S, 64)[:, live], Ag[live]] + ([args[-1][live]] if store_inverse else []))
-    for a, b in zip(*outs):
-        assert torch.isfinite(a.float()).all()
-        assert torch.equal(a, b)
+    five = dict(async_loads=True, blocks_per_sm=5)
+    assert_same_finite_bits(stage1_outputs_of_builds(seqlens, Hv, store_inverse, [five, dict(five, triangle=True)]))

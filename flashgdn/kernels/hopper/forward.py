@@ -384,14 +384,15 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     if store_inverse:
         A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
         build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS,
-                          **_kkt_occupancy())(*args, A)
+                          **_kkt_build_options())(*args, A)
         return Stage1(bounds, first_slot, gcum, Ag, A)
-    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_occupancy())(*args)
+    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_build_options())(*args)
     return Stage1(bounds, first_slot, gcum, Ag)
 
 
-def _kkt_occupancy() -> dict:
-    # the four-per-SM build passes nothing (build_kkt_inverse's own default), so that its cache entry stays the same
+def _kkt_build_options() -> dict:
+    # occupancy and the switched options; the four-per-SM build passes nothing (build_kkt_inverse's own default), so
+    # that its cache entry stays the same
     return {**({} if KKT_BLOCKS_PER_SM == 4 else dict(blocks_per_sm=KKT_BLOCKS_PER_SM)), **kkt_options()}
 
 
