@@ -84,7 +84,11 @@ def test_phased_gives_the_same_bits_as_one_launch(case, final, monkeypatch):
     assert rel_rms(o2, o_ref) <= BAR
 
 
-def test_every_chunk_its_own_window(monkeypatch):
+@pytest.mark.parametrize("stagger", [True, False])
+def test_every_chunk_its_own_window(stagger, monkeypatch):
+    from flashgdn.kernels.hopper import phases
+
+    monkeypatch.setattr(phases, "STAGGER", stagger)
     inp = inputs([700, 200, 64])
     o1, h1, _ = run(inp, monkeypatch, None)
     o2, h2, used = run(inp, monkeypatch, lambda chunks: list(range(max(chunks) + 1)))

@@ -32,6 +32,13 @@ from .common import CHUNK
 
 #: FLASHGDN_HOPPER_PHASES=0: never phased (one stage-1 launch, then one loop launch)
 PHASES = os.environ.get("FLASHGDN_HOPPER_PHASES", "1") == "1"
+#: a window's stage 1 starts once the loop's launch before it may have placed its CTAs: after the end of the loop of
+#: the window two back (or the first window's stage 1) and a short spin on its stream (``STAGGER_CYCLES``), instead of
+#: as soon as the stage 1 before it ends. Stream priorities do not reach a CUDA graph's kernels (their graph launches
+#: at one priority), and a stage-1 launch that is waiting when a loop launch becomes ready takes the SMs the loop
+#: needs whole (214.5 KB of shared memory a CTA) a few CTAs at a time. FLASHGDN_HOPPER_PHASE_STAGGER=0: off.
+STAGGER = os.environ.get("FLASHGDN_HOPPER_PHASE_STAGGER", "1") == "1"
+STAGGER_CYCLES = 6000
 
 
 @dataclass(frozen=True)
@@ -220,20 +227,33 @@ def phased_forward(qf, kf, vf, gf, bf, cu, cu_host, bounds: Sequence[int], scale
         first_done = torch.cuda.Event()
         first_done.record(loops)
     caller.wait_event(first_done)
-    for w in range(1, len(windows)):
+    mains = [build_chunk_forward_rso(Hqk, Hv, K, V, io, w > 0 or initial_state is not None,
+                                     w < last or output_final_state, state_v_first, window=True, **rso_options())
+             for w in range(len(windows))]
+
+    def stage1_of(w):  # on the caller's stream
+        if STAGGER:
+            torch.cuda._sleep(STAGGER_CYCLES)
         run_kkt_inverse(kf, gf, bf, plans[w][0], *stage1[w])
         ev = torch.cuda.Event()
         ev.record(caller)
         ready.append(ev)
-    with torch.cuda.stream(loops):
-        for w, (lo, hi) in enumerate(windows):
-            has_h0 = w > 0 or initial_state is not None
-            store_ht = w < last or output_final_state
-            main = build_chunk_forward_rso(Hqk, Hv, K, V, io, has_h0, store_ht, state_v_first, window=True,
-                                           **rso_options())
+
+    if not STAGGER:
+        for w in range(1, len(windows)):
+            stage1_of(w)
+    elif len(windows) > 1:
+        stage1_of(1)
+    for w, (lo, hi) in enumerate(windows):
+        with torch.cuda.stream(loops):
             h0 = h0_first if w == 0 else states[(w - 1) % 2]
             out_state = ht if w == last else states[w % 2]
             if w:
                 loops.wait_event(ready[w - 1])
-            main(qf, kf, vf, stage1[w][0], stage1[w][1], cu, plans[w][1], h0, float(scale), lo, hi, o, out_state)
+            mains[w](qf, kf, vf, stage1[w][0], stage1[w][1], cu, plans[w][1], h0, float(scale), lo, hi, o, out_state)
+            ended = torch.cuda.Event()
+            ended.record(loops)
+        if STAGGER and w + 2 < len(windows):
+            caller.wait_event(ended)  # window w + 2's stage 1 as window w + 1's loop starts
+            stage1_of(w + 2)
     caller.wait_stream(loops)
