@@ -33,29 +33,20 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     """The default chunk loop for the flags, stage 1, and CP's kernels: by default the paired transition pass,
     the segment index and the splice; with those switched off the transition pass on twice the value heads. None
     of the comparison loops or the backward's kernels."""
-    from flashgdn.kernels.hopper import backend, forward, phases
+    from flashgdn.kernels.hopper import backend, forward
     from flashgdn.kernels.hopper.variants import serving_variants
 
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
-    assert names == ["chunk_plan", "chunk_plan_window", "kkt_inverse_async_5[2/8,bfloat16]",
+    assert names == ["chunk_plan", "kkt_inverse_async_5[2/8,bfloat16]",
                      "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                     "chunk_forward_rso_window[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                      "chunk_forward_rs_pairs_skip_forward[2/8,bfloat16,h0=1,ht=1,v_first=0]", "segment_index[int32]",
                      "segment_index[int64]", "splice[8,forward]"]
     assert len([n for n in serving_variants(2, 8, flags="all") if n[0].startswith("chunk_forward_rso[")]) == 8
-    # the phased forward's windows: from the caller's h0 or none, to its ht or none, never neither
-    windows = [v for v in serving_variants(2, 8, flags="all") if v[0].startswith("chunk_forward_rso_window[")]
-    assert len(windows) == 6 and all(v[2]["window"] for v in windows)
-    assert all(v[2]["has_initial_state"] or v[2]["store_final_state"] for v in windows)
-    monkeypatch.setattr(phases, "PHASES", False)
-    assert not [v for v in serving_variants(2, 8, flags="all") if "window" in v[0]]
-    monkeypatch.setattr(phases, "PHASES", True)
     monkeypatch.setattr(backend, "CP_PAIRED", False)
     monkeypatch.setattr(backend, "CP_FUSED", False)
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
-    assert names == ["chunk_plan", "chunk_plan_window", "kkt_inverse_async_5[2/8,bfloat16]",
+    assert names == ["chunk_plan", "kkt_inverse_async_5[2/8,bfloat16]",
                      "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                     "chunk_forward_rso_window[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                      "kkt_inverse_async_5[2/16,bfloat16]", "chunk_forward_rs_state[2/16,bfloat16,h0=1,ht=1,v_first=0]"]
     monkeypatch.setattr(backend, "CP_PAIRED", True)
     monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "uw")
@@ -139,12 +130,11 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     def rso_kwargs():
         return [kw for _, builder, kw in serving_variants(2, 8, flags="common") if builder == "chunk_forward_rso"]
 
-    # the defaults: the trimmed output path (the builder's default) and the trimmed state paths (RSO_LEAN_STATE), for
-    # the whole-sequence build and the phased forward's window build alike
-    assert [("lean_output" in kw, kw.get("lean_state")) for kw in rso_kwargs()] == [(False, True)] * 2
+    # the defaults: the trimmed output path (the builder's default) and the trimmed state paths (RSO_LEAN_STATE)
+    assert [("lean_output" in kw, kw.get("lean_state")) for kw in rso_kwargs()] == [(False, True)]
     monkeypatch.setattr(forward, "RSO_LEAN_OUTPUT", False)
     monkeypatch.setattr(forward, "RSO_LEAN_STATE", False)
-    assert [(kw["lean_output"], kw.get("lean_state", False)) for kw in rso_kwargs()] == [(False, False)] * 2
+    assert [(kw["lean_output"], kw.get("lean_state", False)) for kw in rso_kwargs()] == [(False, False)]
 
     def lean_of_state_passes():
         return {name: kw.get("lean") for name, builder, kw in training_variants(2, 8, flags="common")

@@ -84,7 +84,6 @@ def build_chunk_forward_rso(
     lean_output: bool = True,
     lean_state: bool = False,
     trace: bool = False,
-    window: bool = False,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -114,20 +113,11 @@ def build_chunk_forward_rso(
 
     ``trace`` (a diagnostic) adds a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64 that receives the SM's
     cycle counter at the points of ``TRACE_POINTS_OF``, stamped by one thread of each role in the CTA of value head 0
-    and sequence 0 for its first TRACE_CHUNKS chunks; the same outputs as the build without it.
-
-    ``window`` adds two int32 arguments after ``scale``, ``chunk_lo`` and ``chunk_hi``: each CTA runs only chunks
-    ``chunk_lo .. chunk_hi - 1`` of its sequence (none where the sequence is shorter), starting from h0 and storing
-    ht as usual; ``first_slot`` then numbers the window's chunks (``chunk_plan``'s window build). This is how the
-    forward runs in phases (``phases.py``): stage 1 of the next window runs on the SMs the loop leaves idle, and the
-    state goes from one window's ht to the next's h0 in float32, so the same bits as one launch over all chunks. The
-    padded tail after the last sequence is zeroed by every window's launch (a few rows at most)."""
+    and sequence 0 for its first TRACE_CHUNKS chunks; the same outputs as the build without it."""
     import tilelang
     import tilelang.language as T
 
     state_regs, output_regs, producer_regs = regs
-    if trace and window:
-        raise ValueError("a trace build runs whole sequences (window=False)")
     if 2 * state_regs + output_regs + producer_regs != 512:
         raise ValueError(f"regs must share 512 registers per thread slot, got {regs}")
     C = CHUNK
@@ -310,16 +300,11 @@ def build_chunk_forward_rso(
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True)
 
     @T.macro
-    def rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, chunk_lo, chunk_hi, o, ht, tr):
+    def rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht, tr):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
             hq = h // group
-            if window:
-                seq_end = cu_seqlens[n + 1]
-                bos = T.min(cu_seqlens[n] + chunk_lo * C, seq_end)
-                eos = T.min(cu_seqlens[n] + chunk_hi * C, seq_end)
-            else:
-                bos = cu_seqlens[n]
-                eos = cu_seqlens[n + 1]
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
             n_chunks = T.ceildiv(eos - bos, C)
 
             # two-stage input ring
@@ -360,8 +345,7 @@ def build_chunk_forward_rso(
                 T.set_max_nreg(output_regs, 1 if output_regs > 128 else 0)  # 128 at launch (512 threads)
                 output_path(n, h, bos, eos, n_chunks, o, scale, q_s, k_s, gc_s, gam_s, s_s, vn_s, o_s,
                             full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx)
-                # the padded tail after the last sequence
-                parts.zero_tail(o, n, h, seq_end if window else eos, num_seqs, num_tokens)
+                parts.zero_tail(o, n, h, eos, num_seqs, num_tokens)  # padded tail after the last sequence
             else:
                 T.set_max_nreg(producer_regs, 0)
                 if tx < 480:
@@ -395,25 +379,7 @@ def build_chunk_forward_rso(
             ht: T.Tensor(state_shape_ht, "float32"),
             tr: T.Tensor((4, TRACE_CHUNKS, TRACE_POINTS), "int64"),
         ):
-            rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, 0, 0, o, ht, tr)
-    elif window:
-        @T.prim_func
-        def chunk_forward_rso_kernel(
-            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-            gcum: T.Tensor((Hv, slot_rows), "float32"),
-            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
-            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-            first_slot: T.Tensor((num_seqs,), "int32"),
-            h0: T.Tensor(state_shape_h0, "float32"),
-            scale: T.float32,
-            chunk_lo: T.int32,
-            chunk_hi: T.int32,
-            o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-            ht: T.Tensor(state_shape_ht, "float32"),
-        ):
-            rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, chunk_lo, chunk_hi, o, ht, None)
+            rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht, tr)
     else:
         @T.prim_func
         def chunk_forward_rso_kernel(
@@ -429,7 +395,7 @@ def build_chunk_forward_rso(
             o: T.Tensor((1, num_tokens, Hv, V), io_dtype),
             ht: T.Tensor(state_shape_ht, "float32"),
         ):
-            rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, 0, 0, o, ht, None)
+            rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht, None)
 
     return tilelang.compile(
         chunk_forward_rso_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs()

@@ -61,14 +61,9 @@ def make_sequence_scan():
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_plan(window: bool = False):
+def build_chunk_plan():
     """Compile (or load) the kernel. Arguments: cu_seqlens [N + 1] int32, bounds [S, 2] int32 (written),
-    first_slot [N] int32 (written).
-
-    ``window``: the plan of chunks ``chunk_lo .. chunk_hi - 1`` of every sequence alone (two int32 arguments after
-    ``cu_seqlens``), numbered in the same order, for the forward's phases (``phases.py``): sequence n then has
-    ``max(0, min(chunk_hi, ceil(L_n / 64)) - chunk_lo)`` slots from ``first_slot[n]``, slot ``first_slot[n] + c``
-    being its chunk ``chunk_lo + c``."""
+    first_slot [N] int32 (written)."""
     import tilelang
     import tilelang.language as T
 
@@ -85,22 +80,21 @@ def build_chunk_plan(window: bool = False):
             bounds[mine[1] + c, 0] = cu_seqlens[n] + c * C
             bounds[mine[1] + c, 1] = T.min(cu_seqlens[n + 1] - cu_seqlens[n] - c * C, C)
 
-    @T.macro
-    def write_window_slots(n, mine, cu_seqlens, chunk_lo, bounds, first_slot):
-        first_slot[n] = mine[1]
-        for c in T.serial(mine[0]):
-            bounds[mine[1] + c, 0] = cu_seqlens[n] + (chunk_lo + c) * C
-            bounds[mine[1] + c, 1] = T.min(cu_seqlens[n + 1] - cu_seqlens[n] - (chunk_lo + c) * C, C)
-
-    @T.macro
-    def plan_body(cu_seqlens, count_of, per_sequence, bounds):
+    @T.prim_func
+    def chunk_plan_kernel(
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        bounds: T.Tensor((num_slots, 2), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+    ):
         with T.Kernel(1, threads=NT) as _:
             counts = T.alloc_shared((NT,), "int32")
             ends = T.alloc_shared((NT,), "int32")
             carry = T.alloc_shared((1,), "int32")
             mine = T.alloc_local((2,), "int32")  # this thread's sequence: chunk count, first slot
             tx = T.get_thread_binding()
-            sequence_scan(num_seqs, count_of, per_sequence, counts, ends, carry, mine)
+            sequence_scan(num_seqs, lambda n: T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C),
+                          lambda n, mine: write_slots(n, mine, cu_seqlens, bounds, first_slot),
+                          counts, ends, carry, mine)
             T.sync_threads()
             mine[0] = carry[0]
             for blk in T.serial(T.ceildiv(num_slots, NT)):
@@ -109,27 +103,5 @@ def build_chunk_plan(window: bool = False):
                     if s >= mine[0]:
                         bounds[s, 0] = 0
                         bounds[s, 1] = 0
-
-    if window:
-        @T.prim_func
-        def chunk_plan_kernel(
-            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-            chunk_lo: T.int32,
-            chunk_hi: T.int32,
-            bounds: T.Tensor((num_slots, 2), "int32"),
-            first_slot: T.Tensor((num_seqs,), "int32"),
-        ):
-            plan_body(cu_seqlens,
-                      lambda n: T.max(T.min(chunk_hi, T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)) - chunk_lo, 0),
-                      lambda n, mine: write_window_slots(n, mine, cu_seqlens, chunk_lo, bounds, first_slot), bounds)
-    else:
-        @T.prim_func
-        def chunk_plan_kernel(
-            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-            bounds: T.Tensor((num_slots, 2), "int32"),
-            first_slot: T.Tensor((num_seqs,), "int32"),
-        ):
-            plan_body(cu_seqlens, lambda n: T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C),
-                      lambda n, mine: write_slots(n, mine, cu_seqlens, bounds, first_slot), bounds)
 
     return tilelang.compile(chunk_plan_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

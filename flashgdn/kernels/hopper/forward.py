@@ -17,7 +17,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import phases
 from .common import CHUNK, tl_dtype
 
 #: Tests set this to fill every output with NaN before the kernels run, so an element no kernel wrote fails.
@@ -311,15 +310,7 @@ def hopper_forward(
         store_final_state=output_final_state,
         state_v_first=state_v_first,
     )
-    # stage 1 of later chunks beside the loop where the loop leaves SMs idle (phases.py)
-    cu_host = host_offsets(cu_seqlens, cu_seqlens_cpu, B, T)
-    windows = None
-    if (phases.PHASES and chunk_loop == "rso" and with_output and stage1 is None and not return_intermediates
-            and cu_host is not None and dev.type == "cuda"):
-        windows = phases.plan_windows(phases.sequence_chunks(cu_host), Hqk, Hv, phases.PhaseModel.for_device(dev))
-    if windows is not None:
-        main = None  # the window builds, in phases.phased_forward
-    elif chunk_loop == "rso" and with_output:
+    if chunk_loop == "rso" and with_output:
         main = build_chunk_forward_rso(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first,
             **rso_options()
@@ -347,9 +338,8 @@ def hopper_forward(
             Hqk, Hv, K, V, cfg.BV, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first
         )
 
-    if windows is None and stage1 is None and (not fused or return_intermediates):
-        # (the fused loop's own g~ and Ag stay inside it)
-        stage1 = hopper_stage1(kf, gf, bf, cu, cu_cpu=cu_host)
+    if stage1 is None and (not fused or return_intermediates):  # the fused loop's own g~ and Ag stay inside it
+        stage1 = hopper_stage1(kf, gf, bf, cu, cu_cpu=host_offsets(cu_seqlens, cu_seqlens_cpu, B, T))
 
     state_shape = (Hv, V, K) if state_v_first else (Hv, K, V)
     if initial_state is not None:
@@ -358,10 +348,7 @@ def hopper_forward(
         h0 = torch.empty((1,) + state_shape, device=dev, dtype=torch.float32)
     ht = _output(((N if output_final_state else 1),) + state_shape, torch.float32, dev)
     o = _output((1, TT if with_output else 1, Hv, V), q.dtype, dev)
-    if windows is not None:
-        phases.phased_forward(qf, kf, vf, gf, bf, cu, cu_host, windows, scale, initial_state, output_final_state,
-                              state_v_first, o, ht)
-    elif fused:
+    if fused:
         main(qf, kf, vf, gf, bf, cu, h0, float(scale), o, ht)
     else:
         main(qf, kf, vf, stage1.gcum, stage1.Ag, cu, stage1.first_slot, h0, float(scale), o, ht)
@@ -382,6 +369,8 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     """Stages 0 and 1 on packed ``[1, T, ...]`` k, g, beta with offsets ``cu_seqlens`` (device, int32): the chunk
     plan (exactly as many slots as chunks when the host copy ``cu_cpu`` is given), then ``kkt_inverse`` (also
     storing the ungated A, in k's dtype, with ``store_inverse``)."""
+    from .kkt_inverse import build_kkt_inverse
+
     _, TT, Hqk, K = k.shape
     Hv = g.shape[2]
     N = cu_seqlens.shape[0] - 1
@@ -390,25 +379,15 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     S = bounds.shape[0]
     gcum = _output((Hv, S * CHUNK), torch.float32, dev)
     Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
-    A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev) if store_inverse else None
-    run_kkt_inverse(k, g, beta, bounds, gcum, Ag, A)
-    return Stage1(bounds, first_slot, gcum, Ag, A)
-
-
-def run_kkt_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: torch.Tensor, gcum: torch.Tensor,
-                    Ag: torch.Tensor, A: Optional[torch.Tensor] = None) -> None:
-    """Stage 1 over the chunk slots ``bounds`` (``[S, 2]``), writing ``gcum`` (``[Hv, S * 64]``), ``Ag``
-    (``[S, Hv, 64, 64]``) and, where given, the ungated ``A``."""
-    from .kkt_inverse import build_kkt_inverse
-
-    Hqk, K, Hv = k.shape[2], k.shape[3], g.shape[2]
     io = tl_dtype(k.dtype)
     args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
-    if A is not None:
+    if store_inverse:
+        A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
         build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS,
                           **_kkt_build_options())(*args, A)
-    else:
-        build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_build_options())(*args)
+        return Stage1(bounds, first_slot, gcum, Ag, A)
+    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_build_options())(*args)
+    return Stage1(bounds, first_slot, gcum, Ag)
 
 
 def _kkt_build_options() -> dict:

@@ -17,7 +17,6 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     """The stage-1 kernel and every chunk-loop kernel (simple, ws, rs, rsd, fused, uw, rso) for every flag combination (``flags="all"``), or only
     the one a training/benchmark call uses (initial state in, final state out, K-major state: ``"common"``)."""
     yield ("chunk_plan", "chunk_plan", {})
-    yield ("chunk_plan_window", "chunk_plan", dict(window=True))  # a phased forward's windows (phases.py)
     yield (f"kkt_inverse[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype))
     # k's tile by cp.async (forward.KKT_ASYNC_LOADS)
@@ -90,12 +89,6 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", f"chunk_forward_{loop}"), f"chunk_forward_{loop}",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first))
-        if has_h0 or store_ht:
-            # a phased forward's windows (phases.py): the first from the caller's h0 or none, the last to the caller's
-            # ht or none, the ones between from and to float32 states (so never neither)
-            yield (name.replace("chunk_forward", "chunk_forward_rso_window"), "chunk_forward_rso",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
-                        store_final_state=store_ht, state_v_first=v_first, window=True))
         if has_h0 and store_ht and not v_first:  # rso's output path untrimmed (forward.RSO_LEAN_OUTPUT=0, an A/B)
             yield (name.replace("chunk_forward", "chunk_forward_rso_plain"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
@@ -155,13 +148,11 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     loop for the flag combinations, and context parallelism's transition pass, which runs on twice the value
     heads (stage 1 and the rs state-only loop for ``Hqk/2Hv``), or on the paired kernel with
     FLASHGDN_HOPPER_CP_PAIRED=1. What a server precompiles; the other loops are for comparisons."""
-    from . import backend, phases
+    from . import backend
     from .forward import DEFAULT_CHUNK_LOOP, KKT_ASYNC_LOADS, KKT_BLOCKS_PER_SM
 
     kkt = ("kkt_inverse_async" if KKT_ASYNC_LOADS else "kkt_inverse") + ("_5" if KKT_BLOCKS_PER_SM == 5 else "")
     wanted = {"chunk_plan", kkt, f"chunk_forward_{DEFAULT_CHUNK_LOOP}"}
-    if phases.PHASES and DEFAULT_CHUNK_LOOP == "rso":  # the phased forward's (where its model phases it)
-        wanted |= {"chunk_plan_window", "chunk_forward_rso_window"}
     for v in forward_variants(Hqk, Hv, K, V, dtype, flags):
         if v[0].split("[")[0] in wanted:
             yield with_switches(v)
