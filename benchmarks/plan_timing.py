@@ -3,8 +3,8 @@
     python benchmarks/plan_timing.py --seqlens 28672+4096,32768,4096x8,2048,1000x500 --out plan-timing.json
 
 For each sequence mix: the kernel's output against ``forward.chunk_plan_torch`` (bounds and first slots equal), and
-its time per launch, the median over rounds of a CUDA graph of 20 launches, for the parallel slot writes (the
-default) and the build in which each thread writes its own sequence's slots (``serial_slots``).
+its time per launch, the median over rounds of a CUDA graph of 20 launches. (``forward/plan-timing-v0.22c.json``
+also timed the build before v0.22c, in which each thread wrote its own sequence's slots, under "serial".)
 """
 import argparse
 import json
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", required=True, help="mixes as flashgdn.bench writes them, comma separated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    builds = {"parallel": build_chunk_plan(), "serial": build_chunk_plan(serial_slots=True)}
+    builds = {"parallel": build_chunk_plan()}
     out = {**results_header(argv, "plan_timing.py"), "launches_per_graph": LAUNCHES, "rows": []}
     ok = True
     for mix in parse_seqlens(args.seqlens):

@@ -11,8 +11,8 @@ ceil((T + 63 N) / 64) (``forward.num_chunk_slots``).
 
 One CTA of 1024 threads walks the sequences 1024 at a time: an exclusive scan of the chunk counts gives each
 thread its sequence's first slot, and all the threads then write the block's slots together, each finding its
-slot's sequence by bisection over the scan. (Each thread writing its own sequence's slots, as before, took ~22 ns a
-slot in one thread: 13 us of a forward on a 448-chunk sequence.)
+slot's sequence by bisection over the scan: 3.6-4.8 us from one to 2048 chunks of one sequence, where each thread
+writing its own sequence's slots took 13.4 us at 448 chunks and 50 us at 2048 (``docs/hopper-notes.md``, v0.22c).
 
 PyTorch counterpart: ``flashgdn.kernels.hopper.forward.chunk_plan_torch`` (and, for the table itself,
 ``flashgdn.reference.layout.chunk_table``).
@@ -70,10 +70,9 @@ def make_sequence_scan():
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_plan(serial_slots: bool = False):
+def build_chunk_plan():
     """Compile (or load) the kernel. Arguments: cu_seqlens [N + 1] int32, bounds [S, 2] int32 (written),
-    first_slot [N] int32 (written). ``serial_slots``: each thread writes its own sequence's slots (the build
-    before, for an A/B)."""
+    first_slot [N] int32 (written)."""
     import tilelang
     import tilelang.language as T
 
@@ -82,13 +81,6 @@ def build_chunk_plan(serial_slots: bool = False):
     sequence_scan = make_sequence_scan()
     num_seqs = T.dynamic("num_seqs")
     num_slots = T.dynamic("num_slots")
-
-    @T.macro
-    def write_slots(n, mine, cu_seqlens, bounds, first_slot):
-        first_slot[n] = mine[1]
-        for c in T.serial(mine[0]):
-            bounds[mine[1] + c, 0] = cu_seqlens[n] + c * C
-            bounds[mine[1] + c, 1] = T.min(cu_seqlens[n + 1] - cu_seqlens[n] - c * C, C)
 
     @T.macro
     def write_first_slot(n, mine, first_slot):
@@ -128,16 +120,10 @@ def build_chunk_plan(serial_slots: bool = False):
             mine = T.alloc_local((2,), "int32")  # this thread's sequence: chunk count, first slot
             found = T.alloc_local((4,), "int32")  # the bisection's interval, the block's slot count, a probe
             tx = T.get_thread_binding()
-            if serial_slots:
-                sequence_scan(num_seqs, lambda n: T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C),
-                              lambda n, mine: write_slots(n, mine, cu_seqlens, bounds, first_slot),
-                              counts, ends, carry, mine)
-            else:
-                sequence_scan(num_seqs, lambda n: T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C),
-                              lambda n, mine: write_first_slot(n, mine, first_slot),
-                              counts, ends, carry, mine,
-                              lambda blk, tx: write_block_slots(blk, tx, cu_seqlens, bounds, counts, ends, carry,
-                                                                found))
+            sequence_scan(num_seqs, lambda n: T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C),
+                          lambda n, mine: write_first_slot(n, mine, first_slot),
+                          counts, ends, carry, mine,
+                          lambda blk, tx: write_block_slots(blk, tx, cu_seqlens, bounds, counts, ends, carry, found))
             T.sync_threads()
             mine[0] = carry[0]
             for blk in T.serial(T.ceildiv(num_slots, NT)):
