@@ -66,7 +66,8 @@ def fit(rows, num_sms):
     items = [len(r["seqlens"]) * r["h_v"] for r in rows]
     a, b = lstsq([[c * r["h_qk"], c * r["h_v"]] for c, r in zip(C, rows)], [r[kkt_key] * 1e3 for r in rows])
     out["kkt_chunk_qk_head_us"], out["kkt_chunk_head_us"] = a, b
-    out["plan_us"], out["plan_chunk_us"] = lstsq([[1, m] for m in longest], [r["chunk_bounds"] * 1e3 for r in rows])
+    # the chunk plan by its total slot count (v0.22c)
+    out["plan_us"], out["plan_chunk_us"] = lstsq([[1, c] for c in C], [r["chunk_bounds"] * 1e3 for r in rows])
     for key, name in ((loop_key, "forward"), (state_key, "state")):
         few = [i for i in range(len(rows)) if items[i] <= num_sms]  # one wave: the longest item decides
         item, chunk = lstsq([[1, longest[i]] for i in few], [rows[i][key] * 1e3 for i in few])
@@ -102,7 +103,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ch, hq, hv = chunks_of(r["seqlens"]), r["h_qk"], r["h_v"]
-        plan = (model.plan_us + max(ch) * model.plan_chunk_us) / 1e3
+        plan = (model.plan_us + sum(ch) * model.plan_chunk_us) / 1e3
         kkt = sum(ch) * (hq * model.kkt_chunk_qk_head_us + hv * model.kkt_chunk_head_us) / 1e3
         fwd, st = model.loop_us(ch, hv) / 1e3, model.loop_us(ch, hv, state_only=True) / 1e3
         op = estimated_us(r["seqlens"], hv, None, model, hq) / 1e3

@@ -283,7 +283,7 @@ def test_cost_model_counts_stage_1_again_for_the_transition_pass():
     cp = estimated_us(seqlens, heads, 64, model, qk_heads=2)
     segs = [64] * 8
     expected = (model.cp_launches * model.launch_us + 32768 * heads * model.cp_token_head_us
-                + 2 * (model.plan_us + 64 * model.plan_chunk_us) + kkt2 + kkt + 7 * model.splice_step_us
+                + 2 * (model.plan_us + chunks * model.plan_chunk_us) + kkt2 + kkt + 7 * model.splice_step_us
                 + model.loop_us(segs, 2 * heads, state_only=True) + model.loop_us(segs, heads))
     assert cp == pytest.approx(expected)
 

@@ -127,10 +127,11 @@ class CostModel:
     # 16/64 4096x8 is 0.270 ms for 512 chunks x (16 qk + 64 value heads), 16/32 4096x8 0.164 ms for 512 x (16 + 32)
     kkt_chunk_qk_head_us: float = 0.0074
     kkt_chunk_head_us: float = 0.0064
-    # stage 0 (chunk_bounds): 3.4 us for 16 chunks per sequence (2/8 1024x8), 4.5 for 64, 6.0 for 128,
-    # 14.7 for 512
-    plan_us: float = 3.1
-    plan_chunk_us: float = 0.023
+    # stage 0 (the chunk plan; its slots written by all the CTA's threads since v0.22c): 3.6-3.8 us up to 512 slots,
+    # 4.8 us for 2048, 9.0 us for 8000 (``forward/plan-timing-v0.22c.json``), so by the total slot count (it was by
+    # the longest sequence's, 0.023 us a chunk, when each thread wrote its own sequence's slots)
+    plan_us: float = 3.6
+    plan_chunk_us: float = 0.00065
     # context parallelism's own work: one small torch kernel in a CUDA graph; the driver's small kernels per
     # forward besides the splice steps (16 for the device index tensors, 8 for the transition pass's inputs, 10
     # to set up the splice, 3 for the final-state gather; tests/test_cp.py counts them); one splice step (gather
@@ -243,7 +244,7 @@ class CostModel:
         items = Items.of(item_chunks)
         if not items.count:
             return 0.0
-        plan = self.plan_us + items.longest * self.plan_chunk_us
+        plan = self.plan_us + items.total * self.plan_chunk_us
         kkt = items.total * (qk_heads * self.kkt_chunk_qk_head_us + heads * self.kkt_chunk_head_us)
         return plan + kkt + self.loop_us(items, heads, state_only)
 
