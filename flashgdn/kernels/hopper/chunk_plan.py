@@ -89,9 +89,10 @@ def build_chunk_plan():
     @T.macro
     def write_block_slots(blk, tx, cu_seqlens, bounds, counts, ends, carry, found):
         # the block's slots over all its threads: slot i of the block is in the first sequence j with ends[j] > i
-        # (ends: the inclusive scan of the block's chunk counts), found by bisection
-        found[2] = ends[NT - 1]  # (shared values go through registers: TileLang's sync pass takes no shared load
-        for it in T.serial(T.ceildiv(found[2], NT)):  # in a loop bound or a condition)
+        # (ends: the inclusive scan of the block's chunk counts), found by bisection. Shared values go through
+        # registers (found[2], found[3]): TileLang's sync pass takes no shared load in a loop bound or a condition.
+        found[2] = ends[NT - 1]
+        for it in T.serial(T.ceildiv(found[2], NT)):
             i = it * NT + tx
             if i < found[2]:
                 found[0] = 0
