@@ -6,6 +6,10 @@ For each shape, the build without options (five CTAs per SM, k by cp.async; name
 option set are run on the same inputs: g~ and Ag (and A with ``--store-inverse``) must come out with the same bits,
 and each is timed by CUDA-graph replay (``flashgdn.bench.timing.measure``), in rotating order over ``--rounds`` rounds so
 that no build always runs first. Ratios are of the medians over rounds, option / default.
+
+An option that rounds differently (``diag16``: tf32 products where the default substitutes in fp32) is run with
+``--max-diff X``: g~ must still have the same bits, and Ag (and A) may differ from the default's by a relative RMS of at
+most X (``max_rel_diff`` in each row). Accuracy against the float64 oracle is for the GPU tests.
 """
 import argparse
 import json
@@ -49,6 +53,7 @@ def main(argv=None) -> int:
     from flashgdn.bench.timing import measure, timed_call
     from flashgdn.kernels.hopper.forward import chunk_plan
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+    from flashgdn.reference.metrics import rel_rms
     from stage_timing import make, results_header
 
     ap = argparse.ArgumentParser()
@@ -57,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--store-inverse", action="store_true", help="the backward's build (A stored as well)")
     ap.add_argument("--shapes", default=None, help="e.g. 16/32:4096x8,32/32:4096x8 (default: SHAPES)")
+    ap.add_argument("--max-diff", type=float, default=None,
+                    help="pass on Ag (and A) within this relative RMS of the default's instead of equal bits")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sets = {"default": {}}
@@ -96,11 +103,18 @@ def main(argv=None) -> int:
         row["ratio"] = {n: row["ms"][n] / base for n in sets if n != "default"}
         row["same_bits"] = {n: all(torch.equal(a, b) for a, b in zip(outs["default"], outs[n]))
                             for n in sets if n != "default"}
-        row["finite"] = all(bool(torch.isfinite(t.float()).all()) for t in outs["default"])
-        ok &= all(row["same_bits"].values()) and row["finite"]
+        row["max_rel_diff"] = {n: max(rel_rms(b, a) for a, b in zip(outs["default"], outs[n]))
+                               for n in sets if n != "default"}
+        row["finite"] = all(bool(torch.isfinite(t.float()).all()) for o in outs.values() for t in o)
+        for n in row["same_bits"]:
+            close = (args.max_diff is not None and torch.equal(outs["default"][0], outs[n][0])
+                     and row["max_rel_diff"][n] <= args.max_diff)
+            ok &= row["same_bits"][n] or close
+        ok &= row["finite"]
         rows.append(row)
         print(f"{Hqk}/{Hv} {seqlens[0]}x{len(seqlens)}: default {base:.4f} ms; "
-              + "; ".join(f"{n} {row['ratio'][n]:.3f}x{'' if row['same_bits'][n] else ' (BITS DIFFER)'}"
+              + "; ".join(f"{n} {row['ratio'][n]:.3f}x"
+                          + ('' if row['same_bits'][n] else f" (BITS DIFFER, max rel diff {row['max_rel_diff'][n]:.1e})")
                           for n in row["ratio"]), flush=True)
     for n in sets:
         if n == "default":
@@ -108,7 +122,8 @@ def main(argv=None) -> int:
         rs = [r["ratio"][n] for r in rows]
         print(f"{n}: geometric mean {statistics.geometric_mean(rs):.3f}x, {min(rs):.3f}x-{max(rs):.3f}x")
     if args.out:
-        out = {**results_header(argv, "kkt_options.py"), "store_inverse": args.store_inverse, "rows": rows}
+        out = {**results_header(argv, "kkt_options.py"), "store_inverse": args.store_inverse,
+               "max_diff": args.max_diff, "rows": rows}
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return 0 if ok else 1

@@ -29,3 +29,15 @@ def test_triangle_option_runs_with_the_same_bits(cuda, tmp_path):
 
     row = json.loads(out.read_text())["rows"][0]
     assert row["same_bits"] == {"triangle": True} and row["finite"]
+
+
+@pytest.mark.gpu
+def test_diag16_option_differs_in_bits_and_passes_within_max_diff(cuda, tmp_path):
+    out = tmp_path / "kkt.json"
+    args = ["--shapes", "2/8:1000x3", "--options", "diag16", "--rounds", "1"]
+    assert kkt_options.main(args) == 1  # its tf32 products round differently: not the same bits
+    assert kkt_options.main(args + ["--max-diff", "5e-3", "--out", str(out)]) == 0
+    import json
+
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["same_bits"] == {"diag16": False} and row["finite"] and 0 < row["max_rel_diff"]["diag16"] <= 5e-3

@@ -55,6 +55,11 @@ KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5")
 #: ``forward/kkt-triangle-op-v0.21a.json``). FLASHGDN_HOPPER_KKT_TRIANGLE=0 for the build before.
 KKT_TRIANGLE = os.environ.get("FLASHGDN_HOPPER_KKT_TRIANGLE", "1") == "1"
 
+#: Stage 1's diagonal inverted in 16x16 blocks and merged to 32x32 by tf32 mma (``kkt_inverse``'s ``diag16``; in
+#: place of ``triangle`` when on): different bits (its 16x16 products are rounded to tf32). An A/B, off by default;
+#: FLASHGDN_HOPPER_KKT_DIAG16=1 turns it on.
+KKT_DIAG16 = os.environ.get("FLASHGDN_HOPPER_KKT_DIAG16", "0") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -397,7 +402,10 @@ def _kkt_build_options() -> dict:
 
 
 def kkt_options() -> dict:
-    """Stage 1's build options that the host's switches add (``triangle`` by default)."""
+    """Stage 1's build options that the host's switches add (``triangle`` by default, ``diag16`` in its place when
+    switched on)."""
+    if KKT_DIAG16:
+        return dict(diag16=True)
     return dict(triangle=True) if KKT_TRIANGLE else {}
 
 

@@ -36,7 +36,8 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
-                      store_inverse: bool = False, async_loads: bool = False, triangle: bool = False):
+                      store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
+                      diag16: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -76,7 +77,16 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     the same. Measured: the stage 0.933x-0.985x the time of the build without it (geometric mean 0.956x over eight
     shapes, ``forward/kkt-options-v0.21a.json``), the op 0.977x-1.003x (``forward/kkt-triangle-op-v0.21a.json``);
     the forward's default (``forward.KKT_TRIANGLE``).
+
+    ``diag16=True`` inverts the diagonal in 16x16 blocks instead: the substitution's chain is 16 rows long (at most 120
+    FMAs a thread instead of 496), one thread per column of each of the pair's eight 16x16 blocks (an odd group: one
+    head's four on threads 0-63), and each 32x32 diagonal block is then merged from its two by the warp that holds
+    them, ``A21' = -A22' (L21' A11')`` in seven tf32 ``mma.m16n8k8`` (the product with A11''s zero upper half
+    skipped), before the 32x32 merge as above. Its 16x16 products are rounded to tf32 as the 32x32 merge's are, so
+    the bits differ from the build without it.
     """
+    if diag16 and triangle:
+        raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
     if blocks_per_sm not in (3, 4, 5):
         raise ValueError(f"blocks_per_sm must be 3, 4 or 5, got {blocks_per_sm}")
     # five CTAs per SM need <= 44.6 KB of shared memory: each head's A21 is kept over the merge's second tile and
@@ -132,6 +142,68 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             )
 
     @T.macro
+    def substitute16(x, part, kk_s, b_s, hp, r0, c):
+        # column c of the 16x16 diagonal block at row r0 (r0 % 16 == 0). K K^T's (r0 + r, r0 + j) is at column
+        # kk_col(r0 + r, r0 + j) = (r0 ^ (m & 16)) + ((j ^ m) & 15), m = kk_col's mask of row r: a base of two per
+        # thread plus a constant once the loops are unrolled, as the 32x32 substitution's r0 % 32 == 0 gives it
+        flip = H - 2 * (r0 % B)  # r0 ^ 16 - r0
+        for r in T.unroll(H):
+            part[0] = 0.0
+            part[1] = 0.0
+            for j in T.unroll(r):
+                # (j ^ m) & 15 == j ^ (m & 15); m & 16 is set for rows r % 4 >= 2
+                part[j % 2] += kk_s[r0 + r, r0 + ((r % 4) // 2) * flip + (j ^ ((r % 2) * 8 + (r // 4) % 2))] * x[j]
+            x[r] = T.if_then_else(
+                r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[hp, r0 + r] * (part[0] + part[1]))
+            )
+
+    @T.macro
+    def merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx):
+        # X = L21' A11' for the 32x32 diagonal block of this warp (head p, block d), into x16_s[warp]. mma.m16n8k8
+        # fragments (g = lane / 4, t = lane % 4): a_i = (g + 8 (i % 2), t + 4 (i / 2)), b_i = (t + 4 i, g),
+        # c_i = (g + 8 (i / 2), 2 t + i % 2)
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        p = w // 2
+        d = w % 2
+        for i in T.unroll(8):
+            fc[i] = 0.0
+        for ks in T.unroll(2):
+            for i in T.unroll(4):
+                fa[i] = b_s[u * pair + p, d * B + H + gq + 8 * (i % 2)] * kk_s[
+                    d * B + H + gq + 8 * (i % 2), kk_col(d * B + H + gq + 8 * (i % 2), d * B + tq + 4 * (i // 2) + 8 * ks)]
+            for nt in T.unroll(2):
+                if ks == 1 or nt == 0:  # A11''s rows 0-7 are zero in columns 8-15
+                    fb[0] = d_s[p, d, tq + 8 * ks, gq + 8 * nt]
+                    fb[1] = d_s[p, d, tq + 4 + 8 * ks, gq + 8 * nt]
+                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0,
+                              fc.data, nt * 4, False)
+        for c in T.unroll(8):
+            x16_s[w, gq + 8 * ((c % 4) // 2), 8 * (c // 4) + 2 * tq + c % 2] = fc[c]
+
+    @T.macro
+    def merge16_finish(d_s, x16_s, fa, fb, fc, tx):
+        # A21' = -A22' X into the 32x32 block's lower left
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        p = w // 2
+        d = w % 2
+        for i in T.unroll(8):
+            fc[i] = 0.0
+        for ks in T.unroll(2):
+            for i in T.unroll(4):
+                fa[i] = d_s[p, d, H + gq + 8 * (i % 2), H + tq + 4 * (i // 2) + 8 * ks]
+            for nt in T.unroll(2):
+                fb[0] = x16_s[w, tq + 8 * ks, gq + 8 * nt]
+                fb[1] = x16_s[w, tq + 4 + 8 * ks, gq + 8 * nt]
+                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0,
+                          fc.data, nt * 4, False)
+        for c in T.unroll(8):
+            d_s[p, d, H + gq + 8 * ((c % 4) // 2), 8 * (c // 4) + 2 * tq + c % 2] = -fc[c]
+
+    @T.macro
     def merge_a21(u, p, b_s, kk_s, d_s, l21_s, t_s, m_f):
         # m_f = A22 (L21 A11) for head p of pair u (A21 is its negative), tf32 tensor cores on the blocks in place
         for r, c2 in T.Parallel(B, B):
@@ -179,6 +251,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             m_f = T.alloc_fragment((B, B), acc)
             x = T.alloc_local((B,), acc)
             part = T.alloc_local((2,), acc)
+            if diag16:
+                x16_s = T.alloc_shared((4, H, H), acc)  # a warp's L21' A11'
+                fa = T.alloc_local((4,), acc)
+                fb = T.alloc_local((2,), acc)
+                fc = T.alloc_local((8,), acc)
 
             tx = T.get_thread_binding()
 
@@ -211,7 +288,28 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
                     # diagonal blocks: thread -> (head p, block d, column c); column c of the block in x
                     T.sync_threads()
-                    if tx < 64 * pair:
+                    if diag16:
+                        # thread -> head tx / 64 of the pair, 16x16 block q, column; with an odd group (one head at
+                        # a time) the upper 64 threads wait at the barriers, which stay outside the branches
+                        if tx < 64 * pair:
+                            for r in T.unroll(H):
+                                x[r] = 0.0
+                            sp = tx // 64
+                            sq = (tx // 16) % 4
+                            sc = tx % H
+                            substitute16(x, part, kk_s, b_s, u * pair + sp, sq * H, sc)
+                            # the column's other half: zeros, the 32x32 block's upper right for an odd q (its lower
+                            # left, written by the merge below, for an even one)
+                            for r in T.unroll(H):
+                                d_s[sp, sq // 2, (sq % 2) * H + r, (sq % 2) * H + sc] = x[r]
+                                d_s[sp, sq // 2, H - (sq % 2) * H + r, (sq % 2) * H + sc] = 0.0
+                        T.sync_threads()
+                        if tx < 64 * pair:
+                            merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx)
+                        T.sync_threads()
+                        if tx < 64 * pair:
+                            merge16_finish(d_s, x16_s, fa, fb, fc, tx)
+                    elif tx < 64 * pair:
                         for r in T.unroll(B):
                             x[r] = 0.0
                         sp = sub_head(tx)

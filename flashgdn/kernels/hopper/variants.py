@@ -29,6 +29,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # training variants add it to the build above)
     yield (f"kkt_inverse_async_5_triangle[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, triangle=True))
+    # the diagonal in 16x16 blocks merged by tf32 mma (forward.KKT_DIAG16, an A/B)
+    yield (f"kkt_inverse_async_5_diag16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
     for has_h0, store_ht, v_first in combos:
         name = f"chunk_forward[{Hqk}/{Hv},{dtype},h0={int(has_h0)},ht={int(store_ht)},v_first={int(v_first)}]"
@@ -203,7 +206,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
                                          or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM
-                                         or "triangle" in kw):  # with_switches adds it as forward.KKT_TRIANGLE says
+                                         or "triangle" in kw or "diag16" in kw):  # with_switches adds them
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
                 kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise or "lean" in kw):
@@ -251,6 +254,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield (f"kkt_inverse_with_A_async_5_triangle[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
                 blocks_per_sm=5, triangle=True))
+    yield (f"kkt_inverse_with_A_async_5_diag16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
+                blocks_per_sm=5, diag16=True))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
     # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
     # factors, dg by a masked sum, 4-byte stores, blocks taken value heads first; and for two value heads per qk
