@@ -52,13 +52,16 @@ KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5")
 
 #: Stage 1's substitution with its warps given columns by where their work lies (``kkt_inverse``'s ``triangle``): the
 #: same bits, the stage 0.933x-0.985x and the op 0.977x-1.003x the time (``forward/kkt-options-v0.21a.json``,
-#: ``forward/kkt-triangle-op-v0.21a.json``). FLASHGDN_HOPPER_KKT_TRIANGLE=0 for the build before.
+#: ``forward/kkt-triangle-op-v0.21a.json``); the default when KKT_DIAG16 is off. FLASHGDN_HOPPER_KKT_TRIANGLE=0 for
+#: the build before.
 KKT_TRIANGLE = os.environ.get("FLASHGDN_HOPPER_KKT_TRIANGLE", "1") == "1"
 
-#: Stage 1's diagonal inverted in 16x16 blocks and merged to 32x32 by tf32 mma (``kkt_inverse``'s ``diag16``; in
-#: place of ``triangle`` when on): different bits (its 16x16 products are rounded to tf32). An A/B, off by default;
-#: FLASHGDN_HOPPER_KKT_DIAG16=1 turns it on.
-KKT_DIAG16 = os.environ.get("FLASHGDN_HOPPER_KKT_DIAG16", "0") == "1"
+#: Stage 1's diagonal inverted in 16x16 blocks and merged to 32x32 by tf32 mma (``kkt_inverse``'s ``diag16``, in
+#: place of ``triangle``): different bits (its 16x16 products are rounded to tf32; Ag and A within their bf16 storage
+#: of the oracle). The stage 0.86x-0.92x the time of the build without options (``triangle``: 0.94x-0.99x), the op
+#: 0.980x (full shapes) and 0.987x (few-CTA shapes) of ``triangle``'s (``forward/kkt-options-diag16-v0.23b.json``,
+#: ``forward/kkt-diag16-op-v0.23b.json``). The default; FLASHGDN_HOPPER_KKT_DIAG16=0 for ``triangle``.
+KKT_DIAG16 = os.environ.get("FLASHGDN_HOPPER_KKT_DIAG16", "1") == "1"
 
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
@@ -402,8 +405,7 @@ def _kkt_build_options() -> dict:
 
 
 def kkt_options() -> dict:
-    """Stage 1's build options that the host's switches add (``triangle`` by default, ``diag16`` in its place when
-    switched on)."""
+    """Stage 1's build options that the host's switches add (``diag16`` by default, else ``triangle``)."""
     if KKT_DIAG16:
         return dict(diag16=True)
     return dict(triangle=True) if KKT_TRIANGLE else {}
