@@ -76,7 +76,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     issued. The products skipped are exact zeros added to the same partial sums in the same order, so the bits are
     the same. Measured: the stage 0.933x-0.985x the time of the build without it (geometric mean 0.956x over eight
     shapes, ``forward/kkt-options-v0.21a.json``), the op 0.977x-1.003x (``forward/kkt-triangle-op-v0.21a.json``);
-    the forward's default (``forward.KKT_TRIANGLE``).
+    the forward's default before ``diag16`` (``forward.KKT_TRIANGLE``, used when ``forward.KKT_DIAG16`` is off).
 
     ``diag16=True`` inverts the diagonal in 16x16 blocks instead: the substitution's chain is 16 rows long (at most 120
     FMAs a thread instead of 496), one thread per column of each of the pair's eight 16x16 blocks (an odd group: one

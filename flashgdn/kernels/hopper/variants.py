@@ -25,11 +25,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # five CTAs per SM (forward.KKT_BLOCKS_PER_SM, the default; the builds above are four per SM)
     yield (f"kkt_inverse_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5))
-    # with the substitution's columns split by where the work lies (forward.KKT_TRIANGLE, the default: serving and
-    # training variants add it to the build above)
+    # with the substitution's columns split by where the work lies (forward.KKT_TRIANGLE, the build when
+    # forward.KKT_DIAG16 is off)
     yield (f"kkt_inverse_async_5_triangle[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, triangle=True))
-    # the diagonal in 16x16 blocks merged by tf32 mma (forward.KKT_DIAG16, an A/B)
+    # the diagonal in 16x16 blocks merged by tf32 mma (forward.KKT_DIAG16, the default: serving and training
+    # variants add it to the build above)
     yield (f"kkt_inverse_async_5_diag16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
