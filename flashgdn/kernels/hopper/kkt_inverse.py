@@ -157,49 +157,44 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[hp, r0 + r] * (part[0] + part[1]))
             )
 
-    @T.macro
-    def merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx):
-        # X = L21' A11' for the 32x32 diagonal block of this warp (head p, block d), into x16_s[warp]. mma.m16n8k8
-        # fragments (g = lane / 4, t = lane % 4): a_i = (g + 8 (i % 2), t + 4 (i / 2)), b_i = (t + 4 i, g),
-        # c_i = (g + 8 (i / 2), 2 t + i % 2)
+    def warp_block(tx):
+        # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d),
+        # and the lane's mma.m16n8k8 coordinates (g = lane / 4, t = lane % 4): fragments
+        # a_i = (g + 8 (i % 2), t + 4 (i / 2)), b_i = (t + 4 i, g), c_i = (g + 8 (i / 2), 2 t + i % 2)
         w = tx // 32
-        gq = (tx % 32) // 4
-        tq = tx % 4
-        p = w // 2
-        d = w % 2
+        return w, w // 2, w % 2, (tx % 32) // 4, tx % 4
+
+    @T.macro
+    def mma16(fa, fb, fc, gq, tq, a_at, b_at, skip_upper_b):
+        # fc = a b for 16x16 tiles read element-wise by a_at(row, col) and b_at(row, col), k in two steps of 8, n in
+        # two tiles of 8; with skip_upper_b, b's rows 0-7 are zero in columns 8-15 (a lower triangle) and skipped
         for i in T.unroll(8):
             fc[i] = 0.0
         for ks in T.unroll(2):
             for i in T.unroll(4):
-                fa[i] = b_s[u * pair + p, d * B + H + gq + 8 * (i % 2)] * kk_s[
-                    d * B + H + gq + 8 * (i % 2), kk_col(d * B + H + gq + 8 * (i % 2), d * B + tq + 4 * (i // 2) + 8 * ks)]
+                fa[i] = a_at(gq + 8 * (i % 2), tq + 4 * (i // 2) + 8 * ks)
             for nt in T.unroll(2):
-                if ks == 1 or nt == 0:  # A11''s rows 0-7 are zero in columns 8-15
-                    fb[0] = d_s[p, d, tq + 8 * ks, gq + 8 * nt]
-                    fb[1] = d_s[p, d, tq + 4 + 8 * ks, gq + 8 * nt]
+                if not skip_upper_b or ks == 1 or nt == 0:
+                    fb[0] = b_at(tq + 8 * ks, gq + 8 * nt)
+                    fb[1] = b_at(tq + 4 + 8 * ks, gq + 8 * nt)
                     T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0,
                               fc.data, nt * 4, False)
+
+    @T.macro
+    def merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx):
+        # X = L21' A11' for this warp's 32x32 diagonal block, into x16_s[warp]
+        w, p, d, gq, tq = warp_block(tx)
+        R = d * B + H  # L21''s first row in the chunk
+        mma16(fa, fb, fc, gq, tq, lambda r, c: b_s[u * pair + p, R + r] * kk_s[R + r, kk_col(R + r, d * B + c)],
+              lambda r, c: d_s[p, d, r, c], True)
         for c in T.unroll(8):
             x16_s[w, gq + 8 * ((c % 4) // 2), 8 * (c // 4) + 2 * tq + c % 2] = fc[c]
 
     @T.macro
     def merge16_finish(d_s, x16_s, fa, fb, fc, tx):
         # A21' = -A22' X into the 32x32 block's lower left
-        w = tx // 32
-        gq = (tx % 32) // 4
-        tq = tx % 4
-        p = w // 2
-        d = w % 2
-        for i in T.unroll(8):
-            fc[i] = 0.0
-        for ks in T.unroll(2):
-            for i in T.unroll(4):
-                fa[i] = d_s[p, d, H + gq + 8 * (i % 2), H + tq + 4 * (i // 2) + 8 * ks]
-            for nt in T.unroll(2):
-                fb[0] = x16_s[w, tq + 8 * ks, gq + 8 * nt]
-                fb[1] = x16_s[w, tq + 4 + 8 * ks, gq + 8 * nt]
-                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0,
-                          fc.data, nt * 4, False)
+        w, p, d, gq, tq = warp_block(tx)
+        mma16(fa, fb, fc, gq, tq, lambda r, c: d_s[p, d, H + r, H + c], lambda r, c: x16_s[w, r, c], False)
         for c in T.unroll(8):
             d_s[p, d, H + gq + 8 * ((c % 4) // 2), 8 * (c // 4) + 2 * tq + c % 2] = -fc[c]
 
