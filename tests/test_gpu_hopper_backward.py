@@ -558,11 +558,10 @@ def _assert_op_gradients_on_the_bars(ratio, l2norm, cp, monkeypatch, cuda):
 @pytest.mark.parametrize("heads", [(2, 8), (3, 3), (2, 6)])  # head pairs, a single head per qk head
 @pytest.mark.parametrize("seqlens", [[64], [1000, 3, 130], [63, 65, 200]])
 def test_stage1_stores_the_ungated_inverse(heads, seqlens, cuda):
-    """Stage 1 with ``store_inverse``: A itself (bf16) beside Ag; Ag bitwise that of the forward's build."""
+    """Stage 1 with ``store_inverse``: A itself (bf16) beside Ag; Ag bitwise that of the forward's build (the same
+    build options: the stored A is the only difference)."""
     from flashgdn.kernels.hopper.backward import hopper_inverse
-    from flashgdn.kernels.hopper.forward import slots_to_tokens
-    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
-    from flashgdn.kernels.hopper.common import tl_dtype
+    from flashgdn.kernels.hopper.forward import hopper_stage1, packed_offsets, slots_to_tokens
     from flashgdn.reference.chunked import kkt_inverse
 
     inp = make_inputs(Hqk=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, device=cuda, seqlens=seqlens,
@@ -575,14 +574,12 @@ def test_stage1_stores_the_ungated_inverse(heads, seqlens, cuda):
     assert torch.isfinite(got).all()
     # fp32 substitution, one tf32 merge (A21), stored in bf16 (~1.1e-3 by itself); a layout slip would be O(1)
     assert rel_rms(got, want) < 4e-3
-    S = bounds.shape[0]
-    gcum2 = torch.empty((heads[1], S * 64), device=cuda)
-    Ag2 = torch.zeros_like(Ag)
-    io = tl_dtype(k.dtype)
-    build_kkt_inverse(heads[0], heads[1], 128, io, io)(k, g.float().contiguous(), beta.float().contiguous(), bounds,
-                                                        gcum2, Ag2)
+    packed, _ = packed_offsets(cu, 1, T, cuda)
+    forward_stage1 = hopper_stage1(k, g, beta, packed)
+    assert torch.equal(forward_stage1.bounds, bounds)
     live = bounds[:, 1] > 0
-    assert torch.equal(Ag[live], Ag2[live])
+    assert torch.isfinite(Ag[live].float()).all()
+    assert torch.equal(Ag[live], forward_stage1.Ag[live])
 
 
 # ---- the walk and chunk_grad as one kernel (backward.FUSED_BACKWARD, fused_backward.py)
