@@ -133,6 +133,12 @@ def test_loop_and_stage1_options_are_checked():
 
     with pytest.raises(ValueError, match="regs"):  # the register split must add up to the register file
         build_chunk_forward_rso(*args, regs=(176, 128, 40))
+    from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
+
+    with pytest.raises(ValueError, match="take one"):
+        build_kkt_inverse(2, 8, 128, "bfloat16", "bfloat16", diag16=True, triangle=True)
+    with pytest.raises(ValueError, match="needs diag16"):  # the 32x32 merge reuses diag16's warp mma
+        build_kkt_inverse(2, 8, 128, "bfloat16", "bfloat16", mma32=True)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v[1] == "kkt_inverse"],

@@ -63,6 +63,13 @@ KKT_TRIANGLE = os.environ.get("FLASHGDN_HOPPER_KKT_TRIANGLE", "1") == "1"
 #: ``forward/kkt-diag16-op-v0.23b.json``). The default; FLASHGDN_HOPPER_KKT_DIAG16=0 for ``triangle``.
 KKT_DIAG16 = os.environ.get("FLASHGDN_HOPPER_KKT_DIAG16", "1") == "1"
 
+#: With KKT_DIAG16, the 32x32 merge by warp mma as well (``kkt_inverse``'s ``mma32``: both heads of a pair at once,
+#: X = L21 A11 and A21 = -A22 X in 10 and 12 tf32 ``mma.m16n8k8`` a warp, instead of L21 staged for two ``T.gemm``
+#: per head): the same bits as diag16 alone (all 171 canonical shapes), the stage 0.885x its time (0.917x with A
+#: stored), the op 0.977x (full shapes) and 0.986x (few-CTA shapes) (``forward/kkt-options-mma32-v0.24b.json``,
+#: ``forward/kkt-mma32-op-v0.24b.json``). The default; FLASHGDN_HOPPER_KKT_MMA32=0 for diag16 alone.
+KKT_MMA32 = os.environ.get("FLASHGDN_HOPPER_KKT_MMA32", "1") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -405,9 +412,10 @@ def _kkt_build_options() -> dict:
 
 
 def kkt_options() -> dict:
-    """Stage 1's build options that the host's switches add (``diag16`` by default, else ``triangle``)."""
+    """Stage 1's build options that the host's switches add (``diag16`` with ``mma32`` by default, ``diag16`` alone
+    with KKT_MMA32 off, else ``triangle``)."""
     if KKT_DIAG16:
-        return dict(diag16=True)
+        return dict(diag16=True, mma32=True) if KKT_MMA32 else dict(diag16=True)
     return dict(triangle=True) if KKT_TRIANGLE else {}
 
 

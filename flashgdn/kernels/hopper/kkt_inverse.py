@@ -37,7 +37,7 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
-                      diag16: bool = False):
+                      diag16: bool = False, mma32: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -78,15 +78,29 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     shapes, ``forward/kkt-options-v0.21a.json``), the op 0.977x-1.003x (``forward/kkt-triangle-op-v0.21a.json``);
     the forward's default before ``diag16`` (``forward.KKT_TRIANGLE``, used when ``forward.KKT_DIAG16`` is off).
 
-    ``diag16=True`` inverts the diagonal in 16x16 blocks instead: the substitution's chain is 16 rows long (at most 120
+    ``diag16=True`` (the default with ``mma32``) inverts the diagonal in 16x16 blocks instead: the substitution's chain is 16 rows long (at most 120
     FMAs a thread instead of 496), one thread per column of each of the pair's eight 16x16 blocks (an odd group: one
     head's four on threads 0-63), and each 32x32 diagonal block is then merged from its two by the warp that holds
     them, ``A21' = -A22' (L21' A11')`` in seven tf32 ``mma.m16n8k8`` (the product with A11''s zero upper half
     skipped), before the 32x32 merge as above. Its 16x16 products are rounded to tf32 as the 32x32 merge's are, so
     the bits differ from the build without it.
+
+    ``mma32=True`` (with ``diag16``) does the 32x32 merge the same way: both heads of the pair at once, two warps
+    each, ``X = L21 A11`` (each warp 16 rows, the products with A11's zero upper right skipped: 10 mma) into a shared
+    tile, then ``A21 = -A22 X`` (each warp 16 columns, the products with A22's zero upper right skipped: 12 mma)
+    written over X, instead of L21 staged through shared memory and two ``T.gemm`` per head, one head after the
+    other (2/4's build: 15 barriers instead of 18). The blocks and X keep the swizzled layout that ``T.gemm`` gave
+    the blocks (annotated, since no ``T.gemm`` reads them any more): with the plain layout the fragments' element
+    reads conflicted 4-8 ways, the gating read X one element at a time, and the stage was 1.13x slower than
+    ``diag16`` alone (v0.24a). The same tf32 products in the same order, so the same bits as ``diag16``. Measured:
+    the stage 0.885x ``diag16``'s time (0.917x with A stored), the op 0.977x on full and 0.986x on few-CTA
+    canonical shapes (``forward/kkt-options-mma32-v0.24b.json``, ``forward/kkt-mma32-op-v0.24b.json``); the
+    default (``forward.KKT_MMA32``).
     """
     if diag16 and triangle:
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
+    if mma32 and not diag16:
+        raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
     if blocks_per_sm not in (3, 4, 5):
         raise ValueError(f"blocks_per_sm must be 3, 4 or 5, got {blocks_per_sm}")
     # five CTAs per SM need <= 44.6 KB of shared memory: each head's A21 is kept over the merge's second tile and
@@ -199,6 +213,55 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             d_s[p, d, H + gq + 8 * ((c % 4) // 2), 8 * (c // 4) + 2 * tq + c % 2] = -fc[c]
 
     @T.macro
+    def merge32_product(u, b_s, kk_s, d_s, x32_s, fa, fb, fc, tx):
+        # X = L21 A11 of head p, rows 16 h2 + (0..15): this warp's half. A11[k, n] = 0 for k < n, so the n-tile nt
+        # needs the k-steps from nt on
+        w, p, h2, gq, tq = warp_block(tx)
+        for i in T.unroll(16):
+            fc[i] = 0.0
+        for ks in T.unroll(4):
+            for i in T.unroll(4):
+                rr = B + 16 * h2 + gq + 8 * (i % 2)
+                fa[i] = b_s[u * pair + p, rr] * kk_s[rr, kk_col(rr, tq + 4 * (i // 2) + 8 * ks)]
+            for nt in T.unroll(4):
+                if nt <= ks:
+                    fb[0] = d_s[p, 0, tq + 8 * ks, gq + 8 * nt]
+                    fb[1] = d_s[p, 0, tq + 4 + 8 * ks, gq + 8 * nt]
+                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0,
+                              fc.data, nt * 4, False)
+        for c in T.unroll(16):
+            xr = 16 * h2 + gq + 8 * ((c % 4) // 2)
+            x32_s[p, xr, 8 * (c // 4) + 2 * tq + c % 2] = fc[c]
+
+    @T.macro
+    def merge32_finish(d_s, x32_s, fa, fb, fc, tx):
+        # A22 X of head p, columns 16 h2 + (0..15): this warp's half, in fc (m-tile mt, n-tile nt at 4 (2 mt + nt));
+        # A22's rows 16 mt + (0..15) are zero from column 16 (mt + 1) on
+        w, p, h2, gq, tq = warp_block(tx)
+        for i in T.unroll(16):
+            fc[i] = 0.0
+        for mt in T.unroll(2):
+            for ks in T.unroll(4):
+                if ks < 2 * mt + 2:
+                    for i in T.unroll(4):
+                        fa[i] = d_s[p, 1, 16 * mt + gq + 8 * (i % 2), tq + 4 * (i // 2) + 8 * ks]
+                    for nt in T.unroll(2):
+                        xc = 16 * h2 + 8 * nt + gq
+                        fb[0] = x32_s[p, tq + 8 * ks, xc]
+                        fb[1] = x32_s[p, tq + 4 + 8 * ks, xc]
+                        T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data,
+                                  0, fc.data, (2 * mt + nt) * 4, False)
+
+    @T.macro
+    def merge32_store(x32_s, fc, tx):
+        # A21 = -(A22 X) over X, once every warp's reads of X are done
+        w, p, h2, gq, tq = warp_block(tx)
+        for c in T.unroll(16):  # c = 4 (2 mt + nt) + i
+            ar = 16 * (c // 8) + gq + 8 * ((c % 4) // 2)
+            ac = 16 * h2 + 8 * ((c // 4) % 2) + 2 * tq + c % 2
+            x32_s[p, ar, ac] = -fc[c]
+
+    @T.macro
     def merge_a21(u, p, b_s, kk_s, d_s, l21_s, t_s, m_f):
         # m_f = A22 (L21 A11) for head p of pair u (A21 is its negative), tf32 tensor cores on the blocks in place
         for r, c2 in T.Parallel(B, B):
@@ -240,10 +303,18 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             gc_s = T.alloc_shared((group, C), acc)
             b_s = T.alloc_shared((group, C), acc)
             # the inverse of a head pair as blocks: 0 = A11, 1 = A22, 2 = A21 (A12 = 0)
-            d_s = T.alloc_shared((pair, 2 if five else 3, B, B), acc)
-            l21_s = T.alloc_shared((B, B), acc)
-            t_s = T.alloc_shared((B, B), acc)
-            m_f = T.alloc_fragment((B, B), acc)
+            d_s = T.alloc_shared((pair, 2 if five or mma32 else 3, B, B), acc)
+            if mma32:
+                x32_s = T.alloc_shared((pair, B, B), acc)  # X = L21 A11, then A21 over it
+                fc32 = T.alloc_local((16,), acc)
+                # the layout T.gemm would give the blocks (16-byte groups XOR-ed by row): the mma fragments' element
+                # reads fall on distinct banks and the gating still reads 16 bytes at a time
+                T.annotate_layout({d_s: tilelang.layout.make_swizzled_layout(d_s),
+                                   x32_s: tilelang.layout.make_swizzled_layout(x32_s)})
+            else:
+                l21_s = T.alloc_shared((B, B), acc)
+                t_s = T.alloc_shared((B, B), acc)
+                m_f = T.alloc_fragment((B, B), acc)
             x = T.alloc_local((B,), acc)
             part = T.alloc_local((2,), acc)
             if diag16:
@@ -319,7 +390,35 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             d_s[sp, sd, r, sc] = x[r]
                     T.sync_threads()
 
-                    if five:
+                    if mma32:
+                        # both heads at once, two warps each: X, then A21 = -A22 X over it (barriers outside the
+                        # branches: an odd group's upper 64 threads only wait)
+                        if tx < 64 * pair:
+                            merge32_product(u, b_s, kk_s, d_s, x32_s, fa, fb, fc32, tx)
+                        T.sync_threads()
+                        if tx < 64 * pair:
+                            merge32_finish(d_s, x32_s, fa, fb, fc32, tx)
+                        T.sync_threads()  # every warp's reads of X are done
+                        if tx < 64 * pair:
+                            merge32_store(x32_s, fc32, tx)
+                        T.sync_threads()
+                        for p, i, j in T.Parallel(pair, B, B):
+                            Ag[slot, h + p, i, j] = gated(d_s[p, 0, i, j], b_s, gc_s, u * pair + p, i, j)
+                        for p, i, j in T.Parallel(pair, B, B):
+                            Ag[slot, h + p, B + i, j] = gated(x32_s[p, i, j], b_s, gc_s, u * pair + p,
+                                                              B + i, j)
+                        for p, i, j in T.Parallel(pair, B, B):
+                            Ag[slot, h + p, B + i, B + j] = gated(d_s[p, 1, i, j], b_s, gc_s, u * pair + p, B + i,
+                                                                  B + j)
+                        for p, i, j in T.Parallel(pair, B, B):
+                            Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+                        if store_inverse:
+                            for p, i, j in T.Parallel(pair, B, B):
+                                A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
+                                A_out[slot, h + p, B + i, j] = T.cast(x32_s[p, i, j], a_dtype)
+                                A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
+                                A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+                    elif five:
                         # per head: A21 = -A22 (L21 A11) into the merge's second tile, then the head's Ag (and A)
                         for p in T.serial(pair):
                             merge_a21(u, p, b_s, kk_s, d_s, l21_s, t_s, m_f)

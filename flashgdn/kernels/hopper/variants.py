@@ -29,10 +29,14 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # forward.KKT_DIAG16 is off)
     yield (f"kkt_inverse_async_5_triangle[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, triangle=True))
-    # the diagonal in 16x16 blocks merged by tf32 mma (forward.KKT_DIAG16, the default: serving and training
-    # variants add it to the build above)
+    # the diagonal in 16x16 blocks merged by tf32 mma (forward.KKT_DIAG16, with FLASHGDN_HOPPER_KKT_MMA32=0)
     yield (f"kkt_inverse_async_5_diag16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True))
+    # and the 32x32 merge by warp mma as well (forward.KKT_DIAG16 and KKT_MMA32, the default: serving and training
+    # variants add both to the build above)
+    yield (f"kkt_inverse_async_5_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True,
+                mma32=True))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
     for has_h0, store_ht, v_first in combos:
         name = f"chunk_forward[{Hqk}/{Hv},{dtype},h0={int(has_h0)},ht={int(store_ht)},v_first={int(v_first)}]"
@@ -258,6 +262,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield (f"kkt_inverse_with_A_async_5_diag16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
                 blocks_per_sm=5, diag16=True))
+    yield (f"kkt_inverse_with_A_async_5_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
+                blocks_per_sm=5, diag16=True, mma32=True))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
     # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
     # factors, dg by a masked sum, 4-byte stores, blocks taken value heads first; and for two value heads per qk
