@@ -161,3 +161,33 @@ def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
     assert {n for n, on in got.items() if on} == {n for n in got if "_pairs_skip_" in n} != set(), got
     monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", False)
     assert not any(from_h0().values())
+
+
+@pytest.mark.parametrize("diag16, mma32, triangle, want", [
+    (True, True, True, dict(diag16=True, mma32=True)),  # the default
+    (True, False, True, dict(diag16=True)),
+    (False, True, True, dict(triangle=True)),  # mma32 rides on diag16 only
+    (False, False, False, {}),
+])
+def test_stage1_variants_carry_the_switched_build_options(diag16, mma32, triangle, want, monkeypatch):
+    """Stage 1's serving and training builds are the ones the operator asks for under ``forward``'s switches
+    (KKT_DIAG16, KKT_MMA32, KKT_TRIANGLE): the same keyword options ``hopper_stage1`` passes, so a precompiled cache
+    holds exactly the kernels a call loads."""
+    from flashgdn.kernels.hopper import forward
+    from flashgdn.kernels.hopper.variants import serving_variants, training_variants
+
+    monkeypatch.setattr(forward, "KKT_DIAG16", diag16)
+    monkeypatch.setattr(forward, "KKT_MMA32", mma32)
+    monkeypatch.setattr(forward, "KKT_TRIANGLE", triangle)
+    assert forward.kkt_options() == want
+    options = dict(async_loads=forward.KKT_ASYNC_LOADS, **forward._kkt_build_options())
+    kkt = [v for v in training_variants(2, 8, flags="common") if v[1] == "kkt_inverse"]
+    assert [v[0] for v in kkt] == ["kkt_inverse_async_5[2/8,bfloat16]", "kkt_inverse_with_A_async_5[2/8,bfloat16]"]
+    assert [v for v in serving_variants(2, 8, flags="common") if v[1] == "kkt_inverse"] == kkt[:1]
+    for v, store_inverse in zip(kkt, (False, True)):
+        kw = dict(v[2])
+        assert kw.pop("store_inverse", False) == store_inverse
+        assert {k: kw[k] for k in ("Hqk", "Hv", "K", "qk_dtype", "a_dtype")} == dict(Hqk=2, Hv=8, K=128,
+                                                                                    qk_dtype="bfloat16",
+                                                                                    a_dtype="bfloat16")
+        assert {k: x for k, x in kw.items() if k not in ("Hqk", "Hv", "K", "qk_dtype", "a_dtype")} == options
