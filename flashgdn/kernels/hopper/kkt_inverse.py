@@ -15,6 +15,10 @@ the value heads of the group are inverted two at a time. The inverse is blocked 
   through shared memory;
 * the off-diagonal block by ``A21 = -A22 (L21 A11)``, two 32x32 tf32 tensor-core products.
 
+The default build (``diag16`` and ``mma32``) goes one level further down: the diagonal in 16x16 blocks by the same
+substitution, each 32x32 diagonal block merged from its two by the same formula, and every merge's products as
+per-warp ``mma.m16n8k8`` on fragments read from shared memory.
+
 Ag is formed while it is written out, so the chunk loop needs neither A nor beta. Every gate factor is the
 exp of a difference <= 0 and Ag has A's magnitude; storing Ag (one rounding to the io dtype) is as accurate as
 storing A and gating it later.
