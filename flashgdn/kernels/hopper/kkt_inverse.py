@@ -82,12 +82,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     shapes, ``forward/kkt-options-v0.21a.json``), the op 0.977x-1.003x (``forward/kkt-triangle-op-v0.21a.json``);
     the forward's default before ``diag16`` (``forward.KKT_TRIANGLE``, used when ``forward.KKT_DIAG16`` is off).
 
-    ``diag16=True`` (the default with ``mma32``) inverts the diagonal in 16x16 blocks instead: the substitution's chain is 16 rows long (at most 120
-    FMAs a thread instead of 496), one thread per column of each of the pair's eight 16x16 blocks (an odd group: one
-    head's four on threads 0-63), and each 32x32 diagonal block is then merged from its two by the warp that holds
-    them, ``A21' = -A22' (L21' A11')`` in seven tf32 ``mma.m16n8k8`` (the product with A11''s zero upper half
-    skipped), before the 32x32 merge as above. Its 16x16 products are rounded to tf32 as the 32x32 merge's are, so
-    the bits differ from the build without it.
+    ``diag16=True`` (the default, with ``mma32``) inverts the diagonal in 16x16 blocks instead: the substitution's
+    chain is 16 rows long (at most 120 FMAs a thread instead of 496), one thread per column of each of the pair's
+    eight 16x16 blocks (an odd group: one head's four on threads 0-63), and each 32x32 diagonal block is then merged
+    from its two by the warp that holds them, ``A21' = -A22' (L21' A11')`` in seven tf32 ``mma.m16n8k8`` (the
+    product with A11''s zero upper half skipped), before the 32x32 merge as above. Its 16x16 products are rounded to
+    tf32 as the 32x32 merge's are, so the bits differ from the build without it.
 
     ``mma32=True`` (with ``diag16``) does the 32x32 merge the same way: both heads of the pair at once, two warps
     each, ``X = L21 A11`` (each warp 16 rows, the products with A11's zero upper right skipped: 10 mma) into a shared
@@ -176,9 +176,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             )
 
     def warp_block(tx):
-        # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d),
-        # and the lane's mma.m16n8k8 coordinates (g = lane / 4, t = lane % 4): fragments
-        # a_i = (g + 8 (i % 2), t + 4 (i / 2)), b_i = (t + 4 i, g), c_i = (g + 8 (i / 2), 2 t + i % 2)
+        # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d; in
+        # the 32x32 merge, d is the warp's half of head p's rows or columns), and the lane's mma.m16n8k8 coordinates
+        # (g = lane / 4, t = lane % 4): fragments a_i = (g + 8 (i % 2), t + 4 (i / 2)), b_i = (t + 4 i, g),
+        # c_i = (g + 8 (i / 2), 2 t + i % 2)
         w = tx // 32
         return w, w // 2, w % 2, (tx % 32) // 4, tx % 4
 
