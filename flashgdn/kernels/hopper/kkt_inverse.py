@@ -184,6 +184,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         return w, w // 2, w % 2, (tx % 32) // 4, tx % 4
 
     @T.macro
+    def mma_tf32(fa, fb, fc, c_offset):
+        # fc[c_offset : c_offset + 4] += a b for one mma.m16n8k8 on this warp's fragments (fp32 bits read as tf32)
+        T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0, fc.data,
+                  c_offset, False)
+
+    @T.macro
     def mma16(fa, fb, fc, gq, tq, a_at, b_at, skip_upper_b):
         # fc = a b for 16x16 tiles read element-wise by a_at(row, col) and b_at(row, col), k in two steps of 8, n in
         # two tiles of 8; with skip_upper_b, b's rows 0-7 are zero in columns 8-15 (a lower triangle) and skipped
@@ -196,8 +202,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 if not skip_upper_b or ks == 1 or nt == 0:
                     fb[0] = b_at(tq + 8 * ks, gq + 8 * nt)
                     fb[1] = b_at(tq + 4 + 8 * ks, gq + 8 * nt)
-                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0,
-                              fc.data, nt * 4, False)
+                    mma_tf32(fa, fb, fc, nt * 4)
 
     @T.macro
     def merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx):
@@ -232,8 +237,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 if nt <= ks:
                     fb[0] = d_s[p, 0, tq + 8 * ks, gq + 8 * nt]
                     fb[1] = d_s[p, 0, tq + 4 + 8 * ks, gq + 8 * nt]
-                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0,
-                              fc.data, nt * 4, False)
+                    mma_tf32(fa, fb, fc, nt * 4)
         for c in T.unroll(16):
             xr = 16 * h2 + gq + 8 * ((c % 4) // 2)
             x32_s[p, xr, 8 * (c // 4) + 2 * tq + c % 2] = fc[c]
@@ -254,8 +258,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         xc = 16 * h2 + 8 * nt + gq
                         fb[0] = x32_s[p, tq + 8 * ks, xc]
                         fb[1] = x32_s[p, tq + 4 + 8 * ks, xc]
-                        T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data,
-                                  0, fc.data, (2 * mt + nt) * 4, False)
+                        mma_tf32(fa, fb, fc, (2 * mt + nt) * 4)
 
     @T.macro
     def merge32_store(x32_s, fc, tx):
@@ -291,6 +294,25 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             for i, j in T.Parallel(B, B):
                 A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
                 A_out[slot, h + p, B + i, j] = T.cast(a21[i, j], a_dtype)
+                A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
+                A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+
+    @T.macro
+    def gate_pair(Ag, A_out, slot, h, u, d_s, a21_at, b_s, gc_s):
+        # Ag = Gam ⊙ A ⊙ beta^T (and A) of both heads of pair u, block by block, stored as it is formed; A21 is read
+        # by a21_at(p, i, j) from wherever the merge left it
+        for p, i, j in T.Parallel(pair, B, B):
+            Ag[slot, h + p, i, j] = gated(d_s[p, 0, i, j], b_s, gc_s, u * pair + p, i, j)
+        for p, i, j in T.Parallel(pair, B, B):
+            Ag[slot, h + p, B + i, j] = gated(a21_at(p, i, j), b_s, gc_s, u * pair + p, B + i, j)
+        for p, i, j in T.Parallel(pair, B, B):
+            Ag[slot, h + p, B + i, B + j] = gated(d_s[p, 1, i, j], b_s, gc_s, u * pair + p, B + i, B + j)
+        for p, i, j in T.Parallel(pair, B, B):
+            Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+        if store_inverse:
+            for p, i, j in T.Parallel(pair, B, B):
+                A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
+                A_out[slot, h + p, B + i, j] = T.cast(a21_at(p, i, j), a_dtype)
                 A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
                 A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
 
@@ -407,22 +429,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         if tx < 64 * pair:
                             merge32_store(x32_s, fc32, tx)
                         T.sync_threads()
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, i, j] = gated(d_s[p, 0, i, j], b_s, gc_s, u * pair + p, i, j)
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, B + i, j] = gated(x32_s[p, i, j], b_s, gc_s, u * pair + p,
-                                                              B + i, j)
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, B + i, B + j] = gated(d_s[p, 1, i, j], b_s, gc_s, u * pair + p, B + i,
-                                                                  B + j)
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
-                        if store_inverse:
-                            for p, i, j in T.Parallel(pair, B, B):
-                                A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
-                                A_out[slot, h + p, B + i, j] = T.cast(x32_s[p, i, j], a_dtype)
-                                A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
-                                A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+                        gate_pair(Ag, A_out, slot, h, u, d_s, lambda p, i, j: x32_s[p, i, j], b_s, gc_s)
                     elif five:
                         # per head: A21 = -A22 (L21 A11) into the merge's second tile, then the head's Ag (and A)
                         for p in T.serial(pair):
@@ -440,22 +447,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             for r, c2 in T.Parallel(B, B):
                                 d_s[p, 2, r, c2] = -m_f[r, c2]
 
-                        # Ag = Gam ⊙ A ⊙ beta^T block by block, stored as it is formed
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, i, j] = gated(d_s[p, 0, i, j], b_s, gc_s, u * pair + p, i, j)
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, B + i, j] = gated(d_s[p, 2, i, j], b_s, gc_s, u * pair + p, B + i, j)
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, B + i, B + j] = gated(d_s[p, 1, i, j], b_s, gc_s, u * pair + p, B + i,
-                                                                  B + j)
-                        for p, i, j in T.Parallel(pair, B, B):
-                            Ag[slot, h + p, i, B + j] = T.cast(0, a_dtype)
-                        if store_inverse:
-                            for p, i, j in T.Parallel(pair, B, B):
-                                A_out[slot, h + p, i, j] = T.cast(d_s[p, 0, i, j], a_dtype)
-                                A_out[slot, h + p, B + i, j] = T.cast(d_s[p, 2, i, j], a_dtype)
-                                A_out[slot, h + p, B + i, B + j] = T.cast(d_s[p, 1, i, j], a_dtype)
-                                A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
+                        gate_pair(Ag, A_out, slot, h, u, d_s, lambda p, i, j: d_s[p, 2, i, j], b_s, gc_s)
 
     if store_inverse:
 
