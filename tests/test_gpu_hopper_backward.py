@@ -626,6 +626,44 @@ def test_fused_backward_with_context_parallelism(opts, monkeypatch, cuda):
     _assert_cp_backward_on_the_bars(opts, cuda)
 
 
+@pytest.mark.parametrize("opts,host_copy,cp", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), False, None),  # shift 0: the slots' numbering
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), True, None),  # shift 1: S - N states
+    (dict(seqlens=[300, 0, 5, 128], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,), pad=70), True, None),
+    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), True, None),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), True, 4),  # CP segments
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_backward_first_states_apart_gives_the_same_bits(opts, host_copy, cp, dtype, monkeypatch, cuda):
+    """``backward.FIRST_STATES_APART``: each sequence's (segment's) first chunk state written into the fused
+    kernel's dh0 buffer and read from there, instead of a slot of the states tensor: the same rounding of the same
+    state, so every gradient the same bits as with it off, for the states tensor's two numberings (an empty
+    sequence, no host copy: the slots'), without an initial state and on CP segments."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp = make_inputs(K=128, V=128, dtype=dtype, device=cuda, **opts)
+    gen = torch.Generator(device=cuda).manual_seed(5)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(dtype)
+    dht = torch.randn((len(opts["seqlens"]), opts["Hv"], 128, 128), generator=gen, device=cuda)
+    cu = inp.get("cu_seqlens")
+    cu_cpu = None if cu is None or not host_copy else cu.cpu()
+    plan = split_sequences(opts["seqlens"], cp) if cp else None
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp.get("initial_state"), cu,
+            opts.get("state_v_first", False), plan, cu_cpu)
+    monkeypatch.setattr(backward, "FIRST_STATES_APART", False)
+    off = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "FIRST_STATES_APART", True)
+    on = backward.hopper_backward(*args)
+    for name, a, b in zip(GRADIENTS, off, on):
+        if a is None:
+            assert b is None, name
+            continue
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
     """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's

@@ -152,7 +152,62 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, fused, checked_
     seqlens = opts["seqlens"]
     T = q.shape[0] * q.shape[1]
     bound = (T + 63 * len(seqlens) + 63) // 64
-    assert _slot_counts(checked_kernels) == {_chunks(seqlens) if opts.get("dense") else bound}
+    S = _chunks(seqlens) if opts.get("dense") else bound
+    assert _slot_counts(checked_kernels) == {S}
+    # the chunk states: every slot for chunk_grad; for the fused kernel (backward.FIRST_STATES_APART) all but each
+    # sequence's first where the host knows that none is empty (dense input), else the slots' numbering
+    states = {sizes.get("num_states", sizes.get("n_ht")) for name, sizes in checked_kernels
+              if name in ("chunk_forward_rs", "fused_backward")}
+    apart = fused and backward.FIRST_STATES_APART
+    assert states == {S - len(seqlens) if apart and opts.get("dense") else S}
+
+
+@pytest.mark.parametrize("seqlens,host_copy,expected", [
+    ([300, 1, 64], True, 7 - 3),   # every sequence known non-empty: S - N states
+    ([300, 0, 64], True, 6),       # an empty sequence: the slots' own numbering
+    ([300, 1, 64], False, None),   # no host copy: the slots' bound, numbered as the slots
+    ([64, 64], True, 1),           # one chunk each: no state but the first ones (one row for the tensor map)
+])
+def test_fused_backward_takes_first_states_from_the_d_initial_state_buffer(seqlens, host_copy, expected,
+                                                                          checked_kernels, monkeypatch):
+    """backward.FIRST_STATES_APART: the states pass writes each sequence's first chunk state into the fused
+    kernel's dh0 buffer (seen as 2-byte values), the fused kernel reads it there, and the states tensor has S - N
+    slots only where the host copy of the offsets shows no empty sequence (``shift`` 1)."""
+    from flashgdn.kernels.hopper import backward, fused_backward
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(backward, "FIRST_STATES_APART", True)
+    seen = []
+    stand_in = fused_backward.build_fused_backward
+
+    def capture(*a, **kw):
+        check = stand_in(*a, **kw)
+
+        def call(*args):
+            seen.append((kw, args))
+            return check(*args)
+        return call
+
+    monkeypatch.setattr(fused_backward, "build_fused_backward", capture)
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, pad=5)
+    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    cu = inp["cu_seqlens"]
+    _, _, _, _, _, dh0 = hopper_backward(q, k, v, g, beta, do, None, 0.1, h0, cu, False,
+                                         cu_seqlens_cpu=cu.clone() if host_copy else None)
+    (kw, args), = seen
+    assert kw.get("first_apart") is True
+    states, dh0_buf, first_states, shift = args[10], args[18], args[19], args[20]
+    T = q.shape[1]
+    S = _chunks(seqlens) if host_copy else (T + 63 * len(seqlens) + 63) // 64
+    assert states.shape[0] == (expected if expected is not None else S)
+    assert shift == (1 if expected is not None and 0 not in seqlens else 0)
+    # the first states live in dh0's memory: the same bytes, seen as [N, Hv, 2 V, K] bf16
+    assert first_states.data_ptr() == dh0_buf.data_ptr() and first_states.shape == (len(seqlens), 8, 256, 128)
+    assert dh0_buf.dtype == torch.float32 and dh0_buf.shape == (len(seqlens), 8, 128, 128)
+    rs = [sizes for name, sizes in checked_kernels if name == "chunk_forward_rs"]
+    assert len(rs) == 1 and rs[0]["n_ht"] == states.shape[0]
 
 
 @pytest.mark.parametrize("starts_in_kernel", [False, True])

@@ -23,7 +23,7 @@ A and Ag (``[S, Hv, 64, 64]``, io dtype), and with GVA the per-value-head dq and
 shapes known on the host: no synchronisation, capturable in a CUDA graph.
 """
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -93,6 +93,34 @@ STAGED_STATE_STORES = os.environ.get("FLASHGDN_HOPPER_STAGED_STATE_STORES", "1")
 #: Not in the precise mode (the walk's three-term operands), which keeps the two kernels.
 _FUSED = os.environ.get("FLASHGDN_HOPPER_FUSED_BACKWARD", "auto")
 FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
+
+
+#: the states pass leaves every sequence's (or segment's) first chunk state out of the per-slot states for the fused
+#: kernel, and writes it into the fused kernel's d(initial state) buffer instead, which the kernel reads it from in
+#: its last chunk step before writing the gradient over it (``fused_backward.py``, ``first_apart``): the same bits,
+#: one [Hv, V, K] tile per sequence off the backward's peak (the states tensor has S - N slots where every sequence
+#: is known on the host to be non-empty, else S with the first slots unwritten). The bwd set's eight-sequence 16/32
+#: mix peaked 0.2% above FlashQLA's memory by its partial chunks' slots (docs/hopper-notes.md).
+#: FLASHGDN_HOPPER_FIRST_STATES_APART=0: every chunk state in the states tensor.
+FIRST_STATES_APART = os.environ.get("FLASHGDN_HOPPER_FIRST_STATES_APART", "1") == "1"
+
+
+class FirstStatesApart(NamedTuple):
+    """The chunk states as the fused kernel takes them with ``first_apart``: ``states [S - shift N, Hv, V, K]``,
+    every chunk but each sequence's first; ``ds_start`` the fused kernel's d(initial state) output ``[N, Hv, K, V]``
+    float32, whose memory holds the first chunk states until the kernel overwrites it; ``shift`` 0 or 1."""
+    states: torch.Tensor
+    ds_start: torch.Tensor
+    shift: int
+
+
+def first_apart_shift(cu_cpu) -> int:
+    """1 where the host copy of the offsets shows no empty sequence (chunk c >= 1 of sequence n is then state
+    ``first_slot[n] + c - (n + 1)``: S - N states), else 0 (the slots' own numbering, S states)."""
+    if cu_cpu is None:
+        return 0
+    cu = torch.as_tensor(cu_cpu, dtype=torch.int64)
+    return int(bool((cu[1:] > cu[:-1]).all()))
 
 
 def _auto_switch(name: str):
@@ -233,10 +261,14 @@ def hopper_chunk_states(
     cu_seqlens: Optional[torch.Tensor],
     _stage1=None,
     precise: bool = False,
+    first_apart: Optional[Tuple[torch.Tensor, int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward's state at the start of every chunk slot, recomputed by the rs loop's state-only variant with
     ``store_chunk_states``: ``(states [S, Hv, V, K] V-major in q's dtype, bounds)``; ``initial_state`` K-major
-    ``[N, Hv, K, V]`` or None (zero). Idle slots are not written. ``precise``: the rs loop's precise mode (bf16)."""
+    ``[N, Hv, K, V]`` or None (zero). Idle slots are not written. ``precise``: the rs loop's precise mode (bf16).
+    ``first_apart``: ``(ds_start, shift)``, every sequence's first chunk state written into the memory of
+    ``ds_start`` (float32 ``[N, Hv, K, V]``, the fused kernel's d(initial state) output) instead, and ``states``
+    ``[S - shift N, Hv, V, K]`` (``FirstStatesApart``)."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     B, T, Hqk, K = q.shape
@@ -246,12 +278,25 @@ def hopper_chunk_states(
     dev = q.device
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty((1, Hv, K, V), device=dev)
-    states = _output((S, Hv, V, K), q.dtype, dev)
+    shift = first_apart[1] if first_apart is not None else 0
+    # (one row at least: a tensor map needs one, also where every sequence is a single chunk)
+    states = _output((max(1, S - shift * N), Hv, V, K), q.dtype, dev)
     o1 = torch.empty((1, 1, Hv, V), dtype=q.dtype, device=dev)  # not touched by a state-only pass
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(q.dtype), has_h0, False, False, False, precise, True,
-                                    staged_stores=STAGED_STATE_STORES, **lean_state_option())
-    kernel(qf, kf, v.reshape(1, B * T, Hv, V), st1.gcum, st1.Ag, cu, st1.first_slot, h0, 1.0, o1, states)
+                                    staged_stores=STAGED_STATE_STORES, **lean_state_option(),
+                                    **(dict(first_apart=True) if first_apart is not None else {}))
+    args = (qf, kf, v.reshape(1, B * T, Hv, V), st1.gcum, st1.Ag, cu, st1.first_slot, h0, 1.0, o1, states)
+    if first_apart is not None:
+        args += (_first_states_view(first_apart[0], q.dtype, V, K), shift)
+    kernel(*args)
     return states, st1.bounds
+
+
+def _first_states_view(ds_start: torch.Tensor, dtype: torch.dtype, V: int, K: int) -> torch.Tensor:
+    """The d(initial state) buffer ``[N, Hv, K, V]`` float32 as ``[N, Hv, 2 V, K]`` values of the 2-byte io dtype,
+    whose first V rows of each [n, h] hold sequence n's first chunk state (``first_apart``)."""
+    N, Hv = ds_start.shape[:2]
+    return ds_start.view(dtype).view(N, Hv, 2 * V, K)
 
 
 def hopper_state_gradients(
@@ -331,8 +376,19 @@ class HopperBackwardStages:
         self._stage1_for(q, k, g, beta, cu, cu_cpu)
 
     def chunk_states(self, q, k, v, g, beta, h0, cu, cu_cpu):
-        return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=self._stage1_for(q, k, g, beta, cu, cu_cpu),
-                                   precise=self.precise)[0]
+        """The states as ``chunk_gradients`` reads them, or, for ``fused_gradients`` (``FIRST_STATES_APART``), a
+        ``FirstStatesApart``: the first chunk states in the memory of the fused kernel's d(initial state) output,
+        which is allocated here for it."""
+        stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
+        if not (self.fuses_gradients and FIRST_STATES_APART):
+            return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=stage1, precise=self.precise)[0]
+        _, _, N, _ = stage1
+        Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+        ds_start = _output((N, Hv, K, V), torch.float32, q.device)
+        shift = first_apart_shift(cu_cpu)
+        states = hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=stage1, precise=self.precise,
+                                     first_apart=(ds_start, shift))[0]
+        return FirstStatesApart(states, ds_start, shift)
 
     def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
         ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu,
@@ -372,11 +428,18 @@ class HopperBackwardStages:
         # dq and dk per value head for finish_gradients to sum, or (cluster_sum) summed by the kernel: a group of one
         per = 1 if options.get("cluster_sum") else group
         dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hqk * per)
-        dh0 = _output((N, Hv, K, V), torch.float32, q.device)
-        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **options)(
-            qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
-            cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg, dbeta,
-            dh0)
+        apart = isinstance(states, FirstStatesApart)
+        if apart:  # dh0 is the buffer that holds the first chunk states until the kernel writes over them
+            states, dh0, shift = states
+            options = dict(options, first_apart=True)
+        else:
+            dh0 = _output((N, Hv, K, V), torch.float32, q.device)
+        args = (qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
+                cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg,
+                dbeta, dh0)
+        if apart:
+            args += (_first_states_view(dh0, q.dtype, V, K), shift)
+        build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **options)(*args)
         return (dq.view(1, TT, Hqk, per, K), dk.view(1, TT, Hqk, per, K), dv, dg, dbeta), dh0
 
     def finish_gradients(self, grads):

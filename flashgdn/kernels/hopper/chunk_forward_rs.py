@@ -71,6 +71,7 @@ def build_chunk_forward_rs(
     swizzled_v: Optional[bool] = None,
     lean: bool = False,
     starts_from_h0: bool = False,
+    first_apart: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -127,6 +128,16 @@ def build_chunk_forward_rs(
     (``gate_inverse.py``), from g and beta rows that the producer's third warp loads beside q, k, v. The kernel's
     arguments are then ``q, k, v, g [1, T, Hv], beta [1, T, Hv] (float32), cu_seqlens, h0, scale, o, ht``: no chunk
     plan, no ``kkt_inverse`` launch, no Ag or g~ round trip through HBM. Registers 192/96/32.
+
+    ``first_apart=True`` (with ``store_chunk_states``) keeps every sequence's first chunk state out of ``ht``, for
+    the fused backward (``fused_backward.py``, its option of the same name): two last arguments, ``first_states
+    [N, Hv, 2 V, K]`` in the io dtype, whose rows 0..V-1 of [n, h] take sequence n's first S^T (the initial state's
+    rounding, or zero), and ``shift`` (int32, 0 or 1): chunk c >= 1 of sequence n goes to ``ht[first_slot[n] + c -
+    shift (n + 1)]``, so with shift 1 (no sequence empty) ``ht`` needs S - N rows, with 0 it keeps S and leaves the
+    first slots unwritten. ``first_states`` is the fused kernel's d(initial state) buffer ``[N, Hv, K, V]`` float32
+    seen as 2-byte values: the fused kernel reads sequence n's first S^T there in its last chunk step, before it
+    writes that sequence's gradient over it, so the first states take no memory of their own (one [Hv, V, K] tile
+    per sequence off the backward's peak).
 
     ``swizzled_v``: v's ring tiles in the 128-byte swizzle, so that the state paths' element-wise reads of V^T are
     free of bank conflicts (``chunk_forward_rso.py``'s ``swizzled_v``); the same bits. Measured on the state-only
@@ -190,6 +201,8 @@ def build_chunk_forward_rs(
         if with_output or store_final_state:
             raise ValueError("store_chunk_states is a state-only pass without a final state")
         state_shape_ht = (n_ht, Hv, V, K)  # one S^T per chunk slot
+    if first_apart and not store_chunk_states:
+        raise ValueError("first_apart is an option of store_chunk_states")
     # chunk states are stored as the GEMMs here and in the backward read them: rounded to the io dtype
     ht_dtype = io_dtype if store_chunk_states else "float32"
 
@@ -197,7 +210,8 @@ def build_chunk_forward_rs(
 
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
-                   o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq=None, is_first=None):
+                   o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq=None, is_first=None, first_states=None,
+                   shift=None):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -232,7 +246,23 @@ def build_chunk_forward_rs(
             t0 = bos + c * C
             n_rows = T.min(eos - t0, C)
             if store_chunk_states:
-                if staged_stores:
+                if first_apart:
+                    if staged_stores:
+                        for i, j in T.Parallel(HV2, K):
+                            hs_s[i, j] = T.cast(st_f[i, j], io_dtype)
+                        T.fence_proxy_async()
+                        if c == 0:
+                            T.copy(hs_s, first_states[n, h, c0:c0 + HV2, :])
+                        else:
+                            T.copy(hs_s, ht[first_slot[n] + c - shift * (n + 1), h, c0:c0 + HV2, :])
+                    else:
+                        if c == 0:
+                            for i, j in T.Parallel(HV2, K):
+                                first_states[n, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
+                        else:
+                            for i, j in T.Parallel(HV2, K):
+                                ht[first_slot[n] + c - shift * (n + 1), h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
+                elif staged_stores:
                     for i, j in T.Parallel(HV2, K):
                         hs_s[i, j] = T.cast(st_f[i, j], io_dtype)
                     T.fence_proxy_async()
@@ -350,7 +380,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
-                    count=None):
+                    count=None, first_states=None, shift=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -402,6 +432,10 @@ def build_chunk_forward_rs(
                 if starts_from_h0:
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
+                elif first_apart:
+                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, None, None, first_states,
+                               shift)
                 else:
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
@@ -410,6 +444,10 @@ def build_chunk_forward_rs(
                 if starts_from_h0:
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
+                elif first_apart:
+                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, None, None, first_states,
+                               shift)
                 else:
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
@@ -487,6 +525,27 @@ def build_chunk_forward_rs(
             count: T.Tensor((n_cp_seqs,), "int64"),
         ):
             kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count)
+
+    elif first_apart:
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+            first_states: T.Tensor((num_seqs, Hv, 2 * V, K), io_dtype),
+            shift: T.int32,
+        ):
+            kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht,
+                        first_states=first_states, shift=shift)
 
     else:
 

@@ -123,7 +123,8 @@ template <typename Bar> __device__ __forceinline__ void push_rows(void *dst, voi
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
-                         p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False):
+                         p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
+                         first_apart: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -157,6 +158,14 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                  ``cluster_sum`` [1, T, Hqk, K], the sums themselves
       dg, dbeta  [1, T, Hv]       float32, written
       dh0        [N, Hv, K, V]    float32, written: the gradient at every sequence's start (K-major)
+
+    ``first_apart`` (``backward.FIRST_STATES_APART``): every sequence's first chunk state is not in ``states`` but
+    in rows 0..V-1 of ``first_states [N, Hv, 2 V, K]`` (io dtype), two last arguments with ``shift`` (int32):
+    chunk c >= 1 of sequence n is ``states[first_slot[n] + c - shift (n + 1)]`` (``chunk_forward_rs.py``'s option
+    of the same name writes them so). ``first_states`` is ``dh0``'s memory seen as 2-byte values: the producer
+    loads sequence n's first S^T from it for the CTA's last chunk step, and the state side writes dh0[n, h] over it
+    only after that step's ``ydw_ready``, which the value side arrives after its ``full_e`` wait, so after the load
+    has landed; no other CTA reads [n, h]. The states tensor is then S - N slots instead of S.
     """
     import tilelang
     import tilelang.language as T
@@ -169,6 +178,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     num_slots = T.dynamic("num_slots")
     slot_rows = T.dynamic("slot_rows")
     n_dht = T.dynamic("n_dht")
+    # the states' own count when the first ones are apart (S - N or S, as ``shift`` says), else the slots'
+    num_states = T.dynamic("num_states") if first_apart else num_slots
+    if first_apart and trace:
+        raise ValueError("the trace build reads every chunk state from the states tensor (first_apart off)")
     acc = "float32"
     if cluster_sum:
         assert 2 <= group <= CLUSTER_SUM_MAX_GROUP and C % (8 * group) == 0, "cluster_sum needs a group of 2 to 8"
@@ -298,7 +311,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
 
     @T.macro
     def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
-                            dg, dbeta, dh0, tr):
+                            dg, dbeta, dh0, tr, first_states=None, shift=None):
         with T.Kernel(Hv, num_seqs, threads=512, prelude=prelude, cluster_dims=cluster_dims) as (h, n):
             hq = h // group
             bos = cu_seqlens[n]
@@ -739,7 +752,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             T.barrier_wait(free_e, (c + 1) % 2)
                             stamp(tr, 3, 1, c, tx, h, n)
                         T.tma_copy(Ag[slot, h, 0:C, 0:C], ag_s, barrier=full_e)
-                        T.tma_copy(states[slot, h, 0:V, 0:K], st_s, barrier=full_e)
+                        if first_apart:
+                            if c == n_chunks - 1:
+                                T.tma_copy(first_states[n, h, 0:V, 0:K], st_s, barrier=full_e)
+                            else:
+                                T.tma_copy(states[slot - shift * (n + 1), h, 0:V, 0:K], st_s, barrier=full_e)
+                        else:
+                            T.tma_copy(states[slot, h, 0:V, 0:K], st_s, barrier=full_e)
                         if n_rows == C:
                             T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s, barrier=full_e)
                         else:
@@ -831,7 +850,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             A: T.Tensor((num_slots, Hv, C, C), io_dtype),
             cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
             first_slot: T.Tensor((num_seqs,), "int32"),
-            states: T.Tensor((num_slots, Hv, V, K), io_dtype),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
             dht: T.Tensor((n_dht, Hv, K, V), "float32"),
             scale: T.float32,
             dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
@@ -844,6 +863,34 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         ):
             fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
                                 dk, dg, dbeta, dh0, tr)
+    elif first_apart:
+        @T.prim_func
+        def fused_backward_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dg: T.Tensor((1, num_tokens, Hv), "float32"),
+            dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            first_states: T.Tensor((num_seqs, Hv, 2 * V, K), io_dtype),
+            shift: T.int32,
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, None, first_states, shift)
+
     else:
         @T.prim_func
         def fused_backward_kernel(
@@ -857,7 +904,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             A: T.Tensor((num_slots, Hv, C, C), io_dtype),
             cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
             first_slot: T.Tensor((num_seqs,), "int32"),
-            states: T.Tensor((num_slots, Hv, V, K), io_dtype),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
             dht: T.Tensor((n_dht, Hv, K, V), "float32"),
             scale: T.float32,
             dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),

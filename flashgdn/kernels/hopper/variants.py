@@ -202,9 +202,10 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         builder, kw = v[1], v[2]
         if builder == "chunk_grad":  # the one build the options give, below
             continue
+        fused = backward.FUSED_BACKWARD and not precise
         if builder == "fused_backward":
-            if not (backward.FUSED_BACKWARD and not precise) or kw.get("trace") or kw.get("p_first") \
-                    or kw.get("lean_gates") or kw.get("cluster_sum"):
+            if not fused or kw.get("trace") or kw.get("p_first") or kw.get("lean_gates") or kw.get("cluster_sum") \
+                    or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
@@ -215,6 +216,9 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
                 kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise or "lean" in kw):
+            continue
+        # the states pass for the fused kernel, beside the plain one for the two kernels ("auto" may take either)
+        if kw.get("first_apart") and not (fused and backward.FIRST_STATES_APART):
             continue
         yield with_switches(v)
     yield _chunk_grad_variant(Hqk, Hv, K, V, dtype, tuple(f for f, on in options.items() if on))
@@ -242,6 +246,11 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=False,
                         state_v_first=False, with_output=False, precise=precise, store_chunk_states=True,
                         staged_stores=staged))
+            if not precise:  # each sequence's first state apart, for the fused kernel (backward.FIRST_STATES_APART)
+                yield (f"chunk_states[{Hqk}/{Hv},{dtype},h0={int(has_h0)}{tag},first_apart]", "chunk_forward_rs",
+                       dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                            store_final_state=False, state_v_first=False, with_output=False, precise=False,
+                            store_chunk_states=True, staged_stores=staged, first_apart=True))
         for has_dht in (True, False):
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged,
@@ -280,6 +289,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         for has_dht in (True, False):
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht))
+        # reading each sequence's first chunk state from the d(initial state) buffer (backward.FIRST_STATES_APART)
+        for has_dht in (True, False):
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)},first_apart]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, first_apart=True))
         # its trace build (benchmarks/fused_backward_trace.py), a diagnostic: never run by the operator
         yield (f"fused_backward_trace[{Hqk}/{Hv},{dtype},dht=1]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, trace=True))
