@@ -19,8 +19,10 @@ exact context parallelism (every segment's walk in parallel) on a segment plan o
 
 Autograd saves the inputs alone (q, k, v, g, beta, the initial state); the backward's largest buffers are the
 chunk states and their gradients, ``[S, Hv, V, K]`` in the io dtype each (S = number of chunk slots, about T/64),
-A and Ag (``[S, Hv, 64, 64]``, io dtype), and with GVA the per-value-head dq and dk (io dtype). Like the forward, everything here is device-side work with
-shapes known on the host: no synchronisation, capturable in a CUDA graph.
+A and Ag (``[S, Hv, 64, 64]``, io dtype), and with GVA the per-value-head dq and dk (io dtype); for the fused
+kernel the states leave out each sequence's first, which waits in the memory of its d(initial state) output
+(``FIRST_STATES_APART``). Like the forward, everything here is device-side work with shapes known on the host: no
+synchronisation, capturable in a CUDA graph.
 """
 import os
 from typing import NamedTuple, Optional, Tuple
