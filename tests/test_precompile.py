@@ -68,8 +68,9 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     from the forward's) and splices (the forward's chains build from the forward's segment starts and their index
     kernel, the reverse's blocked build at both widths), and the backward's kernels as its switches
     are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
-    with their default stores, the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes
-    that fill the GPU) with and without a final-state gradient, in the precise mode (which keeps the two kernels)
+    with their default stores (the states pass also in its build for the fused kernel, ``backward.FIRST_STATES_APART``),
+    the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes that fill the GPU) with and
+    without a final-state gradient, in the precise mode (which keeps the two kernels)
     the precise builds alone."""
     from flashgdn.kernels.hopper import backend, backward, forward
     from flashgdn.kernels.hopper.variants import serving_variants, training_variants
@@ -81,10 +82,21 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
                                "chain_index", "splice_chains[8,forward]", "splice_blocked8[8,reverse]",
                                "splice_blocked16[8,reverse]",
                                "chunk_states[2/8,bfloat16,h0=1,staged]",
-                               "chunk_states[2/8,bfloat16,h0=0,staged]", "state_grad_walk[2/8,bfloat16,dht=1,staged]",
+                               "chunk_states[2/8,bfloat16,h0=1,staged,first_apart]",
+                               "chunk_states[2/8,bfloat16,h0=0,staged]",
+                               "chunk_states[2/8,bfloat16,h0=0,staged,first_apart]",
+                               "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async_5[2/8,bfloat16]",
-                               "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]",
+                               "fused_backward[2/8,bfloat16,dht=1,first_apart]",
+                               "fused_backward[2/8,bfloat16,dht=0,first_apart]",
                                "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
+    # without FIRST_STATES_APART the fused kernel's builds and states pass read and write every state in one tensor
+    monkeypatch.setattr(backward, "FIRST_STATES_APART", False)
+    names_off = [v[0] for v in training_variants(2, 8, flags="common")]
+    assert [n for n in names_off if n.startswith(("chunk_states", "fused_backward"))] == [
+        "chunk_states[2/8,bfloat16,h0=1,staged]", "chunk_states[2/8,bfloat16,h0=0,staged]",
+        "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]"]
+    monkeypatch.setattr(backward, "FIRST_STATES_APART", True)
     # with FUSED_CLUSTER_SUM, the fused builds sum dq and dk in a cluster of each group's CTAs (groups of 2 to 8)
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert [v[2].get("cluster_sum") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
@@ -143,7 +155,7 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     assert set(lean_of_state_passes().values()) == {None}
     monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
     lean = lean_of_state_passes()
-    assert len(lean) == 7 and set(lean.values()) == {True}, lean
+    assert len(lean) == 9 and set(lean.values()) == {True}, lean
 
 
 def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
