@@ -432,25 +432,19 @@ def build_chunk_forward_rs(
                 if starts_from_h0:
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
-                elif first_apart:
+                else:  # (first_states and shift None but with first_apart)
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, None, None, first_states,
-                               shift)
-                else:
-                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready,
+                               first_states=first_states, shift=shift)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
                 if starts_from_h0:
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
-                elif first_apart:
+                else:  # (first_states and shift None but with first_apart)
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, None, None, first_states,
-                               shift)
-                else:
-                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready)
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready,
+                               first_states=first_states, shift=shift)
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)
