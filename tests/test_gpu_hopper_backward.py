@@ -664,6 +664,59 @@ def test_fused_backward_first_states_apart_gives_the_same_bits(opts, host_copy, 
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("opts,cp", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None),  # a padded tail
+    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4),  # CP segments
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), None),  # a group of four: two pairs, then their sum
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
+    """``backward.FUSED_PAIR_SUMS``: each value head's dq and dk rows added by L2 reductions into one zeroed output
+    per pair of value heads. In a group of two that is the whole sum, RN(a + b) whichever lands first: the same
+    bits as the group sum, run after run; in a group of four the two pair sums are rounded before their sum, so
+    dq and dk move by about the io dtype's rounding and nothing else changes. On the bars against float64."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp = make_inputs(K=128, V=128, dtype=dtype, device=cuda, **opts)
+    gen = torch.Generator(device=cuda).manual_seed(7)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(dtype)
+    dht = torch.randn((len(opts["seqlens"]), opts["Hv"], 128, 128), generator=gen, device=cuda)
+    cu = inp.get("cu_seqlens")
+    svf = opts.get("state_v_first", False)
+    plan = split_sequences(opts["seqlens"], cp) if cp else None
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp.get("initial_state"), cu, svf,
+            plan, None if cu is None else cu.cpu())
+    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)
+    off = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", True)
+    on = backward.hopper_backward(*args)
+    again = backward.hopper_backward(*args)
+    pairs_only = opts["Hv"] // opts["Hqk"] == 2
+    for name, a, b, c in zip(GRADIENTS, off, on, again):
+        if a is None:
+            assert b is None, name
+            continue
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(b, c), name  # deterministic
+        if pairs_only or name not in ("dq", "dk"):
+            assert torch.equal(a, b), name
+        else:
+            assert 0 < rel_rms(b, a) < 4e-3, name
+    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
+        end = int(cu[-1])
+        assert (on[0][:, end:] == 0).all() and (on[1][:, end:] == 0).all()
+    if not pairs_only:
+        want = chunk_gated_delta_rule_backward_reference(
+            inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, scale=0.1,
+            initial_state=inp.get("initial_state"), cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+        print("pair sums:", end=" ")
+        _assert_on_the_bars(on, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
     """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's

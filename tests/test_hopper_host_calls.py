@@ -369,6 +369,46 @@ def test_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
             assert summed == 1
 
 
+def test_fused_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
+    """With the fused kernel's pair sums (backward.FUSED_PAIR_SUMS), dq and dk are zeroed outputs with one head per
+    pair of value heads, which the kernel adds into: a group of two comes back without a group sum, a group of
+    four with one over its two pairs."""
+    from flashgdn.kernels.hopper import backward, fused_backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", True)
+    seen, options = [], []
+    real_zeros = torch.zeros
+    stand_in = fused_backward.build_fused_backward
+
+    def zeros(*args, **kwargs):
+        out = real_zeros(*args, **kwargs)
+        seen.append(tuple(out.shape))
+        return out
+
+    def capture(*a, **kw):
+        options.append(kw)
+        return stand_in(*a, **kw)
+
+    monkeypatch.setattr(backward.torch, "zeros", zeros)
+    monkeypatch.setattr(fused_backward, "build_fused_backward", capture)
+    for heads in ((2, 4), (2, 8)):
+        inp = make_inputs(Hqk=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, seqlens=[300, 70])
+        q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        do = torch.randn(v.shape).to(torch.bfloat16)
+        seen.clear()
+        options.clear()
+        cu = inp["cu_seqlens"]
+        dq, dk, *_ = backward.hopper_backward(q, k, v, g, beta, do, None, 0.1, h0, cu, False, None, cu.clone())
+        assert dq.shape == q.shape and dk.shape == k.shape
+        per_pair = (1, q.shape[1], heads[1] // 2, 128)
+        sums = [sizes for name, sizes in checked_kernels if name == "group_sum"]
+        checked_kernels.clear()
+        assert [kw.get("pair_sums") for kw in options] == [True]
+        assert seen.count(per_pair) == 2, seen  # dq and dk, zeroed for the reductions
+        assert len(sums) == (0 if heads[1] == 2 * heads[0] else 1)
+
+
 def _long_sequence_problem(seqlens=(16384,), grad=True):
     """``(problem, input names, leaves)``: 2/8 sequences of ``seqlens`` tokens (one of 16384) under cp="auto", every
     input a leaf that wants its gradient with ``grad`` (the op's backward under autograd)."""

@@ -166,6 +166,17 @@ FUSED_GATES_MAX_HV = 16
 #: FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=1|0.
 FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == "1"
 
+#: the fused kernel adds each value head's dq and dk rows into one zeroed output per pair of value heads (heads 2p and
+#: 2p + 1, of one qk head since the group is even) by 16-byte vector reductions in L2 (``fused_backward.py``,
+#: ``pair_sums``), instead of storing them per value head: with two addends onto zero the sum is RN(a + b) in
+#: either order, so deterministic, and the group sum's value. A group of two then needs no group-sum pass at all
+#: (0.19 ms of 16/32's 2.5 ms backward, 768 MiB moved at HBM speed) for two memsets of half the traffic, and the
+#: training step's peak holds half the per-value-head dq and dk; larger even groups sum group / 2 pairs. v0.7e's
+#: bf16x2 atomics from ``chunk_grad``'s accumulators cost that kernel 1.29x (4-byte reductions, 67 million per
+#: tensor on 16/32 4096x8); these are a quarter as many, from the tile the stores read now.
+#: FLASHGDN_HOPPER_FUSED_PAIR_SUMS=1|0.
+FUSED_PAIR_SUMS = os.environ.get("FLASHGDN_HOPPER_FUSED_PAIR_SUMS", "0") == "1"
+
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -181,6 +192,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
         options["lean_gates"] = True
     if FUSED_CLUSTER_SUM and 2 <= group <= CLUSTER_SUM_MAX_GROUP:
         options["cluster_sum"] = True
+    elif FUSED_PAIR_SUMS and group % 2 == 0:
+        options["pair_sums"] = True
     return options
 
 
@@ -427,9 +440,11 @@ class HopperBackwardStages:
         Hv, V = v.shape[2], v.shape[3]
         group = Hv // Hqk
         options = fused_backward_options(Hv, group)
-        # dq and dk per value head for finish_gradients to sum, or (cluster_sum) summed by the kernel: a group of one
-        per = 1 if options.get("cluster_sum") else group
-        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hqk * per)
+        # dq and dk per value head for finish_gradients to sum, or (cluster_sum) summed by the kernel: a group of one,
+        # or (pair_sums) per pair of value heads, added by the kernel into zeros
+        per = 1 if options.get("cluster_sum") else group // 2 if options.get("pair_sums") else group
+        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hqk * per,
+                                                 torch.zeros if options.get("pair_sums") else None)
         apart = isinstance(states, FirstStatesApart)
         if apart:  # dh0 is the buffer that holds the first chunk states until the kernel writes over them
             states, dh0, shift = states

@@ -120,11 +120,30 @@ template <typename Bar> __device__ __forceinline__ void push_rows(void *dst, voi
 }  // namespace flashgdn_cluster
 """
 
+#: device helpers of the ``pair_sums`` build: 16 bytes of a staged 2-byte tile added into global memory by one vector
+#: reduction (``red.global.add.noftz.v4.{bf16x2,f16x2}``, SM90). With two addends onto a zeroed output the result
+#: is RN(RN(0 + a) + b) = RN(a + b) whichever lands first: deterministic, and the value ``group_sum.py`` makes of the
+#: same two addends (its float32 sum of two 2-byte values is exact unless their exponents are 16 or more apart).
+PAIRS_PRELUDE = r"""
+namespace flashgdn_pairs {
+__device__ __forceinline__ void add_16_bytes_bf16(void *dst, const void *src) {
+  uint4 x = *reinterpret_cast<const uint4 *>(src);
+  asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};"
+               :: "l"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w) : "memory");
+}
+__device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
+  uint4 x = *reinterpret_cast<const uint4 *>(src);
+  asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};"
+               :: "l"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w) : "memory");
+}
+}  // namespace flashgdn_pairs
+"""
+
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         first_apart: bool = False):
+                         first_apart: bool = False, pair_sums: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -183,12 +202,15 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     if first_apart and trace:
         raise ValueError("the trace build reads every chunk state from the states tensor (first_apart off)")
     acc = "float32"
+    if pair_sums:
+        assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
     if cluster_sum:
         assert 2 <= group <= CLUSTER_SUM_MAX_GROUP and C % (8 * group) == 0, "cluster_sum needs a group of 2 to 8"
     # a plain launch unless cluster_sum (None and None are T.Kernel's defaults: the same kernel as without them)
     cluster_dims = (group, 1, 1) if cluster_sum else None
-    prelude = CLUSTER_PRELUDE if cluster_sum else None
-    dq_heads = Hqk if cluster_sum else Hv
+    prelude = CLUSTER_PRELUDE if cluster_sum else PAIRS_PRELUDE if pair_sums else None
+    dq_heads = Hqk if cluster_sum else Hv // 2 if pair_sums else Hv
+    add_16_bytes = "flashgdn_pairs::add_16_bytes_" + ("bf16" if io_dtype == "bfloat16" else "f16")
     own_rows = C // group  # cluster_sum: the rows of a chunk each CTA of a group sums and writes
 
     @T.macro
@@ -198,6 +220,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             for j in T.Parallel(D):
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
         T.fence_proxy_async()
+
+    @T.macro
+    def add_rows(src_s, dst, t0, n_rows, hp, lane):
+        # pair_sums: the staged [C, K] tile added to rows t0.. of pair hp, 16 bytes a thread per step: a warp covers
+        # two whole rows (512 contiguous bytes of each), the 128 threads eight rows a step
+        for step in T.serial(C * K // (8 * 128)):
+            r = step * 8 + lane // 16
+            col = (lane % 16) * 8
+            if r < n_rows:
+                T.call_extern("handle", add_16_bytes, T.address_of(dst[0, t0 + r, hp, col]),
+                              T.address_of(src_s[r, col]))
 
     @T.macro
     def edge_stamp(tr, edge, tx, h, n):
@@ -562,6 +595,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     if cluster_sum:
                         T.fence_proxy_async()
                         T.barrier_arrive(q_staged)
+                    elif pair_sums:
+                        add_rows(vn_s, dq, t0, n_rows, h // 2, tx - 128)
                     else:
                         for i, j in T.Parallel(C, K):
                             if i < n_rows:
@@ -582,9 +617,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         T.fence_proxy_async()
                         T.barrier_arrive(k_staged)
                     else:
-                        for i, j in T.Parallel(C, K):
-                            if i < n_rows:
-                                dk[0, t0 + i, h, j] = vn_s[i, j]
+                        if pair_sums:
+                            add_rows(vn_s, dk, t0, n_rows, h // 2, tx - 128)
+                        else:
+                            for i, j in T.Parallel(C, K):
+                                if i < n_rows:
+                                    dk[0, t0 + i, h, j] = vn_s[i, j]
                         T.barrier_arrive(vn_free)
 
             elif tx < 384:

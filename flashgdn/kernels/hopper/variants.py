@@ -205,11 +205,13 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         fused = backward.FUSED_BACKWARD and not precise
         if builder == "fused_backward":
             if not fused or kw.get("trace") or kw.get("p_first") or kw.get("lean_gates") or kw.get("cluster_sum") \
-                    or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
+                    or kw.get("pair_sums") or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
+        if builder == "group_sum" and kw["group"] != Hv // Hqk and not (fused and backward.FUSED_PAIR_SUMS):
+            continue  # the sum over the fused kernel's pairs
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
                                          or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM
                                          or "triangle" in kw or "diag16" in kw):  # with_switches adds them
@@ -316,8 +318,20 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                 tag, opts = (",p_first,lean_gates", dict(p_first=True, lean_gates=True)) if lean else ("", {})
                 yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},cluster_sum]", "fused_backward",
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, cluster_sum=True))
+        # dq and dk added per pair of value heads into zeros by L2 reductions (backward.FUSED_PAIR_SUMS), with the
+        # operator's other options for these heads
+        if (Hv // Hqk) % 2 == 0:
+            from .backward import FUSED_GATES_MAX_HV
+
+            lean = Hv <= FUSED_GATES_MAX_HV
+            tag, opts = (",p_first,lean_gates", dict(p_first=True, lean_gates=True)) if lean else ("", {})
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},first_apart,pair_sums]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, first_apart=True,
+                        pair_sums=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
+    if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
+        yield (f"group_sum[{Hv // Hqk // 2},{dtype}]", "group_sum", dict(group=Hv // Hqk // 2, K=K, io_dtype=dtype))
 
 
 def build(builder: str, kwargs: dict):
