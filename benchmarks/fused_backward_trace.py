@@ -49,8 +49,9 @@ def parse_options(text):
 def fused_inputs(Hqk, Hv, seqlens, seed=0):
     """The fused kernel's arguments on random inputs (bf16, K = V = 128, mild decay, an initial state and a final
     state's gradient), from the states pass and stage 1 as the backward makes them: ``(args, outputs)``,
-    ``outputs(summed=False)`` a list of fresh NaN-filled tensors ``(dv, dq, dk, dg, dbeta, dh0)``, dq and dk per value
-    head, or per qk head for a ``cluster_sum`` build (``summed``)."""
+    ``outputs(options)`` a list of fresh NaN-filled tensors ``(dv, dq, dk, dg, dbeta, dh0)`` for a build with these
+    options: dq and dk per value head, per qk head for ``cluster_sum``, or zeros per pair of value heads for
+    ``pair_sums`` (the kernel adds into them, so a pair_sums build's outputs hold the sum of its calls)."""
     import torch
 
     from flashgdn.kernels.hopper.backward import HopperBackwardStages
@@ -76,11 +77,15 @@ def fused_inputs(Hqk, Hv, seqlens, seed=0):
     states = st.chunk_states(q, k, v, g, beta, h0, cu, cu.cpu())
     (qf, kf), cu_k, N, st1 = st._stage1_for(q, k, g, beta, cu, cu.cpu())
 
-    def outputs(summed=False):
-        Hq = Hqk if summed else Hv
-        return [_output((1, T, Hv, V), bf, dev), _output((1, T, Hq, K), bf, dev), _output((1, T, Hq, K), bf, dev),
-                _output((1, T, Hv), torch.float32, dev), _output((1, T, Hv), torch.float32, dev),
-                _output((N, Hv, K, V), torch.float32, dev)]
+    def outputs(options=None):
+        options = options or {}
+        if options.get("pair_sums"):
+            dq, dk = (torch.zeros((1, T, Hv // 2, K), dtype=bf, device=dev) for _ in range(2))
+        else:
+            Hq = Hqk if options.get("cluster_sum") else Hv
+            dq, dk = _output((1, T, Hq, K), bf, dev), _output((1, T, Hq, K), bf, dev)
+        return [_output((1, T, Hv, V), bf, dev), dq, dk, _output((1, T, Hv), torch.float32, dev),
+                _output((1, T, Hv), torch.float32, dev), _output((N, Hv, K, V), torch.float32, dev)]
 
     args = (qf, kf, v, do, st1.gcum, beta.contiguous(), st1.Ag, st1.A, cu_k, st1.first_slot, states,
             dht.contiguous(), float(scale))
@@ -111,7 +116,7 @@ def main(argv=None):
     options = parse_options(args.options)
     if options is None:  # the build the switches give (FLASHGDN_HOPPER_FUSED_*)
         options = fused_backward_options(Hv, Hv // Hqk)
-    call_args = (*call_in, *outputs(options.get("cluster_sum", False)))
+    call_args = (*call_in, *outputs(options))
     # with and without its stamps
     kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, trace=True, **options)
     plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, **options)

@@ -58,9 +58,18 @@
 #   fwd+bwd without and with it, flashgdn alone, one process each (bwd-cluster{0,1}.json).
 # cluster-cp: the cp set's fwd+bwd without and with it (cp-cluster{0,1}.json), then a training step's live set at its
 #   memory peak on 1/4 and 2/4 131072x1 with it (memory-peak.json).
+# pairs: dq and dk added per pair of value heads into zeroed outputs by L2 reductions inside the fused backward
+#   (backward.FUSED_PAIR_SUMS, notes v0.26a): its tests (gpu-pairs.log; the rest is skipped unless they pass), the
+#   bwd set's fwd+bwd without and with it in one process (pairs-ab.json: the ratios, and whether the bits are the
+#   same), then a training step's live set at its memory peak on the 16/32 eight-sequence mix and 32768x1, both
+#   ways (memory-peak-pairs{0,1}.json).
+# pairs-set: the bwd set's fwd+bwd with it, flashgdn alone (bwd-pairs.json, with peak memory).
+# pairs-suite: the backward's, CP's and torch.compile's GPU suites with it on (gpu-suite-pairs.log).
+# pairs-check: with its default (auto: groups of two), its tests and the one that compares a group of four with the
+#   two-kernel backward (gpu-pairs-auto.log).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -148,6 +157,28 @@ elif [ "$part" = cluster ]; then
       tail -2 "$out/bwd-cluster$on.log"
     done
   fi
+elif [ "$part" = pairs ]; then
+  gpu_tests gpu-pairs 240 12 tests/test_gpu_hopper_backward.py -k pair_sums
+  if grep -q " passed" "$out/gpu-pairs.log" && ! grep -q "failed\|error" "$out/gpu-pairs.log"; then
+    logged pairs-ab 330 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_PAIR_SUMS \
+      --set bwd --modes fwdbwd --rounds 2 --out "$out/pairs-ab.json"
+    tail -45 "$out/pairs-ab.log"
+    for on in 0 1; do
+      logged memory-peak-pairs$on 90 env FLASHGDN_HOPPER_FUSED_PAIR_SUMS=$on python3 benchmarks/memory_peak.py \
+        --case 16/32:2308,9176,8884,1687,7967,73,2598,75 --case 16/32:32768 --out "$out/memory-peak-pairs$on.json"
+      tail -6 "$out/memory-peak-pairs$on.log"
+    done
+  fi
+elif [ "$part" = pairs-set ]; then
+  logged bwd-pairs 200 env FLASHGDN_HOPPER_FUSED_PAIR_SUMS=1 python3 -m flashgdn.bench --set bwd --impls flashgdn \
+    --modes fwdbwd --time-budget 170 --no-plots --out-dir "$out" --name bwd-pairs
+  tail -2 "$out/bwd-pairs.log"
+elif [ "$part" = pairs-suite ]; then
+  (export FLASHGDN_HOPPER_FUSED_PAIR_SUMS=1
+   gpu_tests gpu-suite-pairs 560 12 tests/test_gpu_hopper_backward.py tests/test_gpu_hopper_cp.py tests/test_gpu_compile.py)
+elif [ "$part" = pairs-check ]; then
+  gpu_tests gpu-pairs-auto 240 12 tests/test_gpu_hopper_backward.py \
+    -k "pair_sums or deterministic_and_near"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

@@ -69,7 +69,11 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     assert fo.set_options("default+p_first", 32) == {"p_first": True}
     assert fo.set_options("lean_gates", 32) == {"lean_gates": True}
     # cluster_sum by name, or by the switch for a group of two to eight
+    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", "auto")
     assert fo.set_options("default+cluster_sum", 32, 2) == {"cluster_sum": True}
+    # pair_sums by the switch: on its own ("auto") for a group of two
+    assert fo.set_options("default", 32, 2) == {"pair_sums": True}
+    assert fo.set_options("default", 32, 4) == {}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert fo.set_options("default", 8, 4) == {"p_first": True, "lean_gates": True, "cluster_sum": True}
     assert fo.set_options("default", 8, 1) == {"p_first": True, "lean_gates": True}

@@ -412,6 +412,7 @@ def test_cluster_sum_gives_the_group_sums_bits(opts, monkeypatch, cuda):
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp["initial_state"],
             inp["cu_seqlens"])
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)  # the group sum's own bits
     group = opts["Hv"] // opts["Hqk"]
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     summed = backward.hopper_backward(*args, state_v_first=svf)
@@ -664,13 +665,13 @@ def test_fused_backward_first_states_apart_gives_the_same_bits(opts, host_copy, 
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("opts,cp", [
-    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None),  # a padded tail
-    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None),
-    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4),  # CP segments
-    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), None),  # a group of four: two pairs, then their sum
+@pytest.mark.parametrize("opts,cp,dtype", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.float16),
+    (dict(seqlens=[256, 256], dense=True, Hqk=2, Hv=4, initial_state=False, state_v_first=True), None, torch.bfloat16),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="strong"), None, torch.bfloat16),  # a group of four: two pairs
 ])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
     """``backward.FUSED_PAIR_SUMS``: each value head's dq and dk rows added by L2 reductions into one zeroed output
     per pair of value heads. In a group of two that is the whole sum, RN(a + b) whichever lands first: the same

@@ -40,7 +40,8 @@ EXPLAINED_SPILLS = {
         "serialised. With lean_gates (backward.FUSED_LEAN_GATES, the default up to 16 value heads) up to 100: two "
         "more gate-side values stored and one reloaded once a chunk. With cluster_sum (backward.FUSED_CLUSTER_SUM, a "
         "memory option, off) up to 204/232: the producer warps' exchange at their 40 registers (its loop-carried "
-        "addresses and the sums' 16-byte vectors)",
+        "addresses and the sums' 16-byte vectors). With pair_sums (backward.FUSED_PAIR_SUMS, an A/B) the same: "
+        "64/80 at 16/32",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
@@ -119,6 +120,28 @@ def test_cluster_sum_is_checked_and_launches_clusters_of_the_group():
     # dq's and dk's rows sent from the chunk loop and again for the last chunk after it
     assert src.count("flashgdn_cluster::push_rows(") == 4 and "cluster_sync" in src
     assert "flashgdn_cluster" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
+
+
+def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
+    """``pair_sums`` is built for even groups only (a clear error before anything compiles), not beside
+    ``cluster_sum``; its build adds dq's and dk's rows with the 16-byte reduction of its io dtype, and the default
+    build has none."""
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    with pytest.raises(AssertionError, match="even group"):
+        build_fused_backward(2, 2, 128, 128, "bfloat16", True, pair_sums=True)
+    with pytest.raises(AssertionError, match="even group"):
+        build_fused_backward(2, 6, 128, 128, "bfloat16", True, pair_sums=True)
+    with pytest.raises(AssertionError, match="not cluster_sum"):
+        build_fused_backward(2, 8, 128, 128, "bfloat16", True, pair_sums=True, cluster_sum=True)
+    for dtype, helper in (("bfloat16", "bf16"), ("float16", "f16")):
+        src = build_fused_backward(2, 8, 128, 128, dtype, True, p_first=True, lean_gates=True, first_apart=True,
+                                   pair_sums=True).get_kernel_source()
+        # dq's rows, then dk's, each by the helper of the io dtype (``red.global.add.noftz.v4.{bf16x2,f16x2}``)
+        assert src.count("flashgdn_pairs::add_16_bytes_") == 2
+        assert src.count(f"flashgdn_pairs::add_16_bytes_{helper}(") == 2
+        assert f"red.global.add.noftz.v4.{helper}x2" in src
+    assert "flashgdn_pairs" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
 
 
 def test_loop_and_stage1_options_are_checked():

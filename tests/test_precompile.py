@@ -106,9 +106,12 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert "cluster_sum" not in backward.fused_backward_options(32, 16)
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     assert not [v for v in training_variants(2, 8, flags="common") if v[2].get("cluster_sum")]
-    # with FUSED_PAIR_SUMS, the fused builds add dq and dk per pair of value heads (even groups), and a group of four
-    # sums its two pairs
+    # FUSED_PAIR_SUMS: "auto" adds dq and dk per pair of value heads in the fused builds of groups of two only; on,
+    # in every even group, and a group of four sums its two pairs
     assert not [v for v in training_variants(2, 8, flags="common") if v[2].get("pair_sums")]
+    assert [v[2].get("pair_sums") for v in training_variants(2, 4, flags="common") if v[1] == "fused_backward"] \
+        == [True, True]
+    assert "group_sum[2,bfloat16]" in [v[0] for v in training_variants(2, 4, flags="common")]  # chunk_grad's
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", True)
     paired = training_variants(2, 8, flags="common")
     assert [(v[0], v[2].get("pair_sums")) for v in paired if v[1] in ("fused_backward", "group_sum")] == [
@@ -116,9 +119,11 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
         ("fused_backward[2/8,bfloat16,dht=0,first_apart]", True),
         ("group_sum[4,bfloat16]", None), ("group_sum[2,bfloat16]", None)]
     assert backward.fused_backward_options(32, 2) == {"pair_sums": True}
+    assert backward.fused_backward_options(32, 4) == {"pair_sums": True}
     assert "pair_sums" not in backward.fused_backward_options(8, 1)
     assert "pair_sums" not in backward.fused_backward_options(6, 3)
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)
+    assert not [v for v in training_variants(2, 4, flags="common") if v[2].get("pair_sums")]
     monkeypatch.setattr(backend, "CP_CHAIN_INDEX", False)  # the chains' index by torch ops: no kernel
     assert "chain_index" not in [v[0] for v in training_variants(2, 8, flags="common")]
     monkeypatch.setattr(backend, "CP_CHAIN_INDEX", True)

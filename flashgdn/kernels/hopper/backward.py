@@ -169,13 +169,15 @@ FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == 
 #: the fused kernel adds each value head's dq and dk rows into one zeroed output per pair of value heads (heads 2p and
 #: 2p + 1, of one qk head since the group is even) by 16-byte vector reductions in L2 (``fused_backward.py``,
 #: ``pair_sums``), instead of storing them per value head: with two addends onto zero the sum is RN(a + b) in
-#: either order, so deterministic, and the group sum's value. A group of two then needs no group-sum pass at all
-#: (0.19 ms of 16/32's 2.5 ms backward, 768 MiB moved at HBM speed) for two memsets of half the traffic, and the
-#: training step's peak holds half the per-value-head dq and dk; larger even groups sum group / 2 pairs. v0.7e's
-#: bf16x2 atomics from ``chunk_grad``'s accumulators cost that kernel 1.29x (4-byte reductions, 67 million per
-#: tensor on 16/32 4096x8); these are a quarter as many, from the tile the stores read now.
-#: FLASHGDN_HOPPER_FUSED_PAIR_SUMS=1|0.
-FUSED_PAIR_SUMS = os.environ.get("FLASHGDN_HOPPER_FUSED_PAIR_SUMS", "0") == "1"
+#: either order, so deterministic, and in a group of two the group sum's value, with no group-sum pass and half the
+#: per-value-head dq and dk at the training step's peak. On the H200 (notes v0.26a, ``backward/pairs-ab-v0.26a.*``,
+#: ``memory-peak-v0.26a-pairs{0,1}.*``): the same bits on all 32 bwd-set shapes (every one a group of two), fwd+bwd
+#: 0.994x (0.977x-1.006x; 0.98x at 4/8 and 8/16, ~1.0x at 16/32, where the fused kernel loses about what the pass
+#: cost), the peak 256 MiB lower at 16/32 (1835.5 -> 1579.5 MiB on the eight-sequence mix, 0.86x). "auto" (the
+#: default) takes it for groups of two only: in larger even groups the pair sums are rounded to the io dtype before
+#: their sum, which adds that rounding to dq and dk (2.8e-3 against the two-kernel backward at 2/8, where the group
+#: sum gives under 2e-3). FLASHGDN_HOPPER_FUSED_PAIR_SUMS=auto|1 (every even group)|0.
+FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
@@ -192,7 +194,7 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
         options["lean_gates"] = True
     if FUSED_CLUSTER_SUM and 2 <= group <= CLUSTER_SUM_MAX_GROUP:
         options["cluster_sum"] = True
-    elif FUSED_PAIR_SUMS and group % 2 == 0:
+    elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto" and group == 2):
         options["pair_sums"] = True
     return options
 

@@ -174,9 +174,15 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
       scale      float32
       dv         [1, T, Hv, V]    io dtype, written
       dq, dk     [1, T, Hv, K]    io dtype, written per value head (the caller sums each qk head's group); with
-                 ``cluster_sum`` [1, T, Hqk, K], the sums themselves
+                 ``cluster_sum`` [1, T, Hqk, K], the sums themselves; with ``pair_sums`` [1, T, Hv / 2, K], zeroed
+                 by the caller and added into
       dg, dbeta  [1, T, Hv]       float32, written
       dh0        [N, Hv, K, V]    float32, written: the gradient at every sequence's start (K-major)
+
+    ``pair_sums`` (``backward.FUSED_PAIR_SUMS``, for even groups): the value side adds its staged dq and dk rows into
+    head h // 2 of a zeroed output with one 16-byte vector reduction per thread and row piece (``PAIRS_PRELUDE``)
+    instead of storing them: value heads 2p and 2p + 1 meet there as RN(a + b), deterministic, and in a group of two
+    the group sum's value, with no group-sum pass after the kernel (notes v0.26a).
 
     ``first_apart`` (``backward.FIRST_STATES_APART``): every sequence's first chunk state is not in ``states`` but
     in rows 0..V-1 of ``first_states [N, Hv, 2 V, K]`` (io dtype), two last arguments with ``shift`` (int32):

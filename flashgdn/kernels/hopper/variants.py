@@ -210,7 +210,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
-        if builder == "group_sum" and kw["group"] != Hv // Hqk and not (fused and backward.FUSED_PAIR_SUMS):
+        if builder == "group_sum" and kw["group"] != Hv // Hqk and not (fused and backward.FUSED_PAIR_SUMS is True):
             continue  # the sum over the fused kernel's pairs
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
                                          or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM
