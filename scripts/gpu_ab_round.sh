@@ -67,9 +67,13 @@
 # pairs-suite: the backward's, CP's and torch.compile's GPU suites with it on (gpu-suite-pairs.log).
 # pairs-check: with its default (auto: groups of two), its tests and the one that compares a group of four with the
 #   two-kernel backward (gpu-pairs-auto.log).
+# zeros: the pair sums' outputs zeroed on their own stream beside the states pass (backward.PAIR_ZEROS_ASIDE, notes
+#   v0.26b): the pair-sum, CP and CUDA-graph tests with it (gpu-zeros.log; the rest is skipped unless they pass),
+#   the bwd set's fwd+bwd at 16/32 and 8/16 without and with it in one process (zeros-ab.json), then a training
+#   step's kernels on 16/32 32768x1 both ways (step-kernels-zeros{0,1}.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -150,7 +154,7 @@ elif [ "$part" = overlap ]; then
   done
 elif [ "$part" = cluster ]; then
   gpu_tests gpu-cluster 240 4 tests/test_gpu_hopper_backward.py tests/test_gpu_hopper_cp.py -k cluster_sum
-  if grep -q " passed" "$out/gpu-cluster.log" && ! grep -q "failed\|error" "$out/gpu-cluster.log"; then
+  if grep -q " passed" "$out/gpu-cluster.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/gpu-cluster.log"; then
     for on in 0 1; do
       logged bwd-cluster$on 110 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set bwd \
         --impls flashgdn --modes fwdbwd --time-budget 90 --no-plots --out-dir "$out" --name bwd-cluster$on
@@ -159,7 +163,7 @@ elif [ "$part" = cluster ]; then
   fi
 elif [ "$part" = pairs ]; then
   gpu_tests gpu-pairs 240 12 tests/test_gpu_hopper_backward.py -k pair_sums
-  if grep -q " passed" "$out/gpu-pairs.log" && ! grep -q "failed\|error" "$out/gpu-pairs.log"; then
+  if grep -q " passed" "$out/gpu-pairs.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/gpu-pairs.log"; then
     logged pairs-ab 330 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_PAIR_SUMS \
       --set bwd --modes fwdbwd --rounds 2 --out "$out/pairs-ab.json"
     tail -45 "$out/pairs-ab.log"
@@ -179,6 +183,19 @@ elif [ "$part" = pairs-suite ]; then
 elif [ "$part" = pairs-check ]; then
   gpu_tests gpu-pairs-auto 240 12 tests/test_gpu_hopper_backward.py \
     -k "pair_sums or deterministic_and_near"
+elif [ "$part" = zeros ]; then
+  gpu_tests gpu-zeros 240 12 tests/test_gpu_hopper_backward.py tests/test_gpu_compile.py \
+    -k "pair_sums or (fused_backward_with_context_parallelism and opts0) or replays"
+  if grep -q " passed" "$out/gpu-zeros.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/gpu-zeros.log"; then
+    logged zeros-ab 150 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:PAIR_ZEROS_ASIDE \
+      --set bwd --modes fwdbwd --rounds 2 --only-heads 16/32,8/16 --out "$out/zeros-ab.json"
+    tail -20 "$out/zeros-ab.log"
+    for on in 0 1; do
+      logged step-kernels-zeros$on 90 env FLASHGDN_HOPPER_PAIR_ZEROS_ASIDE=$on python3 benchmarks/step_kernels.py \
+        --cp auto --shape 16/32:32768 --out "$out/step-kernels-zeros$on.json"
+      grep -v "^ *$" "$out/step-kernels-zeros$on.log" | tail -14
+    done
+  fi
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

@@ -58,6 +58,21 @@ def test_training_step_replays_from_a_cuda_graph(hopper_backward, request, cuda)
         request.applymarker(pytest.mark.xfail(
             strict=True, raises=RuntimeError,
             reason="the PyTorch chunked backward copies host-built chunk indices to the device (not capturable)"))
+    _assert_step_replays_as_run(cuda)
+
+
+def test_fused_backward_with_pair_zeros_aside_replays_from_a_cuda_graph(monkeypatch, cuda):
+    """The fused backward with its pair sums, whose outputs are zeroed on a stream of their own beside the states
+    pass (``backward.PAIR_ZEROS_ASIDE``), inside a captured training step: the replay gives the run's gradients."""
+    from flashgdn.kernels.hopper import backend, backward
+
+    monkeypatch.setattr(backend, "BACKWARD", "kernels")
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    assert backward.PAIR_ZEROS_ASIDE and backward.fused_backward_options(4, 2).get("pair_sums")
+    _assert_step_replays_as_run(cuda)
+
+
+def _assert_step_replays_as_run(cuda):
     layer = _layer(cuda)
     cu_cpu = torch.tensor([0, 300, 377, 1000], dtype=torch.int32)
     cu = cu_cpu.to(cuda)

@@ -179,6 +179,26 @@ FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == 
 #: sum gives under 2e-3). FLASHGDN_HOPPER_FUSED_PAIR_SUMS=auto|1 (every even group)|0.
 FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 
+#: with ``pair_sums``, the fused kernel's zeroed dq and dk (2 x 128 MiB at 16/32 on 32768 tokens: ~0.08 ms of memset)
+#: are allocated when the chunk states are asked for, and zeroed on a stream of their own while the states pass runs
+#: (the states pass is bound by its chunk steps, not by HBM, and leaves room on the SMs for the memset's small
+#: blocks); the fused kernel's stream waits for them. On the H200 (notes v0.26b, ``backward/zeros-ab-v0.26b.*``): the
+#: same bits, fwd+bwd 0.991x at 16/32 and 8/16 (0.984x-0.997x), the memsets off the critical path (0.081 ms in order
+#: on 16/32 32768x1, ``backward/step-kernels-v0.26b-zeros{0,1}.*``). FLASHGDN_HOPPER_PAIR_ZEROS_ASIDE=1|0 (0: zeroed
+#: in order, right before the fused kernel).
+PAIR_ZEROS_ASIDE = os.environ.get("FLASHGDN_HOPPER_PAIR_ZEROS_ASIDE", "1") == "1"
+
+_ZERO_STREAMS = {}
+
+
+def _zero_stream(device: torch.device) -> "torch.cuda.Stream":
+    """A stream of ``device`` for the zeroing beside the states pass (one per device, made on first use)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    if device not in _ZERO_STREAMS:
+        _ZERO_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _ZERO_STREAMS[device]
+
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -380,6 +400,8 @@ class HopperBackwardStages:
         self.fuses_gradients = fused and not precise
         self._cu = None
         self._stage1 = None
+        #: (cu, dq, dk, stream) while the pair sums' outputs are being zeroed on ``stream`` (``PAIR_ZEROS_ASIDE``)
+        self._pair_zeros = None
 
     def _stage1_for(self, q, k, g, beta, cu, cu_cpu):
         if self._cu is not cu:
@@ -397,6 +419,7 @@ class HopperBackwardStages:
         ``FirstStatesApart``: the first chunk states in the memory of the fused kernel's d(initial state) output,
         which is allocated here for it."""
         stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
+        self._zero_pair_outputs_aside(q, v, cu)
         if not (self.fuses_gradients and FIRST_STATES_APART):
             return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=stage1, precise=self.precise)[0]
         _, _, N, _ = stage1
@@ -406,6 +429,30 @@ class HopperBackwardStages:
         states = hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=stage1, precise=self.precise,
                                      first_apart=(ds_start, shift))[0]
         return FirstStatesApart(states, ds_start, shift)
+
+    def _zero_pair_outputs_aside(self, q, v, cu):
+        """With the fused kernel's pair sums and ``PAIR_ZEROS_ASIDE``: its dq and dk, allocated here and zeroed on
+        their own stream from this point of the current one (so, beside the states pass that follows)."""
+        Hqk, Hv = q.shape[2], v.shape[2]
+        if not (PAIR_ZEROS_ASIDE and q.is_cuda and self.fuses_gradients
+                and fused_backward_options(Hv, Hv // Hqk).get("pair_sums")):
+            return
+        main, side = torch.cuda.current_stream(q.device), _zero_stream(q.device)
+        dq, dk = (torch.empty((1, q.shape[1], Hv // 2, q.shape[3]), dtype=q.dtype, device=q.device) for _ in range(2))
+        side.wait_stream(main)  # after their allocation, in the order the main stream sees
+        with torch.cuda.stream(side):
+            dq.zero_()
+            dk.zero_()
+        self._pair_zeros = (cu, dq, dk, side)
+
+    def _pair_outputs(self, cu, shape, dtype, device):
+        """The pair sums' zeroed dq and dk: those zeroed aside for these offsets (the current stream then waits for
+        them), else zeros made now."""
+        held, self._pair_zeros = self._pair_zeros, None
+        if held is not None and held[0] is cu and held[1].shape == shape:
+            torch.cuda.current_stream(device).wait_stream(held[3])
+            return held[1], held[2]
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
     def state_gradients(self, q, k, g, beta, do, dht, scale, cu, cu_cpu):
         ds_end, dh0, _ = hopper_state_gradients(q, k, g, beta, do, dht, scale, cu,
@@ -437,6 +484,7 @@ class HopperBackwardStages:
         gradients ``dht`` (K-major float, or None: zero)."""
         from .fused_backward import build_fused_backward
 
+        offsets = cu
         (qf, kf), cu, N, st1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
@@ -445,8 +493,11 @@ class HopperBackwardStages:
         # dq and dk per value head for finish_gradients to sum, or (cluster_sum) summed by the kernel: a group of one,
         # or (pair_sums) per pair of value heads, added by the kernel into zeros
         per = 1 if options.get("cluster_sum") else group // 2 if options.get("pair_sums") else group
-        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hqk * per,
-                                                 torch.zeros if options.get("pair_sums") else None)
+        qk_alloc = None
+        if options.get("pair_sums"):
+            zeroed = iter(self._pair_outputs(offsets, (1, TT, Hqk * per, K), q.dtype, q.device))
+            qk_alloc = lambda *shape, **kwargs: next(zeroed)  # noqa: E731
+        dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hqk * per, qk_alloc)
         apart = isinstance(states, FirstStatesApart)
         if apart:  # dh0 is the buffer that holds the first chunk states until the kernel writes over them
             states, dh0, shift = states
