@@ -627,6 +627,23 @@ def test_fused_backward_with_context_parallelism(opts, monkeypatch, cuda):
     _assert_cp_backward_on_the_bars(opts, cuda)
 
 
+def _fused_ab_inputs(opts, cp, dtype, cuda, seed, host_copy=True):
+    """``(inputs, hopper_backward's arguments)`` for an A/B of the fused backward's options: ``make_inputs(**opts)``
+    with random dO and final-state gradient (``seed``), scale 0.1, CP segments of ``cp`` chunks (or none), and the
+    host copy of the offsets where there are offsets and ``host_copy``."""
+    from flashgdn.cp import split_sequences
+
+    inp = make_inputs(K=128, V=128, dtype=dtype, device=cuda, **opts)
+    gen = torch.Generator(device=cuda).manual_seed(seed)
+    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(dtype)
+    dht = torch.randn((len(opts["seqlens"]), opts["Hv"], 128, 128), generator=gen, device=cuda)
+    cu = inp.get("cu_seqlens")
+    cu_cpu = None if cu is None or not host_copy else cu.cpu()
+    plan = split_sequences(opts["seqlens"], cp) if cp else None
+    return inp, (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp.get("initial_state"), cu,
+                 opts.get("state_v_first", False), plan, cu_cpu)
+
+
 @pytest.mark.parametrize("opts,host_copy,cp", [
     (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), False, None),  # shift 0: the slots' numbering
     (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), True, None),  # shift 1: S - N states
@@ -640,19 +657,10 @@ def test_fused_backward_first_states_apart_gives_the_same_bits(opts, host_copy, 
     kernel's dh0 buffer and read from there, instead of a slot of the states tensor: the same rounding of the same
     state, so every gradient the same bits as with it off, for the states tensor's two numberings (an empty
     sequence, no host copy: the slots'), without an initial state and on CP segments."""
-    from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import backward
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    inp = make_inputs(K=128, V=128, dtype=dtype, device=cuda, **opts)
-    gen = torch.Generator(device=cuda).manual_seed(5)
-    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(dtype)
-    dht = torch.randn((len(opts["seqlens"]), opts["Hv"], 128, 128), generator=gen, device=cuda)
-    cu = inp.get("cu_seqlens")
-    cu_cpu = None if cu is None or not host_copy else cu.cpu()
-    plan = split_sequences(opts["seqlens"], cp) if cp else None
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp.get("initial_state"), cu,
-            opts.get("state_v_first", False), plan, cu_cpu)
+    _, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=5, host_copy=host_copy)
     monkeypatch.setattr(backward, "FIRST_STATES_APART", False)
     off = backward.hopper_backward(*args)
     monkeypatch.setattr(backward, "FIRST_STATES_APART", True)
@@ -677,20 +685,12 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
     per pair of value heads. In a group of two that is the whole sum, RN(a + b) whichever lands first: the same
     bits as the group sum, run after run; in a group of four the two pair sums are rounded before their sum, so
     dq and dk move by about the io dtype's rounding and nothing else changes. On the bars against float64."""
-    from flashgdn.cp import split_sequences
     from flashgdn.kernels.hopper import backward
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    inp = make_inputs(K=128, V=128, dtype=dtype, device=cuda, **opts)
-    gen = torch.Generator(device=cuda).manual_seed(7)
-    do = torch.randn(inp["v"].shape, generator=gen, device=cuda).to(dtype)
-    dht = torch.randn((len(opts["seqlens"]), opts["Hv"], 128, 128), generator=gen, device=cuda)
-    cu = inp.get("cu_seqlens")
-    svf = opts.get("state_v_first", False)
-    plan = split_sequences(opts["seqlens"], cp) if cp else None
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, 0.1, inp.get("initial_state"), cu, svf,
-            plan, None if cu is None else cu.cpu())
+    inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=7)
+    do, dht, cu, svf = args[5], args[6], args[9], args[10]
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)
     off = backward.hopper_backward(*args)
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", True)

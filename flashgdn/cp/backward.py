@@ -44,16 +44,17 @@ from .plan import SegmentIndex, SegmentPlan
 #: FLASHGDN_CP_BACKWARD_OVERLAP=0: one stream, the steps in order.
 OVERLAP = os.environ.get("FLASHGDN_CP_BACKWARD_OVERLAP", "1") == "1"
 
-_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: Dict[Tuple[torch.device, str], "torch.cuda.Stream"] = {}
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The second stream of ``device`` (one per device, made on first use)."""
+def side_stream(device: torch.device, purpose: str = "walks") -> "torch.cuda.Stream":
+    """A second stream of ``device`` for ``purpose`` (one per device and purpose, made on first use): work for
+    different purposes beside the main stream does not queue behind each other."""
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
+    if (device, purpose) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device, purpose] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device, purpose]
 
 
 class BackwardStages(Protocol):

@@ -188,17 +188,6 @@ FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 #: in order, right before the fused kernel).
 PAIR_ZEROS_ASIDE = os.environ.get("FLASHGDN_HOPPER_PAIR_ZEROS_ASIDE", "1") == "1"
 
-_ZERO_STREAMS = {}
-
-
-def _zero_stream(device: torch.device) -> "torch.cuda.Stream":
-    """A stream of ``device`` for the zeroing beside the states pass (one per device, made on first use)."""
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    if device not in _ZERO_STREAMS:
-        _ZERO_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _ZERO_STREAMS[device]
-
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -437,7 +426,10 @@ class HopperBackwardStages:
         if not (PAIR_ZEROS_ASIDE and q.is_cuda and self.fuses_gradients
                 and fused_backward_options(Hv, Hv // Hqk).get("pair_sums")):
             return
-        main, side = torch.cuda.current_stream(q.device), _zero_stream(q.device)
+        from ...cp.backward import side_stream
+
+        # a stream of their own: in the CP backward the walks' stream is busy beside the states pass too
+        main, side = torch.cuda.current_stream(q.device), side_stream(q.device, "pair zeros")
         dq, dk = (torch.empty((1, q.shape[1], Hv // 2, q.shape[3]), dtype=q.dtype, device=q.device) for _ in range(2))
         side.wait_stream(main)  # after their allocation, in the order the main stream sees
         with torch.cuda.stream(side):
