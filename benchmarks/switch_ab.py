@@ -1,4 +1,4 @@
-"""One switch of the Hopper backend timed both ways, side by side in one process (GPU only).
+"""One switch of the Hopper backend (or several set together) timed both ways, side by side in one process (GPU only).
 
     python benchmarks/switch_ab.py --switch flashgdn.cp.backward:OVERLAP --set bwd --modes fwd,fwdbwd \
         --rounds 2 --out overlap-ab.json
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     from stage_timing import results_header
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--switch", required=True, help="MODULE:NAME of a boolean switch, e.g. "
+    ap.add_argument("--switch", required=True, help="MODULE:NAME of a boolean switch (several, comma separated: "
+                    "set together), e.g. "
                                                     "flashgdn.cp.backward:OVERLAP")
     ap.add_argument("--set", default=None, help="shape set(s), comma separated (flashgdn.bench's)")
     ap.add_argument("--heads", default=None, help="custom shapes: head configs, with --seqlens")
@@ -74,10 +75,13 @@ def main(argv=None) -> int:
                     help="pass on a relative RMS difference between the sides of at most this instead of equal bits")
     args = ap.parse_args(argv)
 
-    module_name, name = args.switch.split(":")
-    module = importlib.import_module(module_name)
-    if not isinstance(getattr(module, name), bool):
-        raise SystemExit(f"--switch: {args.switch} is not a boolean switch")
+    switches = []  # (module, name): set together
+    for text in args.switch.split(","):
+        module_name, name = text.split(":")
+        module = importlib.import_module(module_name)
+        if not isinstance(getattr(module, name), bool):
+            raise SystemExit(f"--switch: {text} is not a boolean switch")
+        switches.append((module, name))
     shapes = []
     if args.set:
         for s in args.set.split(","):
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
         shapes = [s for s in shapes if (s.h_qk, s.h_v) in keep]
     cp = int(args.cp) if args.cp.isdigit() else args.cp
     dev = torch.device(args.device)
-    saved = getattr(module, name)
+    saved = [getattr(module, name) for module, name in switches]
     header = results_header(argv, "switch_ab.py") if dev.type == "cuda" else {"device": "cpu"}
     records = []
     t_start = time.time()
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
                 outs, ms = {}, {False: [], True: []}
                 for r in range(args.rounds):
                     for value in ((False, True) if r % 2 == 0 else (True, False)):
-                        setattr(module, name, value)
+                        for module, name in switches:
+                            setattr(module, name, value)
                         out, _ = timed_call(fn, dev)  # loads (or compiles) this side's kernels
                         if value not in outs:
                             outs[value] = [x.detach().clone() for x in out]
@@ -151,7 +156,8 @@ def main(argv=None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        setattr(module, name, saved)
+        for (module, name), value in zip(switches, saved):
+            setattr(module, name, value)
     save(True)
     if args.max_diff is not None:
         return 0 if all(r["max_rel_diff"] <= args.max_diff for r in records) else 1
