@@ -71,18 +71,9 @@
 #   v0.26b): the pair-sum, CP and CUDA-graph tests with it (gpu-zeros.log; the rest is skipped unless they pass),
 #   the bwd set's fwd+bwd at 16/32 and 8/16 without and with it in one process (zeros-ab.json), then a training
 #   step's kernels on 16/32 32768x1 both ways (step-kernels-zeros{0,1}.json).
-# ahead: the fused backward's K loaded ahead into W's tile and its second load group split (backward.FUSED_K_AHEAD,
-#   FUSED_SPLIT_M, notes v0.27a): their same-bits tests (gpu-ahead.log; the rest is skipped unless they pass), the
-#   kernel alone under the four settings on three shapes (ahead-options.json), then its trace on 16/32 4096x8 without
-#   and with both (ahead-trace{0,1}.json).
-# ahead-waves: the kernel alone with k_ahead at 16/32 with and without pair sums, on two and on one wave of CTAs, and
-#   at 4/16 on two waves (ahead-waves.json): where v0.27a's first round has it lose (16/32 4096x8) and gain (4/16
-#   2048x8).
-# ahead-set: the bwd set's fwd+bwd without and with k_ahead in one process (ahead-ab.json).
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|ahead|ahead-waves|ahead-set OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -205,32 +196,6 @@ elif [ "$part" = zeros ]; then
       grep -v "^ *$" "$out/step-kernels-zeros$on.log" | tail -14
     done
   fi
-elif [ "$part" = ahead ]; then
-  gpu_tests gpu-ahead 200 8 tests/test_gpu_hopper_backward.py -k "K_AHEAD or SPLIT_M"
-  if grep -q " passed" "$out/gpu-ahead.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/gpu-ahead.log"; then
-    logged ahead-options 200 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 4/16:2048x8 \
-      --shape 2/8:32768 --sets default default+k_ahead default+split_m default+k_ahead,split_m \
-      --out "$out/ahead-options.json"
-    tail -20 "$out/ahead-options.log"
-    on=0
-    for opts in pair_sums pair_sums,k_ahead,split_m; do
-      logged ahead-trace$on 90 python3 benchmarks/fused_backward_trace.py --heads 16/32 --options $opts \
-        --out "$out/ahead-trace$on.json"
-      tail -60 "$out/ahead-trace$on.log"
-      on=1
-    done
-  fi
-elif [ "$part" = ahead-waves ]; then
-  logged ahead-waves 150 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 16/32:8192x4 \
-    --sets none k_ahead pair_sums pair_sums,k_ahead --out "$out/ahead-waves.json"
-  tail -12 "$out/ahead-waves.log"
-  logged ahead-waves-4x16 100 python3 benchmarks/fused_backward_options.py --shape 4/16:2048x16 --shape 4/16:2048x8 \
-    --sets default default+k_ahead --out "$out/ahead-waves-4x16.json"
-  tail -8 "$out/ahead-waves-4x16.log"
-elif [ "$part" = ahead-set ]; then
-  logged ahead-ab 300 python3 benchmarks/switch_ab.py --set bwd --modes fwdbwd --rounds 2 --out "$out/ahead-ab.json" \
-    --switch flashgdn.kernels.hopper.backward:FUSED_K_AHEAD
-  tail -40 "$out/ahead-ab.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

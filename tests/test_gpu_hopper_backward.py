@@ -355,10 +355,6 @@ FUSED_SAME_BITS = {
                      "wait moved",
     "FUSED_LEAN_GATES": "the gating of P, E and dQK with g~_i and g~_j from register fragments: the same factors by "
                         "the same expression",
-    "FUSED_K_AHEAD": "K and W in two tiles by turns, K loaded into the chunk before's W tile: the same values in "
-                     "other tiles, only the loads moved",
-    "FUSED_SPLIT_M": "Q, dO and g~ loaded apart from A and beta, on barriers of their own: the same values, only "
-                     "the loads and their waits moved",
 }
 
 

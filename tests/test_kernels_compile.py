@@ -41,8 +41,7 @@ EXPLAINED_SPILLS = {
         "more gate-side values stored and one reloaded once a chunk. With cluster_sum (backward.FUSED_CLUSTER_SUM, a "
         "memory option, off) up to 204/232: the producer warps' exchange at their 40 registers (its loop-carried "
         "addresses and the sums' 16-byte vectors). With pair_sums (backward.FUSED_PAIR_SUMS, an A/B) the same: "
-        "64/80 at 16/32. With k_ahead (backward.FUSED_K_AHEAD, an A/B) up to 76/108 at 16/32 and 68/116 with "
-        "lean_gates: a few more loop values stored, the K/W pair's parity offsets (stack 56-64 B against 48)",
+        "64/80 at 16/32",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
@@ -143,28 +142,6 @@ def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
         assert src.count(f"flashgdn_pairs::add_16_bytes_{helper}(") == 2
         assert f"red.global.add.noftz.v4.{helper}x2" in src
     assert "flashgdn_pairs" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
-
-
-def test_k_ahead_and_split_m_move_loads_only():
-    """``k_ahead`` and ``split_m`` (two A/Bs) are not built beside ``cluster_sum`` (a clear error before anything
-    compiles). Their build keeps the default's shared memory (K and W as one pair of tiles), loads K into the tile its
-    chunk's parity picks, and has the two barriers of the split second group; the default build has neither."""
-    from flashgdn.kernels.hopper.common import resource_usage
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
-
-    for option in ("k_ahead", "split_m"):
-        with pytest.raises(AssertionError, match="not built beside cluster_sum"):
-            build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True, **{option: True})
-    base = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True)
-    both = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, k_ahead=True,
-                                split_m=True)
-    assert resource_usage(both)["dynamic_smem"] == resource_usage(base)["dynamic_smem"]
-    src, default_src = both.get_kernel_source(), base.get_kernel_source()
-    # K's TMA boxes land in the half of the pair its chunk's parity picks
-    assert re.search(r"tma_load\(k_desc, full_k\[0\], \(&\(\(\(bfloat16_t\*\)[kw]_s\)\[\(+c_\d+ & 1\) \* 8192\)", src), \
-        [line for line in src.splitlines() if "tma_load(k_desc" in line]
-    assert "full_a" in src and "free_a" in src and "w_free" in src
-    assert "full_a" not in default_src and "w_free" not in default_src
 
 
 def test_loop_and_stage1_options_are_checked():

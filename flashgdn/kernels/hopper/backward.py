@@ -188,19 +188,6 @@ FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 #: in order, right before the fused kernel).
 PAIR_ZEROS_ASIDE = os.environ.get("FLASHGDN_HOPPER_PAIR_ZEROS_ASIDE", "1") == "1"
 
-#: the fused kernel's K and W take turns in two tiles, so that the next chunk's K loads into W's tile once the state
-#: side's chain has read it for the last time, instead of into K's own tile after the value side's last dk products
-#: (``fused_backward.py``, ``k_ahead``). The v0.19 trace (16/32 4096x8, a step of ~23.1k cycles) has K freed ~1k
-#: cycles before the step's end and issued ~0.5k later, the value side then waiting ~1.9k and the gate side ~1.35k
-#: for their inputs at every step's start. An A/B, off (notes v0.27a). FLASHGDN_HOPPER_FUSED_K_AHEAD=1|0.
-FUSED_K_AHEAD = os.environ.get("FLASHGDN_HOPPER_FUSED_K_AHEAD", "0") == "1"
-
-#: the fused kernel's second load group split in two: Q, dO and g~, freed once the dq and dk products, the chain and
-#: the gate side's last gating are done, and A and beta, which only the gate side reads, from E on (``fused_backward.py``,
-#: ``split_m``). The same trace has the group freed only after the gate side's dKK (~21.3k cycles into a step) and
-#: beta's scalar loads in front of its arrival. An A/B, off (notes v0.27a). FLASHGDN_HOPPER_FUSED_SPLIT_M=1|0.
-FUSED_SPLIT_M = os.environ.get("FLASHGDN_HOPPER_FUSED_SPLIT_M", "0") == "1"
-
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -218,11 +205,6 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
         options["cluster_sum"] = True
     elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto" and group == 2):
         options["pair_sums"] = True
-    if not options.get("cluster_sum"):  # (both move loads of the loop that cluster_sum's exchange shares)
-        if FUSED_K_AHEAD:
-            options["k_ahead"] = True
-        if FUSED_SPLIT_M:
-            options["split_m"] = True
     return options
 
 

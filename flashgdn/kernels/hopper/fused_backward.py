@@ -143,8 +143,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         first_apart: bool = False, pair_sums: bool = False, k_ahead: bool = False,
-                         split_m: bool = False):
+                         first_apart: bool = False, pair_sums: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -185,16 +184,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     instead of storing them: value heads 2p and 2p + 1 meet there as RN(a + b), deterministic, and in a group of two
     the group sum's value, with no group-sum pass after the kernel (notes v0.26a).
 
-    ``k_ahead`` (``backward.FUSED_K_AHEAD``): K and W take turns in two tiles (K of chunk c in tile c % 2, W in the
-    other), so that the next chunk's K loads into W's tile as soon as the state side's chain has read it for the last
-    time (``w_free``), instead of into K's own tile once the value side's dk products are done at the step's end; the
-    gate side writes W only once the chunk before's K is read everywhere (``free_k``, long done by then). ``split_m``
-    (``backward.FUSED_SPLIT_M``): the second load group splits in two: Q, dO and g~ (warp 13, freed once the value
-    side's dq and dk products, the chain and the gate side's last gating are done) and A and beta (warp 14,
-    ``full_a`` / ``free_a``: only the gate side reads them, from E on, and frees them with dKK), so that the inputs
-    every side waits for at a step's start no longer wait for the gate side's dKK and beta's scalar loads. Both move
-    loads only: the same products on the same values, so the same bits (notes v0.27a).
-
     ``first_apart`` (``backward.FIRST_STATES_APART``): every sequence's first chunk state is not in ``states`` but
     in rows 0..V-1 of ``first_states [N, Hv, 2 V, K]`` (io dtype), two last arguments with ``shift`` (int32):
     chunk c >= 1 of sequence n is ``states[first_slot[n] + c - shift (n + 1)]`` (``chunk_forward_rs.py``'s option
@@ -221,8 +210,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
-    if k_ahead or split_m:
-        assert not cluster_sum, "k_ahead and split_m are not built beside cluster_sum"
     if cluster_sum:
         assert 2 <= group <= CLUSTER_SUM_MAX_GROUP and C % (8 * group) == 0, "cluster_sum needs a group of 2 to 8"
     # a plain launch unless cluster_sum (None and None are T.Kernel's defaults: the same kernel as without them)
@@ -239,24 +226,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             for j in T.Parallel(D):
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
         T.fence_proxy_async()
-
-    @T.macro
-    def masked_rows_turn(src, dst, turn, t0, n_rows, hh, D):
-        # ``masked_rows`` into tile ``turn`` of a pair (``k_ahead``'s K)
-        for i in T.serial(C):
-            for j in T.Parallel(D):
-                dst[turn, i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
-        T.fence_proxy_async()
-
-    # ``k_ahead``: K of chunk c and W of chunk c in the pair's tiles c % 2 and (c + 1) % 2; else their own tiles
-    def k_tile(ks, c):
-        return ks[c % 2, 0:C, 0:K] if k_ahead else ks
-
-    def w_tile(ws, c):
-        return ws[(c + 1) % 2, 0:C, 0:V] if k_ahead else ws
-
-    def w_at(ws, c, i, j):
-        return ws[(c + 1) % 2, i, j] if k_ahead else ws[i, j]
 
     @T.macro
     def add_rows(src_s, dst, t0, n_rows, hp, lane):
@@ -390,11 +359,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
 
             # ---- 26 tiles of 8 KB (see the module docstring for what each holds when)
             q_s = T.alloc_shared((C, K), io_dtype)
-            if k_ahead:  # K and W in turns (K's and W's tiles as one pair): both names for the pair
-                k_s = T.alloc_shared((2, C, K), io_dtype)
-                w_s = k_s
-            else:
-                k_s = T.alloc_shared((C, K), io_dtype)
+            k_s = T.alloc_shared((C, K), io_dtype)
             v_s = T.alloc_shared((C, V), io_dtype)  # V, then dv on its way out
             do_s = T.alloc_shared((C, V), io_dtype)  # dO, then d ⊙ Vn
             st_s = T.alloc_shared((V, K), io_dtype)  # S^T
@@ -403,8 +368,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             ds_s = T.alloc_shared((V, K), io_dtype)  # dS'^T
             p_s = T.alloc_shared((C, C), io_dtype)  # P, then dQK
             dvn_s = T.alloc_shared((C, V), io_dtype)  # dVn, then -gamma ⊙ dW
-            if not k_ahead:
-                w_s = T.alloc_shared((C, V), io_dtype)  # W, then scale gamma ⊙ dO
+            w_s = T.alloc_shared((C, V), io_dtype)  # W, then scale gamma ⊙ dO
             vn_s = T.alloc_shared((C, V), io_dtype)  # Vn, then dq, then dk
             da_s = T.alloc_shared((C, C), io_dtype)  # dA, then A^T dA, then dKK
             # ---- per-token vectors
@@ -421,7 +385,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             db2_s = T.alloc_shared((C,), acc)
 
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
-            full_m = T.alloc_barrier(arrive_count=32 if split_m else 64)  # Q, dO, A, g~, beta loaded (split_m: Q, dO, g~)
+            full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
             full_k = T.alloc_barrier(arrive_count=32)  # K loaded
             free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
             free_m = T.alloc_barrier(arrive_count=384)  # every side done with Q, dO, A, g~, beta
@@ -440,11 +404,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             dvn_scaled = T.alloc_barrier(arrive_count=128)  # the state side's d ⊙ Vn in dO's tile
             dkk_ready = T.alloc_barrier(arrive_count=128)
             x_rows = T.alloc_barrier(arrive_count=128)
-            if k_ahead:
-                w_free = T.alloc_barrier(arrive_count=128)  # W's tile read for the last time (the chain)
-            if split_m:
-                full_a = T.alloc_barrier(arrive_count=32)  # A and beta loaded
-                free_a = T.alloc_barrier(arrive_count=128)  # the gate side done with A and beta (dKK)
             if cluster_sum:
                 # once per chunk each: every CTA of the group (itself included) arrives on ``ready`` when its dVn
                 # tile may take rows (chain_done: the state side's chain and the value side's last dVn read), on
@@ -502,12 +461,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 0, 3, c, tx, h, n)
                     # W's last readers are done (the gate side's dVn W^T before -gamma dW, the value side's row terms):
                     # its tile takes scale gamma ⊙ dO, made here, where the value side would wait for it
-                    if k_ahead:
-                        for i, j in T.Parallel(C, V):
-                            w_s[(c + 1) % 2, i, j] = T.cast(T.cast(do_s[i, j], acc) * scale * gam_s[i], io_dtype)
-                    else:
-                        for i, j in T.Parallel(C, V):
-                            w_s[i, j] = T.cast(T.cast(do_s[i, j], acc) * scale * gam_s[i], io_dtype)
+                    for i, j in T.Parallel(C, V):
+                        w_s[i, j] = T.cast(T.cast(do_s[i, j], acc) * scale * gam_s[i], io_dtype)
                     stamp(tr, 0, 4, c, tx, h, n)
                     # and dO's tile takes d ⊙ Vn for the value side's dk once its dO S^T (dO's last raw read) is done
                     T.barrier_wait(dos_done, c % 2)
@@ -516,14 +471,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.fence_proxy_async()
                     T.barrier_arrive(dvn_scaled)
                     stamp(tr, 0, 5, c, tx, h, n)
-                    T.gemm(dvn_s, k_tile(k_s, c), st_f, transpose_A=True)  # - (gamma dW)^T K
+                    T.gemm(dvn_s, k_s, st_f, transpose_A=True)  # - (gamma dW)^T K
                     stamp(tr, 0, 6, c, tx, h, n)
-                    T.gemm(w_tile(w_s, c), q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
+                    T.gemm(w_s, q_s, st_f, transpose_A=True)  # + (scale gamma dO)^T Q
                     stamp(tr, 0, 7, c, tx, h, n)
                     T.barrier_arrive(free_m)
                     T.barrier_arrive(free_k)
-                    if k_ahead:
-                        T.barrier_arrive(w_free)
                     if cluster_sum:
                         # dVn's tile is read for the last time this chunk (the chain's first product here, the
                         # value side's (gamma dW) S^T by its own arrival): the group may send rows into it
@@ -558,7 +511,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ds_ready, c % 2)
                     stamp(tr, 1, 1, c, tx, h, n)
-                    T.gemm(k_tile(k_s, c), ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                    T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
                     stamp(tr, 1, 2, c, tx, h, n)
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
@@ -597,7 +550,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         x0_s[i] = -red_f[i]
                     # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
                     for i, j in T.Parallel(C, V):
-                        kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_at(w_s, c, i, j), acc))
+                        kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
                     T.reduce_sum(kd_f, red_f, dim=1)
                     stamp(tr, 1, 7, c, tx, h, n)
                     # V's last reader was that row term (the gate side's W came before Vn): dv leaves through its
@@ -635,7 +588,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_wait(dp_done, c % 2)
                     stamp(tr, 1, 11, c, tx, h, n)
                     # three products issued together, waited on once
-                    T.wgmma_gemm(p_s, k_tile(k_s, c), dw_f)  # dq += dQK K
+                    T.wgmma_gemm(p_s, k_s, dw_f)  # dq += dQK K
                     T.wgmma_gemm(p_s, q_s, kd_f, transpose_A=True)  # dk += dQK^T Q
                     T.wgmma_gemm(do_s, ds_s, kd_f)  # dk += (d ⊙ Vn) dS'^T
                     T.wait_wgmma(0)
@@ -657,8 +610,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 1, 13, c, tx, h, n)
                     T.barrier_wait(dkk_ready, c % 2)
                     stamp(tr, 1, 14, c, tx, h, n)
-                    T.wgmma_gemm(da_s, k_tile(k_s, c), kd_f)  # dk += dKK K
-                    T.wgmma_gemm(da_s, k_tile(k_s, c), kd_f, transpose_A=True)  # dk += dKK^T K
+                    T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
+                    T.wgmma_gemm(da_s, k_s, kd_f, transpose_A=True)  # dk += dKK^T K
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_k)
                     stamp(tr, 1, 15, c, tx, h, n)
@@ -701,8 +654,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_wait(full_m, c % 2)
                     T.barrier_wait(full_k, c % 2)
                     stamp(tr, 2, 1, c, tx, h, n)
-                    T.wgmma_gemm(q_s, k_tile(k_s, c), cc_f, transpose_B=True, clear_accum=True)  # Q K^T
-                    T.wgmma_gemm(k_tile(k_s, c), st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
+                    T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
+                    T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                     # with p_first, Q K^T alone first (the groups complete in order): P goes out while K S, twice
@@ -730,14 +683,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # value side takes it as V - W, from the two tiles
                     for i, j in T.Parallel(C, V):
                         cv_f[i, j] = T.cast(v_s[i, j], acc) - cv_f[i, j] * gam_f[i]
-                    if k_ahead:
-                        # W's tile held the chunk before's K
-                        if c > 0:
-                            T.barrier_wait(free_k, (c + 1) % 2)
-                    T.copy(cv_f, w_tile(w_s, c))
+                    T.copy(cv_f, w_s)
                     T.fence_proxy_async()
                     stamp(tr, 2, 3, c, tx, h, n)
-                    T.gemm(ag_s, w_tile(w_s, c), cv_f, clear_accum=True)  # Vn = Ag W
+                    T.gemm(ag_s, w_s, cv_f, clear_accum=True)  # Vn = Ag W
                     if c > 0:
                         T.barrier_wait(vn_free, (c + 1) % 2)
                     T.copy(cv_f, vn_s)
@@ -747,13 +696,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_arrive(free_e)
                     T.barrier_wait(dvn_ready, c % 2)
                     stamp(tr, 2, 5, c, tx, h, n)
-                    T.wgmma_gemm(dvn_s, w_tile(w_s, c), cc_f, transpose_B=True, clear_accum=True)  # dVn W^T
+                    T.wgmma_gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)  # dVn W^T
                     T.wgmma_gemm(do_s, vn_s, dp_f, transpose_B=True, clear_accum=True)  # dO Vn^T
                     T.wait_wgmma(0)
                     T.barrier_arrive(dag_done)
                     stamp(tr, 2, 6, c, tx, h, n)
-                    if split_m:
-                        T.barrier_wait(full_a, c % 2)
                     # E = dAg ⊙ Gam (lower): dbeta's first sum, dA = E ⊙ beta_j, X = E ⊙ A ⊙ beta_j
                     if lean_gates:  # g~ read again here rather than kept live across Vn and dVn W^T
                         gates_to_fragments(gc_s, grow_f, gcol_f)
@@ -792,8 +739,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.copy(dp_f, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dp_done)
-                    if split_m:  # the gate side's last read of g~ (and of Q and dO)
-                        T.barrier_arrive(free_m)
                     stamp(tr, 2, 9, c, tx, h, n)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, xr_s)
@@ -801,7 +746,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.copy(red_c, xc_s)
                     stamp(tr, 2, 10, c, tx, h, n)
                     # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
-                    T.wgmma_gemm(k_tile(k_s, c), k_tile(k_s, c), kk_f, transpose_B=True, clear_accum=True)  # K K^T
+                    T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
                     T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
                     # K's last reader here: the next chunk's K may load once the value side's dk products are done
@@ -818,10 +763,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.fence_proxy_async()
                     T.barrier_arrive(dkk_ready)
                     stamp(tr, 2, 12, c, tx, h, n)
-                    if split_m:
-                        T.barrier_arrive(free_a)
-                    else:
-                        T.barrier_arrive(free_m)
+                    T.barrier_arrive(free_m)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, db2_s)
                     # dg: reverse cumsum of the row terms, plus the total of the g~_last terms, for every token
@@ -875,70 +817,35 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                                          q_read, k_read, q_summed, rows_summed, vn_free, c - 1, t0 + C,
                                          T.min(eos - t0 - C, C), h, tx - 384, tr, n, tx)
                     elif tx < 480:
-                        if split_m:
-                            # warp 13 Q, dO and g~; warp 14 A and beta, which only the gate side reads (from E on)
-                            if tx < 448:
-                                if c > 0:
-                                    T.barrier_wait(free_m, (c + 1) % 2)
-                                    stamp(tr, 3, 3, c, tx, h, n)
-                                if n_rows == C:
-                                    T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s, barrier=full_m)
-                                    T.tma_copy(do[0, t0:t0 + C, h, 0:V], do_s, barrier=full_m)
-                                else:
-                                    masked_rows(q, q_s, t0, n_rows, hq, K)
-                                    masked_rows(do, do_s, t0, n_rows, h, V)
-                                T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s, barrier=full_m)
-                                T.barrier_arrive(full_m)
-                                stamp(tr, 3, 4, c, tx, h, n)
-                            else:
-                                if c > 0:
-                                    T.barrier_wait(free_a, (c + 1) % 2)
-                                T.tma_copy(A[slot, h, 0:C, 0:C], a_s, barrier=full_a)
-                                for i in T.Parallel(C):
-                                    b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
-                                T.barrier_arrive(full_a)
-                                stamp(tr, 3, 7, c, tx, h, n)
-                        else:
-                            if c > 0:
-                                T.barrier_wait(free_m, (c + 1) % 2)
-                                stamp(tr, 3, 3, c, tx, h, n)
-                            if tx < 448:
-                                if n_rows == C:
-                                    T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s, barrier=full_m)
-                                    T.tma_copy(do[0, t0:t0 + C, h, 0:V], do_s, barrier=full_m)
-                                else:
-                                    masked_rows(q, q_s, t0, n_rows, hq, K)
-                                    masked_rows(do, do_s, t0, n_rows, h, V)
-                            else:
-                                T.tma_copy(A[slot, h, 0:C, 0:C], a_s, barrier=full_m)
-                                T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s, barrier=full_m)
-                                for i in T.Parallel(C):
-                                    b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
-                            T.barrier_arrive(full_m)
-                            # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
-                            if tx < 448:
-                                stamp(tr, 3, 4, c, tx, h, n)
-                                if cluster_sum:
-                                    if c > 0:  # its quarter of the chunk before's sums
-                                        sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
-                                                  T.min(eos - t0 - C, C), h, 1)
-                            else:
-                                stamp(tr, 3, 7, c, tx, h, n)
-                                if cluster_sum:
-                                    if c > 0:
-                                        sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
-                                                  T.min(eos - t0 - C, C), h, 2)
-                    elif k_ahead:
-                        # K into the tile of the chunk before's W, once the chain has read that for the last time
                         if c > 0:
-                            T.barrier_wait(w_free, (c + 1) % 2)
-                            stamp(tr, 3, 5, c, tx, h, n)
-                        if n_rows == C:
-                            T.tma_copy(k[0, t0:t0 + C, hq, 0:K], k_tile(k_s, c), barrier=full_k)
+                            T.barrier_wait(free_m, (c + 1) % 2)
+                            stamp(tr, 3, 3, c, tx, h, n)
+                        if tx < 448:
+                            if n_rows == C:
+                                T.tma_copy(q[0, t0:t0 + C, hq, 0:K], q_s, barrier=full_m)
+                                T.tma_copy(do[0, t0:t0 + C, h, 0:V], do_s, barrier=full_m)
+                            else:
+                                masked_rows(q, q_s, t0, n_rows, hq, K)
+                                masked_rows(do, do_s, t0, n_rows, h, V)
                         else:
-                            masked_rows_turn(k, k_s, c % 2, t0, n_rows, hq, K)
-                        T.barrier_arrive(full_k)
-                        stamp(tr, 3, 6, c, tx, h, n)
+                            T.tma_copy(A[slot, h, 0:C, 0:C], a_s, barrier=full_m)
+                            T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s, barrier=full_m)
+                            for i in T.Parallel(C):
+                                b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
+                        T.barrier_arrive(full_m)
+                        # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
+                        if tx < 448:
+                            stamp(tr, 3, 4, c, tx, h, n)
+                            if cluster_sum:
+                                if c > 0:  # its quarter of the chunk before's sums
+                                    sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
+                                              T.min(eos - t0 - C, C), h, 1)
+                        else:
+                            stamp(tr, 3, 7, c, tx, h, n)
+                            if cluster_sum:
+                                if c > 0:
+                                    sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
+                                              T.min(eos - t0 - C, C), h, 2)
                     else:
                         if c > 0:
                             T.barrier_wait(free_k, (c + 1) % 2)

@@ -205,8 +205,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         fused = backward.FUSED_BACKWARD and not precise
         if builder == "fused_backward":
             if not fused or kw.get("trace") or kw.get("p_first") or kw.get("lean_gates") or kw.get("cluster_sum") \
-                    or kw.get("pair_sums") or kw.get("k_ahead") or kw.get("split_m") \
-                    or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
+                    or kw.get("pair_sums") or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
@@ -329,15 +328,6 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},first_apart,pair_sums]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, first_apart=True,
                         pair_sums=True))
-        # K loaded ahead into W's tile and the second load group split (backward.FUSED_K_AHEAD, FUSED_SPLIT_M, two
-        # A/Bs), together, with the operator's other options for these heads
-        from .backward import FUSED_GATES_MAX_HV
-
-        lean = Hv <= FUSED_GATES_MAX_HV
-        tag, opts = (",p_first,lean_gates", dict(p_first=True, lean_gates=True)) if lean else ("", {})
-        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},k_ahead,split_m]", "fused_backward",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, k_ahead=True,
-                    split_m=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
