@@ -71,16 +71,9 @@
 #   v0.26b): the pair-sum, CP and CUDA-graph tests with it (gpu-zeros.log; the rest is skipped unless they pass),
 #   the bwd set's fwd+bwd at 16/32 and 8/16 without and with it in one process (zeros-ab.json), then a training
 #   step's kernels on 16/32 32768x1 both ways (step-kernels-zeros{0,1}.json).
-# dkk: the fused backward's dKK before X's sums and its products beside dq's stores (backward.FUSED_DKK_FIRST, notes
-#   v0.27b): its same-bits tests (gpu-dkk.log; the rest is skipped unless they pass), the kernel alone at 16/32 on two
-#   and one wave of CTAs (dkk-options.json), its trace on 16/32 4096x8 without and with it (dkk-trace{0,1}.json), and
-#   the bwd set's 16/32 shapes in fwd+bwd without and with it in one process (dkk-ab.json).
-# dkk-clock: the SM clock and power while each of the two builds runs alone (~3 s of calls each, nvidia-smi sampling
-#   every 50 ms; dkk-clock-{default,dkk_first}.log): whether v0.27b's fewer cycles a step with more time come with a
-#   lower clock.
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|dkk|dkk-clock OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -203,41 +196,6 @@ elif [ "$part" = zeros ]; then
       grep -v "^ *$" "$out/step-kernels-zeros$on.log" | tail -14
     done
   fi
-elif [ "$part" = dkk ]; then
-  gpu_tests gpu-dkk 200 8 tests/test_gpu_hopper_backward.py -k dkk_first
-  if grep -q " passed" "$out/gpu-dkk.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/gpu-dkk.log"; then
-    logged dkk-options 150 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 16/32:8192x4 \
-      --sets pair_sums pair_sums,dkk_first --out "$out/dkk-options.json"
-    tail -8 "$out/dkk-options.log"
-    on=0
-    for opts in pair_sums pair_sums,dkk_first; do
-      logged dkk-trace$on 90 python3 benchmarks/fused_backward_trace.py --heads 16/32 --options $opts \
-        --out "$out/dkk-trace$on.json"
-      tail -60 "$out/dkk-trace$on.log"
-      on=1
-    done
-    logged dkk-ab 150 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_DKK_FIRST \
-      --set bwd --modes fwdbwd --rounds 2 --only-heads 16/32 --max-diff 1e-6 --out "$out/dkk-ab.json"
-    tail -12 "$out/dkk-ab.log"
-  fi
-elif [ "$part" = dkk-clock ]; then
-  for opts in pair_sums pair_sums,dkk_first; do
-    name=dkk-clock-$([ $opts = pair_sums ] && echo default || echo dkk_first)
-    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 50 \
-      > "$out/$name-smi.csv" &
-    smi=$!
-    logged $name 120 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 --sets $opts --rounds 20 \
-      --calls 100 --out "$out/$name.json"
-    kill $smi
-    tail -3 "$out/$name.log"
-    python3 - "$out/$name-smi.csv" <<'PY'
-import sys, statistics
-rows = [r.split(", ") for r in open(sys.argv[1]).read().splitlines() if r.count(",") == 3]
-busy = [(float(r[1].split()[0]), float(r[2].split()[0])) for r in rows if float(r[2].split()[0]) > 300]
-print(f"{len(busy)} samples above 300 W: SM clock median {statistics.median(c for c, _ in busy):.0f} MHz, "
-      f"power median {statistics.median(p for _, p in busy):.0f} W" if busy else "no busy samples")
-PY
-  done
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

@@ -373,30 +373,6 @@ def test_fused_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
     _assert_on_the_bars(on, want())
 
 
-@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"),
-                                  dict(seqlens=[300, 5], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,), pad=70)])
-def test_fused_dkk_first_gives_the_same_bits(opts, monkeypatch, cuda):
-    """``backward.FUSED_DKK_FIRST`` (built without lean_gates: both gate-side options off here, as above 16 value
-    heads): dKK made before X's sums and its products issued before dq goes out, the same operations on the same
-    values, so dq, dk, dv, dg and dh0 the same bits, with the pair sums (a group of two) and without (four); dbeta's
-    second sum (dL ⊙ K K^T reduced in another accumulator) within 1e-6 of the default's (the compiler may contract its
-    products into the sum's FMAs otherwise); and on the bars against float64."""
-    from flashgdn.kernels.hopper import backward
-
-    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    monkeypatch.setattr(backward, "FUSED_LEAN_GATES", False)
-    monkeypatch.setattr(backward, "FUSED_P_FIRST", False)
-    group = opts["Hv"] // opts["Hqk"]
-    _, off, on, want = _backward_ab(opts, cuda, monkeypatch, "FUSED_DKK_FIRST", True, base=False)
-    assert backward.fused_backward_options(opts["Hv"], group).get("dkk_first")  # the build that ran
-    for name, a, b in zip(GRADIENTS, off, on):
-        if name == "dbeta":
-            assert rel_rms(b.double(), a.double()) <= 1e-6, (name, rel_rms(b.double(), a.double()))
-        else:
-            assert torch.equal(a, b), f"{name} (dKK before X's sums: the same operations on the same values)"
-    _assert_on_the_bars(on, want())
-
-
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=1, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70),
                                   dict(seqlens=[1000], Hqk=2, Hv=4, gate="normal")])

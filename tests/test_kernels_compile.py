@@ -41,8 +41,7 @@ EXPLAINED_SPILLS = {
         "more gate-side values stored and one reloaded once a chunk. With cluster_sum (backward.FUSED_CLUSTER_SUM, a "
         "memory option, off) up to 204/232: the producer warps' exchange at their 40 registers (its loop-carried "
         "addresses and the sums' 16-byte vectors). With pair_sums (backward.FUSED_PAIR_SUMS, an A/B) the same: "
-        "64/80 at 16/32. With dkk_first (backward.FUSED_DKK_FIRST, an A/B) up to 80/116: X kept whole across dL's "
-        "products on the gate side, a few more values of it stored and reloaded within a chunk",
+        "64/80 at 16/32",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
@@ -143,27 +142,6 @@ def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
         assert src.count(f"flashgdn_pairs::add_16_bytes_{helper}(") == 2
         assert f"red.global.add.noftz.v4.{helper}x2" in src
     assert "flashgdn_pairs" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
-
-
-def test_dkk_first_is_built_without_lean_gates():
-    """``dkk_first`` (an A/B) keeps X whole beside dL's accumulators on the gate side, which the ``lean_gates`` build
-    has no registers for: asking for both (or for it with ``cluster_sum``) is a clear error before anything compiles,
-    and the switch leaves it out of the options wherever the gate-side options are on."""
-    from flashgdn.kernels.hopper import backward
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
-
-    with pytest.raises(AssertionError, match="without lean_gates"):
-        build_fused_backward(2, 8, 128, 128, "bfloat16", True, lean_gates=True, dkk_first=True)
-    with pytest.raises(AssertionError, match="without lean_gates and cluster_sum"):
-        build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True, dkk_first=True)
-    saved = backward.FUSED_DKK_FIRST
-    try:
-        backward.FUSED_DKK_FIRST = True
-        assert backward.fused_backward_options(32, 2) == {"pair_sums": True, "dkk_first": True}
-        assert "dkk_first" not in backward.fused_backward_options(8, 4)  # lean_gates up to 16 value heads
-    finally:
-        backward.FUSED_DKK_FIRST = saved
-    assert "dkk_first" not in backward.fused_backward_options(32, 2)
 
 
 def test_loop_and_stage1_options_are_checked():

@@ -188,14 +188,6 @@ FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 #: in order, right before the fused kernel).
 PAIR_ZEROS_ASIDE = os.environ.get("FLASHGDN_HOPPER_PAIR_ZEROS_ASIDE", "1") == "1"
 
-#: the fused kernel's gate side makes dKK before X's row and column sums, and its value side issues dk's two dKK
-#: products before sending dq out (``fused_backward.py``, ``dkk_first``): in the v0.27a trace (16/32 4096x8, a step of
-#: 23.6k cycles) the loop that sets the step is the gate side's chain from its inputs to dKK (19.2k cycles), the value
-#: side's dKK products after dq is out (~1.7k later), then K freed and loaded again (~2k) before either side's next
-#: step; dKK ~2k sooner and its products beside dq's stores shorten that loop. Built without ``lean_gates`` only (see
-#: there). An A/B, off (notes v0.27b). FLASHGDN_HOPPER_FUSED_DKK_FIRST=1|0.
-FUSED_DKK_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_DKK_FIRST", "0") == "1"
-
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -213,8 +205,6 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
         options["cluster_sum"] = True
     elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto" and group == 2):
         options["pair_sums"] = True
-    if FUSED_DKK_FIRST and not options.get("lean_gates") and not options.get("cluster_sum"):
-        options["dkk_first"] = True
     return options
 
 

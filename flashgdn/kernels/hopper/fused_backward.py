@@ -143,7 +143,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         first_apart: bool = False, pair_sums: bool = False, dkk_first: bool = False):
+                         first_apart: bool = False, pair_sums: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -184,13 +184,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     instead of storing them: value heads 2p and 2p + 1 meet there as RN(a + b), deterministic, and in a group of two
     the group sum's value, with no group-sum pass after the kernel (notes v0.26a).
 
-    ``dkk_first`` (``backward.FUSED_DKK_FIRST``): the gate side makes dKK before X's row and column sums (dbeta's second
-    sum then reduces dL ⊙ K K^T in K K^T's own accumulator, so X stays whole in its tile meanwhile), and the value side
-    stages dq, issues the two dKK products of dk, and sends dq out while they run, instead of waiting for dKK after dq
-    is out: the loop that sets the step (the gate side's chain to dKK, the value side's dKK products, K freed and loaded
-    again for the next chunk) ends ~2k cycles sooner. The same operations on the same values, so the same bits
-    (notes v0.27b). Not with ``lean_gates``, whose gate side has no registers for X beside dL's accumulators.
-
     ``first_apart`` (``backward.FIRST_STATES_APART``): every sequence's first chunk state is not in ``states`` but
     in rows 0..V-1 of ``first_states [N, Hv, 2 V, K]`` (io dtype), two last arguments with ``shift`` (int32):
     chunk c >= 1 of sequence n is ``states[first_slot[n] + c - shift (n + 1)]`` (``chunk_forward_rs.py``'s option
@@ -217,8 +210,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
-    # (with lean_gates the gate side, X kept whole across dL's products, spills 160 B and ptxas serialises every wgmma)
-    assert not (dkk_first and (lean_gates or cluster_sum)), "dkk_first is built without lean_gates and cluster_sum"
     if cluster_sum:
         assert 2 <= group <= CLUSTER_SUM_MAX_GROUP and C % (8 * group) == 0, "cluster_sum needs a group of 2 to 8"
     # a plain launch unless cluster_sum (None and None are T.Kernel's defaults: the same kernel as without them)
@@ -607,12 +598,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # dq and dk leave through Vn's tile (free until the gate side's next Vn, which waits on vn_free) in
                     # rows of 16 bytes: from the accumulator's layout a warp's store touches 8 rows, 16 bytes each
                     T.copy(dw_f, vn_s)
-                    if dkk_first:
-                        # dk's dKK products run on the tensor cores while dq goes out (dq's tile, not dk's accumulator)
-                        T.barrier_wait(dkk_ready, c % 2)
-                        stamp(tr, 1, 14, c, tx, h, n)
-                        T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
-                        T.wgmma_gemm(da_s, k_s, kd_f, transpose_A=True)  # dk += dKK^T K
                     if cluster_sum:
                         T.fence_proxy_async()
                         T.barrier_arrive(q_staged)
@@ -623,11 +608,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             if i < n_rows:
                                 dq[0, t0 + i, h, j] = vn_s[i, j]
                     stamp(tr, 1, 13, c, tx, h, n)
-                    if not dkk_first:
-                        T.barrier_wait(dkk_ready, c % 2)
-                        stamp(tr, 1, 14, c, tx, h, n)
-                        T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
-                        T.wgmma_gemm(da_s, k_s, kd_f, transpose_A=True)  # dk += dKK^T K
+                    T.barrier_wait(dkk_ready, c % 2)
+                    stamp(tr, 1, 14, c, tx, h, n)
+                    T.wgmma_gemm(da_s, k_s, kd_f)  # dk += dKK K
+                    T.wgmma_gemm(da_s, k_s, kd_f, transpose_A=True)  # dk += dKK^T K
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_k)
                     stamp(tr, 1, 15, c, tx, h, n)
@@ -756,12 +740,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.fence_proxy_async()
                     T.barrier_arrive(dp_done)
                     stamp(tr, 2, 9, c, tx, h, n)
-                    if not dkk_first:
-                        T.reduce_sum(x_f, red_r, dim=1)
-                        T.copy(red_r, xr_s)
-                        T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
-                        T.copy(red_c, xc_s)
-                        stamp(tr, 2, 10, c, tx, h, n)
+                    T.reduce_sum(x_f, red_r, dim=1)
+                    T.copy(red_r, xr_s)
+                    T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
+                    T.copy(red_c, xc_s)
+                    stamp(tr, 2, 10, c, tx, h, n)
                     # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
                     T.wgmma_gemm(a_s, da_s, cc_f, transpose_A=True, clear_accum=True)
@@ -772,33 +755,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.copy(cc_f, da_s)
                     T.fence_proxy_async()
                     T.gemm(da_s, a_s, cc_f, transpose_B=True, clear_accum=True)
-                    if dkk_first:  # X still whole in x_f: dL ⊙ K K^T in K K^T's accumulator
-                        for i, j in T.Parallel(C, C):
-                            cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
-                            kk_f[i, j] = cc_f[i, j] * kk_f[i, j]
-                            cc_f[i, j] = cc_f[i, j] * b_s[i]
-                    else:
-                        for i, j in T.Parallel(C, C):
-                            cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
-                            x_f[i, j] = cc_f[i, j] * kk_f[i, j]
-                            cc_f[i, j] = cc_f[i, j] * b_s[i]
+                    for i, j in T.Parallel(C, C):
+                        cc_f[i, j] = T.if_then_else(i > j, -cc_f[i, j], 0.0)
+                        x_f[i, j] = cc_f[i, j] * kk_f[i, j]
+                        cc_f[i, j] = cc_f[i, j] * b_s[i]
                     T.copy(cc_f, da_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dkk_ready)
                     stamp(tr, 2, 12, c, tx, h, n)
                     T.barrier_arrive(free_m)
-                    if dkk_first:
-                        T.reduce_sum(kk_f, red_r, dim=1)
-                        T.copy(red_r, db2_s)
-                        # X's sums, after dKK (the value side's dk waits for that, not for these)
-                        T.reduce_sum(x_f, red_r, dim=1)
-                        T.copy(red_r, xr_s)
-                        T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
-                        T.copy(red_c, xc_s)
-                        stamp(tr, 2, 10, c, tx, h, n)
-                    else:
-                        T.reduce_sum(x_f, red_r, dim=1)
-                        T.copy(red_r, db2_s)
+                    T.reduce_sum(x_f, red_r, dim=1)
+                    T.copy(red_r, db2_s)
                     # dg: reverse cumsum of the row terms, plus the total of the g~_last terms, for every token
                     T.barrier_wait(x_rows, c % 2)
                     stamp(tr, 2, 13, c, tx, h, n)

@@ -205,8 +205,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         fused = backward.FUSED_BACKWARD and not precise
         if builder == "fused_backward":
             if not fused or kw.get("trace") or kw.get("p_first") or kw.get("lean_gates") or kw.get("cluster_sum") \
-                    or kw.get("pair_sums") or kw.get("dkk_first") \
-                    or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
+                    or kw.get("pair_sums") or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
@@ -329,12 +328,6 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},first_apart,pair_sums]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, first_apart=True,
                         pair_sums=True))
-        # dKK before X's sums and its products beside dq's stores (backward.FUSED_DKK_FIRST, an A/B; not with
-        # lean_gates), with the pair sums where the group has them
-        pairs = (Hv // Hqk) % 2 == 0
-        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1,first_apart{',pair_sums' if pairs else ''},dkk_first]",
-               "fused_backward", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, first_apart=True,
-                                      pair_sums=pairs, dkk_first=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
