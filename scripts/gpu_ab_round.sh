@@ -71,9 +71,14 @@
 #   v0.26b): the pair-sum, CP and CUDA-graph tests with it (gpu-zeros.log; the rest is skipped unless they pass),
 #   the bwd set's fwd+bwd at 16/32 and 8/16 without and with it in one process (zeros-ab.json), then a training
 #   step's kernels on 16/32 32768x1 both ways (step-kernels-zeros{0,1}.json).
+# profile-fused: Nsight Compute on the fused backward alone (benchmarks/fused_backward_options.py's second launch, FUSED_SHAPE,
+#   default 16/32:4096x8), once per option set of FUSED_SETS (default "default"; e.g. "default default+p_first"):
+#   fused-ncu-SET.txt (speed of light, warp states, occupancy), fused-ncu-sass-SET.csv.xz (per-instruction stall
+#   samples) and fused-stalls-SET.log (benchmarks/sass_stalls.py: the samples by role); with two sets, their A/B by
+#   role (fused-stalls-ab.log). What notes v0.27b asks for before another reordering of the chunk step.
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -195,6 +200,30 @@ elif [ "$part" = zeros ]; then
         --cp auto --shape 16/32:32768 --out "$out/step-kernels-zeros$on.json"
       grep -v "^ *$" "$out/step-kernels-zeros$on.log" | tail -14
     done
+  fi
+elif [ "$part" = profile-fused ]; then
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  tags=()
+  for set in ${FUSED_SETS:-default}; do
+    tag=${set//[,+]/-}
+    tags+=("$tag")
+    logged fused-ncu-$tag-run 240 "$ncu" --clock-control none -k regex:fused_backward --launch-skip 1 \
+      --launch-count 1 --set full --import-source yes -f -o "/tmp/fused-$tag" \
+      python3 benchmarks/fused_backward_options.py --shape "${FUSED_SHAPE:-16/32:4096x8}" --sets "$set" --rounds 1 \
+      --calls 1
+    tail -3 "$out/fused-ncu-$tag-run.log"
+    "$ncu" -i "/tmp/fused-$tag.ncu-rep" --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats \
+      > "$out/fused-ncu-$tag.txt" 2>&1
+    "$ncu" -i "/tmp/fused-$tag.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 \
+      > "$out/fused-ncu-sass-$tag.csv.xz"
+    python3 benchmarks/sass_stalls.py "$out/fused-ncu-sass-$tag.csv.xz" > "$out/fused-stalls-$tag.log" 2>&1
+    head -30 "$out/fused-stalls-$tag.log"
+  done
+  if [ ${#tags[@]} -eq 2 ]; then
+    python3 benchmarks/sass_stalls.py "$out/fused-ncu-sass-${tags[0]}.csv.xz" "$out/fused-ncu-sass-${tags[1]}.csv.xz" \
+      | sed -n '/^== A\/B/,$p' > "$out/fused-stalls-ab.log" 2>&1
+    cat "$out/fused-stalls-ab.log"
   fi
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
