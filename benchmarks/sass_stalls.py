@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
-from sass_wavefronts import number, opcode, read_rows
+from sass_wavefronts import number, read_rows
 
 #: the fused backward's roles by the registers each asks for (fused_backward.py)
 FUSED_BACKWARD_ROLES = {160: "state", 168: "value side", 144: "gate side", 40: "producer"}
@@ -42,15 +42,14 @@ def regions(rows: List[Dict[str, str]], roles: Dict[int, str]) -> List[Tuple[str
     (``SYNCS.PHASECHK``, ``NANOSLEEP``) out of line after the last role's code: those rows go to the role whose branch
     jumps to them (each row after such a target belongs to the nearest target above it)."""
     named: List[Tuple[str, Dict[str, str]]] = []
-    name = "preamble"
-    for r in rows:
+    name, first_last = "preamble", 0  # the last region's name and its first row
+    for i, r in enumerate(rows):
         source = r.get("Source", "")
         if "USETMAXREG" in source:
             regs = int(source.split()[-1], 16)
-            name = roles.get(regs, f"{regs} registers")
+            name, first_last = roles.get(regs, f"{regs} registers"), i
         named.append((name, r))
-    last = named[-1][0] if named else "preamble"
-    first_last = next((i for i, (n, _) in enumerate(named) if n == last), len(named))
+    last = name
     jumps: Dict[int, str] = {}
     for n, r in named:
         t = _target(r.get("Source", ""))
