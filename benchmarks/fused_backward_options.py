@@ -46,6 +46,33 @@ def set_options(text, Hv, group=1):
     return options
 
 
+def given_p(args, Hqk, Hv):
+    """``p_given``'s last argument made by PyTorch from the kernel's own arguments: P = scale Gam ⊙ Q K^T (lower) per
+    chunk slot and value head, in float32 from the io-dtype Q and K and rounded once (the gate side's values, up to
+    the order of its float32 sums and exp2 against exp), zero on rows and columns past a sequence's end."""
+    import torch
+
+    qf, kf, _, _, gcum, _, Ag, _, cu, first_slot, *_, scale = args
+    C = 64
+    S = Ag.shape[0]
+    cu_h, first_h = cu.cpu().tolist(), first_slot.cpu().tolist()
+    tok = torch.full((S, C), -1, dtype=torch.long)
+    for n in range(len(first_h)):
+        bos, eos = cu_h[n], cu_h[n + 1]
+        for j in range((eos - bos + C - 1) // C):
+            rows = min(C, eos - bos - j * C)
+            tok[first_h[n] + j, :rows] = torch.arange(bos + j * C, bos + j * C + rows)
+    valid = (tok >= 0).to(qf.device)[:, :, None, None]
+    tok = tok.clamp(min=0).to(qf.device)
+    qs = (qf[0][tok].float() * valid)
+    ks = (kf[0][tok].float() * valid)
+    qk = torch.einsum("sihk,sjhk->shij", qs, ks).repeat_interleave(Hv // Hqk, dim=1)
+    gc = gcum[:, :S * C].reshape(Hv, S, C).permute(1, 0, 2)
+    lower = torch.ones(C, C, dtype=torch.bool, device=qf.device).tril()
+    p = torch.where(lower, qk * scale * torch.exp(gc[..., :, None] - gc[..., None, :]), 0.0)
+    return p.to(qf.dtype).contiguous()
+
+
 def summed(outs, Hqk):
     """The outputs with dq and dk summed over each qk head's value heads in head order in float32 and rounded once
     (``group_sum.py``'s arithmetic), where a build left them per value head: what a ``cluster_sum`` build writes."""
@@ -81,11 +108,15 @@ def main(argv=None):
     for text in args.shape:
         Hqk, Hv, seqlens = parse_shape(text)
         call_in, outputs = fused_inputs(Hqk, Hv, seqlens)
+        p_in = None
         builds = []
         for name in args.sets:
             opts = set_options(name, Hv, Hv // Hqk)
             kernel = build_fused_backward(Hqk, Hv, 128, 128, tl_dtype(torch.bfloat16), True, **opts)
             outs = outputs(opts)
+            if opts.get("p_given"):  # P as its last argument, after the outputs
+                p_in = given_p(call_in, Hqk, Hv) if p_in is None else p_in
+                outs = outs + [p_in]
             kernel(*call_in, *outs)
             builds.append((name, opts, kernel, outs))
         torch.cuda.synchronize()
@@ -94,6 +125,11 @@ def main(argv=None):
         ref = summed(builds[0][3], Hqk)
         same = {name: [n for n, a, b in zip(names, ref, summed(outs, Hqk)) if not torch.equal(a, b)]
                 for name, _, _, outs in builds}
+        # where the bits differ, by how much: the relative RMS difference from the first set's
+        apart = {name: {n: (float((b.double() - a.double()).norm() / a.double().norm()) if a.double().norm() > 0
+                            else float("nan"))
+                        for n, a, b in zip(names, ref, summed(outs, Hqk)) if n in same[name]}
+                 for name, _, _, outs in builds}
         times = {name: [] for name, *_ in builds}
         for _ in range(args.rounds):
             for name, _, kernel, outs in builds:
@@ -110,10 +146,10 @@ def main(argv=None):
         for name, opts, _, _ in builds:
             ms = statistics.median(times[name])
             differs = same[name]
-            print(f"  {name:<32} {ms:8.3f} ms  {ms / base:6.3f}x  "
-                  f"{'same bits' if not differs else 'differs in ' + ','.join(differs)}")
+            how = ", ".join(f"{n} ({apart[name][n]:.1e})" for n in differs)
+            print(f"  {name:<32} {ms:8.3f} ms  {ms / base:6.3f}x  {'same bits' if not differs else 'differs in ' + how}")
             row["sets"][name] = {"options": sorted(opts), "ms": ms, "ms_rounds": times[name], "ratio": ms / base,
-                                 "differs_in": differs}
+                                 "differs_in": differs, "relative_rms_difference": apart[name]}
         rows.append(row)
     if args.out:
         from stage_timing import results_header

@@ -62,6 +62,10 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     assert fo.parse_shape("2/8:700,64,9") == (2, 8, [700, 64, 9])
     monkeypatch.setattr(backward, "FUSED_P_FIRST", "auto")
     monkeypatch.setattr(backward, "FUSED_LEAN_GATES", "auto")
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
+    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P
+    assert fo.set_options("default", 32) == {"p_given": True}
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     # up to FUSED_GATES_MAX_HV value heads the default build has both options, above it neither
     assert fo.set_options("default", 8) == {"p_first": True, "lean_gates": True}
     assert fo.set_options("default", 32) == {}

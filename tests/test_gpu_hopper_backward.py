@@ -355,6 +355,8 @@ FUSED_SAME_BITS = {
                      "wait moved",
     "FUSED_LEAN_GATES": "the gating of P, E and dQK with g~_i and g~_j from register fragments: the same factors by "
                         "the same expression",
+    "FUSED_P_GIVEN": "P made by gated_scores.py before the fused kernel and loaded by it: the same product and "
+                     "expression in another kernel",
 }
 
 

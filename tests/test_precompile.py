@@ -98,6 +98,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
         "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]"]
     monkeypatch.setattr(backward, "FIRST_STATES_APART", True)
     # with FUSED_CLUSTER_SUM, the fused builds sum dq and dk in a cluster of each group's CTAs (groups of 2 to 8)
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)  # (its own checks below)
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert [v[2].get("cluster_sum") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
         == [True, True]
@@ -124,6 +125,24 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert "pair_sums" not in backward.fused_backward_options(6, 3)
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)
     assert not [v for v in training_variants(2, 4, flags="common") if v[2].get("pair_sums")]
+    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", "auto")
+    # FUSED_P_GIVEN: "auto" gives the fused kernel its P from FUSED_P_GIVEN_MIN_HV value heads on, made by
+    # gated_scores (precompiled only where taken); never beside cluster_sum
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
+    assert backward.fused_backward_options(32, 2) == {"pair_sums": True, "p_given": True}
+    assert "p_given" not in backward.fused_backward_options(16, 2)
+    wide = training_variants(16, 32, flags="common")
+    assert [(v[0], v[2].get("p_given")) for v in wide if v[1] in ("fused_backward", "gated_scores")] == [
+        ("fused_backward[16/32,bfloat16,dht=1,first_apart]", True),
+        ("fused_backward[16/32,bfloat16,dht=0,first_apart]", True), ("gated_scores[16/32,bfloat16]", None)]
+    assert not [v for v in training_variants(2, 8, flags="common") if v[1] == "gated_scores" or v[2].get("p_given")]
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", True)
+    assert [v[0] for v in training_variants(2, 8, flags="common") if v[1] == "gated_scores"] == [
+        "gated_scores[2/8,bfloat16]"]
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     monkeypatch.setattr(backend, "CP_CHAIN_INDEX", False)  # the chains' index by torch ops: no kernel
     assert "chain_index" not in [v[0] for v in training_variants(2, 8, flags="common")]
     monkeypatch.setattr(backend, "CP_CHAIN_INDEX", True)

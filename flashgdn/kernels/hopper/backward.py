@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .common import tl_dtype
+from .common import CHUNK, tl_dtype
 from .forward import _output, host_offsets, hopper_stage1, packed_offsets, lean_state_option
 
 
@@ -188,6 +188,18 @@ FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 #: in order, right before the fused kernel).
 PAIR_ZEROS_ASIDE = os.environ.get("FLASHGDN_HOPPER_PAIR_ZEROS_ASIDE", "1") == "1"
 
+#: the gated scores P of every chunk made by a pass of their own (``gated_scores.py``) right before the fused kernel,
+#: which loads them with its second group instead of making them at the start of each chunk step (``fused_backward``'s
+#: ``p_given``): the value side's wait for P was on the step's critical path. The same bits (the same product and
+#: expression); 128 bytes per token and value head more, live from the states pass (P is made beside it, on a stream
+#: of its own, when the stages know the op's scale) to the end of the fused kernel. The fused kernel alone, with P
+#: from PyTorch: 0.891x at 16/32 8 x 4096, 0.955x at 8/16 8 x 8192 (notes v0.28a); fwd+bwd on the bwd set (notes
+#: v0.28b, ``backward/p-given-ab-v0.28b.*``): 0.983x at 16/32 (0.950x-1.004x), 0.999x at 8/16 (0.980x-1.018x), and
+#: 1.00x-1.014x at 2/4 and 4/8, where the pass costs what the kernel gains. "auto" takes it from
+#: ``FUSED_P_GIVEN_MIN_HV`` value heads. FLASHGDN_HOPPER_FUSED_P_GIVEN=auto|1|0.
+FUSED_P_GIVEN = _auto_switch("FLASHGDN_HOPPER_FUSED_P_GIVEN")
+FUSED_P_GIVEN_MIN_HV = 32
+
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -205,6 +217,9 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
         options["cluster_sum"] = True
     elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto" and group == 2):
         options["pair_sums"] = True
+    if (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
+            and not options.get("cluster_sum"):
+        options["p_given"] = True
     return options
 
 
@@ -220,7 +235,7 @@ def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.d
     (``flashgdn.cp.plan_backward``) makes the same comparison for the segments it picks and passes its choice."""
     if FUSED_BACKWARD != "auto":
         return bool(FUSED_BACKWARD)
-    from ...cp.plan import CHUNK, CostModel
+    from ...cp.plan import CostModel
 
     # the H200's count where there is no CUDA device to ask (the host code's CPU tests), as the CP cost model does
     model = CostModel.for_device(device if device.type == "cuda" and torch.cuda.is_available() else None)
@@ -375,22 +390,34 @@ def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return st1.A, st1.Ag, st1.bounds
 
 
+def _gated_scores(stage1, Hv: int, scale: float, p: torch.Tensor) -> None:
+    """``gated_scores.py`` into ``p`` from stage 1's ``((q, k) packed, cu, N, Stage1)``."""
+    from .gated_scores import build_gated_scores
+
+    (qf, kf), _, _, st1 = stage1
+    build_gated_scores(qf.shape[2], Hv, qf.shape[3], tl_dtype(qf.dtype))(qf, kf, st1.gcum, st1.bounds, float(scale), p)
+
+
 class HopperBackwardStages:
     """The Hopper backward as the three stages of ``flashgdn.cp.backward.BackwardStages`` (packed ``[1, T, ...]``
     inputs, K-major float32 states): the chunk states (``hopper_chunk_states``), the walk
     (``hopper_state_gradients``) and ``chunk_grad``. Stages 0 and 1 run once per set of offsets and are shared
     by the three (the driver hands them the same ``cu`` tensor). States and state gradients pass between the
     stages as the kernels' per-slot ``[S, Hv, V, K]`` io-dtype tensors. ``precise``: the states pass and the walk
-    in their precise mode (``forward.PRECISE``; bf16)."""
+    in their precise mode (``forward.PRECISE``; bf16). ``scale``: the op's, for what is made ahead of the stage that
+    reads it (the fused kernel's P, beside the states pass); without it P is made right before the fused kernel."""
 
-    def __init__(self, precise: bool = False, fused: bool = False):
+    def __init__(self, precise: bool = False, fused: bool = False, scale: Optional[float] = None):
         self.precise = precise
+        self.scale = scale
         #: ``cp_backward`` runs ``fused_gradients`` instead of ``state_gradients`` and ``chunk_gradients`` (step 4)
         self.fuses_gradients = fused and not precise
         self._cu = None
         self._stage1 = None
         #: (cu, dq, dk, stream) while the pair sums' outputs are being zeroed on ``stream`` (``PAIR_ZEROS_ASIDE``)
         self._pair_zeros = None
+        #: (cu, P, stream) while the fused kernel's P is being made on ``stream`` (``FUSED_P_GIVEN``)
+        self._scores = None
 
     def _stage1_for(self, q, k, g, beta, cu, cu_cpu):
         if self._cu is not cu:
@@ -409,6 +436,7 @@ class HopperBackwardStages:
         which is allocated here for it."""
         stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
         self._zero_pair_outputs_aside(q, v, cu)
+        self._scores_aside(q, v, cu, stage1)
         if not (self.fuses_gradients and FIRST_STATES_APART):
             return hopper_chunk_states(q, k, v, g, beta, h0, cu, _stage1=stage1, precise=self.precise)[0]
         _, _, N, _ = stage1
@@ -436,6 +464,34 @@ class HopperBackwardStages:
             dq.zero_()
             dk.zero_()
         self._pair_zeros = (cu, dq, dk, side)
+
+    def _scores_aside(self, q, v, cu, stage1):
+        """With the fused kernel's ``p_given`` and the op's scale known: the chunks' P (``gated_scores.py``), allocated
+        here and made on a stream of its own from this point of the current one, beside the states pass that
+        follows (bound by its chunk steps; where its CTAs leave SMs free, this pass costs the step nothing)."""
+        Hqk, Hv = q.shape[2], v.shape[2]
+        if not (self.scale is not None and q.is_cuda and self.fuses_gradients
+                and fused_backward_options(Hv, Hv // Hqk).get("p_given")):
+            return
+        from ...cp.backward import side_stream
+
+        main, side = torch.cuda.current_stream(q.device), side_stream(q.device, "gated scores")
+        p = _output((stage1[3].Ag.shape[0], Hv, CHUNK, CHUNK), q.dtype, q.device)
+        side.wait_stream(main)  # stage 1 and the allocation, in the order the main stream sees them
+        with torch.cuda.stream(side):
+            _gated_scores(stage1, Hv, self.scale, p)
+        self._scores = (cu, p, side)
+
+    def _given_scores(self, cu, stage1, Hv, scale, device, dtype):
+        """The fused kernel's P: the one made aside for these offsets (the current stream then waits for it), else
+        made now."""
+        held, self._scores = self._scores, None
+        if held is not None and held[0] is cu:
+            torch.cuda.current_stream(device).wait_stream(held[2])
+            return held[1]
+        p = _output((stage1[3].Ag.shape[0], Hv, CHUNK, CHUNK), dtype, device)
+        _gated_scores(stage1, Hv, scale, p)
+        return p
 
     def _pair_outputs(self, cu, shape, dtype, device):
         """The pair sums' zeroed dq and dk: those zeroed aside for these offsets (the current stream then waits for
@@ -477,7 +533,8 @@ class HopperBackwardStages:
         from .fused_backward import build_fused_backward
 
         offsets = cu
-        (qf, kf), cu, N, st1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
+        stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
+        (qf, kf), cu, N, st1 = stage1
         _, TT, Hqk, K = q.shape
         Hv, V = v.shape[2], v.shape[3]
         group = Hv // Hqk
@@ -501,6 +558,8 @@ class HopperBackwardStages:
                 dbeta, dh0)
         if apart:
             args += (_first_states_view(dh0, q.dtype, V, K), shift)
+        if options.get("p_given"):  # the chunks' P, let go once the kernel has read it
+            args += (self._given_scores(offsets, stage1, Hv, scale, q.device, q.dtype),)
         build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **options)(*args)
         return (dq.view(1, TT, Hqk, per, K), dk.view(1, TT, Hqk, per, K), dv, dg, dbeta), dh0
 
@@ -587,7 +646,7 @@ def hopper_backward(
     items = (plan.seg_cu.shape[0] - 1) if plan is not None else N
     if fused is None:
         fused = fused_backward_wanted(lengths, items, Hv, q.device)
-    stages = HopperBackwardStages(precise=PRECISE, fused=fused)
+    stages = HopperBackwardStages(precise=PRECISE, fused=fused, scale=scale)
     forward = None
     if split:  # the paired transition pass takes the stages' stage 1 (with A) instead of running its own
         forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE,

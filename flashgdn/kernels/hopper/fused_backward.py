@@ -143,7 +143,8 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         first_apart: bool = False, pair_sums: bool = False):
+                         first_apart: bool = False, pair_sums: bool = False, fold_producer: bool = False,
+                         p_given: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -191,6 +192,16 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     loads sequence n's first S^T from it for the CTA's last chunk step, and the state side writes dh0[n, h] over it
     only after that step's ``ydw_ready``, which the value side arrives after its ``full_e`` wait, so after the load
     has landed; no other CTA reads [n, h]. The states tensor is then S - N slots instead of S.
+
+    ``fold_producer`` (an A/B, off): dg's one term that needs the whole state, e^{g~_last} <dS', S> (only its total
+    over the chunk counts), is made by the producer's warps 13 and 14 once their loads are issued, from the dS'^T and
+    S^T tiles, instead of by the value side before its wait for P (a [64, 128] product of four tile reads a thread,
+    ~520 of its ~3.1k instructions a step); the gate side adds it to every token's dg. The same terms summed in
+    another order: dg's bits change, nothing else's. ``p_given`` (``backward.FUSED_P_GIVEN``; not with
+    ``trace``): P = scale Gam ⊙ Q K^T (lower), what the gate side made first in each chunk step, is given as a last
+    argument ``p [S, Hv, 64, 64]`` in the io dtype (``gated_scores.py`` makes it with this kernel's product and
+    expression: the same bits) and loaded with the second group, so that neither side waits for it: the gate side
+    makes K S alone and the value side's P^T dO starts once its K dS' is done (notes v0.28a).
     """
     import tilelang
     import tilelang.language as T
@@ -207,6 +218,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     num_states = T.dynamic("num_states") if first_apart else num_slots
     if first_apart and trace:
         raise ValueError("the trace build reads every chunk state from the states tensor (first_apart off)")
+    if p_given and trace:
+        raise ValueError("p_given is not built beside trace (whose signature has no P)")
+    assert not (cluster_sum and (fold_producer or p_given)), \
+        "fold_producer and p_given are not built beside cluster_sum (whose exchange the producer's warps run)"
+
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
@@ -260,6 +276,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             grow_f[i] = gc_s[i]
         for j in T.Parallel(C):
             gcol_f[j] = gc_s[j]
+
+    @T.macro
+    def state_dot(ds_s, st_s, gc_s, fold_s, part, c, u):
+        # ``fold_producer``: e^{g~_last} <dS', S> over the two tiles by 64 producer threads, a warp reading 32
+        # consecutive 2-byte values of a row at a time; one sum per warp
+        part[0] = 0.0
+        for e in T.serial(V * K // 64):
+            part[0] = part[0] + (T.cast(ds_s[e // 2, (e % 2) * 64 + u], acc)
+                                 * T.cast(st_s[e // 2, (e % 2) * 64 + u], acc))
+        part[0] = T.warp_reduce_sum(part[0])
+        if u % 32 == 0:
+            fold_s[c % 2, u // 32] = part[0] * T.exp2(gc_s[C - 1] * LOG2E)
 
     def group_total(in_s, i, j):
         # row i of this CTA's share from every CTA of the group (CTA r's at rows r * own_rows..): group_sum.py's total
@@ -350,7 +378,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
 
     @T.macro
     def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
-                            dg, dbeta, dh0, tr, first_states=None, shift=None):
+                            dg, dbeta, dh0, tr, first_states=None, shift=None, p_in=None):
         with T.Kernel(Hv, num_seqs, threads=512, prelude=prelude, cluster_dims=cluster_dims) as (h, n):
             hq = h // group
             bos = cu_seqlens[n]
@@ -383,15 +411,20 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
+            if fold_producer:
+                fold_s = T.alloc_shared((2, 2), acc)  # by chunk parity: warp 13's and warp 14's sums
 
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
             full_k = T.alloc_barrier(arrive_count=32)  # K loaded
-            free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
+            # the value and gate sides done with V, Ag, S^T (and fold_producer's warps with S^T)
+            free_e = T.alloc_barrier(arrive_count=320 if fold_producer else 256)
             free_m = T.alloc_barrier(arrive_count=384)  # every side done with Q, dO, A, g~, beta
             free_k = T.alloc_barrier(arrive_count=384)  # K read for the last time by every side
             ds_ready = T.alloc_barrier(arrive_count=128)
-            ds_free = T.alloc_barrier(arrive_count=128)
+            ds_free = T.alloc_barrier(arrive_count=192 if fold_producer else 128)
+            if fold_producer:
+                fold_ready = T.alloc_barrier(arrive_count=64)
             p_ready = T.alloc_barrier(arrive_count=128)  # P
             dvn_ready = T.alloc_barrier(arrive_count=128)
             vn_ready = T.alloc_barrier(arrive_count=128)
@@ -516,14 +549,16 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    # <dS', S> folded onto 64 rows (V's halves added); only its total counts
-                    for i, j in T.Parallel(C, K):
-                        dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
-                                      + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
-                    T.reduce_sum(dw_f, red2_f, dim=1)
+                    if not fold_producer:
+                        # <dS', S> folded onto 64 rows (V's halves added); only its total counts
+                        for i, j in T.Parallel(C, K):
+                            dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
+                                          + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
+                        T.reduce_sum(dw_f, red2_f, dim=1)
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = kd_f[i, j] * dec_f[i]
-                    T.barrier_wait(p_ready, c % 2)
+                    if not p_given:
+                        T.barrier_wait(p_ready, c % 2)
                     stamp(tr, 1, 3, c, tx, h, n)
                     T.gemm(p_s, do_s, dw_f, transpose_A=True, clear_accum=True)  # P^T dO
                     if cluster_sum:
@@ -546,7 +581,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         kd_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
                     T.reduce_sum(kd_f, red_f, dim=1)
                     for i in T.Parallel(C):
-                        x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
+                        if fold_producer:
+                            x1_s[i] = red_f[i]
+                        else:
+                            x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
                         x0_s[i] = -red_f[i]
                     # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
                     for i, j in T.Parallel(C, V):
@@ -654,30 +692,33 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_wait(full_m, c % 2)
                     T.barrier_wait(full_k, c % 2)
                     stamp(tr, 2, 1, c, tx, h, n)
-                    T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
+                    if not p_given:
+                        T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
                     T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                     # with p_first, Q K^T alone first (the groups complete in order): P goes out while K S, twice
                     # its work, is still on the tensor cores, since the value side waits for P
-                    T.wait_wgmma(1 if p_first else 0)
+                    T.wait_wgmma(1 if p_first and not p_given else 0)
                     stamp(tr, 2, 2, c, tx, h, n)
-                    if lean_gates:
-                        gates_to_fragments(gc_s, grow_f, gcol_f)
-                        for i, j in T.Parallel(C, C):
-                            cc_f[i, j] = T.if_then_else(
-                                i >= j, cc_f[i, j] * scale * T.exp2((grow_f[i] - gcol_f[j]) * LOG2E), 0.0)
-                    else:
-                        for i, j in T.Parallel(C, C):
-                            cc_f[i, j] = T.if_then_else(
-                                i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
-                    T.copy(cc_f, p_s)
-                    T.fence_proxy_async()
-                    # P out first: the value side's P^T dO needs nothing else (W's other readers wait on later
-                    # barriers: vn_ready, ydw_ready)
-                    T.barrier_arrive(p_ready)
-                    if p_first:
-                        T.wait_wgmma(0)
+                    # p_given: P came with the second group of loads; the value side does not wait for it
+                    if not p_given:
+                        if lean_gates:
+                            gates_to_fragments(gc_s, grow_f, gcol_f)
+                            for i, j in T.Parallel(C, C):
+                                cc_f[i, j] = T.if_then_else(
+                                    i >= j, cc_f[i, j] * scale * T.exp2((grow_f[i] - gcol_f[j]) * LOG2E), 0.0)
+                        else:
+                            for i, j in T.Parallel(C, C):
+                                cc_f[i, j] = T.if_then_else(
+                                    i >= j, cc_f[i, j] * scale * T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                        T.copy(cc_f, p_s)
+                        T.fence_proxy_async()
+                        # P out first: the value side's P^T dO needs nothing else (W's other readers wait on later
+                        # barriers: vn_ready, ydw_ready)
+                        T.barrier_arrive(p_ready)
+                        if p_first:
+                            T.wait_wgmma(0)
                     # W made in registers and stored whole: a loop over the accumulator that writes shared memory
                     # gets a warpgroup barrier before the store of each unrolled step. gamma ⊙ KS is not kept: the
                     # value side takes it as V - W, from the two tiles
@@ -773,8 +814,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # a masked [64, 64] tile and its reduction)
                     for i in T.Parallel(C):
                         z_s[i] = x0_s[i] + xr_s[i] - xc_s[i]
+                    if fold_producer:
+                        T.barrier_wait(fold_ready, c % 2)
                     for i in T.Parallel(C):
-                        dg_f[i] = 0.0
+                        if fold_producer:  # e^{g~_last} <dS', S>, the producer's two warp sums
+                            dg_f[i] = fold_s[c % 2, 0] + fold_s[c % 2, 1]
+                        else:
+                            dg_f[i] = 0.0
                         for j in T.serial(C):
                             dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
                         if i < n_rows:
@@ -786,6 +832,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 # ================= producer: warp 12 the first group (V, Ag, S^T), warps 13-14 the second (Q, dO,
                 # A, g~, beta), warp 15 K
                 T.set_max_nreg(PRODUCER_REGS, 0)
+                if fold_producer:
+                    part = T.alloc_local((1,), acc)
                 for c in T.serial(n_chunks):
                     stamp(tr, 3, 0, c, tx, h, n)
                     t0 = bos + (n_chunks - 1 - c) * C
@@ -829,10 +877,22 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                                 masked_rows(do, do_s, t0, n_rows, h, V)
                         else:
                             T.tma_copy(A[slot, h, 0:C, 0:C], a_s, barrier=full_m)
+                            if p_given:
+                                T.tma_copy(p_in[slot, h, 0:C, 0:C], p_s, barrier=full_m)
                             T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s, barrier=full_m)
                             for i in T.Parallel(C):
                                 b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
                         T.barrier_arrive(full_m)
+                        if fold_producer:
+                            # this chunk's g~ (for e^{g~_last}), S^T and dS'^T, then the fold; its arrivals free
+                            # S^T's and dS'^T's tiles for the next chunk
+                            T.barrier_wait(full_m, c % 2)
+                            T.barrier_wait(full_e, c % 2)
+                            T.barrier_wait(ds_ready, c % 2)
+                            state_dot(ds_s, st_s, gc_s, fold_s, part, c, tx - 416)
+                            T.barrier_arrive(fold_ready)
+                            T.barrier_arrive(free_e)
+                            T.barrier_arrive(ds_free)
                         # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
                         if tx < 448:
                             stamp(tr, 3, 4, c, tx, h, n)
@@ -907,7 +967,33 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         ):
             fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
                                 dk, dg, dbeta, dh0, tr)
-    elif first_apart:
+    elif p_given and not first_apart:
+        @T.prim_func
+        def fused_backward_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dg: T.Tensor((1, num_tokens, Hv), "float32"),
+            dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            p_in: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, None, p_in=p_in)
+    elif first_apart and not p_given:
         @T.prim_func
         def fused_backward_kernel(
             q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
@@ -934,6 +1020,35 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         ):
             fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
                                 dk, dg, dbeta, dh0, None, first_states, shift)
+
+    elif first_apart:
+        @T.prim_func
+        def fused_backward_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dg: T.Tensor((1, num_tokens, Hv), "float32"),
+            dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            first_states: T.Tensor((num_seqs, Hv, 2 * V, K), io_dtype),
+            shift: T.int32,
+            p_in: T.Tensor((num_slots, Hv, C, C), io_dtype),
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, None, first_states, shift, p_in)
 
     else:
         @T.prim_func

@@ -205,10 +205,13 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         fused = backward.FUSED_BACKWARD and not precise
         if builder == "fused_backward":
             if not fused or kw.get("trace") or kw.get("p_first") or kw.get("lean_gates") or kw.get("cluster_sum") \
-                    or kw.get("pair_sums") or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
+                    or kw.get("pair_sums") or kw.get("p_given") \
+                    or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
+            continue
+        if builder == "gated_scores" and not (fused and backward.fused_backward_options(Hv, Hv // Hqk).get("p_given")):
             continue
         if builder == "group_sum" and kw["group"] != Hv // Hqk and not (fused and backward.FUSED_PAIR_SUMS is True):
             continue  # the sum over the fused kernel's pairs
@@ -328,6 +331,19 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},first_apart,pair_sums]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, first_apart=True,
                         pair_sums=True))
+        # the chunks' P made by a pass of their own and given to the fused kernel (backward.FUSED_P_GIVEN), with the
+        # operator's other options for these heads
+        from .backward import FUSED_GATES_MAX_HV
+
+        opts = dict(p_first=True, lean_gates=True) if Hv <= FUSED_GATES_MAX_HV else {}
+        if Hv // Hqk == 2:
+            opts["pair_sums"] = True
+        tag = "".join("," + o for o in opts)
+        for has_dht in (True, False):
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag},first_apart,p_given]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts, first_apart=True,
+                        p_given=True))
+        yield (f"gated_scores[{Hqk}/{Hv},{dtype}]", "gated_scores", dict(Hqk=Hqk, Hv=Hv, K=K, io_dtype=dtype))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
@@ -383,6 +399,10 @@ def build(builder: str, kwargs: dict):
         from .fused_backward import build_fused_backward
 
         return build_fused_backward(**kwargs)
+    if builder == "gated_scores":
+        from .gated_scores import build_gated_scores
+
+        return build_gated_scores(**kwargs)
     if builder == "group_sum":
         from .group_sum import build_group_sum
 
