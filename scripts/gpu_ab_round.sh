@@ -76,14 +76,12 @@
 #   fused-ncu-SET.txt (speed of light, warp states, occupancy), fused-ncu-sass-SET.csv.xz (per-instruction stall
 #   samples) and fused-stalls-SET.log (benchmarks/sass_stalls.py: the samples by role); with two sets, their A/B by
 #   role (fused-stalls-ab.log). What notes v0.27b asks for before another reordering of the chunk step.
-# fold-p: the fused backward alone (fused_backward_options.py) at 16/32 8 x 4096 and 8/16 8 x 8192 under fold_producer,
-#   p_given (P from PyTorch) and both, against the default (fold-p-options.json / .log), notes v0.28a.
 # p-given: the fused switches' same-bits GPU tests (FUSED_P_GIVEN among them) and, with it on, the fused CP backward's
 #   and the CUDA-graph replays' tests, then FUSED_P_GIVEN on the bwd set
 #   (switch_ab.py, fwdbwd); p-given-memory: the peak memory both ways and FlashQLA's, notes v0.28b.
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|fold-p|p-given|p-given-memory OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -230,11 +228,6 @@ elif [ "$part" = profile-fused ]; then
       | sed -n '/^== A\/B/,$p' > "$out/fused-stalls-ab.log" 2>&1
     cat "$out/fused-stalls-ab.log"
   fi
-elif [ "$part" = fold-p ]; then
-  logged fold-p-options 420 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 8/16:8192x8 \
-    --sets default default+fold_producer default+p_given default+fold_producer,p_given --rounds 9 \
-    --out "$out/fold-p-options.json"
-  tail -12 "$out/fold-p-options.log"
 elif [ "$part" = p-given ]; then
   gpu_tests gpu-p-given 240 8 tests/test_gpu_hopper_backward.py -k fused_switches
   (export FLASHGDN_HOPPER_FUSED_P_GIVEN=1

@@ -144,31 +144,26 @@ def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
     assert "flashgdn_pairs" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
 
 
-def test_fold_producer_and_p_given_builds():
-    """``fold_producer`` and ``p_given`` (two A/Bs) are checked before anything compiles: not beside ``cluster_sum``,
-    and ``p_given`` not beside ``trace``. The fold's build sums <dS', S> on the producer's warps (one warp sum each,
-    on a barrier of its own) and not on the value side; ``p_given``'s loads P by TMA with the second group (after
-    the first states' arguments where they are apart) and has no wait for the gate side's P; the default build has
-    neither."""
+def test_p_given_builds():
+    """``p_given`` (backward.FUSED_P_GIVEN) is checked before anything compiles: not beside ``cluster_sum`` or
+    ``trace``. Its build loads P by TMA with the second group and has neither the gate side's Q K^T nor a wait for
+    its P; with the first states apart, P is the last argument after theirs; the default build has none of it."""
     from flashgdn.kernels.hopper.fused_backward import build_fused_backward
 
-    for option in ("fold_producer", "p_given"):
-        with pytest.raises(AssertionError, match="not built beside cluster_sum"):
-            build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True, **{option: True})
+    with pytest.raises(AssertionError, match="not built beside cluster_sum"):
+        build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True, p_given=True)
     with pytest.raises(ValueError, match="not built beside trace"):
         build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_given=True, trace=True)
-    base = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True).get_kernel_source()
-    src = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, fold_producer=True,
-                               p_given=True).get_kernel_source()
-    assert src.count("tl::warp_reduce_sum(") == 1 and "fold_ready[0].arrive()" in src
-    assert re.search(r"tma_load\(p_in_desc, full_m\[0\]", src), [x for x in src.splitlines() if "p_in" in x][:4]
-    assert "p_ready[0].wait(" not in src and "p_ready[0].wait(" in base
-    assert "fold_ready" not in base and "p_in" not in base
-    apart = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, first_apart=True,
+    base = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, first_apart=True)
+    given = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, first_apart=True,
                                  p_given=True)
-    assert "tma_load(p_in_desc, full_m[0]" in apart.get_kernel_source()
+    src, base_src = given.get_kernel_source(), base.get_kernel_source()
+    assert "tma_load(p_in_desc, full_m[0]" in src
+    assert "p_ready[0].wait(" not in src and "p_ready[0].wait(" in base_src and "p_in" not in base_src
+    # Q K^T (wgmma m64n64 of Q's and K's tiles) leaves the gate side: one 64x64 product fewer
+    assert src.count("64, 64, 16, false, false") == base_src.count("64, 64, 16, false, false") - 1
     # the first states apart, then P: the plain signature's 19 arguments and three more, P last
-    params = [str(p.name) for p in apart.prim_func.params]
+    params = [str(p.name) for p in given.prim_func.params]
     assert len(params) == 22 and params[-3:] == ["first_states_handle", "shift", "p_in_handle"], params
 
 

@@ -143,8 +143,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         first_apart: bool = False, pair_sums: bool = False, fold_producer: bool = False,
-                         p_given: bool = False):
+                         first_apart: bool = False, pair_sums: bool = False, p_given: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -193,15 +192,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     only after that step's ``ydw_ready``, which the value side arrives after its ``full_e`` wait, so after the load
     has landed; no other CTA reads [n, h]. The states tensor is then S - N slots instead of S.
 
-    ``fold_producer`` (an A/B, off): dg's one term that needs the whole state, e^{g~_last} <dS', S> (only its total
-    over the chunk counts), is made by the producer's warps 13 and 14 once their loads are issued, from the dS'^T and
-    S^T tiles, instead of by the value side before its wait for P (a [64, 128] product of four tile reads a thread,
-    ~520 of its ~3.1k instructions a step); the gate side adds it to every token's dg. The same terms summed in
-    another order: dg's bits change, nothing else's. ``p_given`` (``backward.FUSED_P_GIVEN``; not with
-    ``trace``): P = scale Gam ⊙ Q K^T (lower), what the gate side made first in each chunk step, is given as a last
-    argument ``p [S, Hv, 64, 64]`` in the io dtype (``gated_scores.py`` makes it with this kernel's product and
-    expression: the same bits) and loaded with the second group, so that neither side waits for it: the gate side
-    makes K S alone and the value side's P^T dO starts once its K dS' is done (notes v0.28a).
+    ``p_given`` (``backward.FUSED_P_GIVEN``; not with ``trace`` or ``cluster_sum``): P = scale Gam ⊙ Q K^T (lower),
+    what the gate side otherwise makes first in each chunk step, is given as a last argument ``p [S, Hv, 64, 64]`` in
+    the io dtype (``gated_scores.py`` makes it with this kernel's product and expression: the same bits) and loaded
+    with the second group, so that neither side waits for it: the gate side makes K S alone and the value side's
+    P^T dO starts once its K dS' is done (0.89x the kernel's time at 16/32, notes v0.28a-b).
     """
     import tilelang
     import tilelang.language as T
@@ -220,9 +215,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         raise ValueError("the trace build reads every chunk state from the states tensor (first_apart off)")
     if p_given and trace:
         raise ValueError("p_given is not built beside trace (whose signature has no P)")
-    assert not (cluster_sum and (fold_producer or p_given)), \
-        "fold_producer and p_given are not built beside cluster_sum (whose exchange the producer's warps run)"
-
+    assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
@@ -276,18 +269,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             grow_f[i] = gc_s[i]
         for j in T.Parallel(C):
             gcol_f[j] = gc_s[j]
-
-    @T.macro
-    def state_dot(ds_s, st_s, gc_s, fold_s, part, c, u):
-        # ``fold_producer``: e^{g~_last} <dS', S> over the two tiles by 64 producer threads, a warp reading 32
-        # consecutive 2-byte values of a row at a time; one sum per warp
-        part[0] = 0.0
-        for e in T.serial(V * K // 64):
-            part[0] = part[0] + (T.cast(ds_s[e // 2, (e % 2) * 64 + u], acc)
-                                 * T.cast(st_s[e // 2, (e % 2) * 64 + u], acc))
-        part[0] = T.warp_reduce_sum(part[0])
-        if u % 32 == 0:
-            fold_s[c % 2, u // 32] = part[0] * T.exp2(gc_s[C - 1] * LOG2E)
 
     def group_total(in_s, i, j):
         # row i of this CTA's share from every CTA of the group (CTA r's at rows r * own_rows..): group_sum.py's total
@@ -411,20 +392,15 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
-            if fold_producer:
-                fold_s = T.alloc_shared((2, 2), acc)  # by chunk parity: warp 13's and warp 14's sums
 
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
             full_k = T.alloc_barrier(arrive_count=32)  # K loaded
-            # the value and gate sides done with V, Ag, S^T (and fold_producer's warps with S^T)
-            free_e = T.alloc_barrier(arrive_count=320 if fold_producer else 256)
+            free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
             free_m = T.alloc_barrier(arrive_count=384)  # every side done with Q, dO, A, g~, beta
             free_k = T.alloc_barrier(arrive_count=384)  # K read for the last time by every side
             ds_ready = T.alloc_barrier(arrive_count=128)
-            ds_free = T.alloc_barrier(arrive_count=192 if fold_producer else 128)
-            if fold_producer:
-                fold_ready = T.alloc_barrier(arrive_count=64)
+            ds_free = T.alloc_barrier(arrive_count=128)
             p_ready = T.alloc_barrier(arrive_count=128)  # P
             dvn_ready = T.alloc_barrier(arrive_count=128)
             vn_ready = T.alloc_barrier(arrive_count=128)
@@ -549,12 +525,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    if not fold_producer:
-                        # <dS', S> folded onto 64 rows (V's halves added); only its total counts
-                        for i, j in T.Parallel(C, K):
-                            dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
-                                          + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
-                        T.reduce_sum(dw_f, red2_f, dim=1)
+                    # <dS', S> folded onto 64 rows (V's halves added); only its total counts
+                    for i, j in T.Parallel(C, K):
+                        dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
+                                      + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
+                    T.reduce_sum(dw_f, red2_f, dim=1)
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = kd_f[i, j] * dec_f[i]
                     if not p_given:
@@ -581,10 +556,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         kd_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
                     T.reduce_sum(kd_f, red_f, dim=1)
                     for i in T.Parallel(C):
-                        if fold_producer:
-                            x1_s[i] = red_f[i]
-                        else:
-                            x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
+                        x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
                         x0_s[i] = -red_f[i]
                     # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
                     for i, j in T.Parallel(C, V):
@@ -814,13 +786,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # a masked [64, 64] tile and its reduction)
                     for i in T.Parallel(C):
                         z_s[i] = x0_s[i] + xr_s[i] - xc_s[i]
-                    if fold_producer:
-                        T.barrier_wait(fold_ready, c % 2)
                     for i in T.Parallel(C):
-                        if fold_producer:  # e^{g~_last} <dS', S>, the producer's two warp sums
-                            dg_f[i] = fold_s[c % 2, 0] + fold_s[c % 2, 1]
-                        else:
-                            dg_f[i] = 0.0
+                        dg_f[i] = 0.0
                         for j in T.serial(C):
                             dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
                         if i < n_rows:
@@ -832,8 +799,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 # ================= producer: warp 12 the first group (V, Ag, S^T), warps 13-14 the second (Q, dO,
                 # A, g~, beta), warp 15 K
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                if fold_producer:
-                    part = T.alloc_local((1,), acc)
                 for c in T.serial(n_chunks):
                     stamp(tr, 3, 0, c, tx, h, n)
                     t0 = bos + (n_chunks - 1 - c) * C
@@ -883,16 +848,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             for i in T.Parallel(C):
                                 b_s[i] = T.if_then_else(i < n_rows, beta[0, t0 + i, h], 0.0)
                         T.barrier_arrive(full_m)
-                        if fold_producer:
-                            # this chunk's g~ (for e^{g~_last}), S^T and dS'^T, then the fold; its arrivals free
-                            # S^T's and dS'^T's tiles for the next chunk
-                            T.barrier_wait(full_m, c % 2)
-                            T.barrier_wait(full_e, c % 2)
-                            T.barrier_wait(ds_ready, c % 2)
-                            state_dot(ds_s, st_s, gc_s, fold_s, part, c, tx - 416)
-                            T.barrier_arrive(fold_ready)
-                            T.barrier_arrive(free_e)
-                            T.barrier_arrive(ds_free)
                         # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
                         if tx < 448:
                             stamp(tr, 3, 4, c, tx, h, n)
