@@ -78,7 +78,8 @@
 #   role (fused-stalls-ab.log). What notes v0.27b asks for before another reordering of the chunk step.
 # p-given: the fused switches' same-bits GPU tests (FUSED_P_GIVEN among them) and, with it on, the fused CP backward's
 #   and the CUDA-graph replays' tests, then FUSED_P_GIVEN on the bwd set
-#   (switch_ab.py, fwdbwd); p-given-memory: the peak memory both ways and FlashQLA's, notes v0.28b.
+#   (switch_ab.py, fwdbwd); p-given-memory: its test at the defaults (16/32), the peak memory both ways and FlashQLA's,
+#   notes v0.28b.
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
 usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory OUTDIR"
@@ -239,13 +240,15 @@ elif [ "$part" = p-given ]; then
     tail -45 "$out/p-given-ab.log"
   fi
 elif [ "$part" = p-given-memory ]; then
+  gpu_tests gpu-p-given-default 200 4 tests/test_gpu_hopper_backward.py -k "given_p_by_default"
   for on in 0 1; do
     logged memory-peak-p-given$on 120 env FLASHGDN_HOPPER_FUSED_P_GIVEN=$on python3 benchmarks/memory_peak.py \
       --case 2/4:8192 --case 16/32:2308,9176,8884,1687,7967,73,2598,75 --case 16/32:32768 \
       --out "$out/memory-peak-p-given$on.json"
     grep "peak" "$out/memory-peak-p-given$on.log"
   done
-  logged memory-peak-flashqla 120 python3 benchmarks/memory_peak.py --impl flashqla --case 2/4:8192 \
+  # (FlashQLA compiles its kernels first: 120 s was not enough)
+  logged memory-peak-flashqla 420 python3 benchmarks/memory_peak.py --impl flashqla --case 2/4:8192 \
     --case 16/32:2308,9176,8884,1687,7967,73,2598,75 --case 16/32:32768 --out "$out/memory-peak-flashqla.json"
   grep "peak" "$out/memory-peak-flashqla.log"
 elif [ "$part" = cluster-cp ]; then

@@ -375,6 +375,23 @@ def test_fused_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
     _assert_on_the_bars(on, want())
 
 
+def test_fused_kernel_is_given_p_by_default_from_32_value_heads(monkeypatch, cuda):
+    """At 16/32 (``FUSED_P_GIVEN`` "auto", from ``FUSED_P_GIVEN_MIN_HV`` value heads) the fused kernel is built with
+    ``p_given`` and takes P from ``gated_scores.py``, made beside the states pass: the same bits as with it off, on
+    the bars, zero past the padded tail's start."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
+    assert backward.fused_backward_options(32, 2).get("p_given")
+    opts = dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="mixed", pad=40)
+    _, off, on, want = _backward_ab(opts, cuda, monkeypatch, "FUSED_P_GIVEN", "auto", base=False)
+    for name, a, b in zip(GRADIENTS, off, on):
+        assert torch.equal(a, b), name
+    assert not on[0][:, -40:].any() and not on[1][:, -40:].any()
+    _assert_on_the_bars(on, want())
+
+
 @pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed"),
                                   dict(seqlens=[300, 5], Hqk=1, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70),
                                   dict(seqlens=[1000], Hqk=2, Hv=4, gate="normal")])
