@@ -80,11 +80,9 @@
 #   and the CUDA-graph replays' tests, then FUSED_P_GIVEN on the bwd set
 #   (switch_ab.py, fwdbwd); p-given-memory: its test at the defaults (16/32), the peak memory both ways and FlashQLA's,
 #   notes v0.28b.
-# fold-state: the fused backward alone at 16/32 8 x 4096 and 8/16 8 x 8192 with fold_state, p_given and both against
-#   the default (fold-state-options.json / .log), notes v0.28c.
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|fold-state OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -241,11 +239,6 @@ elif [ "$part" = p-given ]; then
       --set bwd --modes fwdbwd --rounds 2 --out "$out/p-given-ab.json"
     tail -45 "$out/p-given-ab.log"
   fi
-elif [ "$part" = fold-state ]; then
-  logged fold-state-options 300 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 --shape 8/16:8192x8 \
-    --sets default default+fold_state default+p_given default+p_given,fold_state --rounds 9 \
-    --out "$out/fold-state-options.json"
-  tail -12 "$out/fold-state-options.log"
 elif [ "$part" = p-given-memory ]; then
   gpu_tests gpu-p-given-default 200 4 tests/test_gpu_hopper_backward.py -k "given_p_by_default"
   for on in 0 1; do

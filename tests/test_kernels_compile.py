@@ -167,20 +167,6 @@ def test_p_given_builds():
     assert len(params) == 22 and params[-3:] == ["first_states_handle", "shift", "p_in_handle"], params
 
 
-def test_fold_state_builds():
-    """``fold_state`` (an A/B) is not built beside ``cluster_sum``; its build sums <dS', S> on the state side (one warp
-    sum each, on a barrier of its own, after its own dS'^T is complete) and the default build does not."""
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
-
-    with pytest.raises(AssertionError, match="not built beside cluster_sum"):
-        build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True, fold_state=True)
-    src = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, first_apart=True,
-                               fold_state=True).get_kernel_source()
-    assert src.count("tl::warp_reduce_sum(") == 1 and "fold_ready[0].arrive()" in src
-    assert "fold_ready" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True,
-                                                    first_apart=True).get_kernel_source()
-
-
 def test_loop_and_stage1_options_are_checked():
     """Option combinations a build does not have are clear errors before anything compiles."""
     from flashgdn.kernels.hopper.chunk_forward_rs import build_chunk_forward_rs

@@ -143,8 +143,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_state: bool = False):
+                         first_apart: bool = False, pair_sums: bool = False, p_given: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -198,12 +197,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     the io dtype (``gated_scores.py`` makes it with this kernel's product and expression: the same bits) and loaded
     with the second group, so that neither side waits for it: the gate side makes K S alone and the value side's
     P^T dO starts once its K dS' is done (0.89x the kernel's time at 16/32, notes v0.28a-b).
-
-    ``fold_state`` (an A/B, off; not with ``cluster_sum``): dg's one term that needs the whole state, e^{g~_last}
-    <dS', S> (only its total over the chunk counts), is made by the state side in its wait for the value side's
-    -gamma dW (a serial sum per thread over the dS'^T and S^T tiles, one sum per warp, on a barrier of its own), and
-    added to every token's dg by the gate side, instead of by the value side between its K dS' and P^T dO (~520 of
-    its ~3.1k instructions a step, notes v0.28a). The same terms in another order: dg's bits change.
     """
     import tilelang
     import tilelang.language as T
@@ -223,7 +216,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     if p_given and trace:
         raise ValueError("p_given is not built beside trace (whose signature has no P)")
     assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
-    assert not (cluster_sum and fold_state), "fold_state is not built beside cluster_sum"
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
@@ -400,20 +392,15 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
-            if fold_state:
-                fold_s = T.alloc_shared((2, 4), acc)  # by chunk parity: the state side's four warp sums
 
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
             full_k = T.alloc_barrier(arrive_count=32)  # K loaded
-            # the value and gate sides done with V, Ag, S^T (and the state side, with fold_state)
-            free_e = T.alloc_barrier(arrive_count=384 if fold_state else 256)
+            free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
             free_m = T.alloc_barrier(arrive_count=384)  # every side done with Q, dO, A, g~, beta
             free_k = T.alloc_barrier(arrive_count=384)  # K read for the last time by every side
             ds_ready = T.alloc_barrier(arrive_count=128)
             ds_free = T.alloc_barrier(arrive_count=128)
-            if fold_state:
-                fold_ready = T.alloc_barrier(arrive_count=128)
             p_ready = T.alloc_barrier(arrive_count=128)  # P
             dvn_ready = T.alloc_barrier(arrive_count=128)
             vn_ready = T.alloc_barrier(arrive_count=128)
@@ -455,8 +442,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 T.set_max_nreg(STATE_REGS, 1)
                 st_f = T.alloc_fragment((V, K), acc)
                 gl = T.alloc_local((1,), acc)
-                if fold_state:
-                    part = T.alloc_local((1,), acc)
                 edge_stamp(tr, 0, tx, h, n)
                 if has_final_grad:
                     for i, j in T.Parallel(V, K):
@@ -480,19 +465,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         gam_s[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_s[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    if fold_state:
-                        # e^{g~_last} <dS', S> from the two tiles (dS'^T as this side wrote it: every state thread's
-                        # part is in once ds_ready's phase completes), a warp reading 32 consecutive values a step
-                        T.barrier_wait(ds_ready, c % 2)
-                        T.barrier_wait(full_e, c % 2)
-                        part[0] = 0.0
-                        for e in T.serial(V * K // 128):
-                            part[0] = part[0] + (T.cast(ds_s[e, tx], acc) * T.cast(st_s[e, tx], acc))
-                        part[0] = T.warp_reduce_sum(part[0])
-                        if tx % 32 == 0:
-                            fold_s[c % 2, tx // 32] = part[0] * gl[0]
-                        T.barrier_arrive(fold_ready)
-                        T.barrier_arrive(free_e)
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ydw_ready, c % 2)
                     stamp(tr, 0, 3, c, tx, h, n)
@@ -553,12 +525,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                         dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    if not fold_state:
-                        # <dS', S> folded onto 64 rows (V's halves added); only its total counts
-                        for i, j in T.Parallel(C, K):
-                            dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
-                                          + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
-                        T.reduce_sum(dw_f, red2_f, dim=1)
+                    # <dS', S> folded onto 64 rows (V's halves added); only its total counts
+                    for i, j in T.Parallel(C, K):
+                        dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
+                                      + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
+                    T.reduce_sum(dw_f, red2_f, dim=1)
                     for i, j in T.Parallel(C, V):
                         kd_f[i, j] = kd_f[i, j] * dec_f[i]
                     if not p_given:
@@ -585,10 +556,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         kd_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
                     T.reduce_sum(kd_f, red_f, dim=1)
                     for i in T.Parallel(C):
-                        if fold_state:
-                            x1_s[i] = red_f[i]
-                        else:
-                            x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
+                        x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
                         x0_s[i] = -red_f[i]
                     # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
                     for i, j in T.Parallel(C, V):
@@ -818,13 +786,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # a masked [64, 64] tile and its reduction)
                     for i in T.Parallel(C):
                         z_s[i] = x0_s[i] + xr_s[i] - xc_s[i]
-                    if fold_state:
-                        T.barrier_wait(fold_ready, c % 2)
                     for i in T.Parallel(C):
-                        if fold_state:  # e^{g~_last} <dS', S>, the state side's four warp sums
-                            dg_f[i] = (fold_s[c % 2, 0] + fold_s[c % 2, 1]) + (fold_s[c % 2, 2] + fold_s[c % 2, 3])
-                        else:
-                            dg_f[i] = 0.0
+                        dg_f[i] = 0.0
                         for j in T.serial(C):
                             dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
                         if i < n_rows:
