@@ -390,8 +390,15 @@ def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return st1.A, st1.Ag, st1.bounds
 
 
+def _scores_buffer(stage1, Hv: int) -> torch.Tensor:
+    """``gated_scores.py``'s output ``[S, Hv, 64, 64]`` for stage 1's ``((q, k) packed, cu, N, Stage1)``, allocated on
+    the current stream."""
+    (qf, _), _, _, st1 = stage1
+    return _output((st1.Ag.shape[0], Hv, CHUNK, CHUNK), qf.dtype, qf.device)
+
+
 def _gated_scores(stage1, Hv: int, scale: float, p: torch.Tensor) -> None:
-    """``gated_scores.py`` into ``p`` from stage 1's ``((q, k) packed, cu, N, Stage1)``."""
+    """``gated_scores.py`` into ``p`` (``_scores_buffer``) from stage 1's ``((q, k) packed, cu, N, Stage1)``."""
     from .gated_scores import build_gated_scores
 
     (qf, kf), _, _, st1 = stage1
@@ -476,20 +483,20 @@ class HopperBackwardStages:
         from ...cp.backward import side_stream
 
         main, side = torch.cuda.current_stream(q.device), side_stream(q.device, "gated scores")
-        p = _output((stage1[3].Ag.shape[0], Hv, CHUNK, CHUNK), q.dtype, q.device)
+        p = _scores_buffer(stage1, Hv)
         side.wait_stream(main)  # stage 1 and the allocation, in the order the main stream sees them
         with torch.cuda.stream(side):
             _gated_scores(stage1, Hv, self.scale, p)
         self._scores = (cu, p, side)
 
-    def _given_scores(self, cu, stage1, Hv, scale, device, dtype):
+    def _given_scores(self, cu, stage1, Hv, scale):
         """The fused kernel's P: the one made aside for these offsets (the current stream then waits for it), else
         made now."""
         held, self._scores = self._scores, None
         if held is not None and held[0] is cu:
-            torch.cuda.current_stream(device).wait_stream(held[2])
+            torch.cuda.current_stream(held[1].device).wait_stream(held[2])
             return held[1]
-        p = _output((stage1[3].Ag.shape[0], Hv, CHUNK, CHUNK), dtype, device)
+        p = _scores_buffer(stage1, Hv)
         _gated_scores(stage1, Hv, scale, p)
         return p
 
@@ -559,7 +566,7 @@ class HopperBackwardStages:
         if apart:
             args += (_first_states_view(dh0, q.dtype, V, K), shift)
         if options.get("p_given"):  # the chunks' P, let go once the kernel has read it
-            args += (self._given_scores(offsets, stage1, Hv, scale, q.device, q.dtype),)
+            args += (self._given_scores(offsets, stage1, Hv, scale),)
         build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **options)(*args)
         return (dq.view(1, TT, Hqk, per, K), dk.view(1, TT, Hqk, per, K), dv, dg, dbeta), dh0
 

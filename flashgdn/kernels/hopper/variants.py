@@ -321,23 +321,20 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                 tag, opts = (",p_first,lean_gates", dict(p_first=True, lean_gates=True)) if lean else ("", {})
                 yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},cluster_sum]", "fused_backward",
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, cluster_sum=True))
+        # the gate-side options the operator builds for these heads (up to backward.FUSED_GATES_MAX_HV value heads)
+        from .backward import FUSED_GATES_MAX_HV
+
+        gates = dict(p_first=True, lean_gates=True) if Hv <= FUSED_GATES_MAX_HV else {}
         # dq and dk added per pair of value heads into zeros by L2 reductions (backward.FUSED_PAIR_SUMS), with the
         # operator's other options for these heads
         if (Hv // Hqk) % 2 == 0:
-            from .backward import FUSED_GATES_MAX_HV
-
-            lean = Hv <= FUSED_GATES_MAX_HV
-            tag, opts = (",p_first,lean_gates", dict(p_first=True, lean_gates=True)) if lean else ("", {})
+            tag = "".join("," + o for o in gates)
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},first_apart,pair_sums]", "fused_backward",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, first_apart=True,
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **gates, first_apart=True,
                         pair_sums=True))
         # the chunks' P made by a pass of their own and given to the fused kernel (backward.FUSED_P_GIVEN), with the
         # operator's other options for these heads
-        from .backward import FUSED_GATES_MAX_HV
-
-        opts = dict(p_first=True, lean_gates=True) if Hv <= FUSED_GATES_MAX_HV else {}
-        if Hv // Hqk == 2:
-            opts["pair_sums"] = True
+        opts = dict(gates, pair_sums=True) if Hv // Hqk == 2 else gates
         tag = "".join("," + o for o in opts)
         for has_dht in (True, False):
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag},first_apart,p_given]", "fused_backward",
