@@ -82,7 +82,12 @@
 #   notes v0.28b.
 # Every step has a time limit; later steps run when one fails.
 set -uo pipefail
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory OUTDIR"
+# reuse-transitions: the backward on the forward's transition pairs where both run on the same segments
+#   (backend.CP_REUSE_TRANSITIONS, notes v0.29a): its same-bits GPU tests and, with it on, the backward's tests
+#   through autograd with CP and the CP tests of the backward (gpu-reuse-transitions*.log), a training step's kernels on five shapes whose plans agree
+#   both ways (step-kernels-transitions{0,1}.json), and the bwd set's fwd+bwd both ways in one process
+#   (switch_ab.py); reuse-transitions-cp: the cp set's fwd+bwd both ways.
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -251,6 +256,29 @@ elif [ "$part" = p-given-memory ]; then
   logged memory-peak-flashqla 420 python3 benchmarks/memory_peak.py --impl flashqla --case 2/4:8192 \
     --case 16/32:2308,9176,8884,1687,7967,73,2598,75 --case 16/32:32768 --out "$out/memory-peak-flashqla.json"
   grep "peak" "$out/memory-peak-flashqla.log"
+elif [ "$part" = reuse-transitions ]; then
+  gpu_tests gpu-reuse-transitions 200 6 tests/test_gpu_hopper_backward.py -k "forwards_transitions"
+  (export FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS=1
+   gpu_tests gpu-reuse-transitions-on 240 8 tests/test_gpu_hopper_backward.py tests/test_gpu_hopper_cp.py \
+     -k "own_plan or op_gradients_through or fused_backward_with_context or sync_free or overlap_gives \
+         or skipping_unread or starts_made_in")
+  for on in 0 1; do
+    step_kernels step-kernels-transitions$on 90 \
+      "--shape 2/4:8192 --shape 4/8:8192 --shape 2/8:8192 --shape 8/16:32768 --shape 16/32:32768" \
+      FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS=$on
+  done
+  if grep -q " passed" "$out/gpu-reuse-transitions.log" \
+      && ! grep -qE "[0-9]+ (failed|error)" "$out/gpu-reuse-transitions.log"; then
+    logged transitions-ab 300 python3 benchmarks/switch_ab.py \
+      --switch flashgdn.kernels.hopper.backend:CP_REUSE_TRANSITIONS --set bwd --modes fwdbwd --rounds 2 \
+      --out "$out/transitions-ab.json"
+    tail -45 "$out/transitions-ab.log"
+  fi
+elif [ "$part" = reuse-transitions-cp ]; then
+  logged transitions-ab-cp 540 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_REUSE_TRANSITIONS --set cp --modes fwdbwd --rounds 2 \
+    --out "$out/transitions-ab-cp.json"
+  tail -55 "$out/transitions-ab-cp.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

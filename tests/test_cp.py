@@ -1,6 +1,7 @@
 """Exact context parallelism on the CPU: planning, splicing, and the segment driver around the float64 reference
 (equal to the forward without segments up to rounding, for any gate and unnormalised keys)."""
 import json
+import math
 import os
 import random
 from types import SimpleNamespace
@@ -919,6 +920,36 @@ def test_the_backward_from_the_forwards_starts_splices_less():
         us, f = backward_estimated_us([32768], 8, 16, model, forward_chunks=forward_chunks)
         gathered = 16 % forward_chunks == 0
         assert f == fused and us == pytest.approx(whole - (31 - steps) * step - gathered * b_half)
+
+
+def test_the_backward_on_the_forwards_transitions_counts_only_what_they_add_to_the_forward():
+    """``CostModel.reuse_transitions``: on the forward's own segments the backward's estimate has no transition pass,
+    only the M of the sequences' last segments that the forward's skipping pass makes besides (nothing where that
+    fits the same wave); on other segments, and without the switch, the estimate is as before."""
+    from dataclasses import replace
+
+    from flashgdn.cp.plan import Items, backward_estimated_us
+
+    model = replace(BACKEND_MODEL, reuse_transitions=True)
+    for seqlens, heads, chunks in (([32768], 8, 16), ([8192, 8192], 4, 16), ([22306, 10462], 32, 128),
+                                   ([65536], 16, 128)):
+        pieces = [math.ceil(math.ceil(L / 64) / chunks) for L in seqlens]
+        between = sum(p - 1 for p in pieces) + sum(max(0, p - 2) for p in pieces)
+        runs = 2 * sum(p - 1 for p in pieces)
+        added = (model.pair_items_us(Items(runs, runs * chunks, chunks), heads)
+                 - model.pair_items_us(Items(between, between * chunks, chunks), heads))
+        own_pass = model.pair_items_us(Items(runs // 2, runs // 2 * chunks, chunks), heads)
+        before, fused = backward_estimated_us(seqlens, heads, chunks, BACKEND_MODEL, forward_chunks=chunks)
+        us, f = backward_estimated_us(seqlens, heads, chunks, model, forward_chunks=chunks)
+        assert f == fused and 0 <= added <= own_pass
+        assert us == pytest.approx(before - own_pass + added)
+        for other in (None, chunks // 2, 2 * chunks):  # not the same segments: as before
+            assert backward_estimated_us(seqlens, heads, chunks, model, forward_chunks=other) == \
+                backward_estimated_us(seqlens, heads, chunks, BACKEND_MODEL, forward_chunks=other)
+    # 16/32 22306+10462 at 128 chunks (3 + 2 pieces): the M added take the forward's pass (4 x 32 CTAs) into a
+    # second wave (6 x 32), which costs what the backward's own pass did
+    assert backward_estimated_us([22306, 10462], 32, 128, model, forward_chunks=128)[0] == pytest.approx(
+        backward_estimated_us([22306, 10462], 32, 128, BACKEND_MODEL, forward_chunks=128)[0])
 
 
 @pytest.mark.parametrize("rows,path", [

@@ -474,3 +474,77 @@ def test_starts_from_known_equal_the_whole_splice(grad):
         b = pairs[:, 0::2]
         fresh = segment_starts(fwd, q, k, v, g, beta, 0.3, h, plan, index, for_backward=True)[2][:, 0::2]
         assert torch.equal(b.isnan(), fresh.isnan()) and torch.equal(b.nan_to_num(), fresh.nan_to_num())
+
+
+@pytest.mark.parametrize("own_splice", [False, True])
+@pytest.mark.parametrize("K,V", [(16, 16), (16, 8)])  # V != K: no pairs to keep; the backward makes its own
+@pytest.mark.parametrize("fwd_chunks,bwd_chunks", [(2, 2), (1, 1), (3, 3), (2, 1), (1, 2)])
+@pytest.mark.parametrize("case", [1, 2, 3])
+def test_cp_backward_on_the_forwards_transitions(case, fwd_chunks, bwd_chunks, K, V, own_splice):
+    """``cp_forward(keep_transitions=True)``: the forward's pass makes the M of every segment but a sequence's first
+    (the backward's ``for_backward`` items; the ones it may skip NaN), keeps its pairs, and a backward on the same
+    segments takes them instead of a transition pass of its own: the same bits as the backward that runs its own,
+    the reference's gradients. On other segments the pairs are not used (the backward's own pass runs)."""
+    from flashgdn.cp import cp_forward
+
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(case, K, V)
+    seqlens = (cu[1:] - cu[:-1]).tolist()
+    fplan, plan = split_sequences(seqlens, fwd_chunks), split_sequences(seqlens, bwd_chunks)
+    kind = _SkippingForwardWithOwnSplice if own_splice else _SkippingPairedReferenceForward  # modes: one per pass
+    got = {}
+    with torch.no_grad():
+        for keep in (False, True):
+            fwd = kind()
+            o, ht, fstarts, *pairs = cp_forward(fwd, q, k, v, g, beta, 0.3, h0, True, fplan, cu, keep_starts=True,
+                                                keep_transitions=keep)
+            passes_in_forward = list(fwd.modes)
+            assert len(pairs) == keep
+            if keep:
+                assert (pairs[0] is None) == (not fplan.split or V != K)
+                assert passes_in_forward == (["backward"] if fplan.split and V == K else [])
+            else:
+                assert passes_in_forward == (["forward"] if fplan.split and V == K else [])
+            fwd.modes.clear()
+            got[keep] = cp_backward(ReferenceBackwardStages(), fwd, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu,
+                                    cu, forward_starts=(fplan, fstarts, *pairs))
+            reused = keep and fplan.split and V == K and fwd_chunks == bwd_chunks
+            own_pass = plan.split and V == K and not reused
+            assert len(fwd.modes) == own_pass, (keep, fwd.modes)
+    for name, x, y, w in zip(NAMES, got[False], got[True], want):
+        if w is not None:
+            assert rel_rms(y, w) < 1e-10, name
+            assert torch.equal(x, y), name
+
+
+def test_handed_off_forward_transitions_are_released_before_step_4():
+    """``StartsHandoff`` with the forward's pairs: the backward on the forward's segments takes them and lets them go
+    after its reverse splice, before step 4; the gradients are the reference's."""
+    from flashgdn.cp import cp_forward
+    from flashgdn.cp.exact import StartsHandoff
+
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(1, 16, 16)
+    seqlens = (cu[1:] - cu[:-1]).tolist()
+    plan = split_sequences(seqlens, 2)
+    with torch.no_grad():
+        fwd = _SkippingPairedReferenceForward()
+        _, _, fstarts, pairs = cp_forward(fwd, q, k, v, g, beta, 0.3, h0, True, plan, cu, keep_starts=True,
+                                          keep_transitions=True)
+        watched = weakref.ref(pairs)
+        handoff = StartsHandoff(plan, fstarts, pairs)
+        del pairs, fstarts
+        fwd.modes.clear()
+
+        class _PairsWatchingStages(ReferenceBackwardStages):
+            checked = 0
+
+            def chunk_states(self, *args, **kwargs):
+                assert watched() is None, "the forward's pairs are still alive at step 4"
+                _PairsWatchingStages.checked += 1
+                return super().chunk_states(*args, **kwargs)
+
+        got = cp_backward(_PairsWatchingStages(), fwd, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu,
+                          forward_starts=handoff)
+    assert _PairsWatchingStages.checked == 1 and fwd.modes == [] and handoff.take() is None
+    for name, x, w in zip(NAMES, got, want):
+        if w is not None:
+            assert rel_rms(x, w) < 1e-10, name

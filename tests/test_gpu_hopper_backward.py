@@ -807,6 +807,46 @@ def test_fused_backward_trace_build_gives_the_same_bits_and_ordered_stamps(cuda)
 
 
 @pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192], Hqk=2, Hv=8),  # forward and backward on 16-chunk segments
+    dict(seqlens=[8192, 777, 8192], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,), pad=70),
+    dict(seqlens=[8192, 8192], Hqk=2, Hv=4, dense=True, state_v_first=True),
+])
+def test_backward_on_the_forwards_transitions_gives_the_same_bits(opts, cuda, monkeypatch):
+    """``backend.CP_REUSE_TRANSITIONS``: where the backward runs on the forward's own segments, it takes the
+    forward's transition pairs (their M of last segments made by the forward's pass) instead of a pass of its own:
+    the same kernels on the same inputs, so the same bits in every output and gradient, and on the bars."""
+    from flashgdn import chunk_gated_delta_rule
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.backend import HopperBackend
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    inp, do, dht, svf = _backward_inputs(opts, cuda)
+    cu = inp.get("cu_seqlens")
+    if cu is not None:
+        inp["cu_seqlens_cpu"] = cu.cpu()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    args = {n: inp[n] for n in inp if n not in names}
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(backend, "CP_REUSE_TRANSITIONS", on)
+        p = validate(**{n: inp[n] for n in names}, **args, scale=128 ** -0.5, cp="auto", check_values=False)
+        forward_plan = HopperBackend._plan(p)
+        backward_plan = HopperBackend._backward_plan(p, forward_plan)
+        assert backend._reuses_transitions(forward_plan, backward_plan) == on, (forward_plan, backward_plan)
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        o, ht = chunk_gated_delta_rule(**xs, **args, scale=128 ** -0.5, output_final_state=True, backend="hopper")
+        torch.autograd.backward([o, ht], [do, dht])
+        got[on] = [o, ht] + [xs[n].grad for n in names]
+    for name, a, b in zip(("o", "ht") + GRADIENTS, got[False], got[True]):
+        assert torch.equal(a, b), name
+    want = chunk_gated_delta_rule_backward_reference(
+        *(inp[n] for n in ("q", "k", "v", "g", "beta")), do, dht, scale=128 ** -0.5,
+        initial_state=inp["initial_state"], cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+    _assert_on_the_bars(got[True][2:], want)
+
+
+@pytest.mark.parametrize("opts", [
     dict(seqlens=[16384], Hqk=4, Hv=8),  # the forward on 32-chunk segments, the backward on 16-chunk ones
     dict(seqlens=[5000, 64, 3000], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,), pad=70),
     dict(seqlens=[8192, 8192], Hqk=2, Hv=4, dense=True, state_v_first=True),

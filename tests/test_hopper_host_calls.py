@@ -455,6 +455,33 @@ def test_forward_cuts_in_between_segments_only_without_a_backward(checked_kernel
         assert [sizes["num_seqs"] for name, sizes in checked_kernels if name == "chunk_forward_rso"] == [want], grad
 
 
+def test_op_backward_on_the_forwards_segments_takes_its_transitions(checked_kernels, monkeypatch):
+    """``CP_REUSE_TRANSITIONS``: where the backward runs on the forward's own segments (2/8 8192x1: 8 of 16 chunks
+    both), the forward's transition pass makes the M of the last segment besides and keeps its pairs, and the
+    backward runs the states pass alone where it ran the transition pass first; off, as before."""
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    monkeypatch.setattr(backend, "CP_REUSE_STARTS", True)
+    passes = {}
+    for on in (False, True):
+        monkeypatch.setattr(backend, "CP_REUSE_TRANSITIONS", on)
+        p, names, xs = _long_sequence_problem((8192,))
+        forward_plan = HopperBackend._plan(p)
+        backward_plan = HopperBackend._backward_plan(p, forward_plan)
+        assert forward_plan.segment_chunks == 16 and backward_plan.plan.segment_chunks == 16
+        assert backend._reuses_transitions(forward_plan, backward_plan) == on
+        checked_kernels.clear()
+        o, ht = HopperBackend()(p)
+        forward_rs = [sizes for name, sizes in checked_kernels if name == "chunk_forward_rs"]
+        checked_kernels.clear()
+        grads = torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
+        passes[on] = [name for name, _ in checked_kernels if name == "chunk_forward_rs"]
+        assert len(forward_rs) == 1  # the forward's transition pass, with or without the last M
+        assert all(gr.shape == xs[n].shape for gr, n in zip(grads, names))
+    assert len(passes[False]) == 2 and len(passes[True]) == 1, passes  # (transitions and) the states pass
+
+
 def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, monkeypatch):
     """``CP_REUSE_STARTS``: the forward keeps its segments' start states and the backward's forward splice runs
     from them: on 2/8 16384 (the forward on 8 segments of 32 chunks, the backward on 16 of 16) chains of two

@@ -35,8 +35,8 @@ from typing import Dict, Optional, Protocol, Tuple, Union
 
 import torch
 
-from .exact import (Forward, Gather, KnownStarts, StartsHandoff, float_states, segment_indices, segment_starts,
-                    select_segments, splice_steps)
+from .exact import (Forward, Gather, KnownStarts, StartsHandoff, float_states, same_segments, segment_indices,
+                    segment_starts, select_segments, splice_steps)
 from .plan import SegmentIndex, SegmentPlan
 
 
@@ -109,7 +109,8 @@ def cp_backward(
     plan: Optional[SegmentPlan],
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
-    forward_starts: Union[None, Tuple[SegmentPlan, torch.Tensor], StartsHandoff] = None,
+    forward_starts: Union[None, Tuple[SegmentPlan, torch.Tensor],
+                          Tuple[SegmentPlan, torch.Tensor, Optional[torch.Tensor]], StartsHandoff] = None,
 ):
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the operator on packed sequences ``[1, T, ...]`` with offsets
     ``cu_seqlens`` (on q's device; ``cu_seqlens_cpu`` their host copy), K-major states, by ``stages`` on the
@@ -118,7 +119,9 @@ def cp_backward(
     initial state's gradient, float, also without an initial state (the caller drops it). ``forward_starts``: the
     forward's plan and its segments' true start states (``cp_forward(keep_starts=True)``), from which step 1's
     splice runs on short chains or not at all when one segment length divides the other
-    (``exact.starts_from_known``); as a ``StartsHandoff`` they are released after step 1."""
+    (``exact.starts_from_known``), and, as a third entry, its transition pairs
+    (``cp_forward(keep_transitions=True)``), which on the same segments take the place of step 1's transition pass;
+    as a ``StartsHandoff`` they are released after step 3."""
     states = None  # step 4's chunk states, made early when the walks from zero overlap step 1
     if plan is None or not plan.split:  # step 4 alone, on the sequences themselves
         seg_cu, seg_cu_cpu = cu_seqlens, (plan.seg_cu if plan is not None else cu_seqlens_cpu)
@@ -132,10 +135,13 @@ def cp_backward(
         known = None
         taken = forward_starts.take() if isinstance(forward_starts, StartsHandoff) else forward_starts
         if taken is not None and taken[1] is not None:
-            # the forward's own segments (the same cuts of the same sequences): the same index, not built again
-            same = torch.equal(taken[0].seg_cu, plan.seg_cu)
+            # the forward's own segments (the same cuts of the same sequences): the same index, not built again,
+            # and its transitions, where it kept them, taken as they are (no transition pass here)
+            same = same_segments(taken[0], plan)
+            pairs = taken[2] if same and len(taken) > 2 else None
             known = KnownStarts(taken[0], index if same else segment_indices(forward, taken[0], cu_seqlens),
-                                taken[1].to(h0.dtype))
+                                taken[1].to(h0.dtype), None if pairs is None else pairs.to(h0.dtype))
+            del pairs
         del taken  # ``known`` alone holds a handed-off starts tensor now
         def walks_from_zero():
             # 2. every segment's D (only the start gradients are kept: a name for the per-chunk ones would keep

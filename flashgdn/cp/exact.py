@@ -216,13 +216,19 @@ def _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for
         _, end = forward(q, k, v2, _twice(g), _twice(beta), scale, start.flatten(1, 2), index.seg_cu, True,
                          plan.seg_cu, need_output=False)
     pairs = end.to(h0.dtype)
-    end = pairs.unflatten(1, (Hv, 2))
+    return pairs_gather(pairs), pairs
+
+
+def pairs_gather(pairs: torch.Tensor) -> Gather:
+    """The splice's ``gather(src) -> (M[src], b[src])`` over transition pairs ``[S, 2 Hv, K, V]`` (head 2h: b of
+    value head h, 2h + 1: its M)."""
+    end = pairs.unflatten(1, (pairs.shape[1] // 2, 2))
 
     def gather(src):
         pair = end.index_select(0, src)
         return pair[:, :, 1], pair[:, :, 0]
 
-    return gather, pairs
+    return gather
 
 
 def float_states(x: Optional[torch.Tensor], q: torch.Tensor, v: torch.Tensor, N: int) -> torch.Tensor:
@@ -239,24 +245,33 @@ class StartsHandoff:
     taken once: whoever passes the handoff down keeps no reference to the starts tensor, so the backward can let it
     go once its own starts are made, before its memory peaks (segments x Hv x K x V float32, ~8 MB on 2/4 32768x1
     or 16/32 8192x1), instead of holding it to the end of the call as an autograd context or a caller's tuple
-    would."""
+    would. ``pairs``: the forward's transition pairs as well, or None (``cp_forward(keep_transitions=True)``)."""
 
-    def __init__(self, plan: SegmentPlan, starts: Optional[torch.Tensor]):
-        self._value: Optional[Tuple[SegmentPlan, Optional[torch.Tensor]]] = (plan, starts)
+    def __init__(self, plan: SegmentPlan, starts: Optional[torch.Tensor], pairs: Optional[torch.Tensor] = None):
+        self._value: Optional[Tuple[SegmentPlan, Optional[torch.Tensor], Optional[torch.Tensor]]] = (
+            plan, starts, pairs)
 
-    def take(self) -> Optional[Tuple[SegmentPlan, Optional[torch.Tensor]]]:
-        """``(plan, starts)`` the first time, None after."""
+    def take(self) -> Optional[Tuple[SegmentPlan, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """``(plan, starts, pairs)`` the first time, None after."""
         value, self._value = self._value, None
         return value
 
 
 class KnownStarts(NamedTuple):
     """The true start states of another plan's segments of the same sequences (the forward's, kept for the
-    backward): its plan, its index tensors on the device and its starts ``[segments, Hv, K, V]``."""
+    backward): its plan, its index tensors on the device and its starts ``[segments, Hv, K, V]``; ``pairs``, its
+    transition pairs ``[segments, 2 Hv, K, V]`` with the M of every segment but a sequence's first (made for the
+    backward: ``cp_forward(keep_transitions=True)``), or None."""
 
     plan: SegmentPlan
     index: SegmentIndex
     starts: torch.Tensor
+    pairs: Optional[torch.Tensor] = None
+
+
+def same_segments(plan: SegmentPlan, other: SegmentPlan) -> bool:
+    """Whether two plans cut the same sequences at the same tokens (host tensors: no device read)."""
+    return plan.seg_cu.shape == other.seg_cu.shape and torch.equal(plan.seg_cu, other.seg_cu)
 
 
 def segment_starts(forward: Forward, q, k, v, g, beta, scale, h0: torch.Tensor, plan: SegmentPlan,
@@ -267,7 +282,10 @@ def segment_starts(forward: Forward, q, k, v, g, beta, scale, h0: torch.Tensor, 
     ``for_backward``: the backward's reverse splice will read these transitions too (M of last segments), which
     matters to a forward that ``skips_unread_transitions``. ``known``: another plan's true starts, from which the
     splice needs no chain longer than the ratio of the two segment lengths (``starts_from_known``) when one
-    length divides the other."""
+    length divides the other; with its ``pairs`` on the same segments, those transitions are taken as they are and
+    no pass runs (the forward made them with the M the reverse splice reads, ``cp_forward(keep_transitions=True)``)."""
+    if known is not None and known.pairs is not None and same_segments(plan, known.plan):
+        return known.starts, pairs_gather(known.pairs), known.pairs
     if k.shape[3] == v.shape[3]:
         gather, pairs = _transitions_one_pass(forward, q, k, v, g, beta, scale, h0, plan, index, for_backward,
                                               m_only=known is not None and gathers_starts(plan, known.plan))
@@ -375,6 +393,7 @@ def cp_forward(
     plan: SegmentPlan,
     cu_seqlens: torch.Tensor,
     keep_starts: bool = False,
+    keep_transitions: bool = False,
 ):
     """The operator on packed sequences ``[1, T, ...]`` (dense input reshaped by the caller) with the plan's
     segments; K-major states. ``cu_seqlens`` is the sequences' offsets on q's device (the plan's lengths): the
@@ -382,25 +401,35 @@ def cp_forward(
     the host and nothing synchronises; the host plan gives only sizes and the host copy of the segments'
     offsets. Returns ``(o, final_state or None)`` as the forward without segments would; with ``keep_starts``,
     ``(o, final_state or None, starts)``, the segments' true start states (K-major float, ``[segments, Hv, K, V]``;
-    None when the plan does not split), which a backward can start from (``KnownStarts``)."""
+    None when the plan does not split), which a backward can start from (``KnownStarts``). ``keep_transitions``
+    (with ``keep_starts``): ``(o, final_state or None, starts, pairs)``, the transition pairs too (``[segments, 2 Hv,
+    K, V]``, None without a split or when V != K), made with the M of every segment but a sequence's first, as the
+    backward's reverse splice reads them (``for_backward``), so that a backward on the same segments runs no
+    transition pass of its own."""
     index = segment_indices(forward, plan, cu_seqlens)
     h0 = float_states(initial_state, q, v, plan.first.numel())
-    starts = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index)[0] if plan.split else h0
+    starts, pairs = h0, None
+    if plan.split:
+        starts, _, pairs = segment_starts(forward, q, k, v, g, beta, scale, h0, plan, index,
+                                          for_backward=keep_transitions)
     # 4. every segment from its true start state
     o, seg_final = forward(q, k, v, g, beta, scale, starts, index.seg_cu, output_final_state, plan.seg_cu)
     final = None
     if output_final_state:
         final = select_segments(seg_final, plan.first + plan.count - 1, lambda: index.first + index.count - 1)
+    if keep_starts and keep_transitions:
+        return o, final, starts if plan.split else None, pairs
     if keep_starts:
         return o, final, starts if plan.split else None
     return o, final
 
 
 def cp_problem_forward(forward: Forward, p, plan: SegmentPlan, q: torch.Tensor, k: torch.Tensor,
-                       keep_starts: bool = False):
+                       keep_starts: bool = False, keep_transitions: bool = False):
     """``cp_forward`` for a ``GDNProblem``: dense input packed, the state layout converted both ways.
     ``q``/``k`` are the (possibly L2-normalised) queries and keys to use instead of ``p.q``/``p.k``.
-    ``keep_starts``: also the segments' start states, as ``cp_forward`` keeps them (K-major)."""
+    ``keep_starts``: also the segments' start states, as ``cp_forward`` keeps them (K-major); ``keep_transitions``:
+    and the transition pairs."""
     B, T = p.B, p.T
 
     def packed(x):
@@ -411,7 +440,8 @@ def cp_problem_forward(forward: Forward, p, plan: SegmentPlan, q: torch.Tensor, 
         h0 = h0.transpose(-1, -2)
     cu = p.cu_seqlens if p.cu_seqlens is not None else dense_cu_seqlens(B, T, q.device)
     o, final, *starts = cp_forward(forward, packed(q), packed(k), packed(p.v), packed(p.g), packed(p.beta), p.scale,
-                                   h0, p.output_final_state, plan, cu, keep_starts=keep_starts)
+                                   h0, p.output_final_state, plan, cu, keep_starts=keep_starts,
+                                   keep_transitions=keep_transitions)
     o = o.reshape(B, T, p.Hv, p.V)
     if final is not None and p.state_v_first:
         final = final.transpose(-1, -2).contiguous()

@@ -168,6 +168,9 @@ class CostModel:
     # segments that are not a sequence's last and M of those that are neither its first nor its last run, all whole
     # segments; the skipped CTAs (a state load and store each) are not counted (the default since v0.12b).
     skip_unread: bool = False
+    # the forward keeps its transition pairs for a backward on the same segments, made with the M of every
+    # sequence's last segment besides (FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS): that backward runs no transition pass
+    reuse_transitions: bool = False
     # The backward (``plan_backward``), from the H200 on 2026-12-01 (v0.15d kernels;
     # ``backward/step-kernels-v0.15d-cp.json`` for the stages inside CP backwards, ``stages-hopper-v0.15d-bwd.json`` for the fused kernel alone). Each pass is
     # one CTA per item and value head: item_us + chunks x chunk_us on one SM, busy_chunk_us per chunk once the SMs
@@ -203,13 +206,13 @@ class CostModel:
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
-                   skip_unread: bool = False) -> "CostModel":
+                   skip_unread: bool = False, reuse_transitions: bool = False) -> "CostModel":
         """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
-        ``paired``/``fused``/``skip_unread``: which of CP's kernels the backend runs."""
+        ``paired``/``fused``/``skip_unread``/``reuse_transitions``: which of CP's kernels the backend runs."""
+        flags = dict(paired=paired, fused=fused, skip_unread=skip_unread, reuse_transitions=reuse_transitions)
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
-            return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, paired=paired,
-                             fused=fused, skip_unread=skip_unread)
-        return CostModel(paired=paired, fused=fused, skip_unread=skip_unread)
+            return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, **flags)
+        return CostModel(**flags)
 
     def loop_us(self, item_chunks: Union[Items, Sequence[int]], heads: int, state_only: bool = False) -> float:
         """One chunk loop over work items of the given chunk counts, each for ``heads`` value heads."""
@@ -522,10 +525,20 @@ def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Op
     if len(segs) == len(chunks):
         return us, use_fused
     pieces = [-(-c // segment_chunks) for c in chunks]
-    # b of all but the last, M of all but the first; no b when the starts are gathered from the forward's
-    gathered = forward_chunks is not None and segment_chunks % forward_chunks == 0
-    runs = (1 if gathered else 2) * sum(p - 1 for p in pieces)
-    transitions = model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
+    if model.reuse_transitions and forward_chunks == segment_chunks:
+        # the forward's own segments: its pass made these M, and what it costs here is the M of the sequences' last
+        # segments that it made besides (a skipping pass makes b of all but the last, M of those in between)
+        between = sum(p - 1 for p in pieces) + sum(max(0, p - 2) for p in pieces)
+        runs = 2 * sum(p - 1 for p in pieces)
+        transitions = 0.0
+        if model.skip_unread:
+            transitions = (model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
+                           - model.pair_items_us(Items(between, between * segment_chunks, segment_chunks), heads))
+    else:
+        # b of all but the last, M of all but the first; no b when the starts are gathered from the forward's
+        gathered = forward_chunks is not None and segment_chunks % forward_chunks == 0
+        runs = (1 if gathered else 2) * sum(p - 1 for p in pieces)
+        transitions = model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
     steps = max(pieces) - 1
     forward_steps = forward_splice_steps(pieces, segment_chunks, forward_chunks)
     splices = (forward_steps * (model.splice_step_fixed_us + heads * model.splice_step_head_us)

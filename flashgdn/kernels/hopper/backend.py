@@ -57,9 +57,12 @@ class _HopperGDN(torch.autograd.Function):
 
             forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE)
             if _reuses_starts(plan, backward_plan):
-                # the segments' start states, from which the backward's own splice starts (CP_REUSE_STARTS)
-                o, ht, starts = cp_problem_forward(forward, problem, plan, q, k, keep_starts=True)
-                ctx.forward_starts = (plan, starts)
+                # the segments' start states, from which the backward's own splice starts (CP_REUSE_STARTS), and on
+                # the backward's own segments the transitions too (CP_REUSE_TRANSITIONS)
+                keep = _reuses_transitions(plan, backward_plan)
+                o, ht, starts, *pairs = cp_problem_forward(forward, problem, plan, q, k, keep_starts=True,
+                                                           keep_transitions=keep)
+                ctx.forward_starts = (plan, starts, pairs[0] if pairs else None)
             else:
                 o, ht = cp_problem_forward(forward, problem, plan, q, k)
         else:
@@ -157,6 +160,15 @@ CP_REUSE_STARTS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_STARTS", "1") == "1"
 #: 4/8 32768x1 1.260 -> 1.214, 16/32 32768x1 3.639 -> 3.573. FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL=1|0.
 CP_STARTS_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL", "1") == "1"
 
+#: where the backward runs on the forward's own segments (and CP_REUSE_STARTS), the forward keeps its transition
+#: pairs too, made with the M of every sequence's last segment besides (the reverse splice reads them; the forward's
+#: splice does not), and the backward runs no transition pass of its own: one state-only pass over the segments
+#: fewer in a training step, for one more M per split sequence in the forward's pass, and the pairs (segments x 2 Hv
+#: x K x V float32, 64 KB each: 16 MB on 16/32 32768x1) kept from the forward to the backward's reverse splice.
+#: The backward's plan counts it (``CostModel.reuse_transitions``). The same kernels on the same inputs, so the same
+#: bits. An A/B (notes v0.29a). FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS=0|1.
+CP_REUSE_TRANSITIONS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS", "0") == "1"
+
 #: the backward's chains from the forward's segment starts (their first segment and count, and each known
 #: segment's place in its sequence) by one kernel (``segment_index.build_chain_index``) instead of eight small torch
 #: kernels, where the forward's segments are a multiple of the backward's. The same integers (a GPU test checks
@@ -171,6 +183,14 @@ def _reuses_starts(plan, backward_plan) -> bool:
             and backward_plan.plan is not None and backward_plan.plan.split)
 
 
+def _reuses_transitions(plan, backward_plan) -> bool:
+    """Whether the forward keeps its transition pairs for the backward as well: it keeps its starts, the backward
+    runs on the same segments, and ``CP_REUSE_TRANSITIONS``."""
+    from ...cp.exact import same_segments
+
+    return CP_REUSE_TRANSITIONS and _reuses_starts(plan, backward_plan) and same_segments(plan, backward_plan.plan)
+
+
 def cp_cost_model(device: Optional[torch.device] = None):
     """Context parallelism's cost model for the CP kernels this backend runs as its switches are set (the paired
     transition pass outside the precise mode, the fused index and splice, the skipping of unread items)."""
@@ -178,7 +198,8 @@ def cp_cost_model(device: Optional[torch.device] = None):
     from .forward import PRECISE
 
     paired = CP_PAIRED and not PRECISE
-    return CostModel.for_device(device, paired=paired, fused=CP_FUSED, skip_unread=paired and CP_SKIP_UNREAD)
+    return CostModel.for_device(device, paired=paired, fused=CP_FUSED, skip_unread=paired and CP_SKIP_UNREAD,
+                                reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS)
 
 
 class _HopperSegmentsForward:
