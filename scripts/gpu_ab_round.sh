@@ -86,7 +86,8 @@ set -uo pipefail
 #   (backend.CP_REUSE_TRANSITIONS, notes v0.29a): its same-bits GPU tests and, with it on, the backward's tests
 #   through autograd with CP and the CP tests of the backward (gpu-reuse-transitions*.log), a training step's kernels on five shapes whose plans agree
 #   both ways (step-kernels-transitions{0,1}.json), and the bwd set's fwd+bwd both ways in one process
-#   (switch_ab.py); reuse-transitions-cp: the cp set's fwd+bwd both ways.
+#   (switch_ab.py); reuse-transitions-cp: the bwd set's 4/8 and 2/4 shapes again (the first round's A/B was cut
+#   before them), then the cp set's fwd+bwd both ways.
 usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
@@ -275,7 +276,11 @@ elif [ "$part" = reuse-transitions ]; then
     tail -45 "$out/transitions-ab.log"
   fi
 elif [ "$part" = reuse-transitions-cp ]; then
-  logged transitions-ab-cp 540 python3 benchmarks/switch_ab.py \
+  logged transitions-ab-few 150 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_REUSE_TRANSITIONS --set bwd --only-heads 4/8,2/4 --modes fwdbwd \
+    --rounds 2 --out "$out/transitions-ab-few.json"
+  tail -20 "$out/transitions-ab-few.log"
+  logged transitions-ab-cp 400 python3 benchmarks/switch_ab.py \
     --switch flashgdn.kernels.hopper.backend:CP_REUSE_TRANSITIONS --set cp --modes fwdbwd --rounds 2 \
     --out "$out/transitions-ab-cp.json"
   tail -55 "$out/transitions-ab-cp.log"
