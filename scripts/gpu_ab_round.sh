@@ -87,8 +87,9 @@ set -uo pipefail
 #   through autograd with CP and the CP tests of the backward (gpu-reuse-transitions*.log), a training step's kernels on five shapes whose plans agree
 #   both ways (step-kernels-transitions{0,1}.json), and the bwd set's fwd+bwd both ways in one process
 #   (switch_ab.py); reuse-transitions-cp: the bwd set's 4/8 and 2/4 shapes again (the first round's A/B was cut
-#   before them), then the cp set's fwd+bwd both ways.
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp OUTDIR"
+#   before them), then the cp set's fwd+bwd both ways; reuse-transitions-memory: the peak memory of a training step
+#   both ways on five shapes whose segments agree.
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -284,6 +285,13 @@ elif [ "$part" = reuse-transitions-cp ]; then
     --switch flashgdn.kernels.hopper.backend:CP_REUSE_TRANSITIONS --set cp --modes fwdbwd --rounds 2 \
     --out "$out/transitions-ab-cp.json"
   tail -55 "$out/transitions-ab-cp.log"
+elif [ "$part" = reuse-transitions-memory ]; then
+  for on in 0 1; do
+    logged memory-peak-transitions$on 150 env FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS=$on python3 benchmarks/memory_peak.py \
+      --case 16/32:32768 --case 8/16:32768 --case 2/4:8192 --case 4/16:131072 --case 2/8:65536,65536 \
+      --out "$out/memory-peak-transitions$on.json"
+    grep "peak" "$out/memory-peak-transitions$on.log"
+  done
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

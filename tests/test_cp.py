@@ -19,8 +19,8 @@ from flashgdn.reference.chunked import chunk_gated_delta_rule_reference
 from helpers import assert_same_computation, make_inputs, rel_rms
 
 #: the cost model as the Hopper backend plans with it by default (paired transition pass, fused index and
-#: splice, unread transitions skipped; ``backend.cp_cost_model``)
-BACKEND_MODEL = CostModel(paired=True, fused=True, skip_unread=True)
+#: splice, unread transitions skipped, the backward on the forward's transitions; ``backend.cp_cost_model``)
+BACKEND_MODEL = CostModel(paired=True, fused=True, skip_unread=True, reuse_transitions=True)
 
 
 def ref_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu=None, need_output=True):
@@ -930,7 +930,7 @@ def test_the_backward_on_the_forwards_transitions_counts_only_what_they_add_to_t
 
     from flashgdn.cp.plan import Items, backward_estimated_us
 
-    model = replace(BACKEND_MODEL, reuse_transitions=True)
+    model, before_model = BACKEND_MODEL, replace(BACKEND_MODEL, reuse_transitions=False)
     for seqlens, heads, chunks in (([32768], 8, 16), ([8192, 8192], 4, 16), ([22306, 10462], 32, 128),
                                    ([65536], 16, 128)):
         pieces = [math.ceil(math.ceil(L / 64) / chunks) for L in seqlens]
@@ -939,17 +939,17 @@ def test_the_backward_on_the_forwards_transitions_counts_only_what_they_add_to_t
         added = (model.pair_items_us(Items(runs, runs * chunks, chunks), heads)
                  - model.pair_items_us(Items(between, between * chunks, chunks), heads))
         own_pass = model.pair_items_us(Items(runs // 2, runs // 2 * chunks, chunks), heads)
-        before, fused = backward_estimated_us(seqlens, heads, chunks, BACKEND_MODEL, forward_chunks=chunks)
+        before, fused = backward_estimated_us(seqlens, heads, chunks, before_model, forward_chunks=chunks)
         us, f = backward_estimated_us(seqlens, heads, chunks, model, forward_chunks=chunks)
         assert f == fused and 0 <= added <= own_pass
         assert us == pytest.approx(before - own_pass + added)
         for other in (None, chunks // 2, 2 * chunks):  # not the same segments: as before
             assert backward_estimated_us(seqlens, heads, chunks, model, forward_chunks=other) == \
-                backward_estimated_us(seqlens, heads, chunks, BACKEND_MODEL, forward_chunks=other)
+                backward_estimated_us(seqlens, heads, chunks, before_model, forward_chunks=other)
     # 16/32 22306+10462 at 128 chunks (3 + 2 pieces): the M added take the forward's pass (4 x 32 CTAs) into a
     # second wave (6 x 32), which costs what the backward's own pass did
     assert backward_estimated_us([22306, 10462], 32, 128, model, forward_chunks=128)[0] == pytest.approx(
-        backward_estimated_us([22306, 10462], 32, 128, BACKEND_MODEL, forward_chunks=128)[0])
+        backward_estimated_us([22306, 10462], 32, 128, before_model, forward_chunks=128)[0])
 
 
 @pytest.mark.parametrize("rows,path", [
