@@ -88,8 +88,10 @@ set -uo pipefail
 #   both ways (step-kernels-transitions{0,1}.json), and the bwd set's fwd+bwd both ways in one process
 #   (switch_ab.py); reuse-transitions-cp: the bwd set's 4/8 and 2/4 shapes again (the first round's A/B was cut
 #   before them), then the cp set's fwd+bwd both ways; reuse-transitions-memory: the peak memory of a training step
-#   both ways on five shapes whose segments agree.
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory OUTDIR"
+#   both ways on five shapes whose segments agree; lengths-after-reuse: fwd+bwd at cp = 16, 32 and 64 chunks (one length
+#   for both passes, so the backward takes the forward's transitions) against cp="auto" on twelve shapes whose
+#   forward and backward plans differ (cp-choices-lengths.json).
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -292,6 +294,14 @@ elif [ "$part" = reuse-transitions-memory ]; then
       --out "$out/memory-peak-transitions$on.json"
     grep "peak" "$out/memory-peak-transitions$on.log"
   done
+elif [ "$part" = lengths-after-reuse ]; then
+  logged cp-choices-lengths 400 python3 benchmarks/cp_choices.py --fwdbwd --segments 16,32,64 \
+    --out "$out/cp-choices-lengths.json" \
+    --shape 2/4:32768 --shape 2/4:22306+10462 --shape 2/4:1047+7059+11918+12744 \
+    --shape 2/4:2308+9176+8884+1687+7967+73+2598+75 --shape 4/8:32768 --shape 4/8:1047+7059+11918+12744 \
+    --shape 8/16:8192 --shape 8/16:775+7417 --shape 8/16:4163+924+1801+1304 --shape 1/4:65536 --shape 2/8:16384 \
+    --shape 4/16:8192
+  tail -3 "$out/cp-choices-lengths.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \
