@@ -90,8 +90,10 @@ set -uo pipefail
 #   before them), then the cp set's fwd+bwd both ways; reuse-transitions-memory: the peak memory of a training step
 #   both ways on five shapes whose segments agree; lengths-after-reuse: fwd+bwd at cp = 16, 32 and 64 chunks (one length
 #   for both passes, so the backward takes the forward's transitions) against cp="auto" on twelve shapes whose
-#   forward and backward plans differ (cp-choices-lengths.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse OUTDIR"
+#   forward and backward plans differ (cp-choices-lengths.json); forward-on-backward: the forward under autograd on
+#   the backward's segments (backend.CP_FORWARD_ON_BACKWARD_SEGMENTS) both ways on the bwd and cp sets' 2/4, 4/8 and
+#   8/16 shapes (rounding differs: --max-diff 1e-2), then the own-plan GPU tests with it on and off.
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -302,6 +304,12 @@ elif [ "$part" = lengths-after-reuse ]; then
     --shape 8/16:8192 --shape 8/16:775+7417 --shape 8/16:4163+924+1801+1304 --shape 1/4:65536 --shape 2/8:16384 \
     --shape 4/16:8192
   tail -3 "$out/cp-choices-lengths.log"
+elif [ "$part" = forward-on-backward ]; then
+  logged forward-on-backward-ab 110 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_FORWARD_ON_BACKWARD_SEGMENTS --set bwd,cp --only-heads 2/4,4/8,8/16 \
+    --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/forward-on-backward-ab.json"
+  tail -12 "$out/forward-on-backward-ab.log"
+  gpu_tests gpu-forward-on-backward 100 8 tests/test_gpu_hopper_backward.py -k own_plan
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

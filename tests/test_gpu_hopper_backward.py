@@ -851,18 +851,20 @@ def test_backward_on_the_forwards_transitions_gives_the_same_bits(opts, cuda, mo
     dict(seqlens=[5000, 64, 3000], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,), pad=70),
     dict(seqlens=[8192, 8192], Hqk=2, Hv=4, dense=True, state_v_first=True),
 ])
-@pytest.mark.parametrize("reuse_starts", [False, True])
-def test_backward_on_its_own_plan(opts, reuse_starts, cuda, monkeypatch):
+@pytest.mark.parametrize("reuse_starts,forward_on_backward", [(False, False), (True, False), (True, True)])
+def test_backward_on_its_own_plan(opts, reuse_starts, forward_on_backward, cuda, monkeypatch):
     """The op's gradients under cp="auto", where the backward runs on a plan of its own (``cp.plan_backward``: the
     fused kernel on segments that the cost model picked for it): on the bars against the float64 backward, and
     within the CP machinery's 1e-2 of the gradients with cp="off" (two bf16 roundings of one result,
-    ``test_gpu_hopper_cp.py``); also starting from the forward's segment starts (``backend.CP_REUSE_STARTS``)."""
+    ``test_gpu_hopper_cp.py``); also starting from the forward's segment starts (``backend.CP_REUSE_STARTS``), and
+    with the forward on the backward's segments (``backend.CP_FORWARD_ON_BACKWARD_SEGMENTS``)."""
     from flashgdn import chunk_gated_delta_rule
     from flashgdn.api.validate import validate
     from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backend import HopperBackend
 
     monkeypatch.setattr(backend, "CP_REUSE_STARTS", reuse_starts)
+    monkeypatch.setattr(backend, "CP_FORWARD_ON_BACKWARD_SEGMENTS", forward_on_backward)
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     inp, do, dht, svf = _backward_inputs(opts, cuda)

@@ -423,11 +423,15 @@ def _long_sequence_problem(seqlens=(16384,), grad=True):
     return p, names, xs
 
 
-def test_op_backward_runs_on_its_own_plan(checked_kernels):
+def test_op_backward_runs_on_its_own_plan(checked_kernels, monkeypatch):
     """Through autograd, the forward runs on the forward's plan and the backward on its own (``cp.plan_backward``):
     on 2/8 one 16384-token sequence, the forward's loop on 8 segments of 32 chunks, the backward's fused kernel on
-    16 of 16 (the plans the cost model gives there, checked first)."""
+    16 of 16 (the plans the cost model gives there, checked first), with the forward on its own plan
+    (``CP_FORWARD_ON_BACKWARD_SEGMENTS`` off)."""
+    from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.backend import HopperBackend
+
+    monkeypatch.setattr(backend, "CP_FORWARD_ON_BACKWARD_SEGMENTS", False)
 
     p, names, xs = _long_sequence_problem()
     forward_plan, backward_plan = HopperBackend._plan(p), HopperBackend._backward_plan(p)
@@ -482,6 +486,34 @@ def test_op_backward_on_the_forwards_segments_takes_its_transitions(checked_kern
     assert len(passes[False]) == 2 and len(passes[True]) == 1, passes  # (transitions and) the states pass
 
 
+def test_op_forward_under_autograd_runs_on_the_backwards_segments(checked_kernels, monkeypatch):
+    """``CP_FORWARD_ON_BACKWARD_SEGMENTS``: on 2/8 16384x1 (the forward's own plan 8 segments of 32 chunks, the
+    backward's 16 of 16) the forward under autograd runs on the backward's 16 segments, and the backward takes its
+    starts and transitions: no splice and no transition pass of its own, only the states pass and the reverse splice.
+    Without autograd, and with the switch off, the forward keeps its own 8."""
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    for on, grad, want in ((True, True, 16), (False, True, 8), (True, False, 8)):
+        monkeypatch.setattr(backend, "CP_FORWARD_ON_BACKWARD_SEGMENTS", on)
+        p, names, xs = _long_sequence_problem(grad=grad)
+        checked_kernels.clear()
+        with torch.set_grad_enabled(grad):
+            o, ht = HopperBackend()(p)
+        loops = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "chunk_forward_rso"]
+        assert loops == [want], (on, grad, loops)
+        if not grad:
+            continue
+        checked_kernels.clear()
+        torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
+        rs = [name for name, _ in checked_kernels if name == "chunk_forward_rs"]
+        splices = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "splice"]
+        if on:  # the states pass alone; the reverse splice alone
+            assert len(rs) == 1 and splices == [1], (rs, splices)
+        else:  # the transition pass (M only) and the states pass; the forward splice's chains and the reverse
+            assert len(rs) == 2 and splices == [8, 1], (rs, splices)
+
+
 def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, monkeypatch):
     """``CP_REUSE_STARTS``: the forward keeps its segments' start states and the backward's forward splice runs
     from them: on 2/8 16384 (the forward on 8 segments of 32 chunks, the backward on 16 of 16) chains of two
@@ -490,6 +522,7 @@ def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, mo
     from flashgdn.kernels.hopper.backend import HopperBackend
 
     monkeypatch.setattr(backend, "CP_REUSE_STARTS", True)
+    monkeypatch.setattr(backend, "CP_FORWARD_ON_BACKWARD_SEGMENTS", False)
     p, names, xs = _long_sequence_problem()
     forward_plan = HopperBackend._plan(p)
     backward_plan = HopperBackend._backward_plan(p, forward_plan)

@@ -171,6 +171,14 @@ CP_STARTS_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_STARTS_IN_KERNEL", "1")
 #: same bits on every one: the default. FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS=0|1.
 CP_REUSE_TRANSITIONS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS", "1") == "1"
 
+#: when a backward follows and both the forward's plan and the backward's split, but on different lengths, the
+#: forward runs on the backward's segments, so that the backward takes the forward's starts and transitions as they
+#: are (CP_REUSE_STARTS, CP_REUSE_TRANSITIONS). The forward's own length is the faster forward, but on the H200 one
+#: length for both (the backward's) was the faster fwd+bwd on all twelve shapes timed where the two differ: 0.87x-0.94x
+#: cp="auto"'s time (``cp/cp-choices-lengths-v0.29b.json``, notes v0.29b). A forward with no backward after it keeps
+#: its own plan. FLASHGDN_HOPPER_CP_FORWARD_ON_BACKWARD_SEGMENTS=0|1.
+CP_FORWARD_ON_BACKWARD_SEGMENTS = os.environ.get("FLASHGDN_HOPPER_CP_FORWARD_ON_BACKWARD_SEGMENTS", "1") == "1"
+
 #: the backward's chains from the forward's segment starts (their first segment and count, and each known
 #: segment's place in its sequence) by one kernel (``segment_index.build_chain_index``) instead of eight small torch
 #: kernels, where the forward's segments are a multiple of the backward's. The same integers (a GPU test checks
@@ -191,6 +199,17 @@ def _reuses_transitions(plan, backward_plan) -> bool:
     from ...cp.exact import same_segments
 
     return CP_REUSE_TRANSITIONS and _reuses_starts(plan, backward_plan) and same_segments(plan, backward_plan.plan)
+
+
+def _training_forward_plan(plan, backward_plan):
+    """The forward's segments when a backward follows (``CP_FORWARD_ON_BACKWARD_SEGMENTS``): the backward's where
+    both plans split on different lengths and the backward takes the forward's starts and transitions; else
+    ``plan``."""
+    from ...cp.exact import same_segments
+
+    if not (CP_FORWARD_ON_BACKWARD_SEGMENTS and CP_REUSE_TRANSITIONS and _reuses_starts(plan, backward_plan)):
+        return plan
+    return plan if same_segments(plan, backward_plan.plan) else backward_plan.plan
 
 
 def cp_cost_model(device: Optional[torch.device] = None):
@@ -381,6 +400,7 @@ class HopperBackend(Backend):
         backward_plan = self._backward_plan(p, plan) if wants_grad else None
         if backward_plan is not None:
             check_launch_rows(p.N, backward_plan.plan)
+            plan = _training_forward_plan(plan, backward_plan)
         out = _HopperGDN.apply(q, k, p.v, p.g, p.beta, p.initial_state, float(p.scale), p.output_final_state,
                                p.cu_seqlens, p.cu_seqlens_cpu, p.state_v_first, p, plan, backward_plan)
         if p.output_final_state:
