@@ -146,6 +146,39 @@ def _backward_inputs(opts, cuda, seed=4, with_dht=True):
     return inp, do, dht, svf
 
 
+#: the op's inputs that take gradients, in its argument order
+LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _op_inputs(opts, cuda):
+    """``_backward_inputs`` for calls of the op: ``(inp, do, dht, svf, args)``, with the host copy of cu_seqlens in
+    ``inp`` and ``args`` the op's keyword arguments besides ``LEAVES``."""
+    inp, do, dht, svf = _backward_inputs(opts, cuda)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    return inp, do, dht, svf, {n: inp[n] for n in inp if n not in LEAVES}
+
+
+def _op_plans(inp, args):
+    """The Hopper backend's forward and backward plans for these inputs under cp="auto", as the op makes them."""
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    p = validate(**{n: inp[n] for n in LEAVES}, **args, scale=128 ** -0.5, cp="auto", check_values=False)
+    forward_plan = HopperBackend._plan(p)
+    return forward_plan, HopperBackend._backward_plan(p, forward_plan)
+
+
+def _op_reference_gradients(inp, do, dht, svf):
+    """The float64 backward of the op's inputs (``_op_inputs``), as the bars compare with."""
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    return chunk_gated_delta_rule_backward_reference(
+        *(inp[n] for n in ("q", "k", "v", "g", "beta")), do, dht, scale=128 ** -0.5,
+        initial_state=inp["initial_state"], cu_seqlens=inp.get("cu_seqlens"), state_v_first=svf,
+        compute_dtype=torch.float64)
+
+
 @pytest.mark.parametrize("opts", [
     dict(seqlens=[1000, 3, 130], Hqk=2, Hv=4),
     dict(seqlens=[700, 64, 5], Hqk=1, Hv=2, gate="strong", zero_gate_heads=(1,), pad=70),
@@ -816,34 +849,21 @@ def test_backward_on_the_forwards_transitions_gives_the_same_bits(opts, cuda, mo
     forward's transition pairs (their M of last segments made by the forward's pass) instead of a pass of its own:
     the same kernels on the same inputs, so the same bits in every output and gradient, and on the bars."""
     from flashgdn import chunk_gated_delta_rule
-    from flashgdn.api.validate import validate
     from flashgdn.kernels.hopper import backend
-    from flashgdn.kernels.hopper.backend import HopperBackend
-    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
-    inp, do, dht, svf = _backward_inputs(opts, cuda)
-    cu = inp.get("cu_seqlens")
-    if cu is not None:
-        inp["cu_seqlens_cpu"] = cu.cpu()
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    args = {n: inp[n] for n in inp if n not in names}
+    inp, do, dht, svf, args = _op_inputs(opts, cuda)
     got = {}
     for on in (False, True):
         monkeypatch.setattr(backend, "CP_REUSE_TRANSITIONS", on)
-        p = validate(**{n: inp[n] for n in names}, **args, scale=128 ** -0.5, cp="auto", check_values=False)
-        forward_plan = HopperBackend._plan(p)
-        backward_plan = HopperBackend._backward_plan(p, forward_plan)
+        forward_plan, backward_plan = _op_plans(inp, args)
         assert backend._reuses_transitions(forward_plan, backward_plan) == on, (forward_plan, backward_plan)
-        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in LEAVES}
         o, ht = chunk_gated_delta_rule(**xs, **args, scale=128 ** -0.5, output_final_state=True, backend="hopper")
         torch.autograd.backward([o, ht], [do, dht])
-        got[on] = [o, ht] + [xs[n].grad for n in names]
+        got[on] = [o, ht] + [xs[n].grad for n in LEAVES]
     for name, a, b in zip(("o", "ht") + GRADIENTS, got[False], got[True]):
         assert torch.equal(a, b), name
-    want = chunk_gated_delta_rule_backward_reference(
-        *(inp[n] for n in ("q", "k", "v", "g", "beta")), do, dht, scale=128 ** -0.5,
-        initial_state=inp["initial_state"], cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
-    _assert_on_the_bars(got[True][2:], want)
+    _assert_on_the_bars(got[True][2:], _op_reference_gradients(inp, do, dht, svf))
 
 
 @pytest.mark.parametrize("opts", [
@@ -859,37 +879,23 @@ def test_backward_on_its_own_plan(opts, reuse_starts, forward_on_backward, cuda,
     ``test_gpu_hopper_cp.py``); also starting from the forward's segment starts (``backend.CP_REUSE_STARTS``), and
     with the forward on the backward's segments (``backend.CP_FORWARD_ON_BACKWARD_SEGMENTS``)."""
     from flashgdn import chunk_gated_delta_rule
-    from flashgdn.api.validate import validate
     from flashgdn.kernels.hopper import backend
-    from flashgdn.kernels.hopper.backend import HopperBackend
 
     monkeypatch.setattr(backend, "CP_REUSE_STARTS", reuse_starts)
     monkeypatch.setattr(backend, "CP_FORWARD_ON_BACKWARD_SEGMENTS", forward_on_backward)
-    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
-
-    inp, do, dht, svf = _backward_inputs(opts, cuda)
-    cu = inp.get("cu_seqlens")
-    if cu is not None:
-        inp["cu_seqlens_cpu"] = cu.cpu()
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    args = {n: inp[n] for n in inp if n not in names}
-    p = validate(**{n: inp[n] for n in names}, **args, scale=128 ** -0.5, cp="auto", check_values=False)
-    forward_plan = HopperBackend._plan(p)
-    backward_plan = HopperBackend._backward_plan(p, forward_plan)  # as the op makes it
+    inp, do, dht, svf, args = _op_inputs(opts, cuda)
+    forward_plan, backward_plan = _op_plans(inp, args)
     assert backward_plan.plan is not None and backward_plan.fused, backward_plan
     assert forward_plan is None or forward_plan.segment_chunks != backward_plan.plan.segment_chunks \
         or len(opts["seqlens"]) > 1 or reuse_starts  # (from the forward's starts an equal length needs no splice)
 
     grads = {}
     for cp in ("auto", "off"):
-        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+        xs = {n: inp[n].detach().clone().requires_grad_(True) for n in LEAVES}
         o, ht = chunk_gated_delta_rule(**xs, **args, scale=128 ** -0.5, output_final_state=True, backend="hopper",
                                        cp=cp)
         torch.autograd.backward([o, ht], [do, dht])
-        grads[cp] = [xs[n].grad for n in names]
+        grads[cp] = [xs[n].grad for n in LEAVES]
     for name, a, b in zip(GRADIENTS, grads["off"], grads["auto"]):
         assert rel_rms(b.double(), a.double()) < 1e-2, name
-    want = chunk_gated_delta_rule_backward_reference(
-        *(inp[n] for n in ("q", "k", "v", "g", "beta")), do, dht, scale=128 ** -0.5,
-        initial_state=inp["initial_state"], cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
-    _assert_on_the_bars(grads["auto"], want)
+    _assert_on_the_bars(grads["auto"], _op_reference_gradients(inp, do, dht, svf))

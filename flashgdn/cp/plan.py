@@ -528,10 +528,10 @@ def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Op
     if model.reuse_transitions and forward_chunks == segment_chunks:
         # the forward's own segments: its pass made these M, and what it costs here is the M of the sequences' last
         # segments that it made besides (a skipping pass makes b of all but the last, M of those in between)
-        between = sum(p - 1 for p in pieces) + sum(max(0, p - 2) for p in pieces)
-        runs = 2 * sum(p - 1 for p in pieces)
         transitions = 0.0
         if model.skip_unread:
+            between = sum(p - 1 for p in pieces) + sum(max(0, p - 2) for p in pieces)
+            runs = 2 * sum(p - 1 for p in pieces)
             transitions = (model.pair_items_us(Items(runs, runs * segment_chunks, segment_chunks), heads)
                            - model.pair_items_us(Items(between, between * segment_chunks, segment_chunks), heads))
     else:
