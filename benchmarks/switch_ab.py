@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", default=None, help="shape set(s), comma separated (flashgdn.bench's)")
     ap.add_argument("--heads", default=None, help="custom shapes: head configs, with --seqlens")
     ap.add_argument("--seqlens", default=None)
+    ap.add_argument("--shape", action="append", default=[],
+                    help="one custom shape HQK/HV:SEQLENS, e.g. 2/4:22306+10462 (repeatable; beside --set)")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--ctas", choices=("few", "full"), default=None)
     ap.add_argument("--only-heads", default=None, help="keep the shapes of these head configs, e.g. 2/4,16/32")
@@ -88,6 +90,11 @@ def main(argv=None) -> int:
             shapes += named_set(s)
     if args.heads or args.seqlens:
         shapes += custom_shapes(args.heads, args.seqlens)
+    for text in args.shape:
+        heads, _, mix = text.partition(":")
+        if not mix:
+            raise SystemExit(f"--shape: expected HQK/HV:SEQLENS, got {text!r}")
+        shapes += custom_shapes(heads, mix)
     if args.ctas:
         shapes = [s for s in shapes if s.fills_gpu == (args.ctas == "full")]
     if args.only_heads:
