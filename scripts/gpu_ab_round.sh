@@ -91,9 +91,10 @@ set -uo pipefail
 #   both ways on five shapes whose segments agree; lengths-after-reuse: fwd+bwd at cp = 16, 32 and 64 chunks (one length
 #   for both passes, so the backward takes the forward's transitions) against cp="auto" on twelve shapes whose
 #   forward and backward plans differ (cp-choices-lengths.json); forward-on-backward: the forward under autograd on
-#   the backward's segments (backend.CP_FORWARD_ON_BACKWARD_SEGMENTS) both ways on the bwd and cp sets' 20 shapes
-#   where both plans split on different lengths (rounding differs: --max-diff 1e-2), the own-plan GPU tests with it
-#   on and off, and fwd+bwd at 16, 32 and 64 chunks against cp="auto" on the three where only the backward splits.
+#   the backward's segments (backend.CP_FORWARD_ON_BACKWARD_SEGMENTS) both ways on the bwd and cp sets' 23 shapes
+#   where the backward splits and the forward does not or on other lengths (rounding differs: --max-diff 1e-2), the
+#   own-plan GPU tests with it on and off, and fwd+bwd at 16, 32 and 64 chunks against cp="auto" on the three where
+#   only the backward's own plan splits.
 usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
@@ -306,8 +307,8 @@ elif [ "$part" = lengths-after-reuse ]; then
     --shape 4/16:8192
   tail -3 "$out/cp-choices-lengths.log"
 elif [ "$part" = forward-on-backward ]; then
-  # the 20 shapes of the bwd and cp sets where both plans split on different lengths (the switch moves nothing
-  # elsewhere)
+  # the 23 shapes of the bwd and cp sets where the backward's plan splits and the forward's does not split or
+  # splits on other lengths (the switch moves nothing elsewhere)
   logged forward-on-backward-ab 320 python3 benchmarks/switch_ab.py \
     --switch flashgdn.kernels.hopper.backend:CP_FORWARD_ON_BACKWARD_SEGMENTS --modes fwdbwd --rounds 2 \
     --max-diff 1e-2 --out "$out/forward-on-backward-ab.json" \
@@ -315,10 +316,11 @@ elif [ "$part" = forward-on-backward ]; then
     --shape 4/8:1047+7059+11918+12744 --shape 2/4:32768 --shape 2/4:22306+10462 --shape 2/4:1047+7059+11918+12744 \
     --shape 2/4:2308+9176+8884+1687+7967+73+2598+75 --shape 1/4:32768 --shape 1/4:65536 --shape 1/4:16384x2 \
     --shape 1/4:61440+4096 --shape 2/4:65536 --shape 2/4:16384x2 --shape 2/4:61440+4096 --shape 2/8:16384 \
-    --shape 2/8:32768 --shape 4/8:16384 --shape 4/16:8192
-  tail -25 "$out/forward-on-backward-ab.log"
-  gpu_tests gpu-forward-on-backward 150 8 tests/test_gpu_hopper_backward.py -k own_plan
-  # where only the backward splits: both passes on one length against cp="auto" (the forward whole)
+    --shape 2/8:32768 --shape 4/8:16384 --shape 4/16:8192 --shape 16/32:4163+924+1801+1304 \
+    --shape 8/16:949+465+545+137+799+3437+468+1392 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75
+  tail -28 "$out/forward-on-backward-ab.log"
+  gpu_tests gpu-forward-on-backward 200 8 tests/test_gpu_hopper_backward.py -k own_plan
+  # where only the backward's own plan splits: both passes on one length against cp="auto" and cp="off"
   logged cp-choices-backward-only 150 python3 benchmarks/cp_choices.py --fwdbwd --segments 16,32,64 \
     --out "$out/cp-choices-backward-only.json" --shape 16/32:4163+924+1801+1304 \
     --shape 8/16:949+465+545+137+799+3437+468+1392 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75

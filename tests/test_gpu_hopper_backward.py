@@ -870,6 +870,8 @@ def test_backward_on_the_forwards_transitions_gives_the_same_bits(opts, cuda, mo
     dict(seqlens=[16384], Hqk=4, Hv=8),  # the forward on 32-chunk segments, the backward on 16-chunk ones
     dict(seqlens=[5000, 64, 3000], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,), pad=70),
     dict(seqlens=[8192, 8192], Hqk=2, Hv=4, dense=True, state_v_first=True),
+    # the forward's own plan whole, the backward on 16-chunk segments
+    dict(seqlens=[949, 465, 545, 137, 799, 3437, 468, 1392], Hqk=8, Hv=16),
 ])
 @pytest.mark.parametrize("reuse_starts,forward_on_backward", [(False, False), (True, False), (True, True)])
 def test_backward_on_its_own_plan(opts, reuse_starts, forward_on_backward, cuda, monkeypatch):

@@ -409,12 +409,12 @@ def test_fused_pair_sums_call_matches_the_kernel(checked_kernels, monkeypatch):
         assert len(sums) == (0 if heads[1] == 2 * heads[0] else 1)
 
 
-def _long_sequence_problem(seqlens=(16384,), grad=True):
-    """``(problem, input names, leaves)``: 2/8 sequences of ``seqlens`` tokens (one of 16384) under cp="auto", every
-    input a leaf that wants its gradient with ``grad`` (the op's backward under autograd)."""
+def _long_sequence_problem(seqlens=(16384,), grad=True, heads=(2, 8)):
+    """``(problem, input names, leaves)``: ``heads`` (Hqk, Hv) sequences of ``seqlens`` tokens (one of 16384) under
+    cp="auto", every input a leaf that wants its gradient with ``grad`` (the op's backward under autograd)."""
     from flashgdn.api.validate import validate
 
-    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=list(seqlens))
+    inp = make_inputs(Hqk=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, seqlens=list(seqlens))
     inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
     names = ("q", "k", "v", "g", "beta", "initial_state")
     xs = {n: inp[n].detach().clone().requires_grad_(grad) for n in names}
@@ -512,6 +512,43 @@ def test_op_forward_under_autograd_runs_on_the_backwards_segments(checked_kernel
             assert len(rs) == 1 and splices == [1], (rs, splices)
         else:  # the transition pass (M only) and the states pass; the forward splice's chains and the reverse
             assert len(rs) == 2 and splices == [8, 1], (rs, splices)
+
+
+def test_op_forward_under_autograd_splits_where_only_the_backward_splits(checked_kernels, monkeypatch):
+    """``CP_FORWARD_ON_BACKWARD_SEGMENTS`` where the forward's own plan does not split: on 8/16 eight sequences of
+    8192 tokens in all (the forward's plan whole, the backward's 16-chunk segments, the plans the cost model gives
+    there, checked first) the forward under autograd runs the CP loop on the backward's segments and the backward
+    takes its starts and transitions (the states pass alone, the reverse splice alone); with the switch off, and
+    without autograd, the forward runs whole and the backward splices from nothing."""
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    seqlens, heads = (949, 465, 545, 137, 799, 3437, 468, 1392), (8, 16)
+    p, _, _ = _long_sequence_problem(seqlens, heads=heads)
+    forward_plan, backward_plan = HopperBackend._plan(p), HopperBackend._backward_plan(p)
+    assert forward_plan is None and backward_plan.plan.segment_chunks == 16, (forward_plan, backward_plan)
+    segments = backward_plan.plan.num_segments
+    assert segments != len(seqlens)
+    for on, grad in ((True, True), (False, True), (True, False)):
+        monkeypatch.setattr(backend, "CP_FORWARD_ON_BACKWARD_SEGMENTS", on)
+        p, names, xs = _long_sequence_problem(seqlens, grad, heads)
+        checked_kernels.clear()
+        with torch.set_grad_enabled(grad):
+            o, ht = HopperBackend()(p)
+        # the one forward kernel's rows: a segment each, or a sequence each
+        loops = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "chunk_forward_rso"]
+        assert loops == [segments if on and grad else len(seqlens)], (on, grad, loops)
+        if not grad:
+            continue
+        checked_kernels.clear()
+        grads = torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
+        rs = [name for name, _ in checked_kernels if name == "chunk_forward_rs"]
+        splices = [sizes["num_seqs"] for name, sizes in checked_kernels if name == "splice"]
+        if on:  # the reverse splice, one chain per sequence
+            assert len(rs) == 1 and splices == [len(seqlens)], (rs, splices)
+        else:  # the transition pass and the states pass; the forward splice and the reverse
+            assert len(rs) == 2 and len(splices) == 2, (rs, splices)
+        assert all(gr.shape == xs[n].shape for gr, n in zip(grads, names))
 
 
 def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, monkeypatch):

@@ -175,8 +175,11 @@ CP_REUSE_TRANSITIONS = os.environ.get("FLASHGDN_HOPPER_CP_REUSE_TRANSITIONS", "1
 #: forward runs on the backward's segments, so that the backward takes the forward's starts and transitions as they
 #: are (CP_REUSE_STARTS, CP_REUSE_TRANSITIONS). The forward's own length is the faster forward, but on the H200 one
 #: length for both (the backward's) was the faster fwd+bwd on all twelve shapes timed where the two differ: 0.87x-0.94x
-#: cp="auto"'s time (``cp/cp-choices-lengths-v0.29b.json``, notes v0.29b). A forward with no backward after it keeps
-#: its own plan. FLASHGDN_HOPPER_CP_FORWARD_ON_BACKWARD_SEGMENTS=0|1.
+#: cp="auto"'s time (``cp/cp-choices-lengths-v0.29b.json``, notes v0.29b). Since v0.29c also where the backward
+#: splits and the forward's own plan does not (many short sequences: 0.936x-0.984x on the three such shapes of the
+#: bwd and cp sets). Switched both ways side by side (``backward/forward-on-backward-ab-v0.29c.json``): 0.901x on the
+#: 19 few-CTA shapes it moves, 0.950x on the 4 full ones. A forward with no backward after it keeps its own plan.
+#: FLASHGDN_HOPPER_CP_FORWARD_ON_BACKWARD_SEGMENTS=0|1.
 CP_FORWARD_ON_BACKWARD_SEGMENTS = os.environ.get("FLASHGDN_HOPPER_CP_FORWARD_ON_BACKWARD_SEGMENTS", "1") == "1"
 
 #: the backward's chains from the forward's segment starts (their first segment and count, and each known
@@ -203,13 +206,14 @@ def _reuses_transitions(plan, backward_plan) -> bool:
 
 def _training_forward_plan(plan, backward_plan):
     """The forward's segments when a backward follows (``CP_FORWARD_ON_BACKWARD_SEGMENTS``): the backward's where
-    both plans split on different lengths and the backward takes the forward's starts and transitions; else
-    ``plan``."""
+    the backward splits and the forward's own plan does not split or splits on other lengths, so that the backward
+    takes the forward's starts and transitions; else ``plan``."""
     from ...cp.exact import same_segments
 
-    if not (CP_FORWARD_ON_BACKWARD_SEGMENTS and CP_REUSE_TRANSITIONS and _reuses_starts(plan, backward_plan)):
+    if not (CP_FORWARD_ON_BACKWARD_SEGMENTS and CP_REUSE_STARTS and CP_REUSE_TRANSITIONS and backward_plan is not None
+            and backward_plan.plan is not None and backward_plan.plan.split):
         return plan
-    return plan if same_segments(plan, backward_plan.plan) else backward_plan.plan
+    return plan if plan is not None and same_segments(plan, backward_plan.plan) else backward_plan.plan
 
 
 def cp_cost_model(device: Optional[torch.device] = None):
