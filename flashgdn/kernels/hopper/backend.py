@@ -190,10 +190,14 @@ CP_FORWARD_ON_BACKWARD_SEGMENTS = os.environ.get("FLASHGDN_HOPPER_CP_FORWARD_ON_
 CP_CHAIN_INDEX = os.environ.get("FLASHGDN_HOPPER_CP_CHAIN_INDEX", "1") == "1"
 
 
+def _backward_splits(backward_plan) -> bool:
+    """Whether a backward follows (``backward_plan`` not None) and its plan splits."""
+    return backward_plan is not None and backward_plan.plan is not None and backward_plan.plan.split
+
+
 def _reuses_starts(plan, backward_plan) -> bool:
     """Whether the forward keeps its segment starts for the backward: both split, and ``CP_REUSE_STARTS``."""
-    return (CP_REUSE_STARTS and plan is not None and plan.split and backward_plan is not None
-            and backward_plan.plan is not None and backward_plan.plan.split)
+    return CP_REUSE_STARTS and plan is not None and plan.split and _backward_splits(backward_plan)
 
 
 def _reuses_transitions(plan, backward_plan) -> bool:
@@ -210,8 +214,8 @@ def _training_forward_plan(plan, backward_plan):
     takes the forward's starts and transitions; else ``plan``."""
     from ...cp.exact import same_segments
 
-    if not (CP_FORWARD_ON_BACKWARD_SEGMENTS and CP_REUSE_STARTS and CP_REUSE_TRANSITIONS and backward_plan is not None
-            and backward_plan.plan is not None and backward_plan.plan.split):
+    if not (CP_FORWARD_ON_BACKWARD_SEGMENTS and CP_REUSE_STARTS and CP_REUSE_TRANSITIONS
+            and _backward_splits(backward_plan)):
         return plan
     return plan if plan is not None and same_segments(plan, backward_plan.plan) else backward_plan.plan
 
