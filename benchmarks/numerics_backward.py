@@ -14,7 +14,9 @@ inputs, beside the bars of DESIGN.md §3, for a normal, a strong and a zero gate
 N`` also the backward through exact context parallelism (segments of N chunks, ``flashgdn/cp/backward.py``): how
 far its gradients are from those without, the issue's bar being 1e-3. With ``--precise T`` the register operands
 of the states pass, the walk and CP's transitions (the passes whose state lives in registers) are split into T
-bf16 terms (2: hi + lo; 3: hi + mid + lo, what the kernels' precise mode does in those passes).
+bf16 terms (2: hi + lo; 3: hi + mid + lo, what the kernels' precise mode does in those passes). ``--g-last chain``
+(with ``--fold-every N``): dg's g~_last term by a recurrence over the chunks instead of a fold of each (notes v0.30a:
+not taken, its rounding adds up along the walk).
 """
 import argparse
 
@@ -122,10 +124,18 @@ def _cp_states_and_ends(tiles, h0, dht, scale, rnd, seg):
     return states, ends, dS
 
 
-def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None):
+def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fold", fold_every=None):
     """Gradients of one sequence ``(dq, dk, dv, dg, dbeta, dh0)``: q, k ``[T, K]`` (one qk head), v, do
     ``[T, H, V]``, g, beta ``[T, H]``, h0, dht ``[H, K, V]``; q and k gradients summed over the H value heads.
-    ``cp``: through exact context parallelism with segments of that many chunks."""
+    ``cp``: through exact context parallelism with segments of that many chunks.
+
+    ``g_last``: how dg's g~_last term of a chunk, <dS', S'> at its end, is made. "fold" (the kernels'): from the
+    chunk's dS'^T and S^T tiles, every chunk. "chain" (an alternative, not built): folded on the last chunk of each
+    walk (a sequence, or a CP segment) only; for the chunks before, from the chunk after's: <dS, S> at a chunk's start
+    is <dS', S'> at its end plus the sum of its value-side row terms (d_i <(K dS')_i, Vn_i>, gamma_i <dW_i, KS_i>,
+    scale gamma_i <q_i, (dO S^T)_i>), by the chunk's own recurrences of S and dS. ``fold_every``: with "chain", also
+    fold every this many chunks of a walk (counted from its last), so that the chain's rounding adds up over at most
+    that many."""
     T, H = v.shape[0], v.shape[1]
     chunks = _chunks(T)
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
@@ -149,6 +159,7 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None):
             states, ends, dS = _cp_states_and_ends(tiles, h0[h], dht[h], scale, rnd, cp)
         dh0[h] = dS
         # chunk_grad, one chunk at a time
+        local, folded, rows = [], [], []
         for i, (c0, n, Q, Kc, Vc, dO, G, bet, Gam, A, Ag, P) in enumerate(tiles):
             St, dSt = states[i].T, ends[i].T  # the kernel's S^T and dS'^T tiles
             gam, dec = G.exp(), (G[-1] - G).exp()
@@ -184,12 +195,24 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None):
             dkc = dQK.T @ Q + dWg @ St + Vnd @ dSt + dKK @ Kc + dKK.T @ Kc
             dgc = tq - tw - tdec + tp + ta
             upper = torch.ones(C, C, dtype=q.dtype).triu()
-            dgt = (upper * dgc[None, :]).sum(1) + tdec.sum() + G[-1].exp() * sd
+            local.append((upper * dgc[None, :]).sum(1))
+            folded.append(tdec.sum() + G[-1].exp() * sd)
+            rows.append((tq - tw - tdec).sum())
+            dgt = local[-1] + folded[-1]
             dv[c0:c0 + n, h] = rnd(dW[:n])
             dq[c0:c0 + n] += rnd(dqc[:n])  # written per value head in the io dtype, summed over the group
             dk[c0:c0 + n] += rnd(dkc[:n])
             dg[c0:c0 + n, h] = dgt[:n]
             dbeta[c0:c0 + n, h] = (db1 + db2)[:n]
+        if g_last == "chain":
+            walk = len(tiles) if cp is None else cp
+            total = None
+            for i in reversed(range(len(tiles))):
+                last_of_walk = (i == len(tiles) - 1 or (i + 1) % walk == 0
+                                or (fold_every and (len(tiles) - 1 - i) % fold_every == 0))
+                total = folded[i] if last_of_walk else total + rows[i + 1]
+                c0, n = tiles[i][:2]
+                dg[c0:c0 + n, h] = (local[i] + total)[:n]
     return rnd(dq), rnd(dk), dv, dg, dbeta, dh0
 
 
@@ -239,6 +262,10 @@ def main(argv=None):
     ap.add_argument("--precise", type=int, choices=(2, 3), default=None,
                     help="register operands of the states pass, the walk and the transitions as this many bf16 "
                          "terms (the kernels' precise mode)")
+    ap.add_argument("--g-last", choices=("fold", "chain"), default="fold",
+                    help="dg's g~_last term by a fold of every chunk's dS' and S tiles (the kernels'), or chained from "
+                         "the chunk after's (emulate's g_last; notes v0.30a)")
+    ap.add_argument("--fold-every", type=int, default=None, help="with --g-last chain: fold every this many chunks too")
     args = ap.parse_args(argv)
     if args.precise:
         print(f"precise: register operands of the state passes as {args.precise} bf16 terms")
@@ -252,13 +279,13 @@ def main(argv=None):
         want = [w[0, :, 0] if i < 2 else w[0] for i, w in enumerate(want)]
         for label, rnd in (("bf16 (the kernels)", bf16), ("no rounding", exact)):
             REGISTER_OPERANDS["rnd"] = dict([(2, split2), (3, split3)]).get(args.precise) if rnd is bf16 else None
-            got = emulate(*x, scale, rnd=rnd)
+            got = emulate(*x, scale, rnd=rnd, g_last=args.g_last, fold_every=args.fold_every)
             errs = {n: rel(a, w) for n, a, w in zip(names, got, want)}
             over = [n for n in names if errs[n] > BARS[n]]
             print(f"  gate {gate:6s} {label:18s} " + "  ".join(f"{n} {errs[n]:.1e}" for n in names)
                   + (f"  OVER THE BAR: {', '.join(over)}" if over and rnd is bf16 else ""), flush=True)
             if args.cp:
-                got_cp = emulate(*x, scale, rnd=rnd, cp=args.cp)
+                got_cp = emulate(*x, scale, rnd=rnd, cp=args.cp, g_last=args.g_last, fold_every=args.fold_every)
                 diffs = {n: rel(a, b) for n, a, b in zip(names, got_cp, got)}
                 print(f"  gate {gate:6s} {label:18s} CP {args.cp} vs none: "
                       + "  ".join(f"{n} {diffs[n]:.1e}" for n in names), flush=True)

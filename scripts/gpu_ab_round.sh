@@ -95,7 +95,11 @@ set -uo pipefail
 #   where the backward splits and the forward does not or on other lengths (rounding differs: --max-diff 1e-2), the
 #   own-plan GPU tests with it on and off, and fwd+bwd at 16, 32 and 64 chunks against cp="auto" on the three where
 #   only the backward's own plan splits.
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward OUTDIR"
+# fold-mma: the fused backward's <dS', S> by the tensor cores (backward.FUSED_FOLD_MMA, notes v0.30a): its GPU tests
+#   (gpu-fold-mma.log), then the kernel alone with and without it on five shapes (fold-mma-options.json);
+#   fold-mma-sets: fwd+bwd both ways in one process on the bwd set's 4/8 and 8/16 shapes and the cp set's 2/4 and 8/16
+#   (dg's rounding moves: --max-diff 1e-4; fold-mma-ab-{bwd,cp}.json).
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -325,6 +329,19 @@ elif [ "$part" = forward-on-backward ]; then
     --out "$out/cp-choices-backward-only.json" --shape 16/32:4163+924+1801+1304 \
     --shape 8/16:949+465+545+137+799+3437+468+1392 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75
   tail -8 "$out/cp-choices-backward-only.log"
+elif [ "$part" = fold-mma ]; then
+  gpu_tests gpu-fold-mma 200 8 tests/test_gpu_hopper_backward.py -k fold_by_the_tensor_cores
+  logged fold-mma-options 300 python3 benchmarks/fused_backward_options.py --shape 8/16:8192x8 --shape 4/8:32768 \
+    --shape 2/8:32768 --shape 4/16:8192 --shape 2/4:8192 --sets default default+fold_mma --rounds 9 \
+    --out "$out/fold-mma-options.json"
+  tail -16 "$out/fold-mma-options.log"
+elif [ "$part" = fold-mma-sets ]; then
+  logged fold-mma-ab-bwd 280 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_FOLD_MMA \
+    --set bwd --only-heads 4/8,8/16 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/fold-mma-ab-bwd.json"
+  tail -30 "$out/fold-mma-ab-bwd.log"
+  logged fold-mma-ab-cp 280 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_FOLD_MMA \
+    --set cp --only-heads 2/4,8/16 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/fold-mma-ab-cp.json"
+  tail -30 "$out/fold-mma-ab-cp.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

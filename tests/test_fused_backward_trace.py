@@ -63,9 +63,18 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_P_FIRST", "auto")
     monkeypatch.setattr(backward, "FUSED_LEAN_GATES", "auto")
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
-    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", "auto")
+    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P (and folds element-wise beside it); below,
+    # it folds by the tensor cores
     assert fo.set_options("default", 32) == {"p_given": True}
+    assert fo.set_options("default", 16) == {"p_first": True, "lean_gates": True, "fold_mma": True}
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
+    assert fo.set_options("default", 32) == {"fold_mma": True}
+    # not beside cluster_sum when the switch asks for it
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
     # up to FUSED_GATES_MAX_HV value heads the default build has both options, above it neither
     assert fo.set_options("default", 8) == {"p_first": True, "lean_gates": True}
     assert fo.set_options("default", 32) == {}

@@ -402,6 +402,8 @@ def test_fused_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
     from flashgdn.kernels.hopper import backward
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    # the element-wise fold on both sides: fold_mma is not built beside p_given, and it moves dg's rounding
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
     _, off, on, want = _backward_ab(opts, cuda, monkeypatch, switch, True, base=False)
     for name, a, b in zip(GRADIENTS, off, on):
         assert torch.equal(a, b), f"{name} ({FUSED_SAME_BITS[switch]})"
@@ -416,6 +418,8 @@ def test_fused_kernel_is_given_p_by_default_from_32_value_heads(monkeypatch, cud
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
+    # the element-wise fold on both sides (fold_mma is not built beside p_given, and moves dg's rounding)
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
     assert backward.fused_backward_options(32, 2).get("p_given")
     opts = dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="mixed", pad=40)
     _, off, on, want = _backward_ab(opts, cuda, monkeypatch, "FUSED_P_GIVEN", "auto", base=False)
@@ -465,6 +469,7 @@ def test_cluster_sum_gives_the_group_sums_bits(opts, monkeypatch, cuda):
             inp["cu_seqlens"])
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)  # the group sum's own bits
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)  # dg's fold as the cluster build makes it
     group = opts["Hv"] // opts["Hqk"]
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     summed = backward.hopper_backward(*args, state_v_first=svf)
@@ -768,6 +773,51 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
             initial_state=inp.get("initial_state"), cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
         print("pair sums:", end=" ")
         _assert_on_the_bars(on, want)
+
+
+@pytest.mark.parametrize("opts,cp,dtype", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.float16),
+    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+    (dict(seqlens=[2000, 130], Hqk=2, Hv=8, gate="strong"), None, torch.bfloat16),  # a group of four
+    (dict(seqlens=[1500], Hqk=4, Hv=16, gate="mixed"), None, torch.bfloat16),
+])
+def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, cuda):
+    """``backward.FUSED_FOLD_MMA``: <dS', S> (dg's g~_last term) from two wgmma groups instead of the element-wise
+    fold. Only dg may move, by float32 rounding (the same products summed in another order); every other gradient
+    keeps its bits; the same bits again on a rerun; on the bars against float64, strong decay and g = 0 heads among
+    the cases (dg is what an anchor shipped wrong under strong decay)."""
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=11)
+    do, dht, cu, svf = args[5], args[6], args[9], args[10]
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
+    off = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", True)
+    assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("fold_mma")
+    on = backward.hopper_backward(*args)
+    again = backward.hopper_backward(*args)
+    for name, a, b, c in zip(GRADIENTS, off, on, again):
+        if a is None:
+            assert b is None, name
+            continue
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(b, c), f"{name}: not deterministic"
+        if name == "dg":
+            assert rel_rms(b.double(), a.double()) < 1e-5, name
+        else:
+            assert torch.equal(a, b), name
+    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
+        end = int(cu[-1])
+        assert (on[3][:, end:] == 0).all()
+    want = chunk_gated_delta_rule_backward_reference(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, scale=0.1,
+        initial_state=inp.get("initial_state"), cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+    print("fold_mma:", end=" ")
+    _assert_on_the_bars(on, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

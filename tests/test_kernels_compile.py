@@ -122,6 +122,24 @@ def test_cluster_sum_is_checked_and_launches_clusters_of_the_group():
     assert "flashgdn_cluster" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
 
 
+def test_fold_mma_is_checked_and_folds_by_the_tensor_cores():
+    """``fold_mma`` is refused beside ``p_given`` (a clear error before anything compiles: ptxas would serialise the
+    kernel's wgmma); its build makes <dS', S> by two m64n64 wgmma groups on dS'^T's and S^T's halves, where the
+    default build has none of that shape in its value side's fold."""
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    with pytest.raises(AssertionError, match="not built beside p_given"):
+        build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_given=True, fold_mma=True)
+    opts = dict(p_first=True, lean_gates=True, first_apart=True)
+    plain = build_fused_backward(2, 8, 128, 128, "bfloat16", True, **opts).get_kernel_source()
+    folded = build_fused_backward(2, 8, 128, 128, "bfloat16", True, fold_mma=True, **opts).get_kernel_source()
+    m64n64 = "tl::DataType::kFloat32, 64, 64, 16"
+    assert folded.count(m64n64) == plain.count(m64n64) + 2
+    # the second group reads both tiles from their second half of V's rows (64 rows of 128 bytes on)
+    assert folded.count("(&(((bfloat16_t*)ds_s)[0])) + 8192)") == 1
+    assert folded.count("(&(((bfloat16_t*)st_s)[0])) + 8192)") == 1
+
+
 def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
     """``pair_sums`` is built for even groups only (a clear error before anything compiles), not beside
     ``cluster_sum``; its build adds dq's and dk's rows with the 16-byte reduction of its io dtype, and the default

@@ -63,3 +63,29 @@ def test_emulated_precise_mode_closes_the_cp_gap_term_by_term(monkeypatch):
     assert 2.0 ** -10 < nb.rel(nb.bf16(y), y) < 2.0 ** -8
     assert 2.0 ** -20 < nb.rel(nb.split2(y), y) < 2.0 ** -17
     assert 2.0 ** -29 < nb.rel(nb.split3(y), y) < 2.0 ** -26
+
+
+@pytest.mark.parametrize("gate", ["normal", "strong", "zero"])
+def test_chained_g_last_term_is_the_folded_one_without_rounding(gate):
+    """dg's g~_last term chained from chunk to chunk (``g_last="chain"``, notes v0.30a) is the same algebra as the
+    fold of every chunk: without rounding they agree to float64, also restarted on CP segments and every few
+    chunks."""
+    x = nb.inputs(1024, 1, gate)
+    scale = nb.K ** -0.5
+    for kw in (dict(), dict(cp=3), dict(fold_every=4)):
+        folded = nb.emulate(*x, scale, rnd=nb.exact, cp=kw.get("cp"))
+        chained = nb.emulate(*x, scale, rnd=nb.exact, g_last="chain", **kw)
+        for n, a, w in zip(NAMES, chained, folded):
+            assert nb.rel(a, w) < 1e-9, (kw, n)
+
+
+def test_chained_g_last_term_adds_up_its_rounding_along_the_walk():
+    """With the kernels' bf16 rounding points the chain's dg is ~3x further from float64 than the fold's on 4096
+    tokens (the row terms' rounding adds up along the walk; 8192 tokens put it over the bar, notes v0.30a): why the
+    kernel folds every chunk (by the tensor cores since v0.30a) instead."""
+    x = nb.inputs(4096, 2, "normal")
+    scale = nb.K ** -0.5
+    want = nb.reference(*x, scale)[3][0]
+    fold_err = nb.rel(nb.emulate(*x, scale, rnd=nb.bf16)[3], want)
+    chain_err = nb.rel(nb.emulate(*x, scale, rnd=nb.bf16, g_last="chain")[3], want)
+    assert fold_err < nb.BARS["dg"] / 2 and chain_err > 2 * fold_err, (fold_err, chain_err)

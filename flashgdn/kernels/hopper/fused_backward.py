@@ -143,7 +143,8 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
-                         first_apart: bool = False, pair_sums: bool = False, p_given: bool = False):
+                         first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
+                         fold_mma: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -197,6 +198,15 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     the io dtype (``gated_scores.py`` makes it with this kernel's product and expression: the same bits) and loaded
     with the second group, so that neither side waits for it: the gate side makes K S alone and the value side's
     P^T dO starts once its K dS' is done (0.89x the kernel's time at 16/32, notes v0.28a-b).
+
+    ``fold_mma`` (``backward.FUSED_FOLD_MMA``): the value side's fold <dS', S> (dg's g~_last term; only its total
+    counts) by the tensor cores instead of element-wise: <dS', S> is the trace of dS'^T S, i.e. the sum of the
+    diagonals of the two [64, 64] blocks dS'^T[r] (S^T[r])^T of V's halves r, which two wgmma groups (m64n64k16, eight
+    K steps each, issued right after K dS') add into one [64, 64] accumulator; the value side scales K dS' by d while
+    they run. ~2 MFLOP more on the tensor pipe against ~500 instructions of the value side a step (256 element-wise
+    2-byte reads, their unpacks and products, v0.28a's profile). The same products of bf16 values, summed in another
+    order: dg moves by float32 rounding, the rest keeps its bits. Not beside ``p_given`` (ptxas then serialises the
+    kernel's wgmma for want of registers).
     """
     import tilelang
     import tilelang.language as T
@@ -216,6 +226,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     if p_given and trace:
         raise ValueError("p_given is not built beside trace (whose signature has no P)")
     assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
+    # (beside p_given ptxas serialises the kernel's wgmma for want of the value side's registers, C7512)
+    assert not (fold_mma and p_given), "fold_mma is not built beside p_given"
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
@@ -506,6 +518,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 # diag(d) K dS', then products for row sums, then dk; dw_f a product, P^T dO, dW, then dq
                 kd_f = T.alloc_fragment((C, V), acc)
                 dw_f = T.alloc_fragment((C, V), acc)
+                if fold_mma:  # the fold's [64, 64] accumulator, live only until its row sums (dw_f is free then)
+                    fd_f = T.alloc_fragment((C, C), acc)
                 red_f = T.alloc_fragment((C,), acc)
                 red2_f = T.alloc_fragment((C,), acc)
                 # gamma_i and d_i for the thread's rows, once per chunk (not an exp2 per element)
@@ -520,18 +534,35 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ds_ready, c % 2)
                     stamp(tr, 1, 1, c, tx, h, n)
-                    T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
-                    stamp(tr, 1, 2, c, tx, h, n)
-                    for i in T.Parallel(C):
-                        gam_f[i] = T.exp2(gc_s[i] * LOG2E)
-                        dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                    # <dS', S> folded onto 64 rows (V's halves added); only its total counts
-                    for i, j in T.Parallel(C, K):
-                        dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
-                                      + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
-                    T.reduce_sum(dw_f, red2_f, dim=1)
-                    for i, j in T.Parallel(C, V):
-                        kd_f[i, j] = kd_f[i, j] * dec_f[i]
+                    if fold_mma:
+                        T.wgmma_gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                        # <dS', S>: the diagonals of dS'^T[r] (S^T[r])^T over V's halves r, in one accumulator
+                        T.wgmma_gemm(ds_s[0:C, :], st_s[0:C, :], fd_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(ds_s[C:2 * C, :], st_s[C:2 * C, :], fd_f, transpose_B=True)
+                        for i in T.Parallel(C):
+                            gam_f[i] = T.exp2(gc_s[i] * LOG2E)
+                            dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                        T.wait_wgmma(2)
+                        stamp(tr, 1, 2, c, tx, h, n)
+                        for i, j in T.Parallel(C, V):
+                            kd_f[i, j] = kd_f[i, j] * dec_f[i]
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(C, C):
+                            fd_f[i, j] = T.if_then_else(i == j, fd_f[i, j], 0.0)
+                        T.reduce_sum(fd_f, red2_f, dim=1)
+                    else:
+                        T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                        stamp(tr, 1, 2, c, tx, h, n)
+                        for i in T.Parallel(C):
+                            gam_f[i] = T.exp2(gc_s[i] * LOG2E)
+                            dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                        # <dS', S> folded onto 64 rows (V's halves added); only its total counts
+                        for i, j in T.Parallel(C, K):
+                            dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
+                                          + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
+                        T.reduce_sum(dw_f, red2_f, dim=1)
+                        for i, j in T.Parallel(C, V):
+                            kd_f[i, j] = kd_f[i, j] * dec_f[i]
                     if not p_given:
                         T.barrier_wait(p_ready, c % 2)
                     stamp(tr, 1, 3, c, tx, h, n)

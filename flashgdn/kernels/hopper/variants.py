@@ -205,7 +205,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         fused = backward.FUSED_BACKWARD and not precise
         if builder == "fused_backward":
             if not fused or kw.get("trace") or kw.get("p_first") or kw.get("lean_gates") or kw.get("cluster_sum") \
-                    or kw.get("pair_sums") or kw.get("p_given") \
+                    or kw.get("pair_sums") or kw.get("p_given") or kw.get("fold_mma") \
                     or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
@@ -341,6 +341,17 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts, first_apart=True,
                         p_given=True))
         yield (f"gated_scores[{Hqk}/{Hv},{dtype}]", "gated_scores", dict(Hqk=Hqk, Hv=Hv, K=K, io_dtype=dtype))
+        # <dS', S> by the tensor cores (backward.FUSED_FOLD_MMA), with the operator's other options for these heads,
+        # where it is built (not beside p_given)
+        from .backward import FUSED_P_GIVEN_MIN_HV
+
+        if Hv < FUSED_P_GIVEN_MIN_HV:
+            opts = dict(gates, pair_sums=True) if Hv // Hqk == 2 else gates
+            tag = "".join("," + o for o in opts)
+            for has_dht in (True, False):
+                yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag},first_apart,fold_mma]",
+                       "fused_backward", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts,
+                                              first_apart=True, fold_mma=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
