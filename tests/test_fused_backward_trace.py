@@ -74,6 +74,11 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
+    # forced on, still never beside p_given (whose build refuses it)
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", True)
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
+    assert backward.fused_backward_options(32, 2) == {"pair_sums": True, "p_given": True}
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
     # up to FUSED_GATES_MAX_HV value heads the default build has both options, above it neither
     assert fo.set_options("default", 8) == {"p_first": True, "lean_gates": True}

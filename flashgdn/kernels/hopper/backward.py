@@ -210,7 +210,7 @@ FUSED_P_GIVEN_MIN_HV = 32
 #: fwd+bwd on/off 0.944x-0.980x on every bwd-set and cp-set shape below 32 value heads where the fused kernel runs
 #: (``backward/fold-mma-ab-*-v0.30a.*``). "auto" (the default) takes it wherever P is not given, and not beside
 #: ``cluster_sum`` (not measured together).
-#: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside p_given, which the build refuses).
+#: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum; never beside p_given, which the build refuses).
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
 
@@ -233,8 +233,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
             and not options.get("cluster_sum"):
         options["p_given"] = True
-    if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("p_given")
-                                  and not options.get("cluster_sum")):
+    if not options.get("p_given") and (FUSED_FOLD_MMA is True
+                                       or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum"))):
         options["fold_mma"] = True
     return options
 
