@@ -701,6 +701,24 @@ def _fused_ab_inputs(opts, cp, dtype, cuda, seed, host_copy=True):
                  opts.get("state_v_first", False), plan, cu_cpu)
 
 
+def _off_on_again(backward, monkeypatch, switch, args):
+    """``hopper_backward(*args)`` with ``backward.<switch>`` False, then True twice: ``(off, on, again)``."""
+    monkeypatch.setattr(backward, switch, False)
+    off = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, switch, True)
+    return off, backward.hopper_backward(*args), backward.hopper_backward(*args)
+
+
+def _float64_backward(inp, args):
+    """The float64 chunked backward of ``_fused_ab_inputs``'s inputs and arguments (scale 0.1)."""
+    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
+
+    do, dht, cu, svf = args[5], args[6], args[9], args[10]
+    return chunk_gated_delta_rule_backward_reference(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, scale=0.1,
+        initial_state=inp.get("initial_state"), cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
+
+
 @pytest.mark.parametrize("opts,host_copy,cp", [
     (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), False, None),  # shift 0: the slots' numbering
     (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed"), True, None),  # shift 1: S - N states
@@ -743,16 +761,11 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
     bits as the group sum, run after run; in a group of four the two pair sums are rounded before their sum, so
     dq and dk move by about the io dtype's rounding and nothing else changes. On the bars against float64."""
     from flashgdn.kernels.hopper import backward
-    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=7)
-    do, dht, cu, svf = args[5], args[6], args[9], args[10]
-    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)
-    off = backward.hopper_backward(*args)
-    monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", True)
-    on = backward.hopper_backward(*args)
-    again = backward.hopper_backward(*args)
+    cu = args[9]
+    off, on, again = _off_on_again(backward, monkeypatch, "FUSED_PAIR_SUMS", args)
     pairs_only = opts["Hv"] // opts["Hqk"] == 2
     for name, a, b, c in zip(GRADIENTS, off, on, again):
         if a is None:
@@ -768,11 +781,8 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
         end = int(cu[-1])
         assert (on[0][:, end:] == 0).all() and (on[1][:, end:] == 0).all()
     if not pairs_only:
-        want = chunk_gated_delta_rule_backward_reference(
-            inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, scale=0.1,
-            initial_state=inp.get("initial_state"), cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
         print("pair sums:", end=" ")
-        _assert_on_the_bars(on, want)
+        _assert_on_the_bars(on, _float64_backward(inp, args))
 
 
 @pytest.mark.parametrize("opts,cp,dtype", [
@@ -789,17 +799,12 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
     keeps its bits; the same bits again on a rerun; on the bars against float64, strong decay and g = 0 heads among
     the cases (dg is what an anchor shipped wrong under strong decay)."""
     from flashgdn.kernels.hopper import backward
-    from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=11)
-    do, dht, cu, svf = args[5], args[6], args[9], args[10]
-    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
-    off = backward.hopper_backward(*args)
-    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", True)
+    cu = args[9]
+    off, on, again = _off_on_again(backward, monkeypatch, "FUSED_FOLD_MMA", args)
     assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("fold_mma")
-    on = backward.hopper_backward(*args)
-    again = backward.hopper_backward(*args)
     for name, a, b, c in zip(GRADIENTS, off, on, again):
         if a is None:
             assert b is None, name
@@ -813,11 +818,8 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
     if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
         end = int(cu[-1])
         assert (on[3][:, end:] == 0).all()
-    want = chunk_gated_delta_rule_backward_reference(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, scale=0.1,
-        initial_state=inp.get("initial_state"), cu_seqlens=cu, state_v_first=svf, compute_dtype=torch.float64)
     print("fold_mma:", end=" ")
-    _assert_on_the_bars(on, want)
+    _assert_on_the_bars(on, _float64_backward(inp, args))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -341,13 +341,11 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts, first_apart=True,
                         p_given=True))
         yield (f"gated_scores[{Hqk}/{Hv},{dtype}]", "gated_scores", dict(Hqk=Hqk, Hv=Hv, K=K, io_dtype=dtype))
-        # <dS', S> by the tensor cores (backward.FUSED_FOLD_MMA), with the operator's other options for these heads,
-        # where it is built (not beside p_given)
+        # <dS', S> by the tensor cores (backward.FUSED_FOLD_MMA), with the same options as above, where it is built
+        # (not beside p_given)
         from .backward import FUSED_P_GIVEN_MIN_HV
 
         if Hv < FUSED_P_GIVEN_MIN_HV:
-            opts = dict(gates, pair_sums=True) if Hv // Hqk == 2 else gates
-            tag = "".join("," + o for o in opts)
             for has_dht in (True, False):
                 yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag},first_apart,fold_mma]",
                        "fused_backward", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts,
