@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from stage_timing import results_header
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--switch", required=True, help="MODULE:NAME of a boolean switch (several, comma separated: "
+    ap.add_argument("--switch", required=True, help="MODULE:NAME of a boolean or 'auto' switch (several, comma separated: "
                     "set together), e.g. "
                                                     "flashgdn.cp.backward:OVERLAP")
     ap.add_argument("--set", default=None, help="shape set(s), comma separated (flashgdn.bench's)")
@@ -81,8 +81,9 @@ def main(argv=None) -> int:
     for text in args.switch.split(","):
         module_name, name = text.split(":")
         module = importlib.import_module(module_name)
-        if not isinstance(getattr(module, name), bool):
-            raise SystemExit(f"--switch: {text} is not a boolean switch")
+        # ("auto" switches too: each side sets them to False, then True)
+        if not isinstance(getattr(module, name), bool) and getattr(module, name) != "auto":
+            raise SystemExit(f"--switch: {text} is neither a boolean switch nor an \"auto\" one")
         switches.append((module, name))
     shapes = []
     if args.set:

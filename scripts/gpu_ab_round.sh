@@ -99,7 +99,11 @@ set -uo pipefail
 #   (gpu-fold-mma.log), then the kernel alone with and without it on five shapes (fold-mma-options.json);
 #   fold-mma-sets: fwd+bwd both ways in one process on the bwd set's 4/8 and 8/16 shapes and the cp set's 2/4 and 8/16
 #   (dg's rounding moves: --max-diff 1e-4; fold-mma-ab-{bwd,cp}.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets OUTDIR"
+# fold-gates: the same fold by the gate side beside p_given (from 32 value heads, notes v0.30b): the fold tests
+#   (gpu-fold-gates.log), the kernel alone with and without it (fold-gates-options.json); fold-gates-sets:
+#   fwd+bwd both ways in one process on the bwd set's 16/32 shapes (fold-gates-ab-bwd.json); fold-gates-fq: those
+#   shapes beside FlashQLA (bwd-16x32.json).
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -342,6 +346,21 @@ elif [ "$part" = fold-mma-sets ]; then
   logged fold-mma-ab-cp 280 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_FOLD_MMA \
     --set cp --only-heads 2/4,8/16 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/fold-mma-ab-cp.json"
   tail -30 "$out/fold-mma-ab-cp.log"
+elif [ "$part" = fold-gates ]; then
+  gpu_tests gpu-fold-gates 240 8 tests/test_gpu_hopper_backward.py -k fold_by_the_tensor_cores
+  logged fold-gates-options 200 env FLASHGDN_HOPPER_FUSED_FOLD_MMA=0 python3 benchmarks/fused_backward_options.py \
+    --shape 16/32:4096x8 --shape 16/32:8192x4 --shape 32/64:4096x4 --shape 8/32:4096x8 \
+    --sets default default+fold_mma --rounds 9 --out "$out/fold-gates-options.json"
+  tail -13 "$out/fold-gates-options.log"
+elif [ "$part" = fold-gates-sets ]; then
+  logged fold-gates-ab-bwd 240 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_FOLD_MMA \
+    --set bwd --only-heads 16/32 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/fold-gates-ab-bwd.json"
+  tail -14 "$out/fold-gates-ab-bwd.log"
+elif [ "$part" = fold-gates-fq ]; then
+  logged bwd-16x32 560 python3 -m flashgdn.bench --heads 16/32 --seqlens 8192,775+7417,4163+924+1801+1304,\
+949+465+545+137+799+3437+468+1392,32768,22306+10462,1047+7059+11918+12744,2308+9176+8884+1687+7967+73+2598+75 \
+    --impls flashgdn,flashqla --modes fwdbwd --time-budget 380 --no-plots --out-dir "$out" --name bwd-16x32
+  tail -14 "$out/bwd-16x32.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

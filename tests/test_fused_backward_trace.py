@@ -64,9 +64,9 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_LEAN_GATES", "auto")
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", "auto")
-    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P (and folds element-wise beside it); below,
-    # it folds by the tensor cores
-    assert fo.set_options("default", 32) == {"p_given": True}
+    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P (and the gate side folds by the tensor
+    # cores beside it); below, the value side folds by them
+    assert fo.set_options("default", 32) == {"p_given": True, "fold_mma": True}
     assert fo.set_options("default", 16) == {"p_first": True, "lean_gates": True, "fold_mma": True}
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     assert fo.set_options("default", 32) == {"fold_mma": True}
@@ -74,10 +74,13 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
-    # forced on, still never beside p_given (whose build refuses it)
+    # forced on, beside p_given too, and beside cluster_sum
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", True)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
-    assert backward.fused_backward_options(32, 2) == {"pair_sums": True, "p_given": True}
+    assert backward.fused_backward_options(32, 2) == {"pair_sums": True, "p_given": True, "fold_mma": True}
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True, "fold_mma": True}
+    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
     # up to FUSED_GATES_MAX_HV value heads the default build has both options, above it neither

@@ -402,7 +402,7 @@ def test_fused_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
     from flashgdn.kernels.hopper import backward
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    # the element-wise fold on both sides: fold_mma is not built beside p_given, and it moves dg's rounding
+    # the element-wise fold on both sides: fold_mma's place moves with p_given, and it moves dg's rounding
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
     _, off, on, want = _backward_ab(opts, cuda, monkeypatch, switch, True, base=False)
     for name, a, b in zip(GRADIENTS, off, on):
@@ -418,7 +418,7 @@ def test_fused_kernel_is_given_p_by_default_from_32_value_heads(monkeypatch, cud
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
-    # the element-wise fold on both sides (fold_mma is not built beside p_given, and moves dg's rounding)
+    # the element-wise fold on both sides (fold_mma's place moves with p_given, and it moves dg's rounding)
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
     assert backward.fused_backward_options(32, 2).get("p_given")
     opts = dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="mixed", pad=40)
@@ -792,19 +792,25 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
     (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
     (dict(seqlens=[2000, 130], Hqk=2, Hv=8, gate="strong"), None, torch.bfloat16),  # a group of four
     (dict(seqlens=[1500], Hqk=4, Hv=16, gate="mixed"), None, torch.bfloat16),
+    # from 32 value heads P is given and the gate side folds
+    (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="strong", zero_gate_heads=(1,), pad=70), None, torch.bfloat16),
+    (dict(seqlens=[700, 64, 9], Hqk=16, Hv=32, gate="mixed"), None, torch.float16),
+    (dict(seqlens=[2048, 300], Hqk=8, Hv=32, gate="mixed", zero_gate_heads=(3,)), 4, torch.bfloat16),  # CP, groups of 4
 ])
 def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, cuda):
     """``backward.FUSED_FOLD_MMA``: <dS', S> (dg's g~_last term) from two wgmma groups instead of the element-wise
-    fold. Only dg may move, by float32 rounding (the same products summed in another order); every other gradient
-    keeps its bits; the same bits again on a rerun; on the bars against float64, strong decay and g = 0 heads among
-    the cases (dg is what an anchor shipped wrong under strong decay)."""
+    fold, on the value side, or on the gate side where P is given (from 32 value heads). Only dg may move, by float32
+    rounding (the same products summed in another order); every other gradient keeps its bits; the same bits again
+    on a rerun; on the bars against float64, strong decay and g = 0 heads among the cases (dg is what an anchor
+    shipped wrong under strong decay)."""
     from flashgdn.kernels.hopper import backward
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=11)
     cu = args[9]
     off, on, again = _off_on_again(backward, monkeypatch, "FUSED_FOLD_MMA", args)
-    assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("fold_mma")
+    built = backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"])
+    assert built.get("fold_mma") and built.get("p_given", False) == (opts["Hv"] >= backward.FUSED_P_GIVEN_MIN_HV)
     for name, a, b, c in zip(GRADIENTS, off, on, again):
         if a is None:
             assert b is None, name

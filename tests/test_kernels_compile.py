@@ -122,22 +122,31 @@ def test_cluster_sum_is_checked_and_launches_clusters_of_the_group():
     assert "flashgdn_cluster" not in build_fused_backward(2, 8, 128, 128, "bfloat16", True).get_kernel_source()
 
 
-def test_fold_mma_is_checked_and_folds_by_the_tensor_cores():
-    """``fold_mma`` is refused beside ``p_given`` (a clear error before anything compiles: ptxas would serialise the
-    kernel's wgmma); its build makes <dS', S> by two m64n64 wgmma groups on dS'^T's and S^T's halves, where the
-    default build has none of that shape in its value side's fold."""
+def test_fold_mma_folds_by_the_tensor_cores_on_either_side():
+    """``fold_mma`` makes <dS', S> by two m64n64 wgmma groups on dS'^T's and S^T's halves, where the default build
+    has none of that shape in its fold: on the value side, and beside ``p_given`` on the gate side, which waits for
+    dS'^T there (the build without the fold does not) and hands the row sums to dg through a vector of its own."""
     from flashgdn.kernels.hopper.fused_backward import build_fused_backward
 
-    with pytest.raises(AssertionError, match="not built beside p_given"):
-        build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_given=True, fold_mma=True)
-    opts = dict(p_first=True, lean_gates=True, first_apart=True)
-    plain = build_fused_backward(2, 8, 128, 128, "bfloat16", True, **opts).get_kernel_source()
-    folded = build_fused_backward(2, 8, 128, 128, "bfloat16", True, fold_mma=True, **opts).get_kernel_source()
+    from flashgdn.kernels.hopper.common import resource_usage
+
     m64n64 = "tl::DataType::kFloat32, 64, 64, 16"
-    assert folded.count(m64n64) == plain.count(m64n64) + 2
-    # the second group reads both tiles from their second half of V's rows (64 rows of 128 bytes on)
-    assert folded.count("(&(((bfloat16_t*)ds_s)[0])) + 8192)") == 1
-    assert folded.count("(&(((bfloat16_t*)st_s)[0])) + 8192)") == 1
+    for given in (False, True):
+        # the 2/8 builds of backward_variants (the operator's options there), and the fold beside p_given
+        opts = dict(p_first=True, lean_gates=True, first_apart=True, p_given=given)
+        plain = build_fused_backward(2, 8, 128, 128, "bfloat16", True, **opts).get_kernel_source()
+        kernel = build_fused_backward(2, 8, 128, 128, "bfloat16", True, fold_mma=True, **opts)
+        folded = kernel.get_kernel_source()
+        if given:  # (the variants' test checks the others' registers)
+            usage = resource_usage(kernel)
+            assert not usage["wgmma_serialized"] and usage["spill_stores"] <= 100, usage
+        assert folded.count(m64n64) == plain.count(m64n64) + 2, given
+        # the second group reads both tiles from their second half of V's rows (64 rows of 128 bytes on)
+        assert folded.count("(&(((bfloat16_t*)ds_s)[0])) + 8192)") == 1, given
+        assert folded.count("(&(((bfloat16_t*)st_s)[0])) + 8192)") == 1, given
+        # ds_ready is waited on by the value side, and by the gate side only where it folds
+        assert folded.count("ds_ready[0].wait(") == plain.count("ds_ready[0].wait(") + int(given), given
+        assert ("xf_s" in folded) == given and "xf_s" not in plain, given
 
 
 def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():

@@ -98,11 +98,11 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
         "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]"]
     monkeypatch.setattr(backward, "FIRST_STATES_APART", True)
     # with FUSED_CLUSTER_SUM, the fused builds sum dq and dk in a cluster of each group's CTAs (groups of 2 to 8)
-    # FUSED_FOLD_MMA: "auto" folds <dS', S> by the tensor cores in the fused builds wherever P is not given
+    # FUSED_FOLD_MMA: "auto" folds <dS', S> by the tensor cores in the fused builds, P given or not
     assert [v[2].get("fold_mma") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
         == [True, True]
-    assert [v[2].get("fold_mma") for v in training_variants(16, 32, flags="common") if v[1] == "fused_backward"] \
-        == [None, None]
+    assert [(v[2].get("p_given"), v[2].get("fold_mma")) for v in training_variants(16, 32, flags="common")
+            if v[1] == "fused_backward"] == [(True, True), (True, True)]
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)  # (the other switches' checks below)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)  # (its own checks below)
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)

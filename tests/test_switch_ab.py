@@ -38,8 +38,17 @@ def test_both_sides_are_timed_in_every_round_and_compared_bit_for_bit(tmp_path, 
 
 
 def test_a_switch_that_is_not_a_boolean_is_refused():
-    with pytest.raises(SystemExit, match="not a boolean switch"):
+    with pytest.raises(SystemExit, match="neither a boolean switch nor an \"auto\" one"):
         sab.main(["--switch", "flashgdn.kernels.hopper.backward:FUSED_GATES_MAX_HV"] + ARGS[2:])
+
+
+def test_an_auto_switch_is_timed_off_and_on_and_left_at_auto(tmp_path, monkeypatch):
+    monkeypatch.setattr(backward, "FUSED_FOLD_MMA", "auto")
+    out = tmp_path / "ab.json"
+    assert sab.main(["--switch", "flashgdn.kernels.hopper.backward:FUSED_FOLD_MMA"] + ARGS[2:]
+                    + ["--rounds", "2", "--out", str(out)]) == 0
+    assert backward.FUSED_FOLD_MMA == "auto"
+    assert len(json.loads(out.read_text())["records"]) == 4
 
 
 def test_a_rounding_switch_passes_on_its_difference_bound(tmp_path, monkeypatch):

@@ -204,13 +204,16 @@ FUSED_P_GIVEN_MIN_HV = 32
 #: dS'^T[r] (S^T[r])^T over V's halves r, instead of an element-wise fold of the two [128, 128] bf16 tiles
 #: (``fused_backward.py``, ``fold_mma``): v0.28a's profile puts ~520 of the value side's ~3080 instructions a step in
 #: that fold (256 2-byte shared reads a thread, their unpacks and products), against ~2 MFLOP more on the tensor pipe
-#: (30% busy). Not built beside ``p_given``: there ptxas serialises the kernel's wgmma for want of registers (C7512).
+#: (30% busy). Beside ``p_given`` the gate side makes it, into Q K^T's accumulator (free there; on the value side
+#: ptxas serialised the kernel's wgmma for want of registers, C7512), while the value side goes straight on to P^T dO.
 #: The same products of bf16 values summed in another order: dg moves by float32 rounding (at most 2.2e-7 relative),
 #: nothing else. On the H200 (notes v0.30a): the kernel alone 0.931x-0.984x (``backward/fold-mma-options-v0.30a.*``);
 #: fwd+bwd on/off 0.944x-0.980x on every bwd-set and cp-set shape below 32 value heads where the fused kernel runs
-#: (``backward/fold-mma-ab-*-v0.30a.*``). "auto" (the default) takes it wherever P is not given, and not beside
-#: ``cluster_sum`` (not measured together).
-#: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum; never beside p_given, which the build refuses).
+#: (``backward/fold-mma-ab-*-v0.30a.*``); beside ``p_given`` (notes v0.30b) the kernel alone 0.86x at 16/32, 0.985x at
+#: 32/64, 1.014x at 8/32 (``backward/fold-gates-options-v0.30b.*``), fwd+bwd 0.961x on the bwd set's 16/32 shapes
+#: (``backward/fold-gates-ab-bwd-v0.30b.*``). "auto" (the default) takes it wherever the cluster sum is off (not
+#: measured together).
+#: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum).
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
 
@@ -233,8 +236,7 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
             and not options.get("cluster_sum"):
         options["p_given"] = True
-    if not options.get("p_given") and (FUSED_FOLD_MMA is True
-                                       or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum"))):
+    if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")):
         options["fold_mma"] = True
     return options
 

@@ -205,8 +205,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     K steps each, issued right after K dS') add into one [64, 64] accumulator; the value side scales K dS' by d while
     they run. ~2 MFLOP more on the tensor pipe against ~500 instructions of the value side a step (256 element-wise
     2-byte reads, their unpacks and products, v0.28a's profile). The same products of bf16 values, summed in another
-    order: dg moves by float32 rounding, the rest keeps its bits. Not beside ``p_given`` (ptxas then serialises the
-    kernel's wgmma for want of registers).
+    order: dg moves by float32 rounding, the rest keeps its bits. Beside ``p_given`` the gate side makes it instead,
+    into Q K^T's accumulator (P is given, so that accumulator is free), issued after K S and read out while the
+    value side makes dVn; its row sums reach dg through a vector of their own (on the value side ptxas serialised
+    the kernel's wgmma there for want of registers).
     """
     import tilelang
     import tilelang.language as T
@@ -226,8 +228,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     if p_given and trace:
         raise ValueError("p_given is not built beside trace (whose signature has no P)")
     assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
-    # (beside p_given ptxas serialises the kernel's wgmma for want of the value side's registers, C7512)
-    assert not (fold_mma and p_given), "fold_mma is not built beside p_given"
+    # beside p_given the gate side folds, into Q K^T's accumulator (free there): on the value side ptxas serialised
+    # the kernel's wgmma for want of registers (C7512)
+    fold_on_gates = fold_mma and p_given
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
@@ -399,6 +402,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             dec_s = T.alloc_shared((C,), acc)
             x0_s = T.alloc_shared((C,), acc)  # dg~'s row terms from the value side
             x1_s = T.alloc_shared((C,), acc)  # the g~_last terms per token (their total is what counts)
+            if fold_on_gates:
+                xf_s = T.alloc_shared((C,), acc)  # the fold's share of them, from the gate side
             xr_s = T.alloc_shared((C,), acc)  # row and column sums of X = P ⊙ dP + E ⊙ A ⊙ beta
             xc_s = T.alloc_shared((C,), acc)
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
@@ -518,7 +523,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 # diag(d) K dS', then products for row sums, then dk; dw_f a product, P^T dO, dW, then dq
                 kd_f = T.alloc_fragment((C, V), acc)
                 dw_f = T.alloc_fragment((C, V), acc)
-                if fold_mma:  # the fold's [64, 64] accumulator, live only until its row sums (dw_f is free then)
+                if fold_mma and not fold_on_gates:  # the fold's [64, 64] accumulator, live until its row sums
                     fd_f = T.alloc_fragment((C, C), acc)
                 red_f = T.alloc_fragment((C,), acc)
                 red2_f = T.alloc_fragment((C,), acc)
@@ -534,7 +539,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_wait(full_k, c % 2)
                     T.barrier_wait(ds_ready, c % 2)
                     stamp(tr, 1, 1, c, tx, h, n)
-                    if fold_mma:
+                    if fold_mma and not fold_on_gates:
                         T.wgmma_gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
                         # <dS', S>: the diagonals of dS'^T[r] (S^T[r])^T over V's halves r, in one accumulator
                         T.wgmma_gemm(ds_s[0:C, :], st_s[0:C, :], fd_f, transpose_B=True, clear_accum=True)
@@ -550,6 +555,14 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         for i, j in T.Parallel(C, C):
                             fd_f[i, j] = T.if_then_else(i == j, fd_f[i, j], 0.0)
                         T.reduce_sum(fd_f, red2_f, dim=1)
+                    elif fold_on_gates:  # <dS', S> is the gate side's
+                        T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
+                        stamp(tr, 1, 2, c, tx, h, n)
+                        for i in T.Parallel(C):
+                            gam_f[i] = T.exp2(gc_s[i] * LOG2E)
+                            dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
+                        for i, j in T.Parallel(C, V):
+                            kd_f[i, j] = kd_f[i, j] * dec_f[i]
                     else:
                         T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
                         stamp(tr, 1, 2, c, tx, h, n)
@@ -587,7 +600,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         kd_f[i, j] = kd_f[i, j] * T.cast(vn_s[i, j], acc)
                     T.reduce_sum(kd_f, red_f, dim=1)
                     for i in T.Parallel(C):
-                        x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
+                        if fold_on_gates:
+                            x1_s[i] = red_f[i]
+                        else:
+                            x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
                         x0_s[i] = -red_f[i]
                     # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
                     for i, j in T.Parallel(C, V):
@@ -698,11 +714,19 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     if not p_given:
                         T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
                     T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
+                    if fold_on_gates:
+                        # <dS', S> as the diagonals of dS'^T[r] (S^T[r])^T over V's halves r, into Q K^T's accumulator
+                        # (P is given); dS'^T is written by the time K has loaded (its chunk's K waited for the value
+                        # side's last dS'^T reads, and the state side writes the next one right after)
+                        T.barrier_wait(ds_ready, c % 2)
+                        T.wgmma_gemm(ds_s[0:C, :], st_s[0:C, :], cc_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(ds_s[C:2 * C, :], st_s[C:2 * C, :], cc_f, transpose_B=True)
                     for i in T.Parallel(C):
                         gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                     # with p_first, Q K^T alone first (the groups complete in order): P goes out while K S, twice
-                    # its work, is still on the tensor cores, since the value side waits for P
-                    T.wait_wgmma(1 if p_first and not p_given else 0)
+                    # its work, is still on the tensor cores, since the value side waits for P; with the fold on this
+                    # side, K S alone (Vn's product below waits for the rest)
+                    T.wait_wgmma(2 if fold_on_gates else 1 if p_first and not p_given else 0)
                     stamp(tr, 2, 2, c, tx, h, n)
                     # p_given: P came with the second group of loads; the value side does not wait for it
                     if not p_given:
@@ -738,6 +762,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     T.barrier_arrive(vn_ready)
                     stamp(tr, 2, 4, c, tx, h, n)
                     T.barrier_arrive(free_e)
+                    if fold_on_gates:
+                        # (its groups completed before Vn's, in order) the diagonal's row sums, while dVn is made
+                        for i, j in T.Parallel(C, C):
+                            cc_f[i, j] = T.if_then_else(i == j, cc_f[i, j], 0.0)
+                        T.reduce_sum(cc_f, red_r, dim=1)
+                        for i in T.Parallel(C):
+                            xf_s[i] = T.exp2(gc_s[C - 1] * LOG2E) * red_r[i]
                     T.barrier_wait(dvn_ready, c % 2)
                     stamp(tr, 2, 5, c, tx, h, n)
                     T.wgmma_gemm(dvn_s, w_s, cc_f, transpose_B=True, clear_accum=True)  # dVn W^T
@@ -820,7 +851,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     for i in T.Parallel(C):
                         dg_f[i] = 0.0
                         for j in T.serial(C):
-                            dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
+                            if fold_on_gates:
+                                dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + (x1_s[j] + xf_s[j]))
+                            else:
+                                dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
                         if i < n_rows:
                             dg[0, t0 + i, h] = dg_f[i]
                             dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]

@@ -341,15 +341,16 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts, first_apart=True,
                         p_given=True))
         yield (f"gated_scores[{Hqk}/{Hv},{dtype}]", "gated_scores", dict(Hqk=Hqk, Hv=Hv, K=K, io_dtype=dtype))
-        # <dS', S> by the tensor cores (backward.FUSED_FOLD_MMA), with the same options as above, where it is built
-        # (not beside p_given)
+        # <dS', S> by the tensor cores (backward.FUSED_FOLD_MMA), with the same options as above: beside p_given
+        # (the gate side's fold) from FUSED_P_GIVEN_MIN_HV value heads, where the operator gives P, else without it
         from .backward import FUSED_P_GIVEN_MIN_HV
 
-        if Hv < FUSED_P_GIVEN_MIN_HV:
-            for has_dht in (True, False):
-                yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag},first_apart,fold_mma]",
-                       "fused_backward", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts,
-                                              first_apart=True, fold_mma=True))
+        given = Hv >= FUSED_P_GIVEN_MIN_HV
+        for has_dht in (True, False):
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag},first_apart"
+                   f"{',p_given' if given else ''},fold_mma]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts, first_apart=True,
+                        **(dict(p_given=True) if given else {}), fold_mma=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
