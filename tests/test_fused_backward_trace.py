@@ -64,9 +64,12 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_LEAN_GATES", "auto")
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", "auto")
-    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P (and the gate side folds by the tensor
-    # cores beside it); below, the value side folds by them
-    assert fo.set_options("default", 32) == {"p_given": True, "fold_mma": True}
+    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P, and with pair sums (groups of two) the gate
+    # side folds by the tensor cores beside it (in larger groups it folds element-wise); below, the value side folds
+    # by them
+    assert fo.set_options("default", 32) == {"p_given": True}
+    assert fo.set_options("default", 32, 2) == {"pair_sums": True, "p_given": True, "fold_mma": True}
+    assert fo.set_options("default", 32, 4) == {"p_given": True}
     assert fo.set_options("default", 16) == {"p_first": True, "lean_gates": True, "fold_mma": True}
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     assert fo.set_options("default", 32) == {"fold_mma": True}

@@ -209,10 +209,11 @@ FUSED_P_GIVEN_MIN_HV = 32
 #: The same products of bf16 values summed in another order: dg moves by float32 rounding (at most 2.2e-7 relative),
 #: nothing else. On the H200 (notes v0.30a): the kernel alone 0.931x-0.984x (``backward/fold-mma-options-v0.30a.*``);
 #: fwd+bwd on/off 0.944x-0.980x on every bwd-set and cp-set shape below 32 value heads where the fused kernel runs
-#: (``backward/fold-mma-ab-*-v0.30a.*``); beside ``p_given`` (notes v0.30b) the kernel alone 0.86x at 16/32, 0.985x at
-#: 32/64, 1.014x at 8/32 (``backward/fold-gates-options-v0.30b.*``), fwd+bwd 0.961x on the bwd set's 16/32 shapes
-#: (``backward/fold-gates-ab-bwd-v0.30b.*``). "auto" (the default) takes it wherever the cluster sum is off (not
-#: measured together).
+#: (``backward/fold-mma-ab-*-v0.30a.*``). Beside ``p_given`` (notes v0.30b), by the kernel's duration under Nsight
+#: Compute: 0.86x at 16/32 and 0.89x at 32/64, where ``pair_sums`` keeps the value side the longer path, and 1.00x at
+#: 8/32, whose gate side is the longer one (``profiles/backward-v0.30b-fused-*``); fwd+bwd 0.961x on the bwd set's
+#: 16/32 shapes (``backward/fold-gates-ab-bwd-v0.30b.*``). "auto" (the default) takes it wherever the cluster sum is
+#: off (not measured together), and beside ``p_given`` only with ``pair_sums``.
 #: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum).
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
@@ -236,7 +237,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
             and not options.get("cluster_sum"):
         options["p_given"] = True
-    if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")):
+    if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")
+                                  and (options.get("pair_sums") or not options.get("p_given"))):
         options["fold_mma"] = True
     return options
 
