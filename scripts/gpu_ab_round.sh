@@ -103,7 +103,10 @@ set -uo pipefail
 #   (gpu-fold-gates.log), the kernel alone with and without it (fold-gates-options.json); fold-gates-sets:
 #   fwd+bwd both ways in one process on the bwd set's 16/32 shapes (fold-gates-ab-bwd.json); fold-gates-fq: those
 #   shapes beside FlashQLA (bwd-16x32.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq OUTDIR"
+# p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
+#   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
+#   (p-given-low-ab.json).
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -361,6 +364,13 @@ elif [ "$part" = fold-gates-fq ]; then
 949+465+545+137+799+3437+468+1392,32768,22306+10462,1047+7059+11918+12744,2308+9176+8884+1687+7967+73+2598+75 \
     --impls flashgdn,flashqla --modes fwdbwd --time-budget 380 --no-plots --out-dir "$out" --name bwd-16x32
   tail -14 "$out/bwd-16x32.log"
+elif [ "$part" = p-given-low ]; then
+  logged p-given-low-options 200 python3 benchmarks/fused_backward_options.py --shape 8/16:8192x8 --shape 4/16:8192 \
+    --shape 4/8:32768 --sets default default+p_given --rounds 9 --out "$out/p-given-low-options.json"
+  tail -10 "$out/p-given-low-options.log"
+  logged p-given-low-ab 380 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_P_GIVEN \
+    --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
+  tail -5 "$out/p-given-low-ab.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \
