@@ -103,13 +103,10 @@ set -uo pipefail
 #   (gpu-fold-gates.log), the kernel alone with and without it (fold-gates-options.json); fold-gates-sets:
 #   fwd+bwd both ways in one process on the bwd set's 16/32 shapes (fold-gates-ab-bwd.json); fold-gates-fq: those
 #   shapes beside FlashQLA (bwd-16x32.json).
-# fold-gates-low: the gate side's fold where P is not given (backward.FUSED_FOLD_GATES, notes v0.30d): the kernel
-#   alone at 8/16, 4/8 and 2/4, each build in its own process (fold-gates-low-options-*.json), fwd+bwd both ways on
-#   the bwd and cp sets' shapes of those heads (fold-gates-low-ab.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|fold-gates-low OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -374,17 +371,6 @@ elif [ "$part" = p-given-low ]; then
   logged p-given-low-ab 380 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_P_GIVEN \
     --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
   tail -5 "$out/p-given-low-ab.log"
-elif [ "$part" = fold-gates-low ]; then
-  # each build alone in its process (paired, one build's time moved with the other's at 32/64, notes v0.30b)
-  for set in default default+fold_gates; do
-    logged "fold-gates-low-options-$set" 150 python3 benchmarks/fused_backward_options.py --shape 8/16:8192x8 \
-      --shape 4/8:32768 --shape 2/4:8192 --sets "$set" --rounds 5 --out "$out/fold-gates-low-options-$set.json"
-    tail -6 "$out/fold-gates-low-options-$set.log"
-  done
-  logged fold-gates-low-ab 300 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.backward:FUSED_FOLD_GATES --set bwd,cp --only-heads 8/16,4/8,2/4 --modes fwdbwd \
-    --rounds 2 --max-diff 1e-4 --out "$out/fold-gates-low-ab.json"
-  tail -4 "$out/fold-gates-low-ab.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

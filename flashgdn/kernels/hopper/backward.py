@@ -217,11 +217,6 @@ FUSED_P_GIVEN_MIN_HV = 32
 #: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum).
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
-#: where P is not given, ``fold_mma``'s fold made by the gate side too (``fused_backward.py``, ``fold_gates``): issued
-#: once P is out, into its free accumulator, and read out while the gate side waits for dVn, as beside ``p_given``
-#: (notes v0.30d). An A/B, off. FLASHGDN_HOPPER_FUSED_FOLD_GATES=1|0.
-FUSED_FOLD_GATES = os.environ.get("FLASHGDN_HOPPER_FUSED_FOLD_GATES", "0") == "1"
-
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -245,8 +240,6 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")
                                   and (options.get("pair_sums") or not options.get("p_given"))):
         options["fold_mma"] = True
-        if FUSED_FOLD_GATES and not options.get("p_given"):
-            options["fold_gates"] = True
     return options
 
 

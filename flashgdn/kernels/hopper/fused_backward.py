@@ -144,7 +144,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False, fold_gates: bool = False):
+                         fold_mma: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
@@ -208,8 +208,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     order: dg moves by float32 rounding, the rest keeps its bits. Beside ``p_given`` the gate side makes it instead,
     into Q K^T's accumulator (P is given, so that accumulator is free), issued after K S and read out while the
     value side makes dVn; its row sums reach dg through a vector of their own (on the value side ptxas serialised
-    the kernel's wgmma there for want of registers). ``fold_gates`` (``backward.FUSED_FOLD_GATES``, an A/B) puts it on
-    the gate side where P is not given too, issued once P is out (its accumulator is then free).
+    the kernel's wgmma there for want of registers). On the gate side where P is not given too (issued once P is
+    out), it was slower: the gate side's path is the one the value side waits for there (notes v0.30d).
     """
     import tilelang
     import tilelang.language as T
@@ -231,9 +231,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
     # beside p_given the gate side folds, into Q K^T's accumulator (free there): on the value side ptxas serialised
     # the kernel's wgmma for want of registers (C7512)
-    # (``fold_gates``: there also where P is not given, into the same accumulator once P is out)
-    assert not fold_gates or fold_mma, "fold_gates places fold_mma's fold: it needs fold_mma"
-    fold_on_gates = fold_mma and (p_given or fold_gates)
+    fold_on_gates = fold_mma and p_given
     acc = "float32"
     if pair_sums:
         assert group % 2 == 0 and not cluster_sum, "pair_sums needs an even group and not cluster_sum"
@@ -717,7 +715,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     if not p_given:
                         T.wgmma_gemm(q_s, k_s, cc_f, transpose_B=True, clear_accum=True)  # Q K^T
                     T.wgmma_gemm(k_s, st_s, cv_f, transpose_B=True, clear_accum=True)  # K S
-                    if fold_on_gates and p_given:
+                    if fold_on_gates:
                         # <dS', S> as the diagonals of dS'^T[r] (S^T[r])^T over V's halves r, into Q K^T's accumulator
                         # (P is given); dS'^T is written by the time K has loaded (its chunk's K waited for the value
                         # side's last dS'^T reads, and the state side writes the next one right after)
@@ -729,7 +727,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # with p_first, Q K^T alone first (the groups complete in order): P goes out while K S, twice
                     # its work, is still on the tensor cores, since the value side waits for P; with the fold on this
                     # side, K S alone (Vn's product below waits for the rest)
-                    T.wait_wgmma(2 if fold_on_gates and p_given else 1 if p_first and not p_given else 0)
+                    T.wait_wgmma(2 if fold_on_gates else 1 if p_first and not p_given else 0)
                     stamp(tr, 2, 2, c, tx, h, n)
                     # p_given: P came with the second group of loads; the value side does not wait for it
                     if not p_given:
@@ -749,11 +747,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         T.barrier_arrive(p_ready)
                         if p_first:
                             T.wait_wgmma(0)
-                        if fold_on_gates:
-                            # ``fold_gates``: the fold into Q K^T's accumulator, free now that P is out
-                            T.barrier_wait(ds_ready, c % 2)
-                            T.wgmma_gemm(ds_s[0:C, :], st_s[0:C, :], cc_f, transpose_B=True, clear_accum=True)
-                            T.wgmma_gemm(ds_s[C:2 * C, :], st_s[C:2 * C, :], cc_f, transpose_B=True)
                     # W made in registers and stored whole: a loop over the accumulator that writes shared memory
                     # gets a warpgroup barrier before the store of each unrolled step. gamma ⊙ KS is not kept: the
                     # value side takes it as V - W, from the two tiles
