@@ -98,7 +98,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
         "fused_backward[2/8,bfloat16,dht=1]", "fused_backward[2/8,bfloat16,dht=0]"]
     monkeypatch.setattr(backward, "FIRST_STATES_APART", True)
     # with FUSED_CLUSTER_SUM, the fused builds sum dq and dk in a cluster of each group's CTAs (groups of 2 to 8)
-    # FUSED_FOLD_MMA: "auto" folds <dS', S> by the tensor cores in the fused builds, P given or not
+    # FUSED_FOLD_MMA: "auto" folds <dS', S> by the tensor cores in the fused builds where P is not given, and where
+    # it is given beside the pair sums (groups of two: the gate side folds)
     assert [v[2].get("fold_mma") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
         == [True, True]
     assert [(v[2].get("p_given"), v[2].get("fold_mma")) for v in training_variants(16, 32, flags="common")

@@ -342,7 +342,8 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                         p_given=True))
         yield (f"gated_scores[{Hqk}/{Hv},{dtype}]", "gated_scores", dict(Hqk=Hqk, Hv=Hv, K=K, io_dtype=dtype))
         # <dS', S> by the tensor cores (backward.FUSED_FOLD_MMA), with the same options as above: beside p_given
-        # (the gate side's fold) from FUSED_P_GIVEN_MIN_HV value heads, where the operator gives P, else without it
+        # (the gate side's fold; the operator's default there in groups of two) from FUSED_P_GIVEN_MIN_HV value
+        # heads, where the operator gives P, else without it
         from .backward import FUSED_P_GIVEN_MIN_HV
 
         given = Hv >= FUSED_P_GIVEN_MIN_HV
