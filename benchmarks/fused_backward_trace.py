@@ -117,6 +117,10 @@ def main(argv=None):
     if options is None:  # the build the switches give (FLASHGDN_HOPPER_FUSED_*)
         options = fused_backward_options(Hv, Hv // Hqk)
     call_args = (*call_in, *outputs(options))
+    if options.get("p_given"):  # P after the outputs (from PyTorch, as fused_backward_options.py gives it)
+        from fused_backward_options import given_p
+
+        call_args = (*call_args, given_p(call_in, Hqk, Hv))
     # with and without its stamps
     kernel = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, trace=True, **options)
     plain = build_fused_backward(Hqk, Hv, K, V, tl_dtype(torch.bfloat16), True, **options)

@@ -172,15 +172,18 @@ def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
 
 
 def test_p_given_builds():
-    """``p_given`` (backward.FUSED_P_GIVEN) is checked before anything compiles: not beside ``cluster_sum`` or
-    ``trace``. Its build loads P by TMA with the second group and has neither the gate side's Q K^T nor a wait for
-    its P; with the first states apart, P is the last argument after theirs; the default build has none of it."""
+    """``p_given`` (backward.FUSED_P_GIVEN) is checked before anything compiles: not beside ``cluster_sum``. Its
+    build loads P by TMA with the second group and has neither the gate side's Q K^T nor a wait for its P; with the
+    first states apart, P is the last argument after theirs, and in the trace build it comes before the stamps; the
+    default build has none of it."""
     from flashgdn.kernels.hopper.fused_backward import build_fused_backward
 
     with pytest.raises(AssertionError, match="not built beside cluster_sum"):
         build_fused_backward(2, 8, 128, 128, "bfloat16", True, cluster_sum=True, p_given=True)
-    with pytest.raises(ValueError, match="not built beside trace"):
-        build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_given=True, trace=True)
+    traced = build_fused_backward(2, 8, 128, 128, "bfloat16", True, trace=True, p_given=True, fold_mma=True)
+    params = [str(p.name) for p in traced.prim_func.params]
+    assert len(params) == 21 and params[-2:] == ["p_in_handle", "tr_handle"], params
+    assert "tma_load(p_in_desc, full_m[0]" in traced.get_kernel_source()
     base = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, first_apart=True)
     given = build_fused_backward(2, 8, 128, 128, "bfloat16", True, p_first=True, lean_gates=True, first_apart=True,
                                  p_given=True)

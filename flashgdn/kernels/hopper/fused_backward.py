@@ -145,7 +145,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
                          fold_mma: bool = False):
-    """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64,
+    """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
+    ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default up to 16 value heads): the gate side waits
     for Q K^T alone, makes and releases P, and only then waits for K S, instead of waiting for both at once (the
@@ -193,7 +194,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     only after that step's ``ydw_ready``, which the value side arrives after its ``full_e`` wait, so after the load
     has landed; no other CTA reads [n, h]. The states tensor is then S - N slots instead of S.
 
-    ``p_given`` (``backward.FUSED_P_GIVEN``; not with ``trace`` or ``cluster_sum``): P = scale Gam ⊙ Q K^T (lower),
+    ``p_given`` (``backward.FUSED_P_GIVEN``; not with ``cluster_sum``): P = scale Gam ⊙ Q K^T (lower),
     what the gate side otherwise makes first in each chunk step, is given as a last argument ``p [S, Hv, 64, 64]`` in
     the io dtype (``gated_scores.py`` makes it with this kernel's product and expression: the same bits) and loaded
     with the second group, so that neither side waits for it: the gate side makes K S alone and the value side's
@@ -226,8 +227,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     num_states = T.dynamic("num_states") if first_apart else num_slots
     if first_apart and trace:
         raise ValueError("the trace build reads every chunk state from the states tensor (first_apart off)")
-    if p_given and trace:
-        raise ValueError("p_given is not built beside trace (whose signature has no P)")
     assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
     # beside p_given the gate side folds, into Q K^T's accumulator (free there): on the value side ptxas serialised
     # the kernel's wgmma for want of registers (C7512)
@@ -962,7 +961,34 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                                       T.min(eos - bos, C), h, 3)
 
     # a prim_func's parameters are its source's: the trace build's extra argument needs a signature of its own
-    if trace:
+    if trace and p_given:
+        @T.prim_func
+        def fused_backward_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dg: T.Tensor((1, num_tokens, Hv), "float32"),
+            dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            p_in: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            tr: T.Tensor((4, TRACE_CHUNKS, TRACE_POINTS), "int64"),
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, tr, p_in=p_in)
+    elif trace:
         @T.prim_func
         def fused_backward_kernel(
             q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),

@@ -301,6 +301,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         # its trace build (benchmarks/fused_backward_trace.py), a diagnostic: never run by the operator
         yield (f"fused_backward_trace[{Hqk}/{Hv},{dtype},dht=1]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, trace=True))
+        # and beside a given P, with the gate side's fold (16/32's default build, traced; P before the stamps)
+        yield (f"fused_backward_trace[{Hqk}/{Hv},{dtype},dht=1,p_given,fold_mma]", "fused_backward",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, trace=True, p_given=True,
+                    fold_mma=True))
         # P released before K S is waited for (backward.FUSED_P_FIRST), the gate side's factors in registers
         # (backward.FUSED_LEAN_GATES), each alone
         yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1,p_first]", "fused_backward",
