@@ -103,10 +103,13 @@ set -uo pipefail
 #   (gpu-fold-gates.log), the kernel alone with and without it (fold-gates-options.json); fold-gates-sets:
 #   fwd+bwd both ways in one process on the bwd set's 16/32 shapes (fold-gates-ab-bwd.json); fold-gates-fq: those
 #   shapes beside FlashQLA (bwd-16x32.json).
+# scan-dg: the gate side's dg by warp shuffles (backward.FUSED_SCAN_DG, notes v0.31a): its GPU tests (gpu-scan-dg.log),
+#   the kernel alone with and without it, each build in its own process, on five shapes (scan-dg-options-*.json),
+#   fwd+bwd both ways on the bwd and cp sets (scan-dg-ab.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|scan-dg OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -371,6 +374,18 @@ elif [ "$part" = p-given-low ]; then
   logged p-given-low-ab 380 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_P_GIVEN \
     --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
   tail -5 "$out/p-given-low-ab.log"
+elif [ "$part" = scan-dg ]; then
+  gpu_tests gpu-scan-dg 240 8 tests/test_gpu_hopper_backward.py -k dg_by_warp_shuffles
+  # each build alone in its process (paired, one build's time moved with the other's at 32/64, notes v0.30b)
+  for set in default default+scan_dg; do
+    logged "scan-dg-options-${set//+/-}" 200 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
+      --shape 8/16:8192x8 --shape 4/16:8192 --shape 4/8:32768 --shape 8/32:4096x8 --sets "$set" --rounds 5 \
+      --out "$out/scan-dg-options-${set//+/-}.json"
+    tail -10 "$out/scan-dg-options-${set//+/-}.log"
+  done
+  logged scan-dg-ab 400 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_SCAN_DG \
+    --set bwd,cp --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/scan-dg-ab.json"
+  tail -4 "$out/scan-dg-ab.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

@@ -828,6 +828,42 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
     _assert_on_the_bars(on, _float64_backward(inp, args))
 
 
+@pytest.mark.parametrize("opts,cp,dtype", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail, pair sums
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)), None, torch.float16),  # groups of 4
+    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+    (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="mixed", pad=40), None, torch.bfloat16),  # P given, gate-side fold
+])
+def test_fused_backward_dg_by_warp_shuffles(opts, cp, dtype, monkeypatch, cuda):
+    """``backward.FUSED_SCAN_DG``: the gate side's dg (each token's suffix sum of the chunk's row terms and the total
+    of its g~_last terms) by warp shuffles instead of a serial sum per token. Only dg may move, by float32 rounding
+    (the same terms in another order); every other gradient keeps its bits; the same bits again on a rerun; padded
+    tokens' dg zero; on the bars against float64, strong decay and g = 0 heads among the cases."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=13)
+    cu = args[9]
+    off, on, again = _off_on_again(backward, monkeypatch, "FUSED_SCAN_DG", args)
+    assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("scan_dg")
+    for name, a, b, c in zip(GRADIENTS, off, on, again):
+        if a is None:
+            assert b is None, name
+            continue
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(b, c), f"{name}: not deterministic"
+        if name == "dg":
+            assert rel_rms(b.double(), a.double()) < 1e-5, name
+        else:
+            assert torch.equal(a, b), name
+    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
+        end = int(cu[-1])
+        assert (on[3][:, end:] == 0).all()
+    print("scan_dg:", end=" ")
+    _assert_on_the_bars(on, _float64_backward(inp, args))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
     """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's
