@@ -709,6 +709,28 @@ def _off_on_again(backward, monkeypatch, switch, args):
     return off, backward.hopper_backward(*args), backward.hopper_backward(*args)
 
 
+def _assert_only_dg_moves(off, on, again, inp, args, label):
+    """A switch that sums dg's terms in another order, from ``_off_on_again``: every gradient finite and the same bits
+    on the rerun, dg within float32 rounding of the switch off (under 1e-5 relative), every other gradient the same
+    bits; dg zero on tokens past the last sequence; on the bars against float64."""
+    cu = args[9]
+    for name, a, b, c in zip(GRADIENTS, off, on, again):
+        if a is None:
+            assert b is None, name
+            continue
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(b, c), f"{name}: not deterministic"
+        if name == "dg":
+            assert rel_rms(b.double(), a.double()) < 1e-5, name
+        else:
+            assert torch.equal(a, b), name
+    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
+        end = int(cu[-1])
+        assert (on[3][:, end:] == 0).all()
+    print(f"{label}:", end=" ")
+    _assert_on_the_bars(on, _float64_backward(inp, args))
+
+
 def _float64_backward(inp, args):
     """The float64 chunked backward of ``_fused_ab_inputs``'s inputs and arguments (scale 0.1)."""
     from flashgdn.reference.chunked_backward import chunk_gated_delta_rule_backward_reference
@@ -807,25 +829,10 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=11)
-    cu = args[9]
     off, on, again = _off_on_again(backward, monkeypatch, "FUSED_FOLD_MMA", args)
     built = backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"])
     assert built.get("fold_mma") and built.get("p_given", False) == (opts["Hv"] >= backward.FUSED_P_GIVEN_MIN_HV)
-    for name, a, b, c in zip(GRADIENTS, off, on, again):
-        if a is None:
-            assert b is None, name
-            continue
-        assert torch.isfinite(b).all(), name
-        assert torch.equal(b, c), f"{name}: not deterministic"
-        if name == "dg":
-            assert rel_rms(b.double(), a.double()) < 1e-5, name
-        else:
-            assert torch.equal(a, b), name
-    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
-        end = int(cu[-1])
-        assert (on[3][:, end:] == 0).all()
-    print("fold_mma:", end=" ")
-    _assert_on_the_bars(on, _float64_backward(inp, args))
+    _assert_only_dg_moves(off, on, again, inp, args, "fold_mma")
 
 
 @pytest.mark.parametrize("opts,cp,dtype", [
@@ -844,24 +851,9 @@ def test_fused_backward_dg_by_warp_shuffles(opts, cp, dtype, monkeypatch, cuda):
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=13)
-    cu = args[9]
     off, on, again = _off_on_again(backward, monkeypatch, "FUSED_SCAN_DG", args)
     assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("scan_dg")
-    for name, a, b, c in zip(GRADIENTS, off, on, again):
-        if a is None:
-            assert b is None, name
-            continue
-        assert torch.isfinite(b).all(), name
-        assert torch.equal(b, c), f"{name}: not deterministic"
-        if name == "dg":
-            assert rel_rms(b.double(), a.double()) < 1e-5, name
-        else:
-            assert torch.equal(a, b), name
-    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
-        end = int(cu[-1])
-        assert (on[3][:, end:] == 0).all()
-    print("scan_dg:", end=" ")
-    _assert_on_the_bars(on, _float64_backward(inp, args))
+    _assert_only_dg_moves(off, on, again, inp, args, "scan_dg")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

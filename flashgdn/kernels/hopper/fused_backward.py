@@ -290,6 +290,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         for j in T.Parallel(C):
             gcol_f[j] = gc_s[j]
 
+    def g_last_terms(x1_s, xf_s, j):
+        # token j's g~_last terms: the value side's, and with the fold on the gate side its share too
+        return x1_s[j] + xf_s[j] if fold_on_gates else x1_s[j]
+
     def group_total(in_s, i, j):
         # row i of this CTA's share from every CTA of the group (CTA r's at rows r * own_rows..): group_sum.py's total
         return head_order_total([in_s[r * own_rows + i, j] for r in range(group)], acc, io_dtype)
@@ -409,6 +413,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             x1_s = T.alloc_shared((C,), acc)  # the g~_last terms per token (their total is what counts)
             if fold_on_gates:
                 xf_s = T.alloc_shared((C,), acc)  # the fold's share of them, from the gate side
+            else:
+                xf_s = None  # (read by g_last_terms only where the gate side folds)
             xr_s = T.alloc_shared((C,), acc)  # row and column sums of X = P ⊙ dP + E ⊙ A ⊙ beta
             xc_s = T.alloc_shared((C,), acc)
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
@@ -560,25 +566,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         for i, j in T.Parallel(C, C):
                             fd_f[i, j] = T.if_then_else(i == j, fd_f[i, j], 0.0)
                         T.reduce_sum(fd_f, red2_f, dim=1)
-                    elif fold_on_gates:  # <dS', S> is the gate side's
-                        T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
-                        stamp(tr, 1, 2, c, tx, h, n)
-                        for i in T.Parallel(C):
-                            gam_f[i] = T.exp2(gc_s[i] * LOG2E)
-                            dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                        for i, j in T.Parallel(C, V):
-                            kd_f[i, j] = kd_f[i, j] * dec_f[i]
                     else:
                         T.gemm(k_s, ds_s, kd_f, transpose_B=True, clear_accum=True)  # K dS'
                         stamp(tr, 1, 2, c, tx, h, n)
                         for i in T.Parallel(C):
                             gam_f[i] = T.exp2(gc_s[i] * LOG2E)
                             dec_f[i] = T.exp2((gc_s[C - 1] - gc_s[i]) * LOG2E)
-                        # <dS', S> folded onto 64 rows (V's halves added); only its total counts
-                        for i, j in T.Parallel(C, K):
-                            dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
-                                          + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
-                        T.reduce_sum(dw_f, red2_f, dim=1)
+                        if not fold_on_gates:  # (else <dS', S> is the gate side's)
+                            # <dS', S> folded onto 64 rows (V's halves added); only its total counts
+                            for i, j in T.Parallel(C, K):
+                                dw_f[i, j] = (T.cast(ds_s[i, j], acc) * T.cast(st_s[i, j], acc)
+                                              + T.cast(ds_s[i + C, j], acc) * T.cast(st_s[i + C, j], acc))
+                            T.reduce_sum(dw_f, red2_f, dim=1)
                         for i, j in T.Parallel(C, V):
                             kd_f[i, j] = kd_f[i, j] * dec_f[i]
                     if not p_given:
@@ -863,10 +862,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             sg[1] = T.shfl_down(sg[0], 1 << step)
                             sg[0] = T.if_then_else(lane + (1 << step) < 32, sg[0] + sg[1], sg[0])
                         sg[2] = T.warp_reduce_sum(x0_s[32 + lane] + xr_s[32 + lane] - xc_s[32 + lane])
-                        if fold_on_gates:
-                            sg[3] = T.warp_reduce_sum((x1_s[lane] + xf_s[lane]) + (x1_s[32 + lane] + xf_s[32 + lane]))
-                        else:
-                            sg[3] = T.warp_reduce_sum(x1_s[lane] + x1_s[32 + lane])
+                        sg[3] = T.warp_reduce_sum(g_last_terms(x1_s, xf_s, lane) + g_last_terms(x1_s, xf_s, 32 + lane))
                         if tx - 256 < C and tx % C < n_rows:
                             dg[0, t0 + tx % C, h] = (sg[0] + T.if_then_else(tx % C < 32, sg[2], 0.0)) + sg[3]
                             dbeta[0, t0 + tx % C, h] = db1_s[tx % C] + db2_s[tx % C]
@@ -878,10 +874,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         for i in T.Parallel(C):
                             dg_f[i] = 0.0
                             for j in T.serial(C):
-                                if fold_on_gates:
-                                    dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + (x1_s[j] + xf_s[j]))
-                                else:
-                                    dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + x1_s[j])
+                                dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + g_last_terms(x1_s, xf_s, j))
                             if i < n_rows:
                                 dg[0, t0 + i, h] = dg_f[i]
                                 dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]

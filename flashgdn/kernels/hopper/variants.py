@@ -350,17 +350,15 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         # heads, where the operator gives P, else without it
         from .backward import FUSED_P_GIVEN_MIN_HV
 
-        given = Hv >= FUSED_P_GIVEN_MIN_HV
+        given = dict(p_given=True) if Hv >= FUSED_P_GIVEN_MIN_HV else {}
+        folded = dict(opts, first_apart=True, **given, fold_mma=True)
+        folded_tag = f"{tag},first_apart{',p_given' if given else ''},fold_mma"
         for has_dht in (True, False):
-            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag},first_apart"
-                   f"{',p_given' if given else ''},fold_mma]", "fused_backward",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **opts, first_apart=True,
-                        **(dict(p_given=True) if given else {}), fold_mma=True))
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{folded_tag}]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **folded))
         # and dg by warp shuffles (backward.FUSED_SCAN_DG), beside the same
-        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},first_apart{',p_given' if given else ''},fold_mma,"
-               f"scan_dg]", "fused_backward",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, first_apart=True,
-                    **(dict(p_given=True) if given else {}), fold_mma=True, scan_dg=True))
+        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{folded_tag},scan_dg]", "fused_backward",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **folded, scan_dg=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
