@@ -103,17 +103,12 @@ set -uo pipefail
 #   (gpu-fold-gates.log), the kernel alone with and without it (fold-gates-options.json); fold-gates-sets:
 #   fwd+bwd both ways in one process on the bwd set's 16/32 shapes (fold-gates-ab-bwd.json); fold-gates-fq: those
 #   shapes beside FlashQLA (bwd-16x32.json).
-# scan-dg: the gate side's dg by warp shuffles (backward.FUSED_SCAN_DG, notes v0.31a): its GPU tests (gpu-scan-dg.log),
-#   the kernel alone with and without it, each build in its own process, on five shapes (scan-dg-options-*.json),
-#   fwd+bwd both ways on the bwd and cp sets (scan-dg-ab.json). Its first two parts alone: scan-dg-kernel; the last
-#   alone: scan-dg-ab (the three together may pass one call's ten minutes).
-# scan-dg-check: scan-dg's kernel alone at 16/32 and 8/32 in the order default, scan, default (each in its own process,
-#   scan-dg-check-*.json), the trace of the 16/32 default's chunk step (trace-16x32-default.json, trace.log), fwd+bwd
-#   both ways on the bwd set's 16/32 shapes (scan-dg-ab-16x32.json).
+# scan-dg, scan-dg-kernel, scan-dg-ab, scan-dg-check: the gate side's dg by warp shuffles (notes v0.31a; the option is
+#   removed, 2988da6 has it and these rounds).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|scan-dg|scan-dg-kernel|scan-dg-ab|scan-dg-check OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -378,36 +373,6 @@ elif [ "$part" = p-given-low ]; then
   logged p-given-low-ab 380 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_P_GIVEN \
     --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
   tail -5 "$out/p-given-low-ab.log"
-elif [ "$part" = scan-dg ] || [ "$part" = scan-dg-kernel ] || [ "$part" = scan-dg-ab ]; then
-  if [ "$part" != scan-dg-ab ]; then
-    gpu_tests gpu-scan-dg 200 8 tests/test_gpu_hopper_backward.py -k dg_by_warp_shuffles
-    # each build alone in its process (paired, one build's time moved with the other's at 32/64, notes v0.30b)
-    for set in default default+scan_dg; do
-      logged "scan-dg-options-${set//+/-}" 170 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
-        --shape 8/16:8192x8 --shape 4/16:8192 --shape 4/8:32768 --shape 8/32:4096x8 --sets "$set" --rounds 5 \
-        --out "$out/scan-dg-options-${set//+/-}.json"
-      tail -10 "$out/scan-dg-options-${set//+/-}.log"
-    done
-  fi
-  if [ "$part" != scan-dg-kernel ]; then
-    logged scan-dg-ab 500 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_SCAN_DG \
-      --set bwd,cp --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/scan-dg-ab.json"
-    tail -4 "$out/scan-dg-ab.log"
-  fi
-elif [ "$part" = scan-dg-check ]; then
-  i=0
-  for set in default default+scan_dg default; do
-    i=$((i + 1))
-    logged "scan-dg-check-$i" 120 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
-      --shape 8/32:4096x8 --sets "$set" --rounds 7 --out "$out/scan-dg-check-$i.json"
-    grep -A1 "^[0-9]*/[0-9]*:" "$out/scan-dg-check-$i.log" | grep -v "^--"
-  done
-  logged trace 120 python3 benchmarks/fused_backward_trace.py --heads 16/32 \
-    --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --options default --out "$out/trace-16x32-default.json"
-  grep -v "INFO" "$out/trace.log" | tail -45
-  logged scan-dg-ab-16x32 240 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_SCAN_DG \
-    --set bwd --only-heads 16/32 --modes fwdbwd --rounds 3 --max-diff 1e-4 --out "$out/scan-dg-ab-16x32.json"
-  tail -4 "$out/scan-dg-ab-16x32.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

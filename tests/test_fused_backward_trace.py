@@ -101,13 +101,6 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert fo.set_options("default", 8, 4) == {"p_first": True, "lean_gates": True, "cluster_sum": True}
     assert fo.set_options("default", 8, 1) == {"p_first": True, "lean_gates": True}
-    monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
-    # dg by warp shuffles (an A/B, off): beside whatever else the build has
-    assert "scan_dg" not in fo.set_options("default", 16, 2)
-    monkeypatch.setattr(backward, "FUSED_SCAN_DG", True)
-    assert fo.set_options("default", 16, 2) == {"p_first": True, "lean_gates": True, "pair_sums": True,
-                                                "scan_dg": True}
-    assert fo.set_options("default+scan_dg", 32, 4) == {"scan_dg": True}
     # the per-value-head dq and dk of the other builds, summed as a cluster_sum build writes them
     import torch
 

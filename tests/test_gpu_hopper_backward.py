@@ -835,27 +835,6 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
     _assert_only_dg_moves(off, on, again, inp, args, "fold_mma")
 
 
-@pytest.mark.parametrize("opts,cp,dtype", [
-    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail, pair sums
-    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)), None, torch.float16),  # groups of 4
-    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
-    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
-    (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="mixed", pad=40), None, torch.bfloat16),  # P given, gate-side fold
-])
-def test_fused_backward_dg_by_warp_shuffles(opts, cp, dtype, monkeypatch, cuda):
-    """``backward.FUSED_SCAN_DG``: the gate side's dg (each token's suffix sum of the chunk's row terms and the total
-    of its g~_last terms) by warp shuffles instead of a serial sum per token. Only dg may move, by float32 rounding
-    (the same terms in another order); every other gradient keeps its bits; the same bits again on a rerun; padded
-    tokens' dg zero; on the bars against float64, strong decay and g = 0 heads among the cases."""
-    from flashgdn.kernels.hopper import backward
-
-    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=13)
-    off, on, again = _off_on_again(backward, monkeypatch, "FUSED_SCAN_DG", args)
-    assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("scan_dg")
-    _assert_only_dg_moves(off, on, again, inp, args, "scan_dg")
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
     """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's

@@ -149,20 +149,6 @@ def test_fold_mma_folds_by_the_tensor_cores_on_either_side():
         assert ("xf_s" in folded) == given and "xf_s" not in plain, given
 
 
-def test_scan_dg_sums_dg_by_warp_shuffles():
-    """``scan_dg`` makes the gate side's dg by warp shuffles: its build has them and not the serial sum's 64-step
-    loop over the chunk's row terms, which the build without it has (the 2/8 builds of ``backward_variants``)."""
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
-
-    opts = dict(p_first=True, lean_gates=True, first_apart=True, fold_mma=True)
-    plain = build_fused_backward(2, 8, 128, 128, "bfloat16", True, **opts).get_kernel_source()
-    scan = build_fused_backward(2, 8, 128, 128, "bfloat16", True, scan_dg=True, **opts).get_kernel_source()
-    serial = "for (int j = 0; j < 64; ++j)"
-    assert serial in plain and "__shfl_down_sync" not in plain
-    assert serial not in scan and scan.count("__shfl_down_sync") == 1  # (in a loop of five steps)
-    assert scan.count("tl::warp_reduce_sum(") == 2
-
-
 def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
     """``pair_sums`` is built for even groups only (a clear error before anything compiles), not beside
     ``cluster_sum``; its build adds dq's and dk's rows with the 16-byte reduction of its io dtype, and the default

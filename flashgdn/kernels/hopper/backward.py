@@ -217,13 +217,6 @@ FUSED_P_GIVEN_MIN_HV = 32
 #: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum).
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
-#: the gate side's dg by warp shuffles (``fused_backward.py``, ``scan_dg``): each token's suffix sum of the chunk's row
-#: terms in five shuffle steps and the totals by warp sums, instead of a serial sum over the chunk's 64 terms per token
-#: (~500 of the gate side's ~3200 instructions a warp and step, at the end of its step, before the next chunk's Q K^T
-#: and P). The same terms summed in another order: dg moves by float32 rounding, nothing else. An A/B, off until
-#: measured (notes v0.31a). FLASHGDN_HOPPER_FUSED_SCAN_DG=1|0.
-FUSED_SCAN_DG = os.environ.get("FLASHGDN_HOPPER_FUSED_SCAN_DG", "0") == "1"
-
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -247,8 +240,6 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")
                                   and (options.get("pair_sums") or not options.get("p_given"))):
         options["fold_mma"] = True
-    if FUSED_SCAN_DG:
-        options["scan_dg"] = True
     return options
 
 

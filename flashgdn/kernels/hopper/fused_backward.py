@@ -144,7 +144,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False, scan_dg: bool = False):
+                         fold_mma: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
@@ -211,11 +211,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     value side makes dVn; its row sums reach dg through a vector of their own (on the value side ptxas serialised
     the kernel's wgmma there for want of registers). On the gate side where P is not given too (issued once P is
     out), it was slower: the gate side's path is the one the value side waits for there (notes v0.30d).
-
-    ``scan_dg`` (``backward.FUSED_SCAN_DG``, an A/B): dg~_i = sum_{j >= i} z_j + sum_j x1_j (z the row terms, x1 the
-    g~_last terms of the chunk) by warp shuffles, a suffix scan of z within each warp of 32 tokens plus the other
-    warp's total and the x1 total by warp sums, instead of every token's serial sum over the 64 terms. The same terms
-    in another order: dg moves by float32 rounding, the rest keeps its bits.
     """
     import tilelang
     import tilelang.language as T
@@ -704,8 +699,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 red_r = T.alloc_fragment((C,), acc)
                 red_c = T.alloc_fragment((C,), acc)
                 dg_f = T.alloc_fragment((C,), acc)
-                if scan_dg:  # a token's suffix sum of z, the pieces shuffled in, the two warp totals
-                    sg = T.alloc_local((4,), acc)
                 if lean_gates:  # g~ of the thread's rows and columns of P, E and dQK
                     grow_f = T.alloc_fragment((C,), acc)
                     gcol_f = T.alloc_fragment((C,), acc)
@@ -850,34 +843,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # dg: reverse cumsum of the row terms, plus the total of the g~_last terms, for every token
                     T.barrier_wait(x_rows, c % 2)
                     stamp(tr, 2, 13, c, tx, h, n)
-                    if scan_dg:
-                        # by shuffles: token i = tx % 64 (warps 0 and 2 of the side hold tokens 0-31, warps 1 and 3
-                        # tokens 32-63; warps 2 and 3 repeat 0 and 1 and do not store) takes its warp's suffix sum
-                        # of z (five shuffle steps), the other half's total where it is the first half, and the
-                        # total of the g~_last terms (each a five-step warp sum): ~50 instructions a thread against
-                        # the serial sum's 64 steps of three loads and adds
-                        lane = tx % 32
-                        sg[0] = x0_s[tx % C] + xr_s[tx % C] - xc_s[tx % C]
-                        for step in range(5):
-                            sg[1] = T.shfl_down(sg[0], 1 << step)
-                            sg[0] = T.if_then_else(lane + (1 << step) < 32, sg[0] + sg[1], sg[0])
-                        sg[2] = T.warp_reduce_sum(x0_s[32 + lane] + xr_s[32 + lane] - xc_s[32 + lane])
-                        sg[3] = T.warp_reduce_sum(g_last_terms(x1_s, xf_s, lane) + g_last_terms(x1_s, xf_s, 32 + lane))
-                        if tx - 256 < C and tx % C < n_rows:
-                            dg[0, t0 + tx % C, h] = (sg[0] + T.if_then_else(tx % C < 32, sg[2], 0.0)) + sg[3]
-                            dbeta[0, t0 + tx % C, h] = db1_s[tx % C] + db2_s[tx % C]
-                    else:
-                        # (a serial sum per token over the chunk's 64 row terms, read by all tokens at once: cheaper
-                        # than a masked [64, 64] tile and its reduction)
-                        for i in T.Parallel(C):
-                            z_s[i] = x0_s[i] + xr_s[i] - xc_s[i]
-                        for i in T.Parallel(C):
-                            dg_f[i] = 0.0
-                            for j in T.serial(C):
-                                dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + g_last_terms(x1_s, xf_s, j))
-                            if i < n_rows:
-                                dg[0, t0 + i, h] = dg_f[i]
-                                dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
+                    # (a serial sum per token over the chunk's 64 row terms, read by all tokens at once: cheaper than
+                    # a masked [64, 64] tile and its reduction; by warp shuffles it was no faster: it runs beside K's
+                    # reload, off the step's loop, notes v0.31a)
+                    for i in T.Parallel(C):
+                        z_s[i] = x0_s[i] + xr_s[i] - xc_s[i]
+                    for i in T.Parallel(C):
+                        dg_f[i] = 0.0
+                        for j in T.serial(C):
+                            dg_f[i] = dg_f[i] + (T.if_then_else(j >= i, z_s[j], 0.0) + g_last_terms(x1_s, xf_s, j))
+                        if i < n_rows:
+                            dg[0, t0 + i, h] = dg_f[i]
+                            dbeta[0, t0 + i, h] = db1_s[i] + db2_s[i]
                     stamp(tr, 2, 14, c, tx, h, n)
 
             else:
