@@ -835,6 +835,32 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
     _assert_only_dg_moves(off, on, again, inp, args, "fold_mma")
 
 
+@pytest.mark.parametrize("opts,cp,dtype", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail, pair sums
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)), None, torch.float16),  # groups of 4
+    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+    (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="mixed", pad=40), None, torch.bfloat16),  # P given
+])
+def test_fused_backward_l2_prefetch_gives_the_same_bits(opts, cp, dtype, monkeypatch, cuda):
+    """``backward.FUSED_L2_PREFETCH``: the next chunk's Q, dO, A, P and K prefetched into L2 by the producer's warps
+    change no value: every gradient the same bits as without it, and again on a rerun (single-chunk sequences, whose
+    only chunk prefetches nothing, a padded tail, CP segments and P given among the cases)."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    _, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=17)
+    off, on, again = _off_on_again(backward, monkeypatch, "FUSED_L2_PREFETCH", args)
+    assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("l2_prefetch")
+    for name, a, b, c in zip(GRADIENTS, off, on, again):
+        if a is None:
+            assert b is None, name
+            continue
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+        assert torch.equal(b, c), f"{name}: not deterministic"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
     """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's

@@ -149,6 +149,26 @@ def test_fold_mma_folds_by_the_tensor_cores_on_either_side():
         assert ("xf_s" in folded) == given and "xf_s" not in plain, given
 
 
+def test_l2_prefetch_prefetches_the_next_chunks_late_inputs():
+    """``l2_prefetch`` adds bulk L2 prefetches of the next chunk's Q, dO, A, P and K to the producer's warps and
+    nothing else: the default build has none; the build with it has the helper, its three row loops (Q, dO, K: two
+    steps of one 256-byte row a lane) and the two 8 KB tiles (A, and P where it is given), on the 16/32 build of the
+    operator's options (P given, pair sums, the gate side's fold), with its registers and spills in bounds."""
+    from flashgdn.kernels.hopper.common import resource_usage
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    opts = dict(pair_sums=True, p_given=True, fold_mma=True, first_apart=True)
+    plain = build_fused_backward(16, 32, 128, 128, "bfloat16", True, **opts).get_kernel_source()
+    kernel = build_fused_backward(16, 32, 128, 128, "bfloat16", True, l2_prefetch=True, **opts)
+    src = kernel.get_kernel_source()
+    assert "cp.async.bulk.prefetch" not in plain and "flashgdn_prefetch" not in plain
+    assert src.count("cp.async.bulk.prefetch.L2.global") == 1  # the helper, called from the producer's warps
+    calls = [line.strip() for line in src.splitlines() if "flashgdn_prefetch::to_l2(" in line]
+    assert sum("256" in c for c in calls) == 3 and sum("8192" in c for c in calls) == 2, calls
+    usage = resource_usage(kernel)
+    assert not usage["wgmma_serialized"] and usage["spill_stores"] <= 100, usage
+
+
 def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
     """``pair_sums`` is built for even groups only (a clear error before anything compiles), not beside
     ``cluster_sum``; its build adds dq's and dk's rows with the 16-byte reduction of its io dtype, and the default

@@ -217,6 +217,13 @@ FUSED_P_GIVEN_MIN_HV = 32
 #: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum).
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
+#: the next chunk's Q, dO, A, P and K brought into L2 by the producer's warps a step ahead of their TMA loads
+#: (``fused_backward.py``, ``l2_prefetch``). The trace of the 16/32 default (notes v0.31a) has a step's loop pass
+#: through those loads: they are issued only once their tiles are free, ~1.1-1.6k cycles before the next step, and land
+#: ~2k cycles after the issue, while V, Ag and S^T (issued ~6k cycles ahead) never keep a side waiting. No value
+#: changes. An A/B, off until measured (notes v0.32a). FLASHGDN_HOPPER_FUSED_L2_PREFETCH=1|0.
+FUSED_L2_PREFETCH = os.environ.get("FLASHGDN_HOPPER_FUSED_L2_PREFETCH", "0") == "1"
+
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -240,6 +247,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")
                                   and (options.get("pair_sums") or not options.get("p_given"))):
         options["fold_mma"] = True
+    if FUSED_L2_PREFETCH:
+        options["l2_prefetch"] = True
     return options
 
 

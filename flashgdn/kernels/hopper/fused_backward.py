@@ -139,12 +139,23 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 }  // namespace flashgdn_pairs
 """
 
+#: device helper of the ``l2_prefetch`` build: ``bytes`` (a multiple of 16, from a 16-byte aligned address) brought
+#: from global memory into L2 by one bulk prefetch (SM90): no destination in the CTA, nothing to wait for, no value
+#: changed anywhere
+PREFETCH_PRELUDE = r"""
+namespace flashgdn_prefetch {
+__device__ __forceinline__ void to_l2(const void *src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
+}
+}  // namespace flashgdn_prefetch
+"""
+
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False):
+                         fold_mma: bool = False, l2_prefetch: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
@@ -211,6 +222,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     value side makes dVn; its row sums reach dg through a vector of their own (on the value side ptxas serialised
     the kernel's wgmma there for want of registers). On the gate side where P is not given too (issued once P is
     out), it was slower: the gate side's path is the one the value side waits for there (notes v0.30d).
+
+    ``l2_prefetch`` (``backward.FUSED_L2_PREFETCH``, an A/B): the producer's warps of the inputs that are freed last
+    in a step (Q and dO, A and P, K) issue the next chunk's rows of them as bulk L2 prefetches right after the
+    current chunk's loads, a step ahead of the TMA loads that then read them from L2 instead of HBM. No value
+    changes: the same bits.
     """
     import tilelang
     import tilelang.language as T
@@ -238,7 +254,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         assert 2 <= group <= CLUSTER_SUM_MAX_GROUP and C % (8 * group) == 0, "cluster_sum needs a group of 2 to 8"
     # a plain launch unless cluster_sum (None and None are T.Kernel's defaults: the same kernel as without them)
     cluster_dims = (group, 1, 1) if cluster_sum else None
-    prelude = CLUSTER_PRELUDE if cluster_sum else PAIRS_PRELUDE if pair_sums else None
+    preludes = [CLUSTER_PRELUDE if cluster_sum else PAIRS_PRELUDE if pair_sums else None,
+                PREFETCH_PRELUDE if l2_prefetch else None]
+    prelude = "".join(x for x in preludes if x) or None  # (None, T.Kernel's default, where there is none)
     dq_heads = Hqk if cluster_sum else Hv // 2 if pair_sums else Hv
     add_16_bytes = "flashgdn_pairs::add_16_bytes_" + ("bf16" if io_dtype == "bfloat16" else "f16")
     own_rows = C // group  # cluster_sum: the rows of a chunk each CTA of a group sums and writes
@@ -250,6 +268,14 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             for j in T.Parallel(D):
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
         T.fence_proxy_async()
+
+    @T.macro
+    def prefetch_rows(src, t1, hh, D, lane):
+        # l2_prefetch: rows t1.. of a whole chunk of head hh into L2, one row of D two-byte values a lane and step
+        # (the rows are Hqk or Hv heads apart)
+        for step in T.serial(C // 32):
+            T.call_extern("handle", "flashgdn_prefetch::to_l2", T.address_of(src[0, t1 + step * 32 + lane, hh, 0]),
+                          D * 2)
 
     @T.macro
     def add_rows(src_s, dst, t0, n_rows, hp, lane):
@@ -913,12 +939,24 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
                         if tx < 448:
                             stamp(tr, 3, 4, c, tx, h, n)
+                            if l2_prefetch:
+                                # the next chunk (earlier tokens, so whole) into L2 a step ahead of its loads
+                                if c + 1 < n_chunks:
+                                    prefetch_rows(q, t0 - C, hq, K, tx % 32)
+                                    prefetch_rows(do, t0 - C, h, V, tx % 32)
                             if cluster_sum:
                                 if c > 0:  # its quarter of the chunk before's sums
                                     sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
                                               T.min(eos - t0 - C, C), h, 1)
                         else:
                             stamp(tr, 3, 7, c, tx, h, n)
+                            if l2_prefetch:
+                                if c + 1 < n_chunks and tx % 32 == 0:
+                                    T.call_extern("handle", "flashgdn_prefetch::to_l2",
+                                                  T.address_of(A[slot - 1, h, 0, 0]), C * C * 2)
+                                    if p_given:
+                                        T.call_extern("handle", "flashgdn_prefetch::to_l2",
+                                                      T.address_of(p_in[slot - 1, h, 0, 0]), C * C * 2)
                             if cluster_sum:
                                 if c > 0:
                                     sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
@@ -933,6 +971,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             masked_rows(k, k_s, t0, n_rows, hq, K)
                         T.barrier_arrive(full_k)
                         stamp(tr, 3, 6, c, tx, h, n)
+                        if l2_prefetch:
+                            if c + 1 < n_chunks:
+                                prefetch_rows(k, t0 - C, hq, K, tx % 32)
                         if cluster_sum:
                             if c > 0:
                                 sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
