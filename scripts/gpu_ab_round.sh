@@ -108,10 +108,13 @@ set -uo pipefail
 # l2-prefetch: the next chunk's late inputs prefetched into L2 (backward.FUSED_L2_PREFETCH, notes v0.32a): its GPU tests
 #   (gpu-l2-prefetch.log), the kernel alone in the order default, prefetch, default, each in its own process, on five
 #   shapes (l2-prefetch-options-{1,2,3}.json); l2-prefetch-ab: fwd+bwd both ways on the bwd set (l2-prefetch-ab.json).
+# warp-colsums: the gate side's column sums by warp shuffles (backward.FUSED_WARP_COLSUMS, notes v0.32b): the same
+#   three parts as l2-prefetch (gpu-warp-colsums.log, warp-colsums-options-{1,2,3}.json); warp-colsums-ab: fwd+bwd
+#   both ways on the bwd set (dbeta and dg move: --max-diff 1e-4; warp-colsums-ab.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -376,20 +379,27 @@ elif [ "$part" = p-given-low ]; then
   logged p-given-low-ab 380 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_P_GIVEN \
     --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
   tail -5 "$out/p-given-low-ab.log"
-elif [ "$part" = l2-prefetch ]; then
-  gpu_tests gpu-l2-prefetch 200 8 tests/test_gpu_hopper_backward.py -k l2_prefetch
+elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ]; then
+  # (the option's name: l2_prefetch or warp_colsums; its GPU tests by that name)
+  option=${part//-/_}
+  gpu_tests "gpu-$part" 200 8 tests/test_gpu_hopper_backward.py -k "${option/warp_colsums/column_sums_by_warp}"
   i=0
-  for set in default default+l2_prefetch default; do
+  for set in default "default+$option" default; do
     i=$((i + 1))
-    logged "l2-prefetch-options-$i" 110 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
+    logged "$part-options-$i" 110 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
       --shape 8/16:8192x8 --shape 4/8:32768 --shape 8/32:4096x8 --shape 2/4:8192 --sets "$set" --rounds 7 \
-      --out "$out/l2-prefetch-options-$i.json"
-    grep -A1 "^[0-9]*/[0-9]*:" "$out/l2-prefetch-options-$i.log" | grep -v "^--"
+      --out "$out/$part-options-$i.json"
+    grep -A1 "^[0-9]*/[0-9]*:" "$out/$part-options-$i.log" | grep -v "^--"
   done
 elif [ "$part" = l2-prefetch-ab ]; then
   logged l2-prefetch-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_L2_PREFETCH \
     --set bwd --modes fwdbwd --rounds 2 --out "$out/l2-prefetch-ab.json"
   tail -4 "$out/l2-prefetch-ab.log"
+elif [ "$part" = warp-colsums-ab ]; then
+  logged warp-colsums-ab 520 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backward:FUSED_WARP_COLSUMS --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-4 \
+    --out "$out/warp-colsums-ab.json"
+  tail -4 "$out/warp-colsums-ab.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

@@ -528,7 +528,7 @@ def test_chunk_grad_dg_scan_matches_the_masked_sum(opts, monkeypatch, cuda):
     1e-5 relative RMS), on the bar against float64, and zero on the padded tail."""
     _, plain, scanned, want = _backward_ab(opts, cuda, monkeypatch, "CHUNK_GRAD_SCAN_DG", True, base=False)
     for name, a, b in zip(GRADIENTS, plain, scanned):
-        if name == "dg":
+        if name in moving:
             assert rel_rms(b.double(), a.double()) < 1e-5, name
         else:
             assert torch.equal(a, b), name
@@ -709,10 +709,11 @@ def _off_on_again(backward, monkeypatch, switch, args):
     return off, backward.hopper_backward(*args), backward.hopper_backward(*args)
 
 
-def _assert_only_dg_moves(off, on, again, inp, args, label):
+def _assert_only_dg_moves(off, on, again, inp, args, label, moving=("dg",)):
     """A switch that sums dg's terms in another order, from ``_off_on_again``: every gradient finite and the same bits
-    on the rerun, dg within float32 rounding of the switch off (under 1e-5 relative), every other gradient the same
-    bits; dg zero on tokens past the last sequence; on the bars against float64."""
+    on the rerun, dg (and the other gradients named in ``moving``) within float32 rounding of the switch off (under
+    1e-5 relative), every other gradient the same bits; dg zero on tokens past the last sequence; on the bars against
+    float64."""
     cu = args[9]
     for name, a, b, c in zip(GRADIENTS, off, on, again):
         if a is None:
@@ -720,7 +721,7 @@ def _assert_only_dg_moves(off, on, again, inp, args, label):
             continue
         assert torch.isfinite(b).all(), name
         assert torch.equal(b, c), f"{name}: not deterministic"
-        if name == "dg":
+        if name in moving:
             assert rel_rms(b.double(), a.double()) < 1e-5, name
         else:
             assert torch.equal(a, b), name
@@ -859,6 +860,27 @@ def test_fused_backward_l2_prefetch_gives_the_same_bits(opts, cp, dtype, monkeyp
         assert torch.isfinite(b).all(), name
         assert torch.equal(a, b), name
         assert torch.equal(b, c), f"{name}: not deterministic"
+
+
+@pytest.mark.parametrize("opts,cp,dtype", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail, pair sums
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="strong", zero_gate_heads=(1,)), None, torch.float16),  # lean gates
+    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+    (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="strong", pad=40), None, torch.bfloat16),  # P given
+])
+def test_fused_backward_column_sums_by_warp_shuffles(opts, cp, dtype, monkeypatch, cuda):
+    """``backward.FUSED_WARP_COLSUMS``: the gate side's column sums of X (dbeta's first sum and X's for dg) by warp
+    shuffles and one barrier. Only dbeta and dg may move, by float32 rounding (the same terms summed in another
+    order); every other gradient keeps its bits; the same bits again on a rerun; padded tokens' dg zero; on the bars
+    against float64, strong decay and g = 0 heads among the cases."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=19)
+    off, on, again = _off_on_again(backward, monkeypatch, "FUSED_WARP_COLSUMS", args)
+    assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("warp_colsums")
+    _assert_only_dg_moves(off, on, again, inp, args, "warp_colsums", moving=("dg", "dbeta"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

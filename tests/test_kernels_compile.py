@@ -169,6 +169,35 @@ def test_l2_prefetch_prefetches_the_next_chunks_late_inputs():
     assert not usage["wgmma_serialized"] and usage["spill_stores"] <= 100, usage
 
 
+def test_warp_colsums_sums_the_gate_sides_columns_by_shuffles():
+    """``warp_colsums`` replaces the gate side's two batched column sums of X by the shuffle helper, called with the
+    fragment the helper's layout assumes: X's element-wise loop indexes beta (its column) as column 8 (i / 4) +
+    2 (t % 4) + i % 2 and A (its row) with warp t / 32 at 16 rows, (i / 2) % 2 at 8 and lane / 4 at 1, in both the
+    16/32 build (P given) and the 2/8 one (lean gates); the default builds keep TileLang's reduction."""
+    import re
+
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    for heads, opts in (((16, 32), dict(pair_sums=True, p_given=True, fold_mma=True, first_apart=True)),
+                        ((2, 8), dict(p_first=True, lean_gates=True, fold_mma=True, first_apart=True))):
+        plain = build_fused_backward(*heads, 128, 128, "bfloat16", True, **opts).get_kernel_source()
+        src = build_fused_backward(*heads, 128, 128, "bfloat16", True, warp_colsums=True, **opts).get_kernel_source()
+        assert "flashgdn_colsum" not in plain and plain.count("run_batch") == 8
+        assert src.count("flashgdn_colsum::columns64((&(x_f[0]))") == 2 and src.count("run_batch") == 0, heads
+        for out in ("db1_s", "xc_s"):  # the side's threads counted from 0, its named barrier
+            assert f"{out})[0])), (((int)threadIdx.x) - 256), 5)" in src, out
+        # the layout of x_f: its column where it is scaled by beta, its row where it is made from A
+        col = re.search(r"x_f\[(i_\d+)\] = \(\(x_f\[\1\] \* \(\(float\*\)b_s\)\[(.*?)\]\)", src)
+        assert col, heads
+        i = col.group(1)
+        assert col.group(2) == f"(((({i} >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + ({i} & 1))", col.group(2)
+        row = re.search(r"x_f\[(i_\d+)\] = \(cc_f\[\1\] \* \(\(float\)\(\(bfloat16_t\*\)a_s\)\[.*", src)
+        assert row, heads
+        j, text = row.group(1), row.group(0)
+        assert "(((int)threadIdx.x) >> 5) * 1024)" in text and f"((({j} & 3) >> 1) * 512)" in text \
+            and "(((((int)threadIdx.x) & 31) >> 2) * 64)" in text, text[:300]
+
+
 def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
     """``pair_sums`` is built for even groups only (a clear error before anything compiles), not beside
     ``cluster_sum``; its build adds dq's and dk's rows with the 16-byte reduction of its io dtype, and the default

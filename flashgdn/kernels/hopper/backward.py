@@ -224,6 +224,13 @@ FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 #: changes. An A/B, off until measured (notes v0.32a). FLASHGDN_HOPPER_FUSED_L2_PREFETCH=1|0.
 FUSED_L2_PREFETCH = os.environ.get("FLASHGDN_HOPPER_FUSED_L2_PREFETCH", "0") == "1"
 
+#: the gate side's two column sums of X (dbeta's first sum, X's for dg) by warp shuffles and one barrier of the side
+#: (``fused_backward.py``, ``warp_colsums``) instead of TileLang's batched reduction, which the trace of the 16/32
+#: default puts at ~1.3k cycles each on the gate side's way to dKK, the step's loop (notes v0.31a). The same sums in
+#: another order: dbeta and dg move by float32 rounding. An A/B, off until measured (notes v0.32b).
+#: FLASHGDN_HOPPER_FUSED_WARP_COLSUMS=1|0.
+FUSED_WARP_COLSUMS = os.environ.get("FLASHGDN_HOPPER_FUSED_WARP_COLSUMS", "0") == "1"
+
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -249,6 +256,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
         options["fold_mma"] = True
     if FUSED_L2_PREFETCH:
         options["l2_prefetch"] = True
+    if FUSED_WARP_COLSUMS:
+        options["warp_colsums"] = True
     return options
 
 

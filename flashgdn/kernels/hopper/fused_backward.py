@@ -150,12 +150,40 @@ __device__ __forceinline__ void to_l2(const void *src, unsigned bytes) {
 }  // namespace flashgdn_prefetch
 """
 
+#: device helper of the ``warp_colsums`` build: the 64 column sums of a [64, 64] float32 wgmma accumulator held by the
+#: 128 threads of a warpgroup (thread t's value i at row 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column
+#: 8 (i / 4) + 2 (t % 4) + i % 2, the layout TileLang gives the accumulator and the fragments computed beside it):
+#: each thread adds its two rows, three xor-shuffles add a warp's eight row groups, lanes 0-3 put the warp's 64 sums
+#: in ``ws`` (256 floats), and after one barrier of the warpgroup (``barrier``, its named barrier) threads 0-63 add the
+#: four warps' in warp order into ``out``
+COLSUM_PRELUDE = r"""
+namespace flashgdn_colsum {
+__device__ __forceinline__ void columns64(const float *x, float *ws, float *out, int t, int barrier) {
+  float s[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) s[j] = x[(j >> 1) * 4 + (j & 1)] + x[(j >> 1) * 4 + 2 + (j & 1)];
+#pragma unroll
+  for (int m = 4; m < 32; m <<= 1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], m);
+  }
+  int lane = t & 31, warp = t >> 5;
+  if (lane < 4) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) ws[warp * 64 + (j >> 1) * 8 + lane * 2 + (j & 1)] = s[j];
+  }
+  asm volatile("bar.sync %0, %1;" :: "r"(barrier), "r"(128) : "memory");
+  if (t < 64) out[t] = ((ws[t] + ws[64 + t]) + ws[128 + t]) + ws[192 + t];
+}
+}  // namespace flashgdn_colsum
+"""
+
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False, l2_prefetch: bool = False):
+                         fold_mma: bool = False, l2_prefetch: bool = False, warp_colsums: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
@@ -227,6 +255,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     in a step (Q and dO, A and P, K) issue the next chunk's rows of them as bulk L2 prefetches right after the
     current chunk's loads, a step ahead of the TMA loads that then read them from L2 instead of HBM. No value
     changes: the same bits.
+
+    ``warp_colsums`` (``backward.FUSED_WARP_COLSUMS``, an A/B): the gate side's two column sums of X (dbeta's first
+    sum, and X's for dg) by warp shuffles and one barrier of the side instead of TileLang's batched reduction
+    (two shared-memory levels of two barriers each per batch of eight columns, two batches). The same sums in
+    another order: dbeta and dg move by float32 rounding, nothing else.
     """
     import tilelang
     import tilelang.language as T
@@ -255,7 +288,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     # a plain launch unless cluster_sum (None and None are T.Kernel's defaults: the same kernel as without them)
     cluster_dims = (group, 1, 1) if cluster_sum else None
     preludes = [CLUSTER_PRELUDE if cluster_sum else PAIRS_PRELUDE if pair_sums else None,
-                PREFETCH_PRELUDE if l2_prefetch else None]
+                PREFETCH_PRELUDE if l2_prefetch else None, COLSUM_PRELUDE if warp_colsums else None]
     prelude = "".join(x for x in preludes if x) or None  # (None, T.Kernel's default, where there is none)
     dq_heads = Hqk if cluster_sum else Hv // 2 if pair_sums else Hv
     add_16_bytes = "flashgdn_pairs::add_16_bytes_" + ("bf16" if io_dtype == "bfloat16" else "f16")
@@ -268,6 +301,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             for j in T.Parallel(D):
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
         T.fence_proxy_async()
+
+    @T.macro
+    def column_sums(x_f, cs_ws, half, out_s, tx):
+        # warp_colsums: the gate side's column sums of x_f into out_s (its named barrier is TileLang's 5)
+        T.call_extern("handle", "flashgdn_colsum::columns64", x_f.access_ptr("r"), T.address_of(cs_ws[half, 0]),
+                      T.address_of(out_s[0]), tx - 256, 5)
 
     @T.macro
     def prefetch_rows(src, t1, hh, D, lane):
@@ -441,6 +480,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
+            if warp_colsums:  # the two column sums' warp partials, a half each
+                cs_ws = T.alloc_shared((2, 4 * C), acc)
 
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
@@ -819,8 +860,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 2, 7, c, tx, h, n)
                     # column sums cross the warps through shared memory: batched, two barriers for eight columns
                     # instead of ten for each
-                    T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
-                    T.copy(red_c, db1_s)
+                    if warp_colsums:
+                        column_sums(x_f, cs_ws, 0, db1_s, tx)
+                    else:
+                        T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
+                        T.copy(red_c, db1_s)
                     stamp(tr, 2, 8, c, tx, h, n)
                     # P ⊙ dP joins X; dQK = scale Gam ⊙ dP takes P's tile (the value side's P^T dO is done), in a
                     # loop of its own (P read in full first, as above)
@@ -842,8 +886,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 2, 9, c, tx, h, n)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, xr_s)
-                    T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
-                    T.copy(red_c, xc_s)
+                    if warp_colsums:
+                        column_sums(x_f, cs_ws, 1, xc_s, tx)
+                    else:
+                        T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
+                        T.copy(red_c, xc_s)
                     stamp(tr, 2, 10, c, tx, h, n)
                     # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
