@@ -41,7 +41,9 @@ EXPLAINED_SPILLS = {
         "more gate-side values stored and one reloaded once a chunk. With cluster_sum (backward.FUSED_CLUSTER_SUM, a "
         "memory option, off) up to 204/232: the producer warps' exchange at their 40 registers (its loop-carried "
         "addresses and the sums' 16-byte vectors). With pair_sums (backward.FUSED_PAIR_SUMS, an A/B) the same: "
-        "64/80 at 16/32",
+        "64/80 at 16/32. Two A/Bs add ~20-24 bytes (not yet read in the SASS): l2_prefetch (backward."
+        "FUSED_L2_PREFETCH) up to 92/108 at 2/8, the producer's prefetch addresses; warp_colsums (backward."
+        "FUSED_WARP_COLSUMS) up to 76/92",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
