@@ -380,9 +380,8 @@ elif [ "$part" = p-given-low ]; then
     --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
   tail -5 "$out/p-given-low-ab.log"
 elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ]; then
-  # (the option's name: l2_prefetch or warp_colsums; its GPU tests by that name)
-  option=${part//-/_}
-  gpu_tests "gpu-$part" 200 8 tests/test_gpu_hopper_backward.py -k "${option/warp_colsums/column_sums_by_warp}"
+  option=${part//-/_}  # the build option (l2_prefetch, warp_colsums), which names its GPU tests too
+  gpu_tests "gpu-$part" 200 8 tests/test_gpu_hopper_backward.py -k "$option"
   i=0
   for set in default "default+$option" default; do
     i=$((i + 1))

@@ -869,7 +869,7 @@ def test_fused_backward_l2_prefetch_gives_the_same_bits(opts, cp, dtype, monkeyp
     (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
     (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="strong", pad=40), None, torch.bfloat16),  # P given
 ])
-def test_fused_backward_column_sums_by_warp_shuffles(opts, cp, dtype, monkeypatch, cuda):
+def test_fused_backward_warp_colsums_moves_only_dbeta_and_dg(opts, cp, dtype, monkeypatch, cuda):
     """``backward.FUSED_WARP_COLSUMS``: the gate side's column sums of X (dbeta's first sum and X's for dg) by warp
     shuffles and one barrier. Only dbeta and dg may move, by float32 rounding (the same terms summed in another
     order); every other gradient keeps its bits; the same bits again on a rerun; padded tokens' dg zero; on the bars

@@ -188,6 +188,12 @@ def test_warp_colsums_sums_the_gate_sides_columns_by_shuffles():
         assert src.count("flashgdn_colsum::columns64((&(x_f[0]))") == 2 and src.count("run_batch") == 0, heads
         for out in ("db1_s", "xc_s"):  # the side's threads counted from 0, its named barrier
             assert f"{out})[0])), (((int)threadIdx.x) - 256), 5)" in src, out
+        # the helper's barrier 5 is the gate side's own: TileLang's syncs of that side (from its branch on, up to
+        # the first call) all use it, and no sync before that branch does
+        gate = src.index("if (((int)threadIdx.x) < 384) {")
+        assert "__sync_thread_partial(5," not in src[:gate], heads
+        ids = re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src[gate:src.index("columns64((&")])
+        assert ids and set(ids) == {("5", "128")}, (heads, ids)
         # the layout of x_f: its column where it is scaled by beta, its row where it is made from A
         col = re.search(r"x_f\[(i_\d+)\] = \(\(x_f\[\1\] \* \(\(float\*\)b_s\)\[(.*?)\]\)", src)
         assert col, heads

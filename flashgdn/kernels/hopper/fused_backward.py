@@ -317,6 +317,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                           D * 2)
 
     @T.macro
+    def prefetch_tile(src, slot, h):
+        # l2_prefetch: the [C, C] two-byte tile of (slot, h) into L2 (8 KB, contiguous)
+        T.call_extern("handle", "flashgdn_prefetch::to_l2", T.address_of(src[slot, h, 0, 0]), C * C * 2)
+
+    @T.macro
     def add_rows(src_s, dst, t0, n_rows, hp, lane):
         # pair_sums: the staged [C, K] tile added to rows t0.. of pair hp, 16 bytes a thread per step: a warp covers
         # two whole rows (512 contiguous bytes of each), the 128 threads eight rows a step
@@ -999,11 +1004,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             stamp(tr, 3, 7, c, tx, h, n)
                             if l2_prefetch:
                                 if c + 1 < n_chunks and tx % 32 == 0:
-                                    T.call_extern("handle", "flashgdn_prefetch::to_l2",
-                                                  T.address_of(A[slot - 1, h, 0, 0]), C * C * 2)
+                                    prefetch_tile(A, slot - 1, h)
                                     if p_given:
-                                        T.call_extern("handle", "flashgdn_prefetch::to_l2",
-                                                      T.address_of(p_in[slot - 1, h, 0, 0]), C * C * 2)
+                                        prefetch_tile(p_in, slot - 1, h)
                             if cluster_sum:
                                 if c > 0:
                                     sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
