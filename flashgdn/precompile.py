@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                          "comparisons), every forward variant, or only what the operator with its default settings "
                          "asks for: the forward (serving), the forward and the backward (training)")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
-    ap.add_argument("--report", action="store_true", help="print registers and spills (needs ptxas)")
+    ap.add_argument("--report", action="store_true", help="print registers, spills and code size (needs ptxas)")
     ap.add_argument("--export", metavar="DIR", default=None,
                     help="copy these kernels' cache entries into DIR (a TileLang cache directory of just them)")
     args = ap.parse_args(argv)
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for name, secs, res, entry in pool.map(_compile_one, jobs):
             extra = "" if res is None else (f"  regs {res['registers']}, spills {res['spill_stores']}/"
-                                            f"{res['spill_loads']} B, stack {res['stack']} B"
+                                            f"{res['spill_loads']} B, stack {res['stack']} B, {res['instructions']} instructions"
                                             + (", wgmma serialised by ptxas" if res["wgmma_serialized"] else ""))
             print(f"{secs:6.1f}s  {name}{extra}", flush=True)
             if entry is None:

@@ -111,10 +111,13 @@ set -uo pipefail
 # warp-colsums: the gate side's column sums by warp shuffles (backward.FUSED_WARP_COLSUMS, notes v0.32b): the same
 #   three parts as l2-prefetch (gpu-warp-colsums.log, warp-colsums-options-{1,2,3}.json); warp-colsums-ab: fwd+bwd
 #   both ways on the bwd set (dbeta and dg move: --max-diff 1e-4; warp-colsums-ab.json).
+# gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
+#   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
+#   operator's build against the one it made before, without p_first and lean_gates (gates-24-options-{3,2}.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|gates-24 OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -390,6 +393,14 @@ elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ]; then
       --out "$out/$part-options-$i.json"
     grep -A1 "^[0-9]*/[0-9]*:" "$out/$part-options-$i.log" | grep -v "^--"
   done
+elif [ "$part" = gates-24 ]; then
+  gpu_tests gpu-gates-24 200 4 tests/test_gpu_hopper_backward.py -k between_16_and_32
+  logged gates-24-options-3 150 python3 benchmarks/fused_backward_options.py --shape 8/24:4096x8 --shape 8/24:32768 \
+    --sets p_first,lean_gates,fold_mma fold_mma --rounds 7 --out "$out/gates-24-options-3.json"
+  grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-3.log" | grep -v "^--"
+  logged gates-24-options-2 150 python3 benchmarks/fused_backward_options.py --shape 12/24:8192x4 --shape 12/24:32768 \
+    --sets pair_sums,p_first,lean_gates,fold_mma pair_sums,fold_mma --rounds 7 --out "$out/gates-24-options-2.json"
+  grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-2.log" | grep -v "^--"
 elif [ "$part" = l2-prefetch-ab ]; then
   logged l2-prefetch-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_L2_PREFETCH \
     --set bwd --modes fwdbwd --rounds 2 --out "$out/l2-prefetch-ab.json"

@@ -71,33 +71,40 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     assert fo.set_options("default", 32, 2) == {"pair_sums": True, "p_given": True, "fold_mma": True}
     assert fo.set_options("default", 32, 4) == {"p_given": True}
     assert fo.set_options("default", 16) == {"p_first": True, "lean_gates": True, "fold_mma": True}
+    # without P given the gate side makes it, so the gate-side options come with it at any head count (the build
+    # without them is serialised by ptxas)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
-    assert fo.set_options("default", 32) == {"fold_mma": True}
+    assert fo.set_options("default", 32) == {"p_first": True, "lean_gates": True, "fold_mma": True}
     # not beside cluster_sum when the switch asks for it
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
-    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True, "p_first": True, "lean_gates": True}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     # forced on, beside p_given too, and beside cluster_sum
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", True)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
     assert backward.fused_backward_options(32, 2) == {"pair_sums": True, "p_given": True, "fold_mma": True}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
-    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True, "fold_mma": True}
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True, "p_first": True, "lean_gates": True,
+                                                      "fold_mma": True}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", False)
-    # up to FUSED_GATES_MAX_HV value heads the default build has both options, above it neither
+    # where P is not given the default build has both options, where it is given neither
     assert fo.set_options("default", 8) == {"p_first": True, "lean_gates": True}
-    assert fo.set_options("default", 32) == {}
+    assert fo.set_options("default", 32) == {"p_first": True, "lean_gates": True}
     assert fo.set_options("none", 8) == {}
-    assert fo.set_options("default+p_first", 32) == {"p_first": True}
     assert fo.set_options("lean_gates", 32) == {"lean_gates": True}
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
+    assert fo.set_options("default", 24) == {"p_first": True, "lean_gates": True}
+    assert fo.set_options("default", 32) == {"p_given": True}
+    assert fo.set_options("default+p_first", 32) == {"p_given": True, "p_first": True}
+    monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     # cluster_sum by name, or by the switch for a group of two to eight
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", "auto")
-    assert fo.set_options("default+cluster_sum", 32, 2) == {"cluster_sum": True}
+    assert fo.set_options("default+cluster_sum", 32, 2) == {"cluster_sum": True, "p_first": True, "lean_gates": True}
     # pair_sums by the switch: on its own ("auto") for a group of two
-    assert fo.set_options("default", 32, 2) == {"pair_sums": True}
-    assert fo.set_options("default", 32, 4) == {}
+    assert fo.set_options("default", 32, 2) == {"pair_sums": True, "p_first": True, "lean_gates": True}
+    assert fo.set_options("default", 32, 4) == {"p_first": True, "lean_gates": True}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert fo.set_options("default", 8, 4) == {"p_first": True, "lean_gates": True, "cluster_sum": True}
     assert fo.set_options("default", 8, 1) == {"p_first": True, "lean_gates": True}

@@ -410,6 +410,35 @@ def test_fused_switches_give_the_same_bits(switch, opts, monkeypatch, cuda):
     _assert_on_the_bars(on, want())
 
 
+@pytest.mark.parametrize("opts", [dict(seqlens=[700, 64, 9], Hqk=8, Hv=24, gate="mixed", pad=70),  # a group of three
+                                  dict(seqlens=[300, 130], Hqk=12, Hv=24, gate="strong", zero_gate_heads=(1, 13))])
+def test_fused_kernel_between_16_and_32_value_heads_takes_the_gate_options(opts, monkeypatch, cuda):
+    """Below the P pass's 32 value heads the gate side makes P, and the operator builds it with the gate options (at
+    17-31 value heads too: without them ptxas serialises the build's wgmma, notes v0.32c). The fused backward as
+    built there (8/24, and 12/24 with pair sums) against the float64 backward on the bars, padded-tail rows zero, and
+    the same bits as the build with both gate switches forced off."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    for switch in ("FUSED_P_FIRST", "FUSED_LEAN_GATES", "FUSED_P_GIVEN", "FUSED_FOLD_MMA", "FUSED_PAIR_SUMS"):
+        monkeypatch.setattr(backward, switch, "auto")
+    built = backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"])
+    assert built.get("p_first") and built.get("lean_gates") and not built.get("p_given"), built
+    inp, args = _fused_ab_inputs(opts, None, torch.bfloat16, cuda, seed=5)
+    on = backward.hopper_backward(*args)
+    monkeypatch.setattr(backward, "FUSED_P_FIRST", False)
+    monkeypatch.setattr(backward, "FUSED_LEAN_GATES", False)
+    off = backward.hopper_backward(*args)
+    for name, a, b in zip(GRADIENTS, off, on):
+        assert (a is None and b is None) or torch.equal(a, b), f"{name}: {FUSED_SAME_BITS['FUSED_LEAN_GATES']}"
+    cu = args[9]
+    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # padded tail
+        end = int(cu[-1])
+        for name, x in zip(GRADIENTS[:5], on[:5]):
+            assert (x[:, end:] == 0).all(), name
+    _assert_on_the_bars(on, _float64_backward(inp, args))
+
+
 def test_fused_kernel_is_given_p_by_default_from_32_value_heads(monkeypatch, cuda):
     """At 16/32 (``FUSED_P_GIVEN`` "auto", from ``FUSED_P_GIVEN_MIN_HV`` value heads) the fused kernel is built with
     ``p_given`` and takes P from ``gated_scores.py``, made beside the states pass: the same bits as with it off, on

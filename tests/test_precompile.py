@@ -109,7 +109,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert [v[2].get("cluster_sum") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
         == [True, True]
-    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
+    # (no P pass beside it: the gate side makes P, with its options)
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True, "p_first": True, "lean_gates": True}
     assert "cluster_sum" not in backward.fused_backward_options(8, 1)
     assert "cluster_sum" not in backward.fused_backward_options(32, 16)
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
@@ -126,8 +127,9 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
         ("fused_backward[2/8,bfloat16,dht=1,first_apart]", True),
         ("fused_backward[2/8,bfloat16,dht=0,first_apart]", True),
         ("group_sum[4,bfloat16]", None), ("group_sum[2,bfloat16]", None)]
-    assert backward.fused_backward_options(32, 2) == {"pair_sums": True}
-    assert backward.fused_backward_options(32, 4) == {"pair_sums": True}
+    lean = {"p_first": True, "lean_gates": True}  # (P not given here: the gate side's options)
+    assert backward.fused_backward_options(32, 2) == {"pair_sums": True, **lean}
+    assert backward.fused_backward_options(32, 4) == {"pair_sums": True, **lean}
     assert "pair_sums" not in backward.fused_backward_options(8, 1)
     assert "pair_sums" not in backward.fused_backward_options(6, 3)
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", False)
@@ -147,7 +149,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert [v[0] for v in training_variants(2, 8, flags="common") if v[1] == "gated_scores"] == [
         "gated_scores[2/8,bfloat16]"]
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
-    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True}
+    assert backward.fused_backward_options(32, 2) == {"cluster_sum": True, **lean}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", False)
     monkeypatch.setattr(backend, "CP_CHAIN_INDEX", False)  # the chains' index by torch ops: no kernel

@@ -39,7 +39,7 @@ def test_both_sides_are_timed_in_every_round_and_compared_bit_for_bit(tmp_path, 
 
 def test_a_switch_that_is_not_a_boolean_is_refused():
     with pytest.raises(SystemExit, match="neither a boolean switch nor an \"auto\" one"):
-        sab.main(["--switch", "flashgdn.kernels.hopper.backward:FUSED_GATES_MAX_HV"] + ARGS[2:])
+        sab.main(["--switch", "flashgdn.kernels.hopper.backward:FUSED_P_GIVEN_MIN_HV"] + ARGS[2:])
 
 
 def test_an_auto_switch_is_timed_off_and_on_and_left_at_auto(tmp_path, monkeypatch):

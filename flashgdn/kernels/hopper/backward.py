@@ -136,7 +136,7 @@ def _auto_switch(name: str):
 #: ``p_first``): the v0.15d trace has the value side waiting 3.2k cycles of a 23k step for P, of which K S, issued
 #: beside Q K^T and twice its work, is about a third. Predicted: ~1k cycles off the step (~4%), the same bits out.
 #: Measured alone: the same bits, and within 1.5% of the default either way (``stages-hopper-v0.16b-bwd-p1g0.json``).
-#: Taken with ``lean_gates`` (below, ``FUSED_GATES_MAX_HV``). FLASHGDN_HOPPER_FUSED_P_FIRST=auto|1|0.
+#: Taken with ``lean_gates`` (below). FLASHGDN_HOPPER_FUSED_P_FIRST=auto|1|0.
 FUSED_P_FIRST = _auto_switch("FLASHGDN_HOPPER_FUSED_P_FIRST")
 
 #: the fused kernel's gate side gates P, E and dQK with g~ read into register fragments of its threads' rows and
@@ -148,12 +148,15 @@ FUSED_P_FIRST = _auto_switch("FLASHGDN_HOPPER_FUSED_P_FIRST")
 #: 16/64 (``stages-hopper-v0.16a-bwd-p1g1.json``). FLASHGDN_HOPPER_FUSED_LEAN_GATES=auto|1|0.
 FUSED_LEAN_GATES = _auto_switch("FLASHGDN_HOPPER_FUSED_LEAN_GATES")
 
-#: "auto" takes both options above for at most this many value heads. A training step's kernels on the backward's
-#: CP plans (one partial wave of the fused kernel, ``backward/step-kernels-v0.16o-gates{0,1}.json``): 0.955x-1.0x
-#: at 1/4, 2/4, 4/8 and 8/16 (8192x1 to 131072x1), 1.011x and 1.017x at 16/32 (8192x1, 32768x1), as v0.16a's
-#: 1.03x at 16/32 4096x8 and 1.00x at 16/64. Why the head count decides is not known; it is what was measured.
-FUSED_GATES_MAX_HV = 16
-
+#: "auto" takes both options above wherever the fused kernel's gate side makes P itself (no ``p_given``): below
+#: ``FUSED_P_GIVEN_MIN_HV`` value heads, or with the P pass switched off or the cluster sum on. A training step's
+#: kernels on the backward's CP plans (one partial wave of the fused kernel, ``backward/step-kernels-v0.16o-gates{0,1}
+#: .json``) measured 0.955x-1.0x at 1/4, 2/4, 4/8 and 8/16 (8192x1 to 131072x1) and 1.011x and 1.017x at 16/32, which
+#: set the bound at 16 value heads then. But the build without them is serialised by ptxas (C7512, too few registers
+#: for the wgmma pipeline) in the code that runs, compiled with fast math: in groups of three and four at every head
+#: count (at 2/8 since v0.16o), and at every head count now (12/24 with pair sums, 8/24; notes v0.32c, which found it
+#: when the compile report moved onto the library's flags), while the build with them is not. Where P is given the
+#: gate side does not gate P, and the build without them is not serialised (16/32, 8/32, 16/48).
 #: the fused kernel sums dq and dk over each qk head's value heads itself (``fused_backward.py``, ``cluster_sum``):
 #: the group's CTAs run as one thread-block cluster and exchange their bf16 rows through shared memory, so neither
 #: the per-value-head dq and dk (2 x (group - 1) / group of 256 B per token and value head at a training step's peak)
@@ -239,17 +242,18 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     from .fused_backward import CLUSTER_SUM_MAX_GROUP
 
     options = {}
-    lean = Hv <= FUSED_GATES_MAX_HV
-    if FUSED_P_FIRST is True or (FUSED_P_FIRST == "auto" and lean):
-        options["p_first"] = True
-    if FUSED_LEAN_GATES is True or (FUSED_LEAN_GATES == "auto" and lean):
-        options["lean_gates"] = True
     if FUSED_CLUSTER_SUM and 2 <= group <= CLUSTER_SUM_MAX_GROUP:
         options["cluster_sum"] = True
     elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto" and group == 2):
         options["pair_sums"] = True
-    if (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
-            and not options.get("cluster_sum"):
+    p_given = (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
+        and not options.get("cluster_sum")
+    lean = not p_given  # the gate side gates P itself (FUSED_LEAN_GATES above)
+    if FUSED_P_FIRST is True or (FUSED_P_FIRST == "auto" and lean):
+        options["p_first"] = True
+    if FUSED_LEAN_GATES is True or (FUSED_LEAN_GATES == "auto" and lean):
+        options["lean_gates"] = True
+    if p_given:
         options["p_given"] = True
     if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")
                                   and (options.get("pair_sums") or not options.get("p_given"))):

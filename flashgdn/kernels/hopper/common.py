@@ -71,14 +71,80 @@ def launch_values(kernel) -> list:
     return re.findall(r"stack_ffi_any\)\[\d+\]\.v_int64\) = \(\(int64_t\)(\w+)\);", host[start:call])
 
 
-def resource_usage(kernel) -> dict:
-    """Registers, spills and stack of a compiled kernel, read from ``ptxas -v`` on its PTX for sm_90a.
+def sass_instructions(cubin: bytes) -> dict:
+    """SASS instructions of each kernel in a cubin (an ELF file): the size of its ``.text.<kernel>`` section over 16,
+    the length of one SM90 instruction. The code size that matters where a CTA's roles run different code on the
+    same schedulers and wait on instruction fetch (``docs/hopper-notes.md``, v0.28a: 11-14% of the fused backward's
+    samples)."""
+    import struct
 
-    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "dynamic_smem", "static_smem", "wgmma_serialized"}`` (bytes;
-    the shared memory size is read from the host launch code, None if it cannot be found; ``wgmma_serialized`` is
-    ptxas's performance warning that it serialised the kernel's wgmma, e.g. C7514 when a GEMM is kept in flight
-    across code that touches its accumulators: then every GEMM of the kernel waits on itself); raises
-    RuntimeError when ptxas is not on the PATH (it ships with the CUDA toolkit TileLang compiles with).
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names_at = headers[names_index][4]
+
+    def name(offset):
+        end = cubin.index(b"\0", names_at + offset)
+        return cubin[names_at + offset:end].decode()
+
+    return {name(h[0])[len(".text."):]: h[5] // 16 for h in headers if name(h[0]).startswith(".text.")}
+
+
+def _kernel_ptx(kernel) -> str:
+    """The PTX of a compiled kernel as its library was built: TileLang's ``_get_ptx`` compiles the source with the
+    kernel's compile flags alone, while the library build adds ``--use_fast_math`` where the pass configs ask for
+    fast math (``pass_configs``), which changes the code ptxas makes (at 16/32 the fused backward's spills went
+    48/64 -> 76/92 B with it)."""
+    import tilelang
+    import tilelang.contrib.nvcc as tl_nvcc
+
+    configs = kernel.pass_configs or {}
+    key = tilelang.PassConfigKey.TL_ENABLE_FAST_MATH
+    fast = any(k in (key, getattr(key, "value", key), str(key)) and bool(v) for k, v in configs.items())
+    flags = list(kernel.compile_flags or []) + (["--use_fast_math"] if fast else [])
+    with kernel.target:
+        return tl_nvcc.get_ptx_from_source(kernel.get_kernel_source(), compile_flags=flags)
+
+
+def library_instructions(kernel):
+    """SASS instructions of the kernel in the cubin embedded in its compiled library (what runs), or None where the
+    library's file is not known."""
+    import re
+    import struct
+
+    path = getattr(getattr(kernel, "adapter", None), "libpath", None)
+    if not path or not os.path.exists(path):
+        cached = getattr(kernel, "_tilelang_cache_path", None)
+        path = os.path.join(cached, "executable.so") if cached else None
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        blob = f.read()
+    code = {}
+    for m in re.finditer(b"\x7fELF\x02", blob):
+        if m.start() == 0:  # the library itself
+            continue
+        try:
+            code.update(sass_instructions(blob[m.start():]))
+        except (ValueError, IndexError, struct.error):
+            continue
+    return sum(code.values()) if code else None
+
+
+def resource_usage(kernel) -> dict:
+    """Registers, spills, stack and code size of a compiled kernel, read from ``ptxas -v`` on its PTX for sm_90a and
+    from the cubin it makes.
+
+    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "instructions", "library_instructions",
+    "dynamic_smem", "static_smem", "wgmma_serialized"}`` (bytes; ``instructions``: SASS instructions of the kernel,
+    ``sass_instructions``, and ``library_instructions`` those of the library TileLang built, None if not found: equal
+    where this report describes the code that runs; the shared memory size is read from the host launch code, None if
+    it cannot be found; ``wgmma_serialized`` is ptxas's performance warning that it serialised the kernel's wgmma,
+    e.g. C7514 when a GEMM is kept in flight across code that touches its accumulators: then every GEMM of the
+    kernel waits on itself); raises RuntimeError when ptxas is not on the PATH (it ships with the CUDA toolkit
+    TileLang compiles with).
     """
     import re
     import shutil
@@ -88,14 +154,14 @@ def resource_usage(kernel) -> dict:
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         raise RuntimeError("ptxas is not on the PATH; install the CUDA toolkit (nvcc) to read register usage")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel._get_ptx())
-        path = f.name
-    try:
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, path],
+    with tempfile.TemporaryDirectory() as tmp:
+        path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+        with open(path, "w") as f:
+            f.write(_kernel_ptx(kernel))
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", cubin, path],
                              capture_output=True, text=True, check=True).stderr
-    finally:
-        os.unlink(path)
+        with open(cubin, "rb") as f:
+            code = sass_instructions(f.read())
     regs = re.search(r"Used (\d+) registers", out)
     static = re.search(r"(\d+) bytes smem", out)
     spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out)
@@ -109,5 +175,7 @@ def resource_usage(kernel) -> dict:
         "stack": int(spill.group(1)),
         "spill_stores": int(spill.group(2)),
         "spill_loads": int(spill.group(3)),
+        "instructions": sum(code.values()),
+        "library_instructions": library_instructions(kernel),
         "wgmma_serialized": "wgmma.mma_async instructions are serialized" in out,
     }

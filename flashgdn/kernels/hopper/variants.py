@@ -312,13 +312,14 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, p_first=True))
         yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1,lean_gates]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, lean_gates=True))
-        # both, which the operator builds for up to backward.FUSED_GATES_MAX_HV value heads
+        # both, which the operator builds wherever the gate side makes P (below backward.FUSED_P_GIVEN_MIN_HV
+        # value heads)
         for has_dht in (True, False):
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)},p_first,lean_gates]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, p_first=True,
                         lean_gates=True))
-        # dq and dk summed over each group by a cluster of its CTAs (backward.FUSED_CLUSTER_SUM), with the options of
-        # up to FUSED_GATES_MAX_HV value heads and without
+        # dq and dk summed over each group by a cluster of its CTAs (backward.FUSED_CLUSTER_SUM), with the gate-side
+        # options and without
         from .fused_backward import CLUSTER_SUM_MAX_GROUP
 
         if 2 <= Hv // Hqk <= CLUSTER_SUM_MAX_GROUP:
@@ -326,10 +327,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                 tag, opts = (",p_first,lean_gates", dict(p_first=True, lean_gates=True)) if lean else ("", {})
                 yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{tag},cluster_sum]", "fused_backward",
                        dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **opts, cluster_sum=True))
-        # the gate-side options the operator builds for these heads (up to backward.FUSED_GATES_MAX_HV value heads)
-        from .backward import FUSED_GATES_MAX_HV
+        # the gate-side options the operator builds for these heads (where it does not give P)
+        from .backward import FUSED_P_GIVEN_MIN_HV
 
-        gates = dict(p_first=True, lean_gates=True) if Hv <= FUSED_GATES_MAX_HV else {}
+        gates = dict(p_first=True, lean_gates=True) if Hv < FUSED_P_GIVEN_MIN_HV else {}
         # dq and dk added per pair of value heads into zeros by L2 reductions (backward.FUSED_PAIR_SUMS), with the
         # operator's other options for these heads
         if (Hv // Hqk) % 2 == 0:
