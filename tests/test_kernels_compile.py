@@ -65,9 +65,9 @@ EXPLAINED_SPILLS = {
 #: pipeline, so every GEMM waits on itself)
 EXPLAINED_SERIALISED = {
     name: "an A/B position of the gate-side switches (backward.FUSED_LEAN_GATES and FUSED_P_FIRST forced off, or "
-          "cluster_sum without them): where the gate side makes P, ptxas serialises the build without lean_gates at "
-          "144 registers (in groups of three and four at every head count; at 2/8 since v0.16o at least), so the "
-          "operator takes the gate-side options wherever P is not given (notes v0.32c)"
+          "cluster_sum without them): where the gate side makes P, ptxas serialises the builds without lean_gates at "
+          "144 registers (with no option at 2/8, also at v0.16o, 4/16, 16/16 and 8/24; with the fold at 8/24 to "
+          "16/32), so the operator takes the gate-side options wherever P is not given (notes v0.32c)"
     for dtype in ("bfloat16", "float16")
     for name in (f"fused_backward[2/8,{dtype},dht=1]", f"fused_backward[2/8,{dtype},dht=0]",
                  f"fused_backward[2/8,{dtype},dht=1,first_apart]", f"fused_backward[2/8,{dtype},dht=0,first_apart]",
