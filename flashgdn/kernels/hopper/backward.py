@@ -148,16 +148,17 @@ FUSED_P_FIRST = _auto_switch("FLASHGDN_HOPPER_FUSED_P_FIRST")
 #: 16/64 (``stages-hopper-v0.16a-bwd-p1g1.json``). FLASHGDN_HOPPER_FUSED_LEAN_GATES=auto|1|0.
 FUSED_LEAN_GATES = _auto_switch("FLASHGDN_HOPPER_FUSED_LEAN_GATES")
 
-#: "auto" takes both options above wherever the fused kernel's gate side makes P itself (no ``p_given``): below
-#: ``FUSED_P_GIVEN_MIN_HV`` value heads, or with the P pass switched off or the cluster sum on. A training step's
-#: kernels on the backward's CP plans (one partial wave of the fused kernel, ``backward/step-kernels-v0.16o-gates{0,1}
-#: .json``) measured 0.955x-1.0x at 1/4, 2/4, 4/8 and 8/16 (8192x1 to 131072x1) and 1.011x and 1.017x at 16/32, which
-#: set the bound at 16 value heads then. But where the gate side makes P the builds without them are serialised by
-#: ptxas (C7512, too few registers for the wgmma pipeline) in the code that runs, compiled with fast math: with no
-#: option at 2/8 (at v0.16o too), 4/16, 16/16 and 8/24, and with the fold (``fold_mma``, which the operator built from
-#: 17 to 31 value heads) at 8/24, 12/24, 8/32 and 16/32 (notes v0.32c, which found it when the compile report moved
-#: onto the library's flags); no build with them is. Where P is given the builds without them are not serialised
-#: (16/32, 8/32, 16/48).
+# "auto" takes both options above wherever the fused kernel's gate side makes P itself (no ``p_given``): below
+# ``FUSED_P_GIVEN_MIN_HV`` value heads, or with the P pass switched off or the cluster sum on. A training step's
+# kernels on the backward's CP plans (one partial wave of the fused kernel, ``backward/step-kernels-v0.16o-gates{0,1}
+# .json``) measured 0.955x-1.0x at 1/4, 2/4, 4/8 and 8/16 (8192x1 to 131072x1) and 1.011x and 1.017x at 16/32, which
+# set the bound at 16 value heads then. But where the gate side makes P the builds without them are serialised by
+# ptxas (C7512, too few registers for the wgmma pipeline) in the code that runs, compiled with fast math: with no
+# option at 2/8 (at v0.16o too), 4/16, 16/16 and 8/24, and with the fold (``fold_mma``, which the operator built from
+# 17 to 31 value heads) at 8/24, 12/24, 8/32 and 16/32 (notes v0.32c, which found it when the compile report moved
+# onto the library's flags); no build with them is. Where P is given the builds without them are not serialised
+# (16/32, 8/32, 16/48).
+
 #: the fused kernel sums dq and dk over each qk head's value heads itself (``fused_backward.py``, ``cluster_sum``):
 #: the group's CTAs run as one thread-block cluster and exchange their bf16 rows through shared memory, so neither
 #: the per-value-head dq and dk (2 x (group - 1) / group of 256 B per token and value head at a training step's peak)
