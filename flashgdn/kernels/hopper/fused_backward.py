@@ -188,8 +188,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
     diagnostic build, the same gradients). ``p_first`` (``backward.FUSED_P_FIRST``; with ``lean_gates`` the default
-    wherever P is not given): the gate side waits for Q K^T alone, makes and releases P, and only then waits for K S, instead of waiting for both at once (the
-    same values). ``lean_gates`` (``backward.FUSED_LEAN_GATES``): the gating of P, E and dQK reads g~
+    wherever P is not given): the gate side waits for Q K^T alone, makes and releases P, and only then waits for K S,
+    instead of waiting for both at once (the same values). ``lean_gates`` (``backward.FUSED_LEAN_GATES``): the gating of P, E and dQK reads g~
     into register fragments of the gate side's rows and columns (before P, and again before E) instead of from shared
     memory twice per element (the same values and operations, so the same bits; ptxas keeps two more values of the
     gate side on the stack, stored and reloaded once a chunk, against ~190 shared loads a thread saved; beta's column
