@@ -124,7 +124,8 @@ def _cp_states_and_ends(tiles, h0, dht, scale, rnd, seg):
     return states, ends, dS
 
 
-def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fold", fold_every=None):
+def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fold", fold_every=None,
+            row_terms="elementwise"):
     """Gradients of one sequence ``(dq, dk, dv, dg, dbeta, dh0)``: q, k ``[T, K]`` (one qk head), v, do
     ``[T, H, V]``, g, beta ``[T, H]``, h0, dht ``[H, K, V]``; q and k gradients summed over the H value heads.
     ``cp``: through exact context parallelism with segments of that many chunks.
@@ -135,7 +136,15 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fol
     is <dS', S'> at its end plus the sum of its value-side row terms (d_i <(K dS')_i, Vn_i>, gamma_i <dW_i, KS_i>,
     scale gamma_i <q_i, (dO S^T)_i>), by the chunk's own recurrences of S and dS. ``fold_every``: with "chain", also
     fold every this many chunks of a walk (counted from its last), so that the chain's rounding adds up over at most
-    that many."""
+    that many.
+
+    ``row_terms``: how the value side's three row terms of dg (d_i <(K dS')_i, Vn_i>, gamma_i <dW_i, KS_i>,
+    scale gamma_i <q_i, (dO S^T)_i>) are made. "elementwise" (the kernels'): the float32 accumulator times the bf16
+    tile. "mma" (the fused kernel's ``row_mma`` build): the last two as diagonals of tensor-core products, their
+    accumulators (dW, scale gamma ⊙ dO S^T) rounded to bf16 as the products' register operands. "mma-all": the
+    first one too (d ⊙ K dS' rounded; not built: notes v0.33a)."""
+    ra = rnd if row_terms == "mma-all" else exact
+    rt = rnd if row_terms in ("mma", "mma-all") else exact
     T, H = v.shape[0], v.shape[1]
     chunks = _chunks(T)
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
@@ -170,7 +179,7 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fol
             W, gks_t = rnd(Vc - gks), rnd(gks)
             Vn = rnd(Ag @ W)
             X = dec[:, None] * (Kc @ dSt.T)
-            tdec = (X * Vn).sum(1)
+            tdec = (ra(X) * Vn).sum(1)
             dVn = rnd(X + P.T @ dO)
             E = (dVn @ W.T) * Gam
             db1 = (E * A).sum(0)
@@ -178,7 +187,7 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fol
             ta = EAb.sum(1) - EAb.sum(0)
             dA = rnd(E * bet[None, :])
             dW = Ag.T @ dVn
-            tw = (dW * gks_t).sum(1)
+            tw = (rt(dW) * gks_t).sum(1)
             dWg = rnd(-gam[:, None] * dW)
             lower = torch.ones(C, C, dtype=q.dtype).tril()
             dP = (dO @ Vn.T) * lower
@@ -186,7 +195,7 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fol
             dQK = rnd(scale * Gam * dP)
             Vnd = rnd(dec[:, None] * Vn)
             dqs = scale * gam[:, None] * (dO @ St)
-            tq = (dqs * Q).sum(1)
+            tq = (rt(dqs) * Q).sum(1)
             dqc = dqs + dQK @ Kc
             Y = rnd(Ab.T @ dA)
             dL = -torch.tril(Y @ Ab.T, -1)
@@ -266,6 +275,10 @@ def main(argv=None):
                     help="dg's g~_last term by a fold of every chunk's dS' and S tiles (the kernels'), or chained from "
                          "the chunk after's (emulate's g_last; notes v0.30a)")
     ap.add_argument("--fold-every", type=int, default=None, help="with --g-last chain: fold every this many chunks too")
+    ap.add_argument("--row-terms", choices=("elementwise", "mma", "mma-all"), default="elementwise",
+                    help="dg's value-side row terms from the float32 accumulators (the kernels'), or two (mma) or all "
+                         "three (mma-all) from them rounded to bf16, as diagonals of tensor-core products "
+                         "(emulate's row_terms)")
     args = ap.parse_args(argv)
     if args.precise:
         print(f"precise: register operands of the state passes as {args.precise} bf16 terms")
@@ -279,13 +292,14 @@ def main(argv=None):
         want = [w[0, :, 0] if i < 2 else w[0] for i, w in enumerate(want)]
         for label, rnd in (("bf16 (the kernels)", bf16), ("no rounding", exact)):
             REGISTER_OPERANDS["rnd"] = dict([(2, split2), (3, split3)]).get(args.precise) if rnd is bf16 else None
-            got = emulate(*x, scale, rnd=rnd, g_last=args.g_last, fold_every=args.fold_every)
+            got = emulate(*x, scale, rnd=rnd, g_last=args.g_last, fold_every=args.fold_every, row_terms=args.row_terms)
             errs = {n: rel(a, w) for n, a, w in zip(names, got, want)}
             over = [n for n in names if errs[n] > BARS[n]]
             print(f"  gate {gate:6s} {label:18s} " + "  ".join(f"{n} {errs[n]:.1e}" for n in names)
                   + (f"  OVER THE BAR: {', '.join(over)}" if over and rnd is bf16 else ""), flush=True)
             if args.cp:
-                got_cp = emulate(*x, scale, rnd=rnd, cp=args.cp, g_last=args.g_last, fold_every=args.fold_every)
+                got_cp = emulate(*x, scale, rnd=rnd, cp=args.cp, g_last=args.g_last, fold_every=args.fold_every,
+                                 row_terms=args.row_terms)
                 diffs = {n: rel(a, b) for n, a, b in zip(names, got_cp, got)}
                 print(f"  gate {gate:6s} {label:18s} CP {args.cp} vs none: "
                       + "  ".join(f"{n} {diffs[n]:.1e}" for n in names), flush=True)

@@ -111,13 +111,22 @@ set -uo pipefail
 # warp-colsums: the gate side's column sums by warp shuffles (backward.FUSED_WARP_COLSUMS, notes v0.32b): the same
 #   three parts as l2-prefetch (gpu-warp-colsums.log, warp-colsums-options-{1,2,3}.json); warp-colsums-ab: fwd+bwd
 #   both ways on the bwd set (dbeta and dg move: --max-diff 1e-4; warp-colsums-ab.json).
+# row-mma: two of the value side's row terms of dg by the tensor cores (backward.FUSED_ROW_MMA, notes v0.33a): the same
+#   three parts as l2-prefetch (gpu-row-mma.log, row-mma-options-{1,2,3}.json); row-mma-ab: fwd+bwd both ways on the
+#   bwd set (dg moves by the operands' bf16 rounding, ~1e-3 emulated: --max-diff 1e-2; row-mma-ab.json).
+# pending-tests, pending-kernels: the four open fused-backward changes (l2_prefetch, warp_colsums, row_mma, the gate
+#   options at 17-31 value heads) in two calls instead of their own rounds' three each: pending-tests runs their
+#   GPU tests together (gpu-pending.log) and the gates-24 kernel comparison (gates-24-options-{3,2}.json);
+#   pending-kernels the kernel alone on the five shapes of l2-prefetch in the order default, l2_prefetch,
+#   warp_colsums, row_mma, default, each in its own process (pending-options-{1..5}.json). Then the -ab round of
+#   whichever gains.
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
 #   operator's build against the one it made before, without p_first and lean_gates (gates-24-options-{3,2}.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|gates-24 OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -382,8 +391,8 @@ elif [ "$part" = p-given-low ]; then
   logged p-given-low-ab 380 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_P_GIVEN \
     --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
   tail -5 "$out/p-given-low-ab.log"
-elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ]; then
-  option=${part//-/_}  # the build option (l2_prefetch, warp_colsums), which names its GPU tests too
+elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ] || [ "$part" = row-mma ]; then
+  option=${part//-/_}  # the build option (l2_prefetch, warp_colsums, row_mma), which names its GPU tests too
   gpu_tests "gpu-$part" 200 8 tests/test_gpu_hopper_backward.py -k "$option"
   i=0
   for set in default "default+$option" default; do
@@ -393,14 +402,28 @@ elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ]; then
       --out "$out/$part-options-$i.json"
     grep -A1 "^[0-9]*/[0-9]*:" "$out/$part-options-$i.log" | grep -v "^--"
   done
-elif [ "$part" = gates-24 ]; then
-  gpu_tests gpu-gates-24 200 4 tests/test_gpu_hopper_backward.py -k between_16_and_32
+elif [ "$part" = gates-24 ] || [ "$part" = pending-tests ]; then
+  if [ "$part" = gates-24 ]; then
+    gpu_tests gpu-gates-24 200 4 tests/test_gpu_hopper_backward.py -k between_16_and_32
+  else
+    gpu_tests gpu-pending 330 12 tests/test_gpu_hopper_backward.py \
+      -k "l2_prefetch or warp_colsums or row_mma or between_16_and_32"
+  fi
   logged gates-24-options-3 150 python3 benchmarks/fused_backward_options.py --shape 8/24:4096x8 --shape 8/24:32768 \
     --sets p_first,lean_gates,fold_mma fold_mma --rounds 7 --out "$out/gates-24-options-3.json"
   grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-3.log" | grep -v "^--"
   logged gates-24-options-2 150 python3 benchmarks/fused_backward_options.py --shape 12/24:8192x4 --shape 12/24:32768 \
     --sets pair_sums,p_first,lean_gates,fold_mma pair_sums,fold_mma --rounds 7 --out "$out/gates-24-options-2.json"
   grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-2.log" | grep -v "^--"
+elif [ "$part" = pending-kernels ]; then
+  i=0
+  for set in default default+l2_prefetch default+warp_colsums default+row_mma default; do
+    i=$((i + 1))
+    logged "pending-options-$i" 110 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
+      --shape 8/16:8192x8 --shape 4/8:32768 --shape 8/32:4096x8 --shape 2/4:8192 --sets "$set" --rounds 7 \
+      --out "$out/pending-options-$i.json"
+    grep -A1 "^[0-9]*/[0-9]*:" "$out/pending-options-$i.log" | grep -v "^--"
+  done
 elif [ "$part" = l2-prefetch-ab ]; then
   logged l2-prefetch-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_L2_PREFETCH \
     --set bwd --modes fwdbwd --rounds 2 --out "$out/l2-prefetch-ab.json"
@@ -410,6 +433,10 @@ elif [ "$part" = warp-colsums-ab ]; then
     --switch flashgdn.kernels.hopper.backward:FUSED_WARP_COLSUMS --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-4 \
     --out "$out/warp-colsums-ab.json"
   tail -4 "$out/warp-colsums-ab.log"
+elif [ "$part" = row-mma-ab ]; then
+  logged row-mma-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_ROW_MMA \
+    --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/row-mma-ab.json"
+  tail -4 "$out/row-mma-ab.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

@@ -44,7 +44,8 @@ EXPLAINED_SPILLS = {
         "(backward.FUSED_CLUSTER_SUM, a memory option, off) up to 212/244: the producer warps' exchange at their 40 "
         "registers (its loop-carried addresses and the sums' 16-byte vectors). Two A/Bs, not yet read in the SASS: "
         "l2_prefetch (backward.FUSED_L2_PREFETCH) up to 108/124, the producer's prefetch addresses; warp_colsums "
-        "(backward.FUSED_WARP_COLSUMS) up to 72/88 at 2/8, and 52/68 at 16/32, fewer than without it. (These are the "
+        "(backward.FUSED_WARP_COLSUMS) up to 72/88 at 2/8, and 52/68 at 16/32, fewer than without it; row_mma "
+        "(backward.FUSED_ROW_MMA) 76/80 at 2/8 and 60/60 at 16/32, also fewer. (These are the "
         "fast-math builds that run; the report read PTX made without fast math before notes v0.32c, a few to 28 "
         "bytes apart.)",
     "fused_backward_trace[":
@@ -327,3 +328,28 @@ def test_kkt_inverse_fits_the_occupancy_it_is_built_for(variant):
     allocated = -(-res["registers"] // 8) * 8  # registers are allocated per thread in steps of 8
     assert per_sm * 128 * allocated <= 65536, (name, res["registers"])
     assert per_sm * (res["dynamic_smem"] + 1024) <= 228 * 1024, (name, res["dynamic_smem"])
+
+
+def test_row_mma_takes_two_row_terms_to_the_tensor_cores():
+    """``row_mma`` makes two of the value side's row terms of dg from three m64n64 wgmma groups with a register
+    operand (dW negated against V, dW against W, scale gamma ⊙ dO S^T against Q), where the build without it has no
+    register-operand wgmma at all, on the 16/32 build of the operator's options (P given, pair sums, the gate side's
+    fold): the point of the option is fewer instructions on the value side, so the build must have fewer SASS
+    instructions and spill no more, with its wgmma not serialised."""
+    from flashgdn.kernels.hopper.common import resource_usage
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    opts = dict(pair_sums=True, p_given=True, fold_mma=True, first_apart=True)
+    plain = build_fused_backward(16, 32, 128, 128, "bfloat16", True, **opts)
+    kernel = build_fused_backward(16, 32, 128, 128, "bfloat16", True, row_mma=True, **opts)
+    src = kernel.get_kernel_source()
+    assert "wgmma_rs<" not in plain.get_kernel_source()
+    rs = [line for line in src.splitlines() if "wgmma_rs<" in line]
+    assert len(rs) == 3 and all("kFloat32, 64, 64, 16" in line for line in rs), rs
+    assert [b for b in ("v_s", "w_s", "q_s") if f"initialize_wgmma_descriptor<1, 1, 64>(desc_b" in src
+            and re.search(rf"desc_b_\d+, \(&\(\(\(bfloat16_t\*\){b}\)", src)] == ["v_s", "w_s", "q_s"]
+    before, after = resource_usage(plain), resource_usage(kernel)
+    assert not after["wgmma_serialized"], after
+    assert after["instructions"] < before["instructions"], (before, after)
+    assert after["spill_stores"] <= before["spill_stores"] and after["spill_loads"] <= before["spill_loads"], \
+        (before, after)

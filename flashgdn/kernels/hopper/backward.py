@@ -236,6 +236,14 @@ FUSED_L2_PREFETCH = os.environ.get("FLASHGDN_HOPPER_FUSED_L2_PREFETCH", "0") == 
 #: FLASHGDN_HOPPER_FUSED_WARP_COLSUMS=1|0.
 FUSED_WARP_COLSUMS = os.environ.get("FLASHGDN_HOPPER_FUSED_WARP_COLSUMS", "0") == "1"
 
+#: two of the value side's three row terms of dg~ (gamma_i <dW_i, KS_i>, scale gamma_i <q_i, (dO S^T)_i>) as the
+#: diagonal of wgmma products with bf16 register operands (``fused_backward.py``, ``row_mma``) instead of element-wise
+#: products of the float32 accumulators with four bf16 tiles and their row sums, as ``fold_mma`` did for <dS', S>.
+#: Compiled at 16/32 (the operator's build): 7592 -> 7336 SASS instructions, 76/92 -> 60/60 B spilled, wgmma not
+#: serialised. dg moves by the operands' rounding (0.98x-1.2x its error against float64, emulated), the rest keeps
+#: its bits. An A/B, off until measured (notes v0.33a). FLASHGDN_HOPPER_FUSED_ROW_MMA=1|0.
+FUSED_ROW_MMA = os.environ.get("FLASHGDN_HOPPER_FUSED_ROW_MMA", "0") == "1"
+
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -264,6 +272,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
         options["l2_prefetch"] = True
     if FUSED_WARP_COLSUMS:
         options["warp_colsums"] = True
+    if FUSED_ROW_MMA:
+        options["row_mma"] = True
     return options
 
 

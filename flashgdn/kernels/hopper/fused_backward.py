@@ -183,7 +183,8 @@ __device__ __forceinline__ void columns64(const float *x, float *ws, float *out,
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False, l2_prefetch: bool = False, warp_colsums: bool = False):
+                         fold_mma: bool = False, l2_prefetch: bool = False, warp_colsums: bool = False,
+                         row_mma: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
@@ -260,6 +261,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     sum, and X's for dg) by warp shuffles and one barrier of the side instead of TileLang's batched reduction
     (two shared-memory levels of two barriers each per batch of eight columns, two batches). The same sums in
     another order: dbeta and dg move by float32 rounding, nothing else.
+
+    ``row_mma`` (``backward.FUSED_ROW_MMA``, an A/B): two of the value side's three row terms of dg~, gamma_i <dW_i,
+    KS_i> and scale gamma_i <q_i, (dO S^T)_i>, as the diagonal of one [64, 64] accumulator instead of element-wise
+    products of a float32 accumulator with bf16 tiles and their row sums: dW (negated, then not) and scale gamma ⊙
+    dO S^T go to bf16 register operands of three wgmma groups against V, W (V - W = gamma KS as the gate side rounded
+    W) and Q. ~3 MFLOP more on the tensor pipe a step against the element-wise reads of four [64, 128] tiles, their
+    unpacks, products and row sums (v0.28a's profile: the value side, the longer path at 16/32, spends ~850 of its
+    instructions a step on unpacks). The operands' rounding to bf16 moves dg (0.98x-1.2x its error against
+    float64 in ``benchmarks/numerics_backward.py --row-terms mma``); every other gradient keeps its bits. The third
+    term, d_i <(K dS')_i, Vn_i>, stays element-wise: it also feeds every token's g~_last terms, and rounding its
+    operand would move dg up to 2.1x (notes v0.33a).
     """
     import tilelang
     import tilelang.language as T
@@ -605,6 +617,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     fd_f = T.alloc_fragment((C, C), acc)
                 red_f = T.alloc_fragment((C,), acc)
                 red2_f = T.alloc_fragment((C,), acc)
+                if row_mma:  # dW or scale gamma ⊙ dO S^T as a wgmma operand, and the row terms' [64, 64] products
+                    xb_f = T.alloc_fragment((C, V), io_dtype)
+                    rm_f = T.alloc_fragment((C, C), acc)
                 # gamma_i and d_i for the thread's rows, once per chunk (not an exp2 per element)
                 gam_f = T.alloc_fragment((C,), acc)
                 dec_f = T.alloc_fragment((C,), acc)
@@ -677,9 +692,20 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
                         x0_s[i] = -red_f[i]
                     # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
-                    for i, j in T.Parallel(C, V):
-                        kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
-                    T.reduce_sum(kd_f, red_f, dim=1)
+                    if row_mma:
+                        # -<dW_i, V_i - W_i>: the diagonal of (-dW) V^T + dW W^T; V's product waited for, since dv
+                        # takes V's tile next, W's once -gamma dW is out (the state side writes W's tile then)
+                        for i, j in T.Parallel(C, V):
+                            xb_f[i, j] = T.cast(-dw_f[i, j], io_dtype)
+                        T.wgmma_gemm(xb_f, v_s, rm_f, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(C, V):
+                            xb_f[i, j] = T.cast(dw_f[i, j], io_dtype)
+                        T.wgmma_gemm(xb_f, w_s, rm_f, transpose_B=True)
+                    else:
+                        for i, j in T.Parallel(C, V):
+                            kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
+                        T.reduce_sum(kd_f, red_f, dim=1)
                     stamp(tr, 1, 7, c, tx, h, n)
                     # V's last reader was that row term (the gate side's W came before Vn): dv leaves through its
                     # tile in rows of 16 bytes, as dq and dk do through Vn's
@@ -691,6 +717,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 1, 8, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         dvn_s[i, j] = T.cast(-dw_f[i, j] * gam_f[i], io_dtype)
+                    if row_mma:
+                        T.wait_wgmma(0)  # dW W^T: W's tile read
                     T.fence_proxy_async()
                     T.barrier_arrive(ydw_ready)
                     stamp(tr, 1, 9, c, tx, h, n)
@@ -698,12 +726,25 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # scale gamma_i <q_i, (dO S^T)_i>), then dk's -(gamma dW) S^T
                     T.gemm(do_s, st_s, dw_f, clear_accum=True)
                     T.barrier_arrive(dos_done)
-                    for i, j in T.Parallel(C, K):
-                        dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
-                        kd_f[i, j] = dw_f[i, j] * T.cast(q_s[i, j], acc)
-                    T.reduce_sum(kd_f, red2_f, dim=1)
-                    for i in T.Parallel(C):
-                        x0_s[i] = x0_s[i] - red_f[i] + red2_f[i]
+                    if row_mma:
+                        # + the diagonal of (scale gamma ⊙ dO S^T) Q^T, then the row terms out of the diagonal
+                        for i, j in T.Parallel(C, K):
+                            dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
+                            xb_f[i, j] = T.cast(dw_f[i, j], io_dtype)
+                        T.wgmma_gemm(xb_f, q_s, rm_f, transpose_B=True)
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(C, C):
+                            rm_f[i, j] = T.if_then_else(i == j, rm_f[i, j], 0.0)
+                        T.reduce_sum(rm_f, red2_f, dim=1)
+                        for i in T.Parallel(C):
+                            x0_s[i] = x0_s[i] + red2_f[i]
+                    else:
+                        for i, j in T.Parallel(C, K):
+                            dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
+                            kd_f[i, j] = dw_f[i, j] * T.cast(q_s[i, j], acc)
+                        T.reduce_sum(kd_f, red2_f, dim=1)
+                        for i in T.Parallel(C):
+                            x0_s[i] = x0_s[i] - red_f[i] + red2_f[i]
                     T.gemm(dvn_s, st_s, kd_f, clear_accum=True)
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
