@@ -120,13 +120,15 @@ set -uo pipefail
 #   pending-kernels the kernel alone on the five shapes of l2-prefetch in the order default, l2_prefetch,
 #   warp_colsums, row_mma, default, each in its own process (pending-options-{1..5}.json). Then the -ab round of
 #   whichever gains.
+# lean-given: lean_gates beside p_given (notes v0.33b): the kernel alone at 16/32 and 8/32, default, default+lean_gates,
+#   default, each in its own process (lean-given-options-{1,2,3}.json; the same bits).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
 #   operator's build against the one it made before, without p_first and lean_gates (gates-24-options-{3,2}.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels|lean-given OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -406,13 +408,13 @@ elif [ "$part" = gates-24 ] || [ "$part" = pending-tests ]; then
   if [ "$part" = gates-24 ]; then
     gpu_tests gpu-gates-24 200 4 tests/test_gpu_hopper_backward.py -k between_16_and_32
   else
-    gpu_tests gpu-pending 330 12 tests/test_gpu_hopper_backward.py \
+    gpu_tests gpu-pending 240 12 tests/test_gpu_hopper_backward.py \
       -k "l2_prefetch or warp_colsums or row_mma or between_16_and_32"
   fi
-  logged gates-24-options-3 150 python3 benchmarks/fused_backward_options.py --shape 8/24:4096x8 --shape 8/24:32768 \
+  logged gates-24-options-3 140 python3 benchmarks/fused_backward_options.py --shape 8/24:4096x8 --shape 8/24:32768 \
     --sets p_first,lean_gates,fold_mma fold_mma --rounds 7 --out "$out/gates-24-options-3.json"
   grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-3.log" | grep -v "^--"
-  logged gates-24-options-2 150 python3 benchmarks/fused_backward_options.py --shape 12/24:8192x4 --shape 12/24:32768 \
+  logged gates-24-options-2 140 python3 benchmarks/fused_backward_options.py --shape 12/24:8192x4 --shape 12/24:32768 \
     --sets pair_sums,p_first,lean_gates,fold_mma pair_sums,fold_mma --rounds 7 --out "$out/gates-24-options-2.json"
   grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-2.log" | grep -v "^--"
 elif [ "$part" = pending-kernels ]; then
@@ -423,6 +425,14 @@ elif [ "$part" = pending-kernels ]; then
       --shape 8/16:8192x8 --shape 4/8:32768 --shape 8/32:4096x8 --shape 2/4:8192 --sets "$set" --rounds 7 \
       --out "$out/pending-options-$i.json"
     grep -A1 "^[0-9]*/[0-9]*:" "$out/pending-options-$i.log" | grep -v "^--"
+  done
+elif [ "$part" = lean-given ]; then
+  i=0
+  for set in default default+lean_gates default; do
+    i=$((i + 1))
+    logged "lean-given-options-$i" 110 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
+      --shape 16/32:8192x4 --shape 8/32:4096x8 --sets "$set" --rounds 7 --out "$out/lean-given-options-$i.json"
+    grep -A1 "^[0-9]*/[0-9]*:" "$out/lean-given-options-$i.log" | grep -v "^--"
   done
 elif [ "$part" = l2-prefetch-ab ]; then
   logged l2-prefetch-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_L2_PREFETCH \
