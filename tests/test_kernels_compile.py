@@ -346,8 +346,13 @@ def test_row_mma_takes_two_row_terms_to_the_tensor_cores():
     assert "wgmma_rs<" not in plain.get_kernel_source()
     rs = [line for line in src.splitlines() if "wgmma_rs<" in line]
     assert len(rs) == 3 and all("kFloat32, 64, 64, 16" in line for line in rs), rs
-    assert [b for b in ("v_s", "w_s", "q_s") if f"initialize_wgmma_descriptor<1, 1, 64>(desc_b" in src
-            and re.search(rf"desc_b_\d+, \(&\(\(\(bfloat16_t\*\){b}\)", src)] == ["v_s", "w_s", "q_s"]
+    # their shared operands, in order: each product's B descriptor and the tile it is made from
+    tiles = []
+    for line in rs:
+        desc = re.search(r"uint64_t\((desc_b_\d+) \+", line).group(1)
+        tiles.append(re.search(rf"initialize_wgmma_descriptor<[^>]*>\({desc}, \(&\(\(\(bfloat16_t\*\)(\w+)\)",
+                               src).group(1))
+    assert tiles == ["v_s", "w_s", "q_s"], tiles
     before, after = resource_usage(plain), resource_usage(kernel)
     assert not after["wgmma_serialized"], after
     assert after["instructions"] < before["instructions"], (before, after)

@@ -267,8 +267,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     products of a float32 accumulator with bf16 tiles and their row sums: dW (negated, then not) and scale gamma ⊙
     dO S^T go to bf16 register operands of three wgmma groups against V, W (V - W = gamma KS as the gate side rounded
     W) and Q. ~3 MFLOP more on the tensor pipe a step against the element-wise reads of four [64, 128] tiles, their
-    unpacks, products and row sums (v0.28a's profile: the value side, the longer path at 16/32, spends ~850 of its
-    instructions a step on unpacks). The operands' rounding to bf16 moves dg (0.98x-1.2x its error against
+    unpacks, products and row sums (v0.28a's profile: ~850 of the value side's ~3080 instructions a step were such
+    unpacks; its element-wise work was on the step's path below 32 value heads, v0.30a). The operands' rounding to bf16 moves dg (0.98x-1.2x its error against
     float64 in ``benchmarks/numerics_backward.py --row-terms mma``); every other gradient keeps its bits. The third
     term, d_i <(K dS')_i, Vn_i>, stays element-wise: it also feeds every token's g~_last terms, and rounding its
     operand would move dg up to 2.1x (notes v0.33a).
