@@ -3,9 +3,11 @@
     python benchmarks/kkt_options.py --options triangle --rounds 3 --out X.json
 
 For each shape, the build without options (five CTAs per SM, k by cp.async; named "default" in the output) and each
-option set are run on the same inputs: g~ and Ag (and A with ``--store-inverse``) must come out with the same bits,
-and each is timed by CUDA-graph replay (``flashgdn.bench.timing.measure``), in rotating order over ``--rounds`` rounds so
-that no build always runs first. Ratios are of the medians over rounds, option / default.
+option set are run on the same inputs: g~ and Ag (and A with ``--store-inverse``) must come out with the same bits
+as the base's (``--base``, "default" unless given), and each is timed by CUDA-graph replay
+(``flashgdn.bench.timing.measure``), in rotating order over ``--rounds`` rounds so that no build always runs first.
+Ratios are of the medians over rounds, option / base. An option set joins flags (``diag16+mma32``) and integer
+settings (``blocks_per_sm=7``) with "+".
 
 An option that rounds differently (``diag16``: tf32 products where the default substitutes in fp32) is run with
 ``--max-diff X``: g~ must still have the same bits, and Ag (and A) may differ from the default's by a relative RMS of at
@@ -49,6 +51,17 @@ def parse_shapes(spec: str):
     return shapes
 
 
+def parse_options(spec: str) -> dict:
+    """"diag16+mma32+blocks_per_sm=7" -> {"diag16": True, "mma32": True, "blocks_per_sm": 7}."""
+    options = {}
+    for token in spec.split("+"):
+        name, eq, value = token.partition("=")
+        if not name or (eq and not value.isdigit()):
+            raise SystemExit(f"--options: expected FLAG or NAME=INT items joined by '+', got {spec!r}")
+        options[name] = int(value) if eq else True
+    return options
+
+
 def main(argv=None) -> int:
     from flashgdn.bench.timing import measure, timed_call
     from flashgdn.kernels.hopper.forward import chunk_plan
@@ -58,7 +71,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--options", default="triangle",
-                    help="option sets, comma separated, each a +-joined list of build_kkt_inverse flags")
+                    help="option sets, comma separated, each a +-joined list of build_kkt_inverse flags or "
+                         "NAME=INT settings (e.g. diag16+mma32+blocks_per_sm=7)")
+    ap.add_argument("--base", default="default",
+                    help="the set the others are compared with, bits and time: \"default\" (no options) or one of "
+                         "--options")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--store-inverse", action="store_true", help="the backward's build (A stored as well)")
     ap.add_argument("--shapes", default=None, help="e.g. 16/32:4096x8,32/32:4096x8 (default: SHAPES)")
@@ -68,7 +85,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sets = {"default": {}}
     for spec in args.options.split(","):
-        sets[spec] = {flag: True for flag in spec.split("+")}
+        sets[spec] = parse_options(spec)
+    if args.base not in sets:
+        raise SystemExit(f"--base: {args.base!r} is neither \"default\" nor one of --options")
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     rows = []
     ok = True
@@ -81,8 +100,8 @@ def main(argv=None) -> int:
         g32, b32 = g.float().contiguous(), beta.float().contiguous()
         runs, outs = {}, {}
         for name, opts in sets.items():
-            kernel = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=True, blocks_per_sm=5,
-                                       store_inverse=args.store_inverse, **opts)
+            kernel = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", store_inverse=args.store_inverse,
+                                       **{"async_loads": True, "blocks_per_sm": 5, **opts})
             gcum = torch.full((Hv, S * 64), float("nan"), device="cuda")
             Ag = torch.full((S, Hv, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
             call = [k, g32, b32, bounds, gcum, Ag] + ([torch.full_like(Ag, float("nan"))] if args.store_inverse else [])
@@ -97,27 +116,26 @@ def main(argv=None) -> int:
             for name in names[r % len(names):] + names[:r % len(names)]:
                 _, dt = timed_call(runs[name], torch.device("cuda"))
                 times[name].append(measure(runs[name], torch.device("cuda"), dt).ms)
-        base = statistics.median(times["default"])
-        row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "ms": {n: statistics.median(t) for n, t in times.items()},
-               "ms_rounds": times}
-        row["ratio"] = {n: row["ms"][n] / base for n in sets if n != "default"}
-        row["same_bits"] = {n: all(torch.equal(a, b) for a, b in zip(outs["default"], outs[n]))
-                            for n in sets if n != "default"}
-        row["max_rel_diff"] = {n: max(rel_rms(b, a) for a, b in zip(outs["default"], outs[n]))
-                               for n in sets if n != "default"}
+        ref = args.base
+        base = statistics.median(times[ref])
+        row = {"h_qk": Hqk, "h_v": Hv, "seqlens": seqlens, "base": ref,
+               "ms": {n: statistics.median(t) for n, t in times.items()}, "ms_rounds": times}
+        row["ratio"] = {n: row["ms"][n] / base for n in sets if n != ref}
+        row["same_bits"] = {n: all(torch.equal(a, b) for a, b in zip(outs[ref], outs[n])) for n in sets if n != ref}
+        row["max_rel_diff"] = {n: max(rel_rms(b, a) for a, b in zip(outs[ref], outs[n])) for n in sets if n != ref}
         row["finite"] = all(bool(torch.isfinite(t.float()).all()) for o in outs.values() for t in o)
         for n in row["same_bits"]:
-            close = (args.max_diff is not None and torch.equal(outs["default"][0], outs[n][0])
+            close = (args.max_diff is not None and torch.equal(outs[ref][0], outs[n][0])
                      and row["max_rel_diff"][n] <= args.max_diff)
             ok &= row["same_bits"][n] or close
         ok &= row["finite"]
         rows.append(row)
-        print(f"{Hqk}/{Hv} {seqlens[0]}x{len(seqlens)}: default {base:.4f} ms; "
+        print(f"{Hqk}/{Hv} {seqlens[0]}x{len(seqlens)}: {ref} {base:.4f} ms; "
               + "; ".join(f"{n} {row['ratio'][n]:.3f}x"
                           + ('' if row['same_bits'][n] else f" (BITS DIFFER, max rel diff {row['max_rel_diff'][n]:.1e})")
                           for n in row["ratio"]), flush=True)
     for n in sets:
-        if n == "default":
+        if n == args.base:
             continue
         rs = [r["ratio"][n] for r in rows]
         print(f"{n}: geometric mean {statistics.geometric_mean(rs):.3f}x, {min(rs):.3f}x-{max(rs):.3f}x")

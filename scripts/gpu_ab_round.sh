@@ -122,13 +122,17 @@ set -uo pipefail
 #   whichever gains.
 # lean-given: lean_gates beside p_given (notes v0.33b): the kernel alone at 16/32 and 8/32, default, default+lean_gates,
 #   default, each in its own process (lean-given-options-{1,2,3}.json; the same bits).
+# odd-blocks: stage 1 of a group of one at seven CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, notes v0.33c): its GPU
+#   test (gpu-odd-blocks.log), then stage 1 alone against the five-per-SM build with and without A stored
+#   (odd-blocks-{1,1A}.json); odd-blocks-ab: the forward both ways on the canonical set's full shapes at 32/32 and
+#   16/16 (the same bits; odd-blocks-ab.json).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
 #   operator's build against the one it made before, without p_first and lean_gates (gates-24-options-{3,2}.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels|lean-given OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels|lean-given|odd-blocks|odd-blocks-ab OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -434,6 +438,18 @@ elif [ "$part" = lean-given ]; then
       --shape 16/32:8192x4 --shape 8/32:4096x8 --sets "$set" --rounds 7 --out "$out/lean-given-options-$i.json"
     grep -A1 "^[0-9]*/[0-9]*:" "$out/lean-given-options-$i.log" | grep -v "^--"
   done
+elif [ "$part" = odd-blocks ]; then
+  gpu_tests gpu-odd-blocks 150 8 tests/test_gpu_hopper_stage1.py -k odd_group
+  ones="32/32:4096x8,32/32:8192x4,16/16:4096x8,16/16:8192x4"
+  logged odd-blocks-1 120 python3 benchmarks/kkt_options.py --shapes "$ones" --base diag16+mma32 \
+    --options diag16+mma32,diag16+mma32+blocks_per_sm=7 --rounds 5 --out "$out/odd-blocks-1.json"
+  logged odd-blocks-1A 120 python3 benchmarks/kkt_options.py --shapes "$ones" --base diag16+mma32 --store-inverse \
+    --options diag16+mma32,diag16+mma32+blocks_per_sm=7 --rounds 5 --out "$out/odd-blocks-1A.json"
+  for f in 1 1A; do grep "x[0-9]*:\|geometric\|exit" "$out/odd-blocks-$f.log"; done
+elif [ "$part" = odd-blocks-ab ]; then
+  logged odd-blocks-ab 540 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:KKT_ODD_GROUP_BLOCKS \
+    --set canonical --ctas full --only-heads 32/32,16/16 --modes fwd --rounds 2 --out "$out/odd-blocks-ab.json"
+  tail -4 "$out/odd-blocks-ab.log"
 elif [ "$part" = l2-prefetch-ab ]; then
   logged l2-prefetch-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_L2_PREFETCH \
     --set bwd --modes fwdbwd --rounds 2 --out "$out/l2-prefetch-ab.json"

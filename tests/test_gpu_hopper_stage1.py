@@ -97,6 +97,23 @@ def test_kkt_inverse_at_five_ctas_per_sm_gives_the_same_bits(seqlens, store_inve
                                                      [dict(async_loads=True), dict(async_loads=True, blocks_per_sm=5)]))
 
 
+@pytest.mark.parametrize("seqlens", [[64], [1], [63, 65, 200], [1000, 3, 130]])
+@pytest.mark.parametrize("store_inverse", [False, True])
+def test_kkt_inverse_of_an_odd_group_at_more_ctas_per_sm_gives_the_same_bits(seqlens, store_inverse, monkeypatch):
+    """``forward.KKT_ODD_GROUP_BLOCKS``: stage 1 of a group of one (Hqk = Hv = 2) built for the CTAs per SM of
+    ``forward.ODD_GROUP_BLOCKS_PER_SM`` (7): the same code at a lower register cap, so the same g~, Ag (and A) bits as
+    the default five-per-SM build, partial chunks and a padded tail included; and the operator's stage 1 asks for
+    that build under the switch."""
+    from flashgdn.kernels.hopper import forward
+
+    blocks = forward.ODD_GROUP_BLOCKS_PER_SM[(1, store_inverse)]
+    five = dict(async_loads=True, blocks_per_sm=5, diag16=True, mma32=True)
+    builds = [five, dict(five, blocks_per_sm=blocks)]
+    assert_same_finite_bits(stage1_outputs_of_builds(seqlens, 2, store_inverse, builds))
+    monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", True)
+    assert forward._kkt_build_options(1, store_inverse)["blocks_per_sm"] == blocks
+
+
 @pytest.mark.parametrize("seqlens", [[64], [1000, 3, 130]])
 @pytest.mark.parametrize("store_inverse", [False, True])
 @pytest.mark.parametrize("Hv", [2, 4, 6, 8])

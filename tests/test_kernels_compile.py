@@ -89,9 +89,10 @@ VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_varian
             + list(backward_variants(2, 8, dtype="bfloat16")) + list(backward_variants(2, 8, dtype="float16"))
             # the build only groups of two have
             + [v for v in backward_variants(2, 4, dtype="bfloat16") if v[0].endswith(",pairs]")]
-            # stage 1's default builds for an odd group (one head at a time, the upper 64 threads at the barriers only)
-            + [v for v in list(forward_variants(1, 3, dtype="bfloat16", flags="common"))
-               + list(backward_variants(1, 3, dtype="bfloat16")) if v[0].startswith("kkt_inverse") and "mma32" in v[0]]
+            # stage 1's default builds for an odd group (one head at a time, the upper 64 threads at the barriers only),
+            # and at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS)
+            + [v for heads in ((1, 3), (1, 1)) for v in list(forward_variants(*heads, dtype="bfloat16", flags="common"))
+               + list(backward_variants(*heads, dtype="bfloat16")) if v[0].startswith("kkt_inverse") and "mma32" in v[0]]
             # the fused backward as the operator builds it at 8/24 (below the P pass's 32 value heads the gate side
             # makes P, with the gate options) and at 16/32 (P given, pair sums, the gate side's fold)
             + _operator_fused_backward(8, 24) + _operator_fused_backward(16, 32))
@@ -319,7 +320,8 @@ def test_loop_and_stage1_options_are_checked():
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v[1] == "kkt_inverse"],
                          ids=[v[0] for v in VARIANTS if v[1] == "kkt_inverse"])
 def test_kkt_inverse_fits_the_occupancy_it_is_built_for(variant):
-    """``kkt_inverse`` is latency-bound and built for a number of CTAs per SM (4, or 5 for the A/B): its registers
+    """``kkt_inverse`` is latency-bound and built for a number of CTAs per SM (4, 5 by default, 6 or 7 for an odd
+    group under forward.KKT_ODD_GROUP_BLOCKS): its registers
     (128 threads each) and shared memory (plus the 1 KB the driver reserves per CTA) must let that many share an
     SM's 64K registers and 228 KB."""
     name, builder, kwargs = variant

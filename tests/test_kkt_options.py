@@ -20,6 +20,15 @@ def test_bad_shapes_are_clear_errors(bad):
         kkt_options.parse_shapes(bad)
 
 
+def test_option_sets_take_flags_and_integer_settings():
+    assert kkt_options.parse_options("diag16+mma32+blocks_per_sm=7") == dict(diag16=True, mma32=True, blocks_per_sm=7)
+    for bad in ("diag16+", "blocks_per_sm=x", "=3"):
+        with pytest.raises(SystemExit, match="--options"):
+            kkt_options.parse_options(bad)
+    with pytest.raises(SystemExit, match="--base"):
+        kkt_options.main(["--options", "triangle", "--base", "diag16"])
+
+
 @pytest.mark.gpu
 def test_triangle_option_runs_with_the_same_bits(cuda, tmp_path):
     out = tmp_path / "kkt.json"

@@ -238,7 +238,7 @@ def test_stage1_variants_carry_the_switched_build_options(diag16, mma32, triangl
     monkeypatch.setattr(forward, "KKT_MMA32", mma32)
     monkeypatch.setattr(forward, "KKT_TRIANGLE", triangle)
     assert forward.kkt_options() == want
-    options = dict(async_loads=forward.KKT_ASYNC_LOADS, **forward._kkt_build_options())
+    options = dict(async_loads=forward.KKT_ASYNC_LOADS, **forward._kkt_build_options(4))
     kkt = [v for v in training_variants(2, 8, flags="common") if v[1] == "kkt_inverse"]
     assert [v[0] for v in kkt] == ["kkt_inverse_async_5[2/8,bfloat16]", "kkt_inverse_with_A_async_5[2/8,bfloat16]"]
     assert [v for v in serving_variants(2, 8, flags="common") if v[1] == "kkt_inverse"] == kkt[:1]
@@ -249,3 +249,26 @@ def test_stage1_variants_carry_the_switched_build_options(diag16, mma32, triangl
                                                                                     qk_dtype="bfloat16",
                                                                                     a_dtype="bfloat16")
         assert {k: x for k, x in kw.items() if k not in ("Hqk", "Hv", "K", "qk_dtype", "a_dtype")} == options
+
+
+@pytest.mark.parametrize("heads, want", [((1, 1), (7, 7)), ((16, 16), (7, 7)), ((2, 6), (5, 5)), ((2, 8), (5, 5)),
+                                         ((4, 8), (5, 5))])
+def test_stage1_of_an_odd_group_follows_its_occupancy_switch(heads, want, monkeypatch):
+    """FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS: stage 1 of a group of one (forward and the backward's, A stored) is built
+    for the CTAs per SM of ``forward.ODD_GROUP_BLOCKS_PER_SM``, other groups for five as before (three included: its
+    build at six spills); off, every group for five. What ``hopper_stage1`` asks for is what a training step
+    precompiles."""
+    from flashgdn.kernels.hopper import forward
+    from flashgdn.kernels.hopper.variants import training_variants
+
+    def blocks():
+        kkt = [v[2] for v in training_variants(*heads, flags="common") if v[1] == "kkt_inverse"]
+        assert [kw.get("store_inverse", False) for kw in kkt] == [False, True]
+        return tuple(kw["blocks_per_sm"] for kw in kkt)
+
+    group = heads[1] // heads[0]
+    assert blocks() == (5, 5)
+    assert [forward._kkt_build_options(group, a)["blocks_per_sm"] for a in (False, True)] == [5, 5]
+    monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", True)
+    assert blocks() == want
+    assert tuple(forward._kkt_build_options(group, a)["blocks_per_sm"] for a in (False, True)) == want

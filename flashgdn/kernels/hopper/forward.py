@@ -50,6 +50,26 @@ KKT_ASYNC_LOADS = os.environ.get("FLASHGDN_HOPPER_KKT_ASYNC_LOADS", "1") == "1"
 #: the stage alone 0.90x-1.03x (``stages-hopper-v0.13a.json``, ``gpu-kkt5-v0.13a.log``).
 KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5"))
 
+#: Stage 1 of an odd group (one value head inverted at a time on the CTA's lower 64 threads) built for more CTAs per
+#: SM than KKT_BLOCKS_PER_SM: its ~29-31 KB of shared memory fit seven, and its registers are what keeps it at five
+#: (96 a thread). At 72 registers the group-of-one build compiles to the same instructions with no spills, so seven
+#: share an SM: 1.4x the heads in flight, against stage 1's 1.4x the time per value head at Hqk = Hv that a group of
+#: two takes (``forward/kkt-options-mma32-v0.24b.json``: 32/32 0.167 ms against 16/32's 0.119 on 4096x8). The same
+#: code at another register cap, so the same bits. An A/B, off until measured (notes v0.33c).
+#: FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS=1|0.
+KKT_ODD_GROUP_BLOCKS = os.environ.get("FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS", "0") == "1"
+#: (group, A stored) -> stage 1's CTAs per SM under KKT_ODD_GROUP_BLOCKS, where the build compiles to the same
+#: instructions without spills: a group of one. (A group of three at six spills 4-16 bytes at 80 registers, depending
+#: on the head counts and A, and its code changes: not taken.)
+ODD_GROUP_BLOCKS_PER_SM = {(1, False): 7, (1, True): 7}
+
+
+def kkt_blocks_per_sm(group: int, store_inverse: bool = False) -> int:
+    """Stage 1's CTAs per SM for qk heads of ``group`` value heads (``kkt_inverse``'s ``blocks_per_sm``)."""
+    if KKT_ODD_GROUP_BLOCKS and group % 2:
+        return ODD_GROUP_BLOCKS_PER_SM.get((group, store_inverse), KKT_BLOCKS_PER_SM)
+    return KKT_BLOCKS_PER_SM
+
 #: Stage 1's substitution with its warps given columns by where their work lies (``kkt_inverse``'s ``triangle``): the
 #: same bits, the stage 0.933x-0.985x and the op 0.977x-1.003x the time (``forward/kkt-options-v0.21a.json``,
 #: ``forward/kkt-triangle-op-v0.21a.json``); the default when KKT_DIAG16 is off. FLASHGDN_HOPPER_KKT_TRIANGLE=0 for
@@ -399,16 +419,17 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     if store_inverse:
         A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
         build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS,
-                          **_kkt_build_options())(*args, A)
+                          **_kkt_build_options(Hv // Hqk, True))(*args, A)
         return Stage1(bounds, first_slot, gcum, Ag, A)
-    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_build_options())(*args)
+    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_build_options(Hv // Hqk))(*args)
     return Stage1(bounds, first_slot, gcum, Ag)
 
 
-def _kkt_build_options() -> dict:
+def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
     # occupancy and the switched options; the four-per-SM build passes nothing (build_kkt_inverse's own default), so
     # that its cache entry stays the same
-    return {**({} if KKT_BLOCKS_PER_SM == 4 else dict(blocks_per_sm=KKT_BLOCKS_PER_SM)), **kkt_options()}
+    blocks = kkt_blocks_per_sm(group, store_inverse)
+    return {**({} if blocks == 4 else dict(blocks_per_sm=blocks)), **kkt_options()}
 
 
 def kkt_options() -> dict:

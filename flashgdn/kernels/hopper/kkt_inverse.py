@@ -62,6 +62,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     registers are capped so that 4 (the default) or 3 CTAs fit an SM. (The earlier build, 101 KB and 2 CTAs per
     SM, gave bitwise the same outputs 1.5-1.6x slower: ``benchmarks/results/h200/stages-hopper-v0.3.json``.)
 
+    An odd group's build inverts one head at a time, so it needs less shared memory (~29-31 KB with ``diag16`` and
+    ``mma32``) and fits more CTAs per SM if registers allow: ``blocks_per_sm`` 6 or 7 caps them at 80 or 72. A group
+    of one then compiles at 7 to the same instructions with no spills; a group of three at 6 spills 4-16 bytes.
+    ``forward.KKT_ODD_GROUP_BLOCKS`` takes 7 for a group of one (an A/B: notes v0.33c).
+
     ``store_inverse`` adds a last argument ``A [S, Hv, 64, 64]`` (a dtype) that receives the ungated inverse A as
     well: the backward needs it (dL = -A^T dA A^T), and it cannot be had back from Ag once the decay underflows.
     The backward's GEMMs read it in the io dtype anyway, and its elementwise uses lose nothing measurable to that
@@ -105,11 +110,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
-    if blocks_per_sm not in (3, 4, 5):
-        raise ValueError(f"blocks_per_sm must be 3, 4 or 5, got {blocks_per_sm}")
+    if blocks_per_sm not in (3, 4, 5, 6, 7):
+        raise ValueError(f"blocks_per_sm must be 3 to 7, got {blocks_per_sm}")
     # five CTAs per SM need <= 44.6 KB of shared memory: each head's A21 is kept over the merge's second tile and
-    # gated right after its merge, so the pair holds two blocks per head instead of three (same values, same bits)
-    five = blocks_per_sm == 5
+    # gated right after its merge, so the pair holds two blocks per head instead of three (same values, same bits);
+    # more than five fit only an odd group's build (one head at a time: ~29-31 KB)
+    five = blocks_per_sm >= 5
     import tilelang
     import tilelang.language as T
 

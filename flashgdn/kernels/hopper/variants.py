@@ -37,6 +37,14 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     yield (f"kkt_inverse_async_5_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True,
                 mma32=True))
+    # an odd group's build at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, an A/B), where it has one
+    from .forward import ODD_GROUP_BLOCKS_PER_SM
+
+    odd = ODD_GROUP_BLOCKS_PER_SM.get((Hv // Hqk, False))
+    if odd:
+        yield (f"kkt_inverse_async_{odd}_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+               dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd,
+                    diag16=True, mma32=True))
     combos = itertools.product((True, False), repeat=3) if flags == "all" else [(True, True, False)]
     for has_h0, store_ht, v_first in combos:
         name = f"chunk_forward[{Hqk}/{Hv},{dtype},h0={int(has_h0)},ht={int(store_ht)},v_first={int(v_first)}]"
@@ -143,6 +151,9 @@ def with_switches(v: Variant) -> Variant:
         kw = {**kw, **forward.rso_options()}
     elif builder == "kkt_inverse":
         kw = {**kw, **forward.kkt_options()}
+        if kw.get("blocks_per_sm", 4) == forward.KKT_BLOCKS_PER_SM:  # the operator's occupancy for this group
+            blocks = forward.kkt_blocks_per_sm(kw["Hv"] // kw["Hqk"], kw.get("store_inverse", False))
+            kw = {**kw, **({} if blocks == 4 else dict(blocks_per_sm=blocks))}
     elif builder == "state_grad_walk" or builder == "chunk_forward_rs" and not kw.get("decayed_k", False):
         kw = {**kw, **forward.lean_state_option()}
         if kw.get("skip_unread") and backend.CP_STARTS_IN_KERNEL:
@@ -280,6 +291,13 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     yield (f"kkt_inverse_with_A_async_5_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
                 blocks_per_sm=5, diag16=True, mma32=True))
+    from .forward import ODD_GROUP_BLOCKS_PER_SM
+
+    odd = ODD_GROUP_BLOCKS_PER_SM.get((Hv // Hqk, True))
+    if odd:  # an odd group's build at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, an A/B), where it has one
+        yield (f"kkt_inverse_with_A_async_{odd}_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+               dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
+                    blocks_per_sm=odd, diag16=True, mma32=True))
     # chunk_grad: the default (tiles by cp.async, row factors in registers, dg by a scan, 16-byte stores:
     # backward.CHUNK_GRAD_*), then its A/Bs, each one switch away from it: register-staged loads, per-element
     # factors, dg by a masked sum, 4-byte stores, blocks taken value heads first; and for two value heads per qk
