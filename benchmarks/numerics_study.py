@@ -2,8 +2,9 @@
 
     python benchmarks/numerics_study.py [--tokens 4096] [--gate zero|weak]
 
-Emulates the numerics of the "rs" chunk loop (and the "uw" loop's order of operations, and the transition form: one
-product per chunk on the chain, S' = gamma_C S - M S + u, M and u made off the chain) for one head (K = V = 128) in PyTorch: the tensor-core operands are
+Emulates the numerics of the "rs" chunk loop (and the "uw" loop's order of operations, the transition form: one
+product per chunk on the chain, S' = gamma_C S - M S + u, M and u made off the chain, and W as one product onto V
+with gamma folded into a bf16 K tile) for one head (K = V = 128) in PyTorch: the tensor-core operands are
 rounded where the kernel rounds them (the state S, W and Vn in registers; the Ag and P tiles from shared memory;
 the output O), everything else is float32. It prints the error of o and of the final state against a float64
 run without any rounding, for several rounding modes of the operands (bf16, tf32, a bf16 hi + lo pair), and the
@@ -69,6 +70,10 @@ def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0
             continue
         if form == "uw":
             Vn = tile(Ag @ vc) - tile(tile(Ag * gam[None, :]) @ kc) @ Sr
+        elif form == "gk":
+            # W as one product onto V: W = V - (diag(gamma) K) S with gamma ⊙ K rounded as a tile (a K tile scaled
+            # off the chain), instead of (K S) scaled by gamma in float32 after the product
+            Vn = Ag @ reg(vc - tile(gam[:, None] * kc) @ Sr)
         else:
             W = vc - gam[:, None] * (kc @ Sr)
             Vn = Ag @ reg(W)
@@ -105,14 +110,16 @@ def rel(x, ref):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--gate", choices=("zero", "weak"), default="zero")
+    ap.add_argument("--gate", choices=("zero", "weak", "normal"), default="zero",
+                    help="g = 0, logsigmoid(randn) / 256, or logsigmoid(randn) / 16 (DESIGN.md's benchmark inputs)")
     args = ap.parse_args(argv)
     torch.manual_seed(1)
     T = args.tokens
     q = bf16(torch.nn.functional.normalize(torch.randn(T, K), dim=-1))
     k = bf16(torch.nn.functional.normalize(torch.randn(T, K), dim=-1))
     v = bf16(torch.randn(T, V))
-    g = torch.zeros(T) if args.gate == "zero" else torch.nn.functional.logsigmoid(torch.randn(T)) / 256
+    g = torch.zeros(T) if args.gate == "zero" else torch.nn.functional.logsigmoid(torch.randn(T)) / (
+        256 if args.gate == "weak" else 16)
     beta = torch.sigmoid(torch.randn(T))
     h0 = torch.randn(K, V)
     o_ex, s_ex = chunk_loop(*(x.double() for x in (q, k, v, g, beta, h0)), reg=exact, tile=exact, out=exact)
@@ -121,6 +128,7 @@ def main(argv=None):
     modes = {
         "bf16 operands (rs loop)": dict(reg=bf16, tile=bf16),
         "bf16, U/Wk form (uw loop)": dict(reg=bf16, tile=bf16, form="uw"),
+        "bf16, gamma K tile for W": dict(reg=bf16, tile=bf16, form="gk"),
         "bf16, transition form": dict(reg=bf16, tile=bf16, form="m"),
         "bf16, transition, u fp32": dict(reg=bf16, tile=bf16, form="m32"),
         "tf32 operands": dict(reg=tf32, tile=tf32),
