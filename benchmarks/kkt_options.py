@@ -6,7 +6,8 @@ For each shape, the build without options (five CTAs per SM, k by cp.async; name
 option set are run on the same inputs: g~ and Ag (and A with ``--store-inverse``) must come out with the same bits
 as the base's (``--base``, "default" unless given), and each is timed by CUDA-graph replay
 (``flashgdn.bench.timing.measure``), in rotating order over ``--rounds`` rounds so that no build always runs first.
-Ratios are of the medians over rounds, option / base. An option set joins flags (``diag16+mma32``) and integer
+Ratios are of the medians over rounds, option / base; with another base than "default" the build without options is
+not run. An option set joins flags (``diag16+mma32``) and integer
 settings (``blocks_per_sm=7``) with "+".
 
 An option that rounds differently (``diag16``: tf32 products where the default substitutes in fp32) is run with
@@ -88,6 +89,8 @@ def main(argv=None) -> int:
         sets[spec] = parse_options(spec)
     if args.base not in sets:
         raise SystemExit(f"--base: {args.base!r} is neither \"default\" nor one of --options")
+    if args.base != "default":  # the build without options is then not asked for
+        del sets["default"]
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     rows = []
     ok = True

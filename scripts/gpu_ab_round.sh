@@ -439,7 +439,7 @@ elif [ "$part" = lean-given ]; then
     grep -A1 "^[0-9]*/[0-9]*:" "$out/lean-given-options-$i.log" | grep -v "^--"
   done
 elif [ "$part" = odd-blocks ]; then
-  gpu_tests gpu-odd-blocks 150 8 tests/test_gpu_hopper_stage1.py -k odd_group
+  gpu_tests gpu-odd-blocks 150 8 tests/test_gpu_hopper_stage1.py tests/test_kkt_options.py -k "odd_group or occupancy_setting"
   ones="32/32:4096x8,32/32:8192x4,16/16:4096x8,16/16:8192x4"
   logged odd-blocks-1 120 python3 benchmarks/kkt_options.py --shapes "$ones" --base diag16+mma32 \
     --options diag16+mma32,diag16+mma32+blocks_per_sm=7 --rounds 5 --out "$out/odd-blocks-1.json"

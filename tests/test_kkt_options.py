@@ -50,3 +50,17 @@ def test_diag16_option_differs_in_bits_and_passes_within_max_diff(cuda, tmp_path
 
     row = json.loads(out.read_text())["rows"][0]
     assert row["same_bits"] == {"diag16": False} and row["finite"] and 0 < row["max_rel_diff"]["diag16"] <= 5e-3
+
+
+@pytest.mark.gpu
+def test_an_occupancy_setting_against_another_base_runs_with_the_same_bits(cuda, tmp_path):
+    """``--base`` compares with the named set (the build without options is then not run), and integer settings
+    reach the build: a group of one at seven CTAs per SM gives the five-per-SM build's bits (notes v0.33c)."""
+    out = tmp_path / "kkt.json"
+    assert kkt_options.main(["--shapes", "2/2:1000x3", "--options", "diag16+mma32,diag16+mma32+blocks_per_sm=7",
+                             "--base", "diag16+mma32", "--rounds", "1", "--out", str(out)]) == 0
+    import json
+
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["base"] == "diag16+mma32" and set(row["ms"]) == {"diag16+mma32", "diag16+mma32+blocks_per_sm=7"}
+    assert row["same_bits"] == {"diag16+mma32+blocks_per_sm=7": True} and row["finite"]
