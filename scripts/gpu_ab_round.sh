@@ -126,13 +126,17 @@ set -uo pipefail
 #   test (gpu-odd-blocks.log), then stage 1 alone against the five-per-SM build with and without A stored
 #   (odd-blocks-{1,1A}.json); odd-blocks-ab: the forward both ways on the canonical set's full shapes at 32/32 and
 #   16/16 (the same bits; odd-blocks-ab.json).
+# gk-tile: the rso loop's W^T as one product onto V^T (forward.RSO_GK_TILE, notes v0.33d): its GPU test on the rso loop
+#   (gpu-gk-tile.log), then the loop alone by its trace build at 16/32 8192x4 and 32/32 4096x8 without and with it
+#   (rso-trace-gk{0,1}-*.json: the loop's time and the chunk's cycles by role); gk-tile-ab: the forward both ways on
+#   the canonical set's full shapes (o moves by the tile's rounding: --max-diff 1e-2; gk-tile-ab.json).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
 #   operator's build against the one it made before, without p_first and lean_gates (gates-24-options-{3,2}.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels|lean-given|odd-blocks|odd-blocks-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels|lean-given|odd-blocks|odd-blocks-ab|gk-tile|gk-tile-ab OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -450,6 +454,22 @@ elif [ "$part" = odd-blocks-ab ]; then
   logged odd-blocks-ab 540 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:KKT_ODD_GROUP_BLOCKS \
     --set canonical --ctas full --only-heads 32/32,16/16 --modes fwd --rounds 2 --out "$out/odd-blocks-ab.json"
   tail -4 "$out/odd-blocks-ab.log"
+elif [ "$part" = gk-tile ]; then
+  export FLASHGDN_TEST_CHUNK_LOOPS=rso  # the test is of the rso loop's option
+  gpu_tests gpu-gk-tile 200 6 tests/test_gpu_hopper_forward.py -k gk_tile
+  unset FLASHGDN_TEST_CHUNK_LOOPS
+  for on in 0 1; do
+    for shape in 16/32:8192,8192,8192,8192 32/32:4096,4096,4096,4096,4096,4096,4096,4096; do
+      tag=${shape%%:*}; tag=${tag/\//x}
+      logged "rso-trace-gk$on-$tag" 90 env FLASHGDN_HOPPER_RSO_GK_TILE=$on python3 benchmarks/rso_trace.py \
+        --heads "${shape%%:*}" --seqlens "${shape#*:}" --out "$out/rso-trace-gk$on-$tag.json"
+      head -1 "$out/rso-trace-gk$on-$tag.log"
+    done
+  done
+elif [ "$part" = gk-tile-ab ]; then
+  logged gk-tile-ab 540 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:RSO_GK_TILE \
+    --set canonical --ctas full --modes fwd --rounds 2 --max-diff 1e-2 --out "$out/gk-tile-ab.json"
+  tail -4 "$out/gk-tile-ab.log"
 elif [ "$part" = l2-prefetch-ab ]; then
   logged l2-prefetch-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_L2_PREFETCH \
     --set bwd --modes fwdbwd --rounds 2 --out "$out/l2-prefetch-ab.json"

@@ -30,6 +30,10 @@ EXPLAINED_SPILLS = {
         "as two 64-column TMA boxes, reloaded once per chunk (8 bytes before the output path was trimmed, whose "
         "code is the producer's own; lean_output); the state and output paths have no spills, and the swizzle made "
         "the loop 0.85x-0.98x (stages-hopper-v0.12b.json)",
+    "chunk_forward_rso_gk[":
+        "the same 16 bytes in the producer warpgroup, in the rso loop with W^T as one product onto V^T "
+        "(forward.RSO_GK_TILE, an A/B), whose producer warps also write the -gamma ⊙ K tile a row at a time (at 16 "
+        "values a lane per step they spilled 76 bytes)",
     "chunk_forward_rso_lean_state[":
         "the same 16 bytes in the producer warpgroup, in the rso loop with its state paths' column factors in "
         "registers too (the A/B of forward.RSO_LEAN_STATE)",

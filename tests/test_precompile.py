@@ -272,3 +272,17 @@ def test_stage1_of_an_odd_group_follows_its_occupancy_switch(heads, want, monkey
     monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", True)
     assert blocks() == want
     assert tuple(forward._kkt_build_options(group, a)["blocks_per_sm"] for a in (False, True)) == want
+
+
+def test_precompiled_rso_loop_follows_the_gk_tile_switch(monkeypatch):
+    """FLASHGDN_HOPPER_RSO_GK_TILE reaches the rso loop a server precompiles (beside the default lean state paths),
+    and only it: off, no build carries the option."""
+    from flashgdn.kernels.hopper import forward
+    from flashgdn.kernels.hopper.variants import serving_variants
+
+    def rso():
+        return [kw for _, builder, kw in serving_variants(2, 8, flags="common") if builder == "chunk_forward_rso"]
+
+    assert [kw.get("gk_tile") for kw in rso()] == [None]
+    monkeypatch.setattr(forward, "RSO_GK_TILE", True)
+    assert [(kw.get("gk_tile"), kw.get("lean_state")) for kw in rso()] == [(True, True)]

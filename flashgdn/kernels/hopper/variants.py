@@ -113,6 +113,11 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rso_lean_state"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first, lean_state=True))
+            # W^T as one product onto V^T with a -gamma ⊙ K tile from the producer (forward.RSO_GK_TILE, an A/B),
+            # beside the default's lean state paths
+            yield (name.replace("chunk_forward", "chunk_forward_rso_gk"), "chunk_forward_rso",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                        store_final_state=store_ht, state_v_first=v_first, lean_state=True, gk_tile=True))
             # its trace build (benchmarks/rso_trace.py), a diagnostic: never run by the operator
             yield (name.replace("chunk_forward", "chunk_forward_rso_trace"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
