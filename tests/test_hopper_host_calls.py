@@ -579,3 +579,35 @@ def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, mo
     torch.autograd.grad((o, ht), [xs[n] for n in names], (torch.ones_like(o), torch.ones_like(ht)))
     assert not [name for name, _ in checked_kernels if name == "chain_index"]
     assert [sizes["num_seqs"] for name, sizes in checked_kernels if name == "splice"] == [8, 1]
+
+
+def test_forward_with_the_stage1_and_loop_switches_calls_their_builds(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS and FLASHGDN_HOPPER_RSO_GK_TILE on, at Hqk = Hv (a group of one): the
+    operator's forward, with and without context parallelism, builds stage 1 for seven CTAs per SM and the rso loop
+    with ``gk_tile``, and calls both with the arguments their prim_funcs take (the loop's signature is unchanged)."""
+    from flashgdn.api.validate import validate
+    from flashgdn.kernels.hopper import chunk_forward_rso, forward, kkt_inverse
+    from flashgdn.kernels.hopper.backend import HopperBackend
+
+    monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", True)
+    monkeypatch.setattr(forward, "RSO_GK_TILE", True)
+    built = []
+    for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rso, "build_chunk_forward_rso")):
+        stand_in = getattr(module, attr)  # the fixture's signature check
+
+        def record(*args, _stand_in=stand_in, _name=attr, **kwargs):
+            built.append((_name, kwargs))
+            return _stand_in(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, record)
+    for cp in ("off", 4):
+        inp = make_inputs(Hqk=2, Hv=2, K=128, V=128, dtype=torch.bfloat16, seqlens=[700, 30, 300], pad=5)
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+        built.clear()
+        checked_kernels.clear()
+        HopperBackend()(validate(**inp, output_final_state=True, cp=cp))
+        kkt = [kw for name, kw in built if name == "build_kkt_inverse"]
+        rso = [kw for name, kw in built if name == "build_chunk_forward_rso"]
+        assert kkt and all(kw.get("blocks_per_sm") == 7 for kw in kkt), (cp, kkt)
+        assert len(rso) == 1 and rso[0].get("gk_tile") is True, (cp, rso)
+        assert [name for name, _ in checked_kernels].count("chunk_forward_rso") == 1, cp
