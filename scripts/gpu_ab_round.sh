@@ -154,6 +154,19 @@ gpu_tests() {
   local name=$1 limit=$2 workers=$3; shift 3
   logged "$name" "$limit" python3 -m pytest -m gpu -q -rfEx -n "$workers" "$@"; quiet "$out/$name.log"
 }
+# the fused backward alone, one option set a process in the order given (a build's time can depend on the build timed
+# beside it, notes v0.30b): kernel_sets PREFIX "SHAPES" SET... (PREFIX-1.json, PREFIX-2.json, ...)
+kernel_sets() {
+  local prefix=$1 shapes=$2 i=0 opts; shift 2
+  for opts in "$@"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086  # the shapes are words
+    logged "$prefix-$i" 110 python3 benchmarks/fused_backward_options.py $shapes --sets "$opts" --rounds 7 \
+      --out "$out/$prefix-$i.json"
+    grep -A1 "^[0-9]*/[0-9]*:" "$out/$prefix-$i.log" | grep -v "^--"
+  done
+}
+FIVE_FUSED="--shape 16/32:4096x8 --shape 8/16:8192x8 --shape 4/8:32768 --shape 8/32:4096x8 --shape 2/4:8192"
 FOUR_SHAPES="--shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768"
 EIGHT_SHAPES="$FOUR_SHAPES --shape 2/4:8192 --shape 4/8:8192 --shape 8/16:8192 --shape 16/32:8192"
 # a training step's kernels on few-head shapes with switches set: step_kernels NAME SECONDS "SHAPES" VAR=VALUE...
@@ -404,14 +417,7 @@ elif [ "$part" = p-given-low ]; then
 elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ] || [ "$part" = row-mma ]; then
   option=${part//-/_}  # the build option (l2_prefetch, warp_colsums, row_mma), which names its GPU tests too
   gpu_tests "gpu-$part" 200 8 tests/test_gpu_hopper_backward.py -k "$option"
-  i=0
-  for set in default "default+$option" default; do
-    i=$((i + 1))
-    logged "$part-options-$i" 110 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
-      --shape 8/16:8192x8 --shape 4/8:32768 --shape 8/32:4096x8 --shape 2/4:8192 --sets "$set" --rounds 7 \
-      --out "$out/$part-options-$i.json"
-    grep -A1 "^[0-9]*/[0-9]*:" "$out/$part-options-$i.log" | grep -v "^--"
-  done
+  kernel_sets "$part-options" "$FIVE_FUSED" default "default+$option" default
 elif [ "$part" = gates-24 ] || [ "$part" = pending-tests ]; then
   if [ "$part" = gates-24 ]; then
     gpu_tests gpu-gates-24 200 4 tests/test_gpu_hopper_backward.py -k between_16_and_32
@@ -426,22 +432,10 @@ elif [ "$part" = gates-24 ] || [ "$part" = pending-tests ]; then
     --sets pair_sums,p_first,lean_gates,fold_mma pair_sums,fold_mma --rounds 7 --out "$out/gates-24-options-2.json"
   grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-2.log" | grep -v "^--"
 elif [ "$part" = pending-kernels ]; then
-  i=0
-  for set in default default+l2_prefetch default+warp_colsums default+row_mma default; do
-    i=$((i + 1))
-    logged "pending-options-$i" 110 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
-      --shape 8/16:8192x8 --shape 4/8:32768 --shape 8/32:4096x8 --shape 2/4:8192 --sets "$set" --rounds 7 \
-      --out "$out/pending-options-$i.json"
-    grep -A1 "^[0-9]*/[0-9]*:" "$out/pending-options-$i.log" | grep -v "^--"
-  done
+  kernel_sets pending-options "$FIVE_FUSED" default default+l2_prefetch default+warp_colsums default+row_mma default
 elif [ "$part" = lean-given ]; then
-  i=0
-  for set in default default+lean_gates default; do
-    i=$((i + 1))
-    logged "lean-given-options-$i" 110 python3 benchmarks/fused_backward_options.py --shape 16/32:4096x8 \
-      --shape 16/32:8192x4 --shape 8/32:4096x8 --sets "$set" --rounds 7 --out "$out/lean-given-options-$i.json"
-    grep -A1 "^[0-9]*/[0-9]*:" "$out/lean-given-options-$i.log" | grep -v "^--"
-  done
+  kernel_sets lean-given-options "--shape 16/32:4096x8 --shape 16/32:8192x4 --shape 8/32:4096x8" \
+    default default+lean_gates default
 elif [ "$part" = odd-blocks ]; then
   gpu_tests gpu-odd-blocks 150 8 tests/test_gpu_hopper_stage1.py tests/test_kkt_options.py -k "odd_group or occupancy_setting"
   ones="32/32:4096x8,32/32:8192x4,16/16:4096x8,16/16:8192x4"

@@ -144,6 +144,16 @@ def build_chunk_forward_rso(
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
 
     parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
+    # S^T's hand-over buffers: one per ring stage, or one (gk_tile: its second buffer holds the -gamma ⊙ K tiles)
+    s_bufs = 1 if gk_tile else 2
+
+    def s_buffer(st):
+        # chunk c's S^T buffer (st = c % 2)
+        return st if s_bufs == 2 else 0
+
+    def s_phase(c, ahead=False):
+        # the phase parity of chunk c's S^T barriers (ahead: the chunk before's, one buffer or two back)
+        return (c // s_bufs + 1) % 2 if ahead else (c // s_bufs) % 2
 
     @T.macro
     def stamp(tr, role, point, c, tx, h, n):
@@ -187,21 +197,13 @@ def build_chunk_forward_rso(
             else:
                 T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
             stamp(tr, w, 2, c, tx, h, n)
-            if gk_tile:
-                T.barrier_wait(s_free[0], (c + 1) % 2)  # one S^T buffer: the output path is done with the chunk before
-            else:
-                T.barrier_wait(s_free[st], (c // 2 + 1) % 2)  # the output path is done with the chunk two back
+            # the output path is done with the S^T this buffer held (the chunk two back, or before with one buffer)
+            T.barrier_wait(s_free[s_buffer(st)], s_phase(c, ahead=True))
             stamp(tr, w, 3, c, tx, h, n)
-            if gk_tile:
-                for i, j in T.Parallel(HV2, K):
-                    s_s[0, c0 + i, j] = sb_f[i, j]
-                T.fence_proxy_async()
-                T.barrier_arrive(s_ready[0])
-            else:
-                for i, j in T.Parallel(HV2, K):
-                    s_s[st, c0 + i, j] = sb_f[i, j]
-                T.fence_proxy_async()
-                T.barrier_arrive(s_ready[st])
+            for i, j in T.Parallel(HV2, K):
+                s_s[s_buffer(st), c0 + i, j] = sb_f[i, j]
+            T.fence_proxy_async()
+            T.barrier_arrive(s_ready[s_buffer(st)])
             stamp(tr, w, 4, c, tx, h, n)
             if lean_output:
                 parts.decay_state_once(st_f, gc_s, st, gl)
@@ -272,13 +274,10 @@ def build_chunk_forward_rso(
             # Q K^T and O = Q S issued together (S^T is handed over at the start of the state chain's chunk, long
             # before this path gets to it); P = scale Gam ⊙ Q K^T (lower with the diagonal, kept in registers as the
             # A operand of P Vn) is made while Q S runs. S^T is the B operand: [V, K], K contiguous.
-            if gk_tile:  # one S^T buffer
-                T.barrier_wait(s_ready[0], c % 2)
-            else:
-                T.barrier_wait(s_ready[st], (c // 2) % 2)
+            T.barrier_wait(s_ready[s_buffer(st)], s_phase(c))
             stamp(tr, 2, 2, c, tx, h, n)
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(q_s[st, :, :], s_s[0 if gk_tile else st, :, :], o_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(q_s[st, :, :], s_s[s_buffer(st), :, :], o_f, transpose_B=True, clear_accum=True)
             stamp(tr, 2, 3, c, tx, h, n)
             T.wait_wgmma(1)
             stamp(tr, 2, 4, c, tx, h, n)
@@ -296,7 +295,7 @@ def build_chunk_forward_rso(
             stamp(tr, 2, 5, c, tx, h, n)
             T.wait_wgmma(0)
             stamp(tr, 2, 6, c, tx, h, n)
-            T.barrier_arrive(s_free[0 if gk_tile else st])
+            T.barrier_arrive(s_free[s_buffer(st)])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
             stamp(tr, 2, 7, c, tx, h, n)
             if lean_output:
@@ -359,7 +358,7 @@ def build_chunk_forward_rso(
             gam_s = T.alloc_shared((2, C), acc)  # per ring stage, from the decay warp
             dec_s = T.alloc_shared((2, C), acc)
             # state paths -> output path
-            s_s = T.alloc_shared((1 if gk_tile else 2, V, K), io_dtype)  # S^T, one per ring stage (gk_tile: one)
+            s_s = T.alloc_shared((s_bufs, V, K), io_dtype)  # S^T, one per ring stage (gk_tile: one)
             if gk_tile:  # -gamma ⊙ K per ring stage, from the producer warpgroup
                 gk_s = T.alloc_shared((2, C, K), io_dtype)
                 gk_ready = T.alloc_barrier(arrive_count=[128] * 2)
