@@ -255,8 +255,8 @@ def test_stage1_variants_carry_the_switched_build_options(diag16, mma32, triangl
                                          ((4, 8), (5, 5))])
 def test_stage1_of_an_odd_group_follows_its_occupancy_switch(heads, want, monkeypatch):
     """FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS: stage 1 of a group of one (forward and the backward's, A stored) is built
-    for the CTAs per SM of ``forward.ODD_GROUP_BLOCKS_PER_SM``, other groups for five as before (three included: its
-    build at six spills); off, every group for five. What ``hopper_stage1`` asks for is what a training step
+    for the CTAs per SM of ``forward.ODD_GROUP_BLOCKS_PER_SM`` (the default), other groups for five (three included:
+    its build at six spills); off, every group for five. What ``hopper_stage1`` asks for is what a training step
     precompiles."""
     from flashgdn.kernels.hopper import forward
     from flashgdn.kernels.hopper.variants import training_variants
@@ -267,6 +267,7 @@ def test_stage1_of_an_odd_group_follows_its_occupancy_switch(heads, want, monkey
         return tuple(kw["blocks_per_sm"] for kw in kkt)
 
     group = heads[1] // heads[0]
+    monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", False)
     assert blocks() == (5, 5)
     assert [forward._kkt_build_options(group, a)["blocks_per_sm"] for a in (False, True)] == [5, 5]
     monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", True)

@@ -65,7 +65,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     An odd group's build inverts one head at a time, so it needs less shared memory (~29-31 KB with ``diag16`` and
     ``mma32``) and fits more CTAs per SM if registers allow: ``blocks_per_sm`` 6 or 7 caps them at 80 or 72. A group
     of one then compiles at 7 to the same instructions with no spills; a group of three at 6 spills 4-16 bytes.
-    ``forward.KKT_ODD_GROUP_BLOCKS`` takes 7 for a group of one (an A/B: notes v0.33c).
+    ``forward.KKT_ODD_GROUP_BLOCKS`` (the default) takes 7 for a group of one (notes v0.33c).
 
     ``store_inverse`` adds a last argument ``A [S, Hv, 64, 64]`` (a dtype) that receives the ungated inverse A as
     well: the backward needs it (dL = -A^T dA A^T), and it cannot be had back from Ag once the decay underflows.

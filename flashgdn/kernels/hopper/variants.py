@@ -37,7 +37,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     yield (f"kkt_inverse_async_5_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True,
                 mma32=True))
-    # an odd group's build at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, an A/B), where it has one
+    # an odd group's build at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, the default), where it has one
     from .forward import ODD_GROUP_BLOCKS_PER_SM
 
     odd = ODD_GROUP_BLOCKS_PER_SM.get((Hv // Hqk, False))
@@ -299,7 +299,7 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     from .forward import ODD_GROUP_BLOCKS_PER_SM
 
     odd = ODD_GROUP_BLOCKS_PER_SM.get((Hv // Hqk, True))
-    if odd:  # an odd group's build at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, an A/B), where it has one
+    if odd:  # an odd group's build at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, the default), where it has one
         yield (f"kkt_inverse_with_A_async_{odd}_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
                dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
                     blocks_per_sm=odd, diag16=True, mma32=True))
