@@ -140,9 +140,9 @@ def emulate(q, k, v, g, beta, h0, do, dht, scale, rnd=bf16, cp=None, g_last="fol
 
     ``row_terms``: how the value side's three row terms of dg (d_i <(K dS')_i, Vn_i>, gamma_i <dW_i, KS_i>,
     scale gamma_i <q_i, (dO S^T)_i>) are made. "elementwise" (the kernels'): the float32 accumulator times the bf16
-    tile. "mma" (the fused kernel's ``row_mma`` build): the last two as diagonals of tensor-core products, their
-    accumulators (dW, scale gamma ⊙ dO S^T) rounded to bf16 as the products' register operands. "mma-all": the
-    first one too (d ⊙ K dS' rounded; not built: notes v0.33a)."""
+    tile. "mma" (v0.33a's ``row_mma`` build, measured and removed): the last two as diagonals of tensor-core
+    products, their accumulators (dW, scale gamma ⊙ dO S^T) rounded to bf16 as the products' register operands.
+    "mma-all": the first one too (d ⊙ K dS' rounded; not built: notes v0.33a)."""
     ra = rnd if row_terms == "mma-all" else exact
     rt = rnd if row_terms in ("mma", "mma-all") else exact
     T, H = v.shape[0], v.shape[1]

@@ -105,38 +105,23 @@ set -uo pipefail
 #   shapes beside FlashQLA (bwd-16x32.json).
 # scan-dg, scan-dg-kernel, scan-dg-ab, scan-dg-check: the gate side's dg by warp shuffles (notes v0.31a; the option is
 #   removed, 2988da6 has it and these rounds).
-# l2-prefetch: the next chunk's late inputs prefetched into L2 (backward.FUSED_L2_PREFETCH, notes v0.32a): its GPU tests
-#   (gpu-l2-prefetch.log), the kernel alone in the order default, prefetch, default, each in its own process, on five
-#   shapes (l2-prefetch-options-{1,2,3}.json); l2-prefetch-ab: fwd+bwd both ways on the bwd set (l2-prefetch-ab.json).
-# warp-colsums: the gate side's column sums by warp shuffles (backward.FUSED_WARP_COLSUMS, notes v0.32b): the same
-#   three parts as l2-prefetch (gpu-warp-colsums.log, warp-colsums-options-{1,2,3}.json); warp-colsums-ab: fwd+bwd
-#   both ways on the bwd set (dbeta and dg move: --max-diff 1e-4; warp-colsums-ab.json).
-# row-mma: two of the value side's row terms of dg by the tensor cores (backward.FUSED_ROW_MMA, notes v0.33a): the same
-#   three parts as l2-prefetch (gpu-row-mma.log, row-mma-options-{1,2,3}.json); row-mma-ab: fwd+bwd both ways on the
-#   bwd set (dg moves by the operands' bf16 rounding, ~1e-3 emulated: --max-diff 1e-2; row-mma-ab.json).
-# pending-tests, pending-kernels: the four open fused-backward changes (l2_prefetch, warp_colsums, row_mma, the gate
-#   options at 17-31 value heads) in two calls instead of their own rounds' three each: pending-tests runs their
-#   GPU tests together (gpu-pending.log) and the gates-24 kernel comparison (gates-24-options-{3,2}.json);
-#   pending-kernels the kernel alone on the five shapes of l2-prefetch in the order default, l2_prefetch,
-#   warp_colsums, row_mma, default, each in its own process (pending-options-{1..5}.json). Then the -ab round of
-#   whichever gains.
+# l2-prefetch, l2-prefetch-ab, warp-colsums, warp-colsums-ab, row-mma, row-mma-ab, pending-tests, pending-kernels: the
+#   fused backward's l2_prefetch, warp_colsums and row_mma (notes v0.32a, v0.32b, v0.33a; the options are removed,
+#   2f029b7 has them and these rounds).
 # lean-given: lean_gates beside p_given (notes v0.33b): the kernel alone at 16/32 and 8/32, default, default+lean_gates,
 #   default, each in its own process (lean-given-options-{1,2,3}.json; the same bits).
 # odd-blocks: stage 1 of a group of one at seven CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, notes v0.33c): its GPU
 #   test (gpu-odd-blocks.log), then stage 1 alone against the five-per-SM build with and without A stored
-#   (odd-blocks-{1,1A}.json); odd-blocks-ab: the forward both ways on the canonical set's full shapes at 32/32 and
-#   16/16 (the same bits; odd-blocks-ab.json).
-# gk-tile: the rso loop's W^T as one product onto V^T (forward.RSO_GK_TILE, notes v0.33d): its GPU test on the rso loop
-#   (gpu-gk-tile.log), then the loop alone by its trace build at 16/32 8192x4 without and with it
-#   (rso-trace-gk{0,1}.json: the loop's time and the chunk's cycles by role); gk-tile-ab: the forward both ways on
-#   the canonical set's full shapes (o moves by the tile's rounding: --max-diff 1e-2; gk-tile-ab.json).
+#   (odd-blocks-{1,1A}.json); odd-blocks-ab: the forward and fwd+bwd both ways on the canonical set's full shapes at
+#   32/32 and 16/16 (the same bits; odd-blocks-ab.json).
+# gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
 #   operator's build against the one it made before, without p_first and lean_gates (gates-24-options-{3,2}.json).
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|l2-prefetch|l2-prefetch-ab|warp-colsums|warp-colsums-ab|row-mma|row-mma-ab|gates-24|pending-tests|pending-kernels|lean-given|odd-blocks|odd-blocks-ab|gk-tile|gk-tile-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -166,7 +151,6 @@ kernel_sets() {
     grep -A1 "^[0-9]*/[0-9]*:" "$out/$prefix-$i.log" | grep -v "^--"
   done
 }
-FIVE_FUSED="--shape 16/32:4096x8 --shape 8/16:8192x8 --shape 4/8:32768 --shape 8/32:4096x8 --shape 2/4:8192"
 FOUR_SHAPES="--shape 2/4:32768 --shape 1/4:131072 --shape 4/8:32768 --shape 16/32:32768"
 EIGHT_SHAPES="$FOUR_SHAPES --shape 2/4:8192 --shape 4/8:8192 --shape 8/16:8192 --shape 16/32:8192"
 # a training step's kernels on few-head shapes with switches set: step_kernels NAME SECONDS "SHAPES" VAR=VALUE...
@@ -414,25 +398,14 @@ elif [ "$part" = p-given-low ]; then
   logged p-given-low-ab 380 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_P_GIVEN \
     --set bwd,cp --only-heads 8/16,4/8 --modes fwdbwd --rounds 2 --max-diff 1e-4 --out "$out/p-given-low-ab.json"
   tail -5 "$out/p-given-low-ab.log"
-elif [ "$part" = l2-prefetch ] || [ "$part" = warp-colsums ] || [ "$part" = row-mma ]; then
-  option=${part//-/_}  # the build option (l2_prefetch, warp_colsums, row_mma), which names its GPU tests too
-  gpu_tests "gpu-$part" 200 8 tests/test_gpu_hopper_backward.py -k "$option"
-  kernel_sets "$part-options" "$FIVE_FUSED" default "default+$option" default
-elif [ "$part" = gates-24 ] || [ "$part" = pending-tests ]; then
-  if [ "$part" = gates-24 ]; then
-    gpu_tests gpu-gates-24 200 4 tests/test_gpu_hopper_backward.py -k between_16_and_32
-  else
-    gpu_tests gpu-pending 240 12 tests/test_gpu_hopper_backward.py \
-      -k "l2_prefetch or warp_colsums or row_mma or between_16_and_32"
-  fi
+elif [ "$part" = gates-24 ]; then
+  gpu_tests gpu-gates-24 200 4 tests/test_gpu_hopper_backward.py -k between_16_and_32
   logged gates-24-options-3 140 python3 benchmarks/fused_backward_options.py --shape 8/24:4096x8 --shape 8/24:32768 \
     --sets p_first,lean_gates,fold_mma fold_mma --rounds 7 --out "$out/gates-24-options-3.json"
   grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-3.log" | grep -v "^--"
   logged gates-24-options-2 140 python3 benchmarks/fused_backward_options.py --shape 12/24:8192x4 --shape 12/24:32768 \
     --sets pair_sums,p_first,lean_gates,fold_mma pair_sums,fold_mma --rounds 7 --out "$out/gates-24-options-2.json"
   grep -A1 "^[0-9]*/[0-9]*:" "$out/gates-24-options-2.log" | grep -v "^--"
-elif [ "$part" = pending-kernels ]; then
-  kernel_sets pending-options "$FIVE_FUSED" default default+l2_prefetch default+warp_colsums default+row_mma default
 elif [ "$part" = lean-given ]; then
   kernel_sets lean-given-options "--shape 16/32:4096x8 --shape 16/32:8192x4 --shape 8/32:4096x8" \
     default default+lean_gates default
@@ -446,34 +419,8 @@ elif [ "$part" = odd-blocks ]; then
   for f in 1 1A; do grep "x[0-9]*:\|geometric\|exit" "$out/odd-blocks-$f.log"; done
 elif [ "$part" = odd-blocks-ab ]; then
   logged odd-blocks-ab 540 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:KKT_ODD_GROUP_BLOCKS \
-    --set canonical --ctas full --only-heads 32/32,16/16 --modes fwd --rounds 2 --out "$out/odd-blocks-ab.json"
+    --set canonical --ctas full --only-heads 32/32,16/16 --modes fwd,fwdbwd --rounds 2 --out "$out/odd-blocks-ab.json"
   tail -4 "$out/odd-blocks-ab.log"
-elif [ "$part" = gk-tile ]; then
-  export FLASHGDN_TEST_CHUNK_LOOPS=rso  # the test is of the rso loop's option
-  gpu_tests gpu-gk-tile 200 6 tests/test_gpu_hopper_forward.py -k gk_tile
-  unset FLASHGDN_TEST_CHUNK_LOOPS
-  for on in 0 1; do  # (each process compiles its trace and plain builds: ~1 min)
-    logged "rso-trace-gk$on" 120 env FLASHGDN_HOPPER_RSO_GK_TILE=$on python3 benchmarks/rso_trace.py \
-      --heads 16/32 --seqlens 8192,8192,8192,8192 --out "$out/rso-trace-gk$on.json"
-    head -1 "$out/rso-trace-gk$on.log"
-  done
-elif [ "$part" = gk-tile-ab ]; then
-  logged gk-tile-ab 540 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:RSO_GK_TILE \
-    --set canonical --ctas full --modes fwd --rounds 2 --max-diff 1e-2 --out "$out/gk-tile-ab.json"
-  tail -4 "$out/gk-tile-ab.log"
-elif [ "$part" = l2-prefetch-ab ]; then
-  logged l2-prefetch-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_L2_PREFETCH \
-    --set bwd --modes fwdbwd --rounds 2 --out "$out/l2-prefetch-ab.json"
-  tail -4 "$out/l2-prefetch-ab.log"
-elif [ "$part" = warp-colsums-ab ]; then
-  logged warp-colsums-ab 520 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.backward:FUSED_WARP_COLSUMS --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-4 \
-    --out "$out/warp-colsums-ab.json"
-  tail -4 "$out/warp-colsums-ab.log"
-elif [ "$part" = row-mma-ab ]; then
-  logged row-mma-ab 520 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_ROW_MMA \
-    --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/row-mma-ab.json"
-  tail -4 "$out/row-mma-ab.log"
 elif [ "$part" = cluster-cp ]; then
   for on in 0 1; do
     logged cp-cluster$on 120 env FLASHGDN_HOPPER_FUSED_CLUSTER_SUM=$on python3 -m flashgdn.bench --set cp \

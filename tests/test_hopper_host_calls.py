@@ -581,16 +581,15 @@ def test_op_backward_starts_from_the_forwards_segment_starts(checked_kernels, mo
     assert [sizes["num_seqs"] for name, sizes in checked_kernels if name == "splice"] == [8, 1]
 
 
-def test_forward_with_the_stage1_and_loop_switches_calls_their_builds(checked_kernels, monkeypatch):
-    """FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS and FLASHGDN_HOPPER_RSO_GK_TILE on, at Hqk = Hv (a group of one): the
-    operator's forward, with and without context parallelism, builds stage 1 for seven CTAs per SM and the rso loop
-    with ``gk_tile``, and calls both with the arguments their prim_funcs take (the loop's signature is unchanged)."""
+def test_forward_of_a_group_of_one_calls_stage1_at_seven_ctas_per_sm(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS on (the default), at Hqk = Hv (a group of one): the operator's forward,
+    with and without context parallelism, builds stage 1 for seven CTAs per SM and calls it, and the rso loop, with
+    the arguments their prim_funcs take."""
     from flashgdn.api.validate import validate
     from flashgdn.kernels.hopper import chunk_forward_rso, forward, kkt_inverse
     from flashgdn.kernels.hopper.backend import HopperBackend
 
     monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", True)
-    monkeypatch.setattr(forward, "RSO_GK_TILE", True)
     built = []
     for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rso, "build_chunk_forward_rso")):
         stand_in = getattr(module, attr)  # the fixture's signature check
@@ -609,5 +608,5 @@ def test_forward_with_the_stage1_and_loop_switches_calls_their_builds(checked_ke
         kkt = [kw for name, kw in built if name == "build_kkt_inverse"]
         rso = [kw for name, kw in built if name == "build_chunk_forward_rso"]
         assert kkt and all(kw.get("blocks_per_sm") == 7 for kw in kkt), (cp, kkt)
-        assert len(rso) == 1 and rso[0].get("gk_tile") is True, (cp, rso)
+        assert len(rso) == 1, (cp, rso)
         assert [name for name, _ in checked_kernels].count("chunk_forward_rso") == 1, cp

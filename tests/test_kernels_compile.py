@@ -30,10 +30,6 @@ EXPLAINED_SPILLS = {
         "as two 64-column TMA boxes, reloaded once per chunk (8 bytes before the output path was trimmed, whose "
         "code is the producer's own; lean_output); the state and output paths have no spills, and the swizzle made "
         "the loop 0.85x-0.98x (stages-hopper-v0.12b.json)",
-    "chunk_forward_rso_gk[":
-        "the same 16 bytes in the producer warpgroup, in the rso loop with W^T as one product onto V^T "
-        "(forward.RSO_GK_TILE, an A/B), whose producer warps also write the -gamma ⊙ K tile a row at a time (at 16 "
-        "values a lane per step they spilled 76 bytes)",
     "chunk_forward_rso_lean_state[":
         "the same 16 bytes in the producer warpgroup, in the rso loop with its state paths' column factors in "
         "registers too (the A/B of forward.RSO_LEAN_STATE)",
@@ -46,12 +42,8 @@ EXPLAINED_SPILLS = {
         "operator's 8/24 build); pair_sums up to 100/116 at 2/8, 116/132 in the operator's 12/24 build and 76/92 in its "
         "16/32 build (pair sums, P given, the gate side's fold); cluster_sum "
         "(backward.FUSED_CLUSTER_SUM, a memory option, off) up to 212/244: the producer warps' exchange at their 40 "
-        "registers (its loop-carried addresses and the sums' 16-byte vectors). Two A/Bs, not yet read in the SASS: "
-        "l2_prefetch (backward.FUSED_L2_PREFETCH) up to 108/124, the producer's prefetch addresses; warp_colsums "
-        "(backward.FUSED_WARP_COLSUMS) up to 72/88 at 2/8, and 52/68 at 16/32, fewer than without it; row_mma "
-        "(backward.FUSED_ROW_MMA) 76/80 at 2/8 and 60/60 at 16/32, also fewer. (These are the "
-        "fast-math builds that run; the report read PTX made without fast math before notes v0.32c, a few to 28 "
-        "bytes apart.)",
+        "registers (its loop-carried addresses and the sums' 16-byte vectors). (These are the fast-math builds "
+        "that run; the report read PTX made without fast math before notes v0.32c, a few to 28 bytes apart.)",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",
@@ -195,61 +187,6 @@ def test_fold_mma_folds_by_the_tensor_cores_on_either_side():
         assert ("xf_s" in folded) == given and "xf_s" not in plain, given
 
 
-def test_l2_prefetch_prefetches_the_next_chunks_late_inputs():
-    """``l2_prefetch`` adds bulk L2 prefetches of the next chunk's Q, dO, A, P and K to the producer's warps and
-    nothing else: the default build has none; the build with it has the helper, its three row loops (Q, dO, K: two
-    steps of one 256-byte row a lane) and the two 8 KB tiles (A, and P where it is given), on the 16/32 build of the
-    operator's options (P given, pair sums, the gate side's fold), with its registers and spills in bounds."""
-    from flashgdn.kernels.hopper.common import resource_usage
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
-
-    opts = dict(pair_sums=True, p_given=True, fold_mma=True, first_apart=True)
-    plain = build_fused_backward(16, 32, 128, 128, "bfloat16", True, **opts).get_kernel_source()
-    kernel = build_fused_backward(16, 32, 128, 128, "bfloat16", True, l2_prefetch=True, **opts)
-    src = kernel.get_kernel_source()
-    assert "cp.async.bulk.prefetch" not in plain and "flashgdn_prefetch" not in plain
-    assert src.count("cp.async.bulk.prefetch.L2.global") == 1  # the helper, called from the producer's warps
-    calls = [line.strip() for line in src.splitlines() if "flashgdn_prefetch::to_l2(" in line]
-    assert sum("256" in c for c in calls) == 3 and sum("8192" in c for c in calls) == 2, calls
-    usage = resource_usage(kernel)
-    assert not usage["wgmma_serialized"] and usage["spill_stores"] <= 100, usage
-
-
-def test_warp_colsums_sums_the_gate_sides_columns_by_shuffles():
-    """``warp_colsums`` replaces the gate side's two batched column sums of X by the shuffle helper, called with the
-    fragment the helper's layout assumes: X's element-wise loop indexes beta (its column) as column 8 (i / 4) +
-    2 (t % 4) + i % 2 and A (its row) with warp t / 32 at 16 rows, (i / 2) % 2 at 8 and lane / 4 at 1, in both the
-    16/32 build (P given) and the 2/8 one (lean gates); the default builds keep TileLang's reduction."""
-    import re
-
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
-
-    for heads, opts in (((16, 32), dict(pair_sums=True, p_given=True, fold_mma=True, first_apart=True)),
-                        ((2, 8), dict(p_first=True, lean_gates=True, fold_mma=True, first_apart=True))):
-        plain = build_fused_backward(*heads, 128, 128, "bfloat16", True, **opts).get_kernel_source()
-        src = build_fused_backward(*heads, 128, 128, "bfloat16", True, warp_colsums=True, **opts).get_kernel_source()
-        assert "flashgdn_colsum" not in plain and plain.count("run_batch") == 8
-        assert src.count("flashgdn_colsum::columns64((&(x_f[0]))") == 2 and src.count("run_batch") == 0, heads
-        for out in ("db1_s", "xc_s"):  # the side's threads counted from 0, its named barrier
-            assert f"{out})[0])), (((int)threadIdx.x) - 256), 5)" in src, out
-        # the helper's barrier 5 is the gate side's own: TileLang's syncs of that side (from its branch on, up to
-        # the first call) all use it, and no sync before that branch does
-        gate = src.index("if (((int)threadIdx.x) < 384) {")
-        assert "__sync_thread_partial(5," not in src[:gate], heads
-        ids = re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src[gate:src.index("columns64((&")])
-        assert ids and set(ids) == {("5", "128")}, (heads, ids)
-        # the layout of x_f: its column where it is scaled by beta, its row where it is made from A
-        col = re.search(r"x_f\[(i_\d+)\] = \(\(x_f\[\1\] \* \(\(float\*\)b_s\)\[(.*?)\]\)", src)
-        assert col, heads
-        i = col.group(1)
-        assert col.group(2) == f"(((({i} >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + ({i} & 1))", col.group(2)
-        row = re.search(r"x_f\[(i_\d+)\] = \(cc_f\[\1\] \* \(\(float\)\(\(bfloat16_t\*\)a_s\)\[.*", src)
-        assert row, heads
-        j, text = row.group(1), row.group(0)
-        assert "(((int)threadIdx.x) >> 5) * 1024)" in text and f"((({j} & 3) >> 1) * 512)" in text \
-            and "(((((int)threadIdx.x) & 31) >> 2) * 64)" in text, text[:300]
-
-
 def test_pair_sums_is_checked_and_adds_the_rows_by_vector_reductions():
     """``pair_sums`` is built for even groups only (a clear error before anything compiles), not beside
     ``cluster_sum``; its build adds dq's and dk's rows with the 16-byte reduction of its io dtype, and the default
@@ -334,33 +271,3 @@ def test_kkt_inverse_fits_the_occupancy_it_is_built_for(variant):
     allocated = -(-res["registers"] // 8) * 8  # registers are allocated per thread in steps of 8
     assert per_sm * 128 * allocated <= 65536, (name, res["registers"])
     assert per_sm * (res["dynamic_smem"] + 1024) <= 228 * 1024, (name, res["dynamic_smem"])
-
-
-def test_row_mma_takes_two_row_terms_to_the_tensor_cores():
-    """``row_mma`` makes two of the value side's row terms of dg from three m64n64 wgmma groups with a register
-    operand (dW negated against V, dW against W, scale gamma ⊙ dO S^T against Q), where the build without it has no
-    register-operand wgmma at all, on the 16/32 build of the operator's options (P given, pair sums, the gate side's
-    fold): the point of the option is fewer instructions on the value side, so the build must have fewer SASS
-    instructions and spill no more, with its wgmma not serialised."""
-    from flashgdn.kernels.hopper.common import resource_usage
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
-
-    opts = dict(pair_sums=True, p_given=True, fold_mma=True, first_apart=True)
-    plain = build_fused_backward(16, 32, 128, 128, "bfloat16", True, **opts)
-    kernel = build_fused_backward(16, 32, 128, 128, "bfloat16", True, row_mma=True, **opts)
-    src = kernel.get_kernel_source()
-    assert "wgmma_rs<" not in plain.get_kernel_source()
-    rs = [line for line in src.splitlines() if "wgmma_rs<" in line]
-    assert len(rs) == 3 and all("kFloat32, 64, 64, 16" in line for line in rs), rs
-    # their shared operands, in order: each product's B descriptor and the tile it is made from
-    tiles = []
-    for line in rs:
-        desc = re.search(r"uint64_t\((desc_b_\d+) \+", line).group(1)
-        tiles.append(re.search(rf"initialize_wgmma_descriptor<[^>]*>\({desc}, \(&\(\(\(bfloat16_t\*\)(\w+)\)",
-                               src).group(1))
-    assert tiles == ["v_s", "w_s", "q_s"], tiles
-    before, after = resource_usage(plain), resource_usage(kernel)
-    assert not after["wgmma_serialized"], after
-    assert after["instructions"] < before["instructions"], (before, after)
-    assert after["spill_stores"] <= before["spill_stores"] and after["spill_loads"] <= before["spill_loads"], \
-        (before, after)

@@ -93,10 +93,10 @@ def test_chained_g_last_term_adds_up_its_rounding_along_the_walk():
 
 @pytest.mark.parametrize("gate", ["normal", "strong", "zero"])
 def test_row_terms_by_the_tensor_cores_move_dg_alone_and_little(gate):
-    """The fused kernel's ``row_mma`` build rounds two of dg's row terms' operands (dW, scale gamma ⊙ dO S^T) to bf16
-    for the tensor cores: emulated, every other gradient is the same (the same values feed them), and dg stays within
-    1.25x its error against float64 without it and far inside its bar (notes v0.33a). Without rounding the terms are
-    the same algebra (the float64 backward)."""
+    """v0.33a's ``row_mma`` build (measured and removed) rounded two of dg's row terms' operands (dW, scale gamma ⊙
+    dO S^T) to bf16 for the tensor cores: emulated, every other gradient is the same (the same values feed them), and
+    dg stays within 1.25x its error against float64 without it and far inside its bar (notes v0.33a). Without
+    rounding the terms are the same algebra (the float64 backward)."""
     x = nb.inputs(2048, 2, gate, seed=2)
     scale = nb.K ** -0.5
     want = nb.reference(*x, scale)

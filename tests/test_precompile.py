@@ -273,38 +273,3 @@ def test_stage1_of_an_odd_group_follows_its_occupancy_switch(heads, want, monkey
     monkeypatch.setattr(forward, "KKT_ODD_GROUP_BLOCKS", True)
     assert blocks() == want
     assert tuple(forward._kkt_build_options(group, a)["blocks_per_sm"] for a in (False, True)) == want
-
-
-def test_precompiled_rso_loop_follows_the_gk_tile_switch(monkeypatch):
-    """FLASHGDN_HOPPER_RSO_GK_TILE reaches the rso loop a server precompiles (beside the default lean state paths),
-    and only it: off, no build carries the option."""
-    from flashgdn.kernels.hopper import forward
-    from flashgdn.kernels.hopper.variants import serving_variants
-
-    def rso():
-        return [kw for _, builder, kw in serving_variants(2, 8, flags="common") if builder == "chunk_forward_rso"]
-
-    assert [kw.get("gk_tile") for kw in rso()] == [None]
-    monkeypatch.setattr(forward, "RSO_GK_TILE", True)
-    assert [(kw.get("gk_tile"), kw.get("lean_state")) for kw in rso()] == [(True, True)]
-
-
-@pytest.mark.parametrize("switch,option", [("FUSED_ROW_MMA", "row_mma"), ("FUSED_L2_PREFETCH", "l2_prefetch"),
-                                           ("FUSED_WARP_COLSUMS", "warp_colsums")])
-def test_fused_backward_ab_switches_reach_the_precompiled_builds(switch, option, monkeypatch):
-    """The fused backward's A/B switches (off by default) add their option to every fused build a training step
-    precompiles, beside the head count's other options, and to nothing else."""
-    from flashgdn.kernels.hopper import backward
-    from flashgdn.kernels.hopper.variants import training_variants
-
-    def fused(heads):
-        return [kw for _, builder, kw in training_variants(*heads, flags="common") if builder == "fused_backward"]
-
-    for heads in ((2, 8), (16, 32)):
-        assert fused(heads) and not [kw for kw in fused(heads) if kw.get(option)]
-    monkeypatch.setattr(backward, switch, True)
-    for heads in ((2, 8), (16, 32)):
-        builds = fused(heads)
-        assert builds and all(kw.get(option) is True for kw in builds), heads
-        others = backward.fused_backward_options(heads[1], heads[1] // heads[0])
-        assert all({k: v for k, v in kw.items() if k in others} == others for kw in builds), heads

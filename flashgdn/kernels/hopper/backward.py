@@ -222,28 +222,6 @@ FUSED_P_GIVEN_MIN_HV = 32
 #: FLASHGDN_HOPPER_FUSED_FOLD_MMA=auto|1|0 (1: also beside cluster_sum).
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
-#: the next chunk's Q, dO, A, P and K brought into L2 by the producer's warps a step ahead of their TMA loads
-#: (``fused_backward.py``, ``l2_prefetch``). The trace of the 16/32 default (notes v0.31a) has a step's loop pass
-#: through those loads: they are issued only once their tiles are free, ~1.1-1.6k cycles before the next step, and land
-#: ~2k cycles after the issue, while V, Ag and S^T (issued ~6k cycles ahead) never keep a side waiting. No value
-#: changes. An A/B, off until measured (notes v0.32a). FLASHGDN_HOPPER_FUSED_L2_PREFETCH=1|0.
-FUSED_L2_PREFETCH = os.environ.get("FLASHGDN_HOPPER_FUSED_L2_PREFETCH", "0") == "1"
-
-#: the gate side's two column sums of X (dbeta's first sum, X's for dg) by warp shuffles and one barrier of the side
-#: (``fused_backward.py``, ``warp_colsums``) instead of TileLang's batched reduction, which the trace of the 16/32
-#: default puts at ~1.3k cycles each on the gate side's way to dKK, the step's loop (notes v0.31a). The same sums in
-#: another order: dbeta and dg move by float32 rounding. An A/B, off until measured (notes v0.32b).
-#: FLASHGDN_HOPPER_FUSED_WARP_COLSUMS=1|0.
-FUSED_WARP_COLSUMS = os.environ.get("FLASHGDN_HOPPER_FUSED_WARP_COLSUMS", "0") == "1"
-
-#: two of the value side's three row terms of dg~ (gamma_i <dW_i, KS_i>, scale gamma_i <q_i, (dO S^T)_i>) as the
-#: diagonal of wgmma products with bf16 register operands (``fused_backward.py``, ``row_mma``) instead of element-wise
-#: products of the float32 accumulators with four bf16 tiles and their row sums, as ``fold_mma`` did for <dS', S>.
-#: Compiled at 16/32 (the operator's build): 7592 -> 7336 SASS instructions, 76/92 -> 60/60 B spilled, wgmma not
-#: serialised. dg moves by the operands' rounding (0.98x-1.2x its error against float64, emulated), the rest keeps
-#: its bits. An A/B, off until measured (notes v0.33a). FLASHGDN_HOPPER_FUSED_ROW_MMA=1|0.
-FUSED_ROW_MMA = os.environ.get("FLASHGDN_HOPPER_FUSED_ROW_MMA", "0") == "1"
-
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
@@ -268,12 +246,6 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")
                                   and (options.get("pair_sums") or not options.get("p_given"))):
         options["fold_mma"] = True
-    if FUSED_L2_PREFETCH:
-        options["l2_prefetch"] = True
-    if FUSED_WARP_COLSUMS:
-        options["warp_colsums"] = True
-    if FUSED_ROW_MMA:
-        options["row_mma"] = True
     return options
 
 

@@ -43,7 +43,7 @@ import functools
 
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .loop_parts import make_loop_parts
-from .ring_producer import make_gk_rows, make_ring_producer
+from .ring_producer import make_ring_producer
 
 #: registers per thread after setmaxnreg: two state paths, output path, producer (sums to 512: the whole register
 #: file at 512 threads). The output path holds P and O = Q S at once while Q S runs: 160 is the least at which ptxas
@@ -84,7 +84,6 @@ def build_chunk_forward_rso(
     lean_output: bool = True,
     lean_state: bool = False,
     trace: bool = False,
-    gk_tile: bool = False,
 ):
     """Compile (or load) the loop. Same kernel arguments as ``build_chunk_forward_rs``'s with an output:
     ``q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht``. ``regs``: setmaxnreg of the state paths, the
@@ -112,15 +111,6 @@ def build_chunk_forward_rso(
     ``lean_state`` (an A/B) does the same for the state paths' column factors gamma_j (W^T) and d_j (Vn^T's decay):
     read once per chunk into fragments of the thread's 16 columns instead of once per element.
 
-    ``gk_tile`` (``forward.RSO_GK_TILE``, an A/B): W^T = V^T - (S^T K^T) diag(gamma), the chain's longest element-wise
-    step (1226 cycles in v0.20c's trace, its FFMAs waiting on two-byte V^T loads), becomes one product onto an
-    accumulator that already holds V^T: W^T = V^T + S^T (-diag(gamma) K)^T. The producer warpgroup writes each ring
-    stage's -gamma ⊙ K tile (bf16, 16 rows a warp, ``ring_producer.make_gk_rows``) once the stage has landed, and
-    the state paths load the next chunk's V^T into the accumulator while S''s product runs. The tiles take the 32 KB
-    of S^T's second buffer: S^T is handed to the output path through one buffer (its Q S is done long before the next
-    chunk's S^T is ready). gamma ⊙ K is rounded to bf16 where (S^T K^T) gamma was not: other bits, no accuracy cost in
-    ``benchmarks/numerics_study.py``'s ``gk`` form (notes v0.33d).
-
     ``trace`` (a diagnostic) adds a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64 that receives the SM's
     cycle counter at the points of ``TRACE_POINTS_OF``, stamped by one thread of each role in the CTA of value head 0
     and sequence 0 for its first TRACE_CHUNKS chunks; the same outputs as the build without it."""
@@ -144,16 +134,6 @@ def build_chunk_forward_rso(
     state_shape_ht = (n_ht, Hv, V, K) if state_v_first else (n_ht, Hv, K, V)
 
     parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
-    # S^T's hand-over buffers: one per ring stage, or one (gk_tile: its second buffer holds the -gamma ⊙ K tiles)
-    s_bufs = 1 if gk_tile else 2
-
-    def s_buffer(st):
-        # chunk c's S^T buffer (st = c % 2)
-        return st if s_bufs == 2 else 0
-
-    def s_phase(c, ahead=False):
-        # the phase parity of chunk c's S^T barriers (ahead: the chunk before's, one buffer or two back)
-        return (c // s_bufs + 1) % 2 if ahead else (c // s_bufs) % 2
 
     @T.macro
     def stamp(tr, role, point, c, tx, h, n):
@@ -165,7 +145,7 @@ def build_chunk_forward_rso(
 
     @T.macro
     def state_path(w, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
-                   full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx, gk_s=None, gk_ready=None):
+                   full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -177,11 +157,6 @@ def build_chunk_forward_rso(
             gcol_f = T.alloc_fragment((C,), acc)
             dcol_f = T.alloc_fragment((C,), acc)
         parts.load_state(st_f, h0, n, h, c0)
-        if gk_tile:
-            if n_chunks > 0:  # chunk 0's V^T as W^T's accumulator (later chunks' are loaded during S''s product)
-                T.barrier_wait(full[0], 0)
-                for i, j in T.Parallel(HV2, C):
-                    u_f[i, j] = v_s[0, j, c0 + i]
 
         for c in T.serial(n_chunks):
             st = c % 2
@@ -190,20 +165,14 @@ def build_chunk_forward_rso(
             stamp(tr, w, 1, c, tx, h, n)
             T.copy(st_f, sb_f)
             # S^T K^T in flight while S^T goes to the output path and gamma_C S^T is formed
-            if gk_tile:
-                # W^T = V^T + S^T (-diag(gamma) K)^T onto V^T in the accumulator
-                T.barrier_wait(gk_ready[st], (c // 2) % 2)
-                T.wgmma_gemm(sb_f, gk_s[st, :, :], u_f, transpose_B=True)
-            else:
-                T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
             stamp(tr, w, 2, c, tx, h, n)
-            # the output path is done with the S^T this buffer held (the chunk two back, or before with one buffer)
-            T.barrier_wait(s_free[s_buffer(st)], s_phase(c, ahead=True))
+            T.barrier_wait(s_free[st], (c // 2 + 1) % 2)  # the output path is done with the chunk two back
             stamp(tr, w, 3, c, tx, h, n)
             for i, j in T.Parallel(HV2, K):
-                s_s[s_buffer(st), c0 + i, j] = sb_f[i, j]
+                s_s[st, c0 + i, j] = sb_f[i, j]
             T.fence_proxy_async()
-            T.barrier_arrive(s_ready[s_buffer(st)])
+            T.barrier_arrive(s_ready[st])
             stamp(tr, w, 4, c, tx, h, n)
             if lean_output:
                 parts.decay_state_once(st_f, gc_s, st, gl)
@@ -217,10 +186,9 @@ def build_chunk_forward_rso(
             stamp(tr, w, 6, c, tx, h, n)
             if lean_state:  # gamma_j and d_j of the thread's columns, once per chunk
                 parts.column_factors(gam_s, dec_s, gcol_f, dcol_f, st)
-                if not gk_tile:
-                    for i, j in T.Parallel(HV2, C):
-                        u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gcol_f[j]
-            elif not gk_tile:
+                for i, j in T.Parallel(HV2, C):
+                    u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gcol_f[j]
+            else:
                 for i, j in T.Parallel(HV2, C):
                     u_f[i, j] = v_s[st, j, c0 + i] - u_f[i, j] * gam_s[st, j]
             T.copy(u_f, ub_f)
@@ -239,16 +207,7 @@ def build_chunk_forward_rso(
             # S'^T = gamma_C S^T + (Vn^T diag(exp(g~_last - g~))) K ; rows past the end have Vn = 0
             parts.decay_columns(u_f, dcol_f if lean_state else None, dec_s, st, lean_state)
             T.copy(u_f, ub_f)
-            if gk_tile:
-                # the next chunk's V^T into the accumulator while S''s product runs
-                T.wgmma_gemm(ub_f, k_s[st, :, :], st_f)
-                if c + 1 < n_chunks:
-                    T.barrier_wait(full[1 - st], ((c + 1) // 2) % 2)
-                    for i, j in T.Parallel(HV2, C):
-                        u_f[i, j] = v_s[1 - st, j, c0 + i]
-                T.wait_wgmma(0)
-            else:
-                T.gemm(ub_f, k_s[st, :, :], st_f)
+            T.gemm(ub_f, k_s[st, :, :], st_f)
             T.barrier_arrive(empty[st])
             stamp(tr, w, 11, c, tx, h, n)
 
@@ -274,10 +233,10 @@ def build_chunk_forward_rso(
             # Q K^T and O = Q S issued together (S^T is handed over at the start of the state chain's chunk, long
             # before this path gets to it); P = scale Gam ⊙ Q K^T (lower with the diagonal, kept in registers as the
             # A operand of P Vn) is made while Q S runs. S^T is the B operand: [V, K], K contiguous.
-            T.barrier_wait(s_ready[s_buffer(st)], s_phase(c))
+            T.barrier_wait(s_ready[st], (c // 2) % 2)
             stamp(tr, 2, 2, c, tx, h, n)
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(q_s[st, :, :], s_s[s_buffer(st), :, :], o_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(q_s[st, :, :], s_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
             stamp(tr, 2, 3, c, tx, h, n)
             T.wait_wgmma(1)
             stamp(tr, 2, 4, c, tx, h, n)
@@ -295,7 +254,7 @@ def build_chunk_forward_rso(
             stamp(tr, 2, 5, c, tx, h, n)
             T.wait_wgmma(0)
             stamp(tr, 2, 6, c, tx, h, n)
-            T.barrier_arrive(s_free[s_buffer(st)])
+            T.barrier_arrive(s_free[st])
             T.barrier_wait(d_ready[st], (c // 2) % 2)
             stamp(tr, 2, 7, c, tx, h, n)
             if lean_output:
@@ -339,7 +298,6 @@ def build_chunk_forward_rso(
             T.tma_store_wait(0)
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True)
-    gk_rows = make_gk_rows(K, io_dtype)
 
     @T.macro
     def rso_body(q, k, v, gcum, Ag, cu_seqlens, first_slot, h0, scale, o, ht, tr):
@@ -358,13 +316,7 @@ def build_chunk_forward_rso(
             gam_s = T.alloc_shared((2, C), acc)  # per ring stage, from the decay warp
             dec_s = T.alloc_shared((2, C), acc)
             # state paths -> output path
-            s_s = T.alloc_shared((s_bufs, V, K), io_dtype)  # S^T, one per ring stage (gk_tile: one)
-            if gk_tile:  # -gamma ⊙ K per ring stage, from the producer warpgroup
-                gk_s = T.alloc_shared((2, C, K), io_dtype)
-                gk_ready = T.alloc_barrier(arrive_count=[128] * 2)
-            else:
-                gk_s = None
-                gk_ready = None
+            s_s = T.alloc_shared((2, V, K), io_dtype)  # S^T, one per ring stage
             vn_s = T.alloc_shared((V, C), io_dtype)  # Vn^T
             o_s = T.alloc_shared((C, V), io_dtype)  # O, for the TMA store
 
@@ -384,11 +336,11 @@ def build_chunk_forward_rso(
             if tx < 128:
                 T.set_max_nreg(state_regs, 1)
                 state_path(0, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
-                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx, gk_s, gk_ready)
+                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
                 state_path(1, n, h, n_chunks, h0, ht, k_s, v_s, gc_s, a_s, gam_s, dec_s, s_s, vn_s,
-                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx, gk_s, gk_ready)
+                           full, empty, d_ready, s_ready, s_free, vn_ready, vn_free, tr, tx)
             elif tx < 384:
                 T.set_max_nreg(output_regs, 1 if output_regs > 128 else 0)  # 128 at launch (512 threads)
                 output_path(n, h, bos, eos, n_chunks, o, scale, q_s, k_s, gc_s, gam_s, s_s, vn_s, o_s,
@@ -398,7 +350,7 @@ def build_chunk_forward_rso(
                 T.set_max_nreg(producer_regs, 0)
                 if tx < 480:
                     producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s,
-                             gc_s, full, empty, gk_s=gk_s, gk_ready=gk_ready, gam_s=gam_s, d_ready=d_ready)
+                             gc_s, full, empty)
                 else:  # the decays of each ring stage, once its g~ has arrived
                     for c in T.serial(n_chunks):
                         st = c % 2
@@ -408,8 +360,6 @@ def build_chunk_forward_rso(
                         parts.gate_decays(gc_s, gam_s, dec_s, st)
                         T.barrier_arrive(d_ready[st])
                         stamp(tr, 3, 2, c, tx, h, n)
-                        if gk_tile:  # the tile's last 16 rows
-                            gk_rows(k_s, gam_s, gk_s, gk_ready, d_ready, st, c, 48)
 
 
     # a prim_func's parameters are its source's: the trace build's extra argument needs a signature of its own

@@ -104,12 +104,6 @@ RSO_LEAN_OUTPUT = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_OUTPUT", "1") == "1"
 #: power cap's order-dependent drift): the default. FLASHGDN_HOPPER_RSO_LEAN_STATE=0 turns it off.
 RSO_LEAN_STATE = os.environ.get("FLASHGDN_HOPPER_RSO_LEAN_STATE", "1") == "1"
 
-#: The rso loop's W^T as one product onto V^T with gamma folded into a per-stage bf16 -gamma ⊙ K tile that the
-#: producer warpgroup writes (``chunk_forward_rso.py``'s ``gk_tile``): the state chain's longest element-wise step
-#: (1226 of ~3850 cycles, v0.20c) off the chain; S^T single-buffered to make room. Other bits (gamma ⊙ K rounded),
-#: no accuracy cost emulated. An A/B, off until measured (notes v0.33d). FLASHGDN_HOPPER_RSO_GK_TILE=1|0.
-RSO_GK_TILE = os.environ.get("FLASHGDN_HOPPER_RSO_GK_TILE", "0") == "1"
-
 #: The state passes' state paths with gamma_j, d_j and exp(g~_last) in registers, made once per chunk: the rs loop's
 #: (``chunk_forward_rs.py``'s ``lean``: context parallelism's transitions, the backward's chunk states, the rs loop with
 #: an output when it is chosen) and the backward's walk (``state_grad_walk.py``'s ``lean``). The same bits
@@ -155,10 +149,9 @@ def lean_state_option() -> dict:
 
 
 def rso_options() -> dict:
-    """``build_chunk_forward_rso``'s options as ``RSO_LEAN_OUTPUT``, ``RSO_LEAN_STATE`` and ``RSO_GK_TILE`` set them (only those that
+    """``build_chunk_forward_rso``'s options as ``RSO_LEAN_OUTPUT`` and ``RSO_LEAN_STATE`` set them (only those that
     differ from its defaults, so the default build keeps its cache entry)."""
-    return {**({} if RSO_LEAN_OUTPUT else dict(lean_output=False)), **(dict(lean_state=True) if RSO_LEAN_STATE else {}),
-            **(dict(gk_tile=True) if RSO_GK_TILE else {})}
+    return {**({} if RSO_LEAN_OUTPUT else dict(lean_output=False)), **(dict(lean_state=True) if RSO_LEAN_STATE else {})}
 
 #: V block of the chunk loop. 128 = the whole value head: Q K^T, Gam and Ag are computed once per head.
 DEFAULT_BV = 128

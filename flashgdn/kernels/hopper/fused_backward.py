@@ -139,52 +139,12 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 }  // namespace flashgdn_pairs
 """
 
-#: device helper of the ``l2_prefetch`` build: ``bytes`` (a multiple of 16, from a 16-byte aligned address) brought
-#: from global memory into L2 by one bulk prefetch (SM90): no destination in the CTA, nothing to wait for, no value
-#: changed anywhere
-PREFETCH_PRELUDE = r"""
-namespace flashgdn_prefetch {
-__device__ __forceinline__ void to_l2(const void *src, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
-}
-}  // namespace flashgdn_prefetch
-"""
-
-#: device helper of the ``warp_colsums`` build: the 64 column sums of a [64, 64] float32 wgmma accumulator held by the
-#: 128 threads of a warpgroup (thread t's value i at row 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column
-#: 8 (i / 4) + 2 (t % 4) + i % 2, the layout TileLang gives the accumulator and the fragments computed beside it):
-#: each thread adds its two rows, three xor-shuffles add a warp's eight row groups, lanes 0-3 put the warp's 64 sums
-#: in ``ws`` (256 floats), and after one barrier of the warpgroup (``barrier``, its named barrier) threads 0-63 add the
-#: four warps' in warp order into ``out``
-COLSUM_PRELUDE = r"""
-namespace flashgdn_colsum {
-__device__ __forceinline__ void columns64(const float *x, float *ws, float *out, int t, int barrier) {
-  float s[16];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) s[j] = x[(j >> 1) * 4 + (j & 1)] + x[(j >> 1) * 4 + 2 + (j & 1)];
-#pragma unroll
-  for (int m = 4; m < 32; m <<= 1) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], m);
-  }
-  int lane = t & 31, warp = t >> 5;
-  if (lane < 4) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) ws[warp * 64 + (j >> 1) * 8 + lane * 2 + (j & 1)] = s[j];
-  }
-  asm volatile("bar.sync %0, %1;" :: "r"(barrier), "r"(128) : "memory");
-  if (t < 64) out[t] = ((ws[t] + ws[64 + t]) + ws[128 + t]) + ws[192 + t];
-}
-}  // namespace flashgdn_colsum
-"""
-
 
 @functools.lru_cache(maxsize=None)
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False, l2_prefetch: bool = False, warp_colsums: bool = False,
-                         row_mma: bool = False):
+                         fold_mma: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
@@ -251,27 +211,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     value side makes dVn; its row sums reach dg through a vector of their own (on the value side ptxas serialised
     the kernel's wgmma there for want of registers). On the gate side where P is not given too (issued once P is
     out), it was slower: the gate side's path is the one the value side waits for there (notes v0.30d).
-
-    ``l2_prefetch`` (``backward.FUSED_L2_PREFETCH``, an A/B): the producer's warps of the inputs that are freed last
-    in a step (Q and dO, A and P, K) issue the next chunk's rows of them as bulk L2 prefetches right after the
-    current chunk's loads, a step ahead of the TMA loads that then read them from L2 instead of HBM. No value
-    changes: the same bits.
-
-    ``warp_colsums`` (``backward.FUSED_WARP_COLSUMS``, an A/B): the gate side's two column sums of X (dbeta's first
-    sum, and X's for dg) by warp shuffles and one barrier of the side instead of TileLang's batched reduction
-    (two shared-memory levels of two barriers each per batch of eight columns, two batches). The same sums in
-    another order: dbeta and dg move by float32 rounding, nothing else.
-
-    ``row_mma`` (``backward.FUSED_ROW_MMA``, an A/B): two of the value side's three row terms of dg~, gamma_i <dW_i,
-    KS_i> and scale gamma_i <q_i, (dO S^T)_i>, as the diagonal of one [64, 64] accumulator instead of element-wise
-    products of a float32 accumulator with bf16 tiles and their row sums: dW (negated, then not) and scale gamma ⊙
-    dO S^T go to bf16 register operands of three wgmma groups against V, W (V - W = gamma KS as the gate side rounded
-    W) and Q. ~3 MFLOP more on the tensor pipe a step against the element-wise reads of four [64, 128] tiles, their
-    unpacks, products and row sums (v0.28a's profile: ~850 of the value side's ~3080 instructions a step were such
-    unpacks; its element-wise work was on the step's path below 32 value heads, v0.30a). The operands' rounding to bf16 moves dg (0.98x-1.2x its error against
-    float64 in ``benchmarks/numerics_backward.py --row-terms mma``); every other gradient keeps its bits. The third
-    term, d_i <(K dS')_i, Vn_i>, stays element-wise: it also feeds every token's g~_last terms, and rounding its
-    operand would move dg up to 2.1x (notes v0.33a).
     """
     import tilelang
     import tilelang.language as T
@@ -299,9 +238,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         assert 2 <= group <= CLUSTER_SUM_MAX_GROUP and C % (8 * group) == 0, "cluster_sum needs a group of 2 to 8"
     # a plain launch unless cluster_sum (None and None are T.Kernel's defaults: the same kernel as without them)
     cluster_dims = (group, 1, 1) if cluster_sum else None
-    preludes = [CLUSTER_PRELUDE if cluster_sum else PAIRS_PRELUDE if pair_sums else None,
-                PREFETCH_PRELUDE if l2_prefetch else None, COLSUM_PRELUDE if warp_colsums else None]
-    prelude = "".join(x for x in preludes if x) or None  # (None, T.Kernel's default, where there is none)
+    prelude = CLUSTER_PRELUDE if cluster_sum else PAIRS_PRELUDE if pair_sums else None
     dq_heads = Hqk if cluster_sum else Hv // 2 if pair_sums else Hv
     add_16_bytes = "flashgdn_pairs::add_16_bytes_" + ("bf16" if io_dtype == "bfloat16" else "f16")
     own_rows = C // group  # cluster_sum: the rows of a chunk each CTA of a group sums and writes
@@ -313,25 +250,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             for j in T.Parallel(D):
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
         T.fence_proxy_async()
-
-    @T.macro
-    def column_sums(x_f, cs_ws, half, out_s, tx):
-        # warp_colsums: the gate side's column sums of x_f into out_s (its named barrier is TileLang's 5)
-        T.call_extern("handle", "flashgdn_colsum::columns64", x_f.access_ptr("r"), T.address_of(cs_ws[half, 0]),
-                      T.address_of(out_s[0]), tx - 256, 5)
-
-    @T.macro
-    def prefetch_rows(src, t1, hh, D, lane):
-        # l2_prefetch: rows t1.. of a whole chunk of head hh into L2, one row of D two-byte values a lane and step
-        # (the rows are Hqk or Hv heads apart)
-        for step in T.serial(C // 32):
-            T.call_extern("handle", "flashgdn_prefetch::to_l2", T.address_of(src[0, t1 + step * 32 + lane, hh, 0]),
-                          D * 2)
-
-    @T.macro
-    def prefetch_tile(src, slot, h):
-        # l2_prefetch: the [C, C] two-byte tile of (slot, h) into L2 (8 KB, contiguous)
-        T.call_extern("handle", "flashgdn_prefetch::to_l2", T.address_of(src[slot, h, 0, 0]), C * C * 2)
 
     @T.macro
     def add_rows(src_s, dst, t0, n_rows, hp, lane):
@@ -497,8 +415,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
-            if warp_colsums:  # the two column sums' warp partials, a half each
-                cs_ws = T.alloc_shared((2, 4 * C), acc)
 
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
@@ -617,9 +533,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     fd_f = T.alloc_fragment((C, C), acc)
                 red_f = T.alloc_fragment((C,), acc)
                 red2_f = T.alloc_fragment((C,), acc)
-                if row_mma:  # dW or scale gamma ⊙ dO S^T as a wgmma operand, and the row terms' [64, 64] products
-                    xb_f = T.alloc_fragment((C, V), io_dtype)
-                    rm_f = T.alloc_fragment((C, C), acc)
                 # gamma_i and d_i for the thread's rows, once per chunk (not an exp2 per element)
                 gam_f = T.alloc_fragment((C,), acc)
                 dec_f = T.alloc_fragment((C,), acc)
@@ -692,20 +605,9 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             x1_s[i] = red_f[i] + T.exp2(gc_s[C - 1] * LOG2E) * red2_f[i]
                         x0_s[i] = -red_f[i]
                     # gamma ⊙ KS = V - W (W as stored: the rounding W carries into Vn)
-                    if row_mma:
-                        # -<dW_i, V_i - W_i>: the diagonal of (-dW) V^T + dW W^T; V's product waited for, since dv
-                        # takes V's tile next, W's once -gamma dW is out (the state side writes W's tile then)
-                        for i, j in T.Parallel(C, V):
-                            xb_f[i, j] = T.cast(-dw_f[i, j], io_dtype)
-                        T.wgmma_gemm(xb_f, v_s, rm_f, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        for i, j in T.Parallel(C, V):
-                            xb_f[i, j] = T.cast(dw_f[i, j], io_dtype)
-                        T.wgmma_gemm(xb_f, w_s, rm_f, transpose_B=True)
-                    else:
-                        for i, j in T.Parallel(C, V):
-                            kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
-                        T.reduce_sum(kd_f, red_f, dim=1)
+                    for i, j in T.Parallel(C, V):
+                        kd_f[i, j] = dw_f[i, j] * (T.cast(v_s[i, j], acc) - T.cast(w_s[i, j], acc))
+                    T.reduce_sum(kd_f, red_f, dim=1)
                     stamp(tr, 1, 7, c, tx, h, n)
                     # V's last reader was that row term (the gate side's W came before Vn): dv leaves through its
                     # tile in rows of 16 bytes, as dq and dk do through Vn's
@@ -717,8 +619,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 1, 8, c, tx, h, n)
                     for i, j in T.Parallel(C, V):
                         dvn_s[i, j] = T.cast(-dw_f[i, j] * gam_f[i], io_dtype)
-                    if row_mma:
-                        T.wait_wgmma(0)  # dW W^T: W's tile read
                     T.fence_proxy_async()
                     T.barrier_arrive(ydw_ready)
                     stamp(tr, 1, 9, c, tx, h, n)
@@ -726,25 +626,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     # scale gamma_i <q_i, (dO S^T)_i>), then dk's -(gamma dW) S^T
                     T.gemm(do_s, st_s, dw_f, clear_accum=True)
                     T.barrier_arrive(dos_done)
-                    if row_mma:
-                        # + the diagonal of (scale gamma ⊙ dO S^T) Q^T, then the row terms out of the diagonal
-                        for i, j in T.Parallel(C, K):
-                            dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
-                            xb_f[i, j] = T.cast(dw_f[i, j], io_dtype)
-                        T.wgmma_gemm(xb_f, q_s, rm_f, transpose_B=True)
-                        T.wait_wgmma(0)
-                        for i, j in T.Parallel(C, C):
-                            rm_f[i, j] = T.if_then_else(i == j, rm_f[i, j], 0.0)
-                        T.reduce_sum(rm_f, red2_f, dim=1)
-                        for i in T.Parallel(C):
-                            x0_s[i] = x0_s[i] + red2_f[i]
-                    else:
-                        for i, j in T.Parallel(C, K):
-                            dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
-                            kd_f[i, j] = dw_f[i, j] * T.cast(q_s[i, j], acc)
-                        T.reduce_sum(kd_f, red2_f, dim=1)
-                        for i in T.Parallel(C):
-                            x0_s[i] = x0_s[i] - red_f[i] + red2_f[i]
+                    for i, j in T.Parallel(C, K):
+                        dw_f[i, j] = dw_f[i, j] * scale * gam_f[i]
+                        kd_f[i, j] = dw_f[i, j] * T.cast(q_s[i, j], acc)
+                    T.reduce_sum(kd_f, red2_f, dim=1)
+                    for i in T.Parallel(C):
+                        x0_s[i] = x0_s[i] - red_f[i] + red2_f[i]
                     T.gemm(dvn_s, st_s, kd_f, clear_accum=True)
                     T.barrier_arrive(free_e)
                     T.barrier_arrive(x_rows)
@@ -906,11 +793,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 2, 7, c, tx, h, n)
                     # column sums cross the warps through shared memory: batched, two barriers for eight columns
                     # instead of ten for each
-                    if warp_colsums:
-                        column_sums(x_f, cs_ws, 0, db1_s, tx)
-                    else:
-                        T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
-                        T.copy(red_c, db1_s)
+                    T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
+                    T.copy(red_c, db1_s)
                     stamp(tr, 2, 8, c, tx, h, n)
                     # P ⊙ dP joins X; dQK = scale Gam ⊙ dP takes P's tile (the value side's P^T dO is done), in a
                     # loop of its own (P read in full first, as above)
@@ -932,11 +816,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     stamp(tr, 2, 9, c, tx, h, n)
                     T.reduce_sum(x_f, red_r, dim=1)
                     T.copy(red_r, xr_s)
-                    if warp_colsums:
-                        column_sums(x_f, cs_ws, 1, xc_s, tx)
-                    else:
-                        T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
-                        T.copy(red_c, xc_s)
+                    T.reduce_sum(x_f, red_c, dim=0, batch=COLUMN_SUM_BATCH)
+                    T.copy(red_c, xc_s)
                     stamp(tr, 2, 10, c, tx, h, n)
                     # dL = -(A^T dA A^T) strictly lower, dKK = diag(beta) dL, dbeta's second sum
                     T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)  # K K^T
@@ -1032,22 +913,12 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         # warp 13 issues Q and dO by TMA; warp 14 A and g~ by TMA and beta by loads of its own
                         if tx < 448:
                             stamp(tr, 3, 4, c, tx, h, n)
-                            if l2_prefetch:
-                                # the next chunk (earlier tokens, so whole) into L2 a step ahead of its loads
-                                if c + 1 < n_chunks:
-                                    prefetch_rows(q, t0 - C, hq, K, tx % 32)
-                                    prefetch_rows(do, t0 - C, h, V, tx % 32)
                             if cluster_sum:
                                 if c > 0:  # its quarter of the chunk before's sums
                                     sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
                                               T.min(eos - t0 - C, C), h, 1)
                         else:
                             stamp(tr, 3, 7, c, tx, h, n)
-                            if l2_prefetch:
-                                if c + 1 < n_chunks and tx % 32 == 0:
-                                    prefetch_tile(A, slot - 1, h)
-                                    if p_given:
-                                        prefetch_tile(p_in, slot - 1, h)
                             if cluster_sum:
                                 if c > 0:
                                     sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,
@@ -1062,9 +933,6 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             masked_rows(k, k_s, t0, n_rows, hq, K)
                         T.barrier_arrive(full_k)
                         stamp(tr, 3, 6, c, tx, h, n)
-                        if l2_prefetch:
-                            if c + 1 < n_chunks:
-                                prefetch_rows(k, t0 - C, hq, K, tx % 32)
                         if cluster_sum:
                             if c > 0:
                                 sum_share(dvn_s, dq, dk, q_in, k_in, q_summed, rows_summed, c - 1, t0 + C,

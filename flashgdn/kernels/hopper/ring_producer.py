@@ -9,26 +9,6 @@ past the end already (stage 1), so they are always one TMA box. Each of the thre
 """
 
 
-def make_gk_rows(K: int, io_dtype: str):
-    """A warp's 16 rows of a ring stage's -gamma ⊙ K tile (the rso loop's ``gk_tile``) as a TileLang macro:
-    ``gk_rows(k_s, gam_s, gk_s, gk_ready, d_ready, st, c, r0)`` waits for the stage's decays (``d_ready``: the loop's
-    decay warp makes gamma_j = exp(g~_j) once the stage has landed), writes rows r0 .. r0 + 15,
-    ``gk_s[st, j, :] = -gamma_j k_j`` in the io dtype, and arrives on ``gk_ready[st]``."""
-    import tilelang.language as T
-
-    @T.macro
-    def gk_rows(k_s, gam_s, gk_s, gk_ready, d_ready, st, c, r0):
-        T.barrier_wait(d_ready[st], (c // 2) % 2)
-        # a row at a time, four values a lane: the producer's 32 registers hold no more
-        for i in T.serial(16):
-            for j in T.Parallel(K):
-                gk_s[st, r0 + i, j] = T.cast(-gam_s[st, r0 + i] * T.cast(k_s[st, r0 + i, j], "float32"), io_dtype)
-        T.fence_proxy_async()
-        T.barrier_arrive(gk_ready[st])
-
-    return gk_rows
-
-
 def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, load_q: bool = True,
                        reverse: bool = False, paired: bool = False, gate_rows: bool = False):
     """The producer as a TileLang macro; ``first_warp`` is the thread index of the producer warpgroup's start.
@@ -37,19 +17,12 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
     context-parallel transition pass, both on value head h // 2 (its Ag, g~ and qk head): h even loads v,
     h odd gets zeros (v's tile is zeroed once per ring stage and never written again). ``gate_rows``: the third
     warp loads the chunk's rows of g and beta for value head h (plain loads, zero past the sequence's end) into
-    ``g_s`` and ``b_s`` instead of stage 1's Ag and g~ tiles (the loop that makes them itself).
-
-    With ``gk_s``, ``gk_ready``, ``gam_s`` and ``d_ready`` given (the rso loop's ``gk_tile``), each of the three warps
-    then waits for the stage's decays and writes its 16 rows of the stage's -gamma ⊙ K tile (``make_gk_rows``), and
-    arrives on ``gk_ready[stage]`` (the fourth warp, the loop's decay warp, writes rows 48-63)."""
+    ``g_s`` and ``b_s`` instead of stage 1's Ag and g~ tiles (the loop that makes them itself)."""
     import tilelang.language as T
-
-    gk_rows = make_gk_rows(K, io_dtype)
 
     @T.macro
     def ring_producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s, gc_s,
-                      full, empty, g=None, beta=None, g_s=None, b_s=None, gk_s=None, gk_ready=None, gam_s=None,
-                      d_ready=None):
+                      full, empty, g=None, beta=None, g_s=None, b_s=None):
         for c in T.serial(n_chunks):
             st = c % 2
             if reverse:  # ring step c holds chunk n_chunks - 1 - c
@@ -71,8 +44,6 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                             k_s[st, i, j] = T.if_then_else(i < n_rows, k[0, t0 + i, hq, j], T.cast(0, io_dtype))
                     T.fence_proxy_async()
                 T.barrier_arrive(full[st])
-                if gk_s is not None:
-                    gk_rows(k_s, gam_s, gk_s, gk_ready, d_ready, st, c, 0)
             elif tx < first_warp + 64:
                 if paired:
                     if h % 2 == 0:
@@ -98,8 +69,6 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                                 v_s[st, i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, h, j], T.cast(0, io_dtype))
                         T.fence_proxy_async()
                 T.barrier_arrive(full[st])
-                if gk_s is not None:
-                    gk_rows(k_s, gam_s, gk_s, gk_ready, d_ready, st, c, 16)
             elif tx < first_warp + 96:
                 if gate_rows:
                     for i in T.Parallel(C):
@@ -117,7 +86,5 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                         T.tma_copy(Ag[slot, h, 0:C, 0:C], a_s[st, :, :], barrier=full[st])
                         T.tma_copy(gcum[h, slot * C:slot * C + C], gc_s[st, :], barrier=full[st])
                 T.barrier_arrive(full[st])
-                if gk_s is not None:
-                    gk_rows(k_s, gam_s, gk_s, gk_ready, d_ready, st, c, 32)
 
     return ring_producer

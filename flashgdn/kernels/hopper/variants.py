@@ -113,11 +113,6 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             yield (name.replace("chunk_forward", "chunk_forward_rso_lean_state"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first, lean_state=True))
-            # W^T as one product onto V^T with a -gamma ⊙ K tile from the producer (forward.RSO_GK_TILE, an A/B),
-            # beside the default's lean state paths
-            yield (name.replace("chunk_forward", "chunk_forward_rso_gk"), "chunk_forward_rso",
-                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
-                        store_final_state=store_ht, state_v_first=v_first, lean_state=True, gk_tile=True))
             # its trace build (benchmarks/rso_trace.py), a diagnostic: never run by the operator
             yield (name.replace("chunk_forward", "chunk_forward_rso_trace"), "chunk_forward_rso",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
@@ -221,8 +216,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         fused = backward.FUSED_BACKWARD and not precise
         if builder == "fused_backward":
             if not fused or kw.get("trace") or kw.get("p_first") or kw.get("lean_gates") or kw.get("cluster_sum") \
-                    or kw.get("pair_sums") or kw.get("p_given") or kw.get("fold_mma") or kw.get("l2_prefetch") \
-                    or kw.get("warp_colsums") or kw.get("row_mma") \
+                    or kw.get("pair_sums") or kw.get("p_given") or kw.get("fold_mma") \
                     or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
@@ -381,15 +375,6 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         for has_dht in (True, False):
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{folded_tag}]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **folded))
-        # and the next chunk's late inputs prefetched into L2 (backward.FUSED_L2_PREFETCH), beside the same
-        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{folded_tag},l2_prefetch]", "fused_backward",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **folded, l2_prefetch=True))
-        # and the gate side's column sums by warp shuffles (backward.FUSED_WARP_COLSUMS), beside the same
-        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{folded_tag},warp_colsums]", "fused_backward",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **folded, warp_colsums=True))
-        # and two of the value side's row terms of dg by the tensor cores (backward.FUSED_ROW_MMA), beside the same
-        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{folded_tag},row_mma]", "fused_backward",
-               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **folded, row_mma=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
