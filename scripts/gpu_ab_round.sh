@@ -114,6 +114,12 @@ set -uo pipefail
 #   test (gpu-odd-blocks.log), then stage 1 alone against the five-per-SM build with and without A stored
 #   (odd-blocks-{1,1A}.json); odd-blocks-ab: the forward and fwd+bwd both ways on the canonical set's full shapes at
 #   32/32 and 16/16 (the same bits; odd-blocks-ab.json).
+# profile-anchor-bwd: Nsight Compute on the fused backward of flashgdn and of FlashQLA (the anchor the backward trails,
+#   0.80x its backward's speed on the bwd set) at PROFILE_SHAPE (default 16/32:4096x8), one process each
+#   (benchmarks/training_step_once.py, the warm-up call's launch skipped): anchor-bwd-{flashgdn,flashqla}.txt (speed of
+#   light, warp states, instruction statistics, occupancy), anchor-bwd-sass-*.csv.xz and anchor-bwd-stalls-*.log
+#   (each role's stall samples; FlashQLA's roles by the registers its warpgroups set: 24 producer, 144 K side,
+#   176 A side, 160 state).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -121,7 +127,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -280,6 +286,27 @@ elif [ "$part" = profile-fused ]; then
       | sed -n '/^== A\/B/,$p' > "$out/fused-stalls-ab.log" 2>&1
     cat "$out/fused-stalls-ab.log"
   fi
+elif [ "$part" = profile-anchor-bwd ]; then
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  shape=${PROFILE_SHAPE:-16/32:4096x8}
+  for impl in flashgdn flashqla; do
+    if [ $impl = flashgdn ]; then kernel=fused_backward_kernel; roles=""; else
+      kernel=fused_chunk_gdr_bwd; roles="24=producer,144=K side,176=A side,160=state"; fi
+    logged anchor-bwd-$impl-run 240 "$ncu" --clock-control none -k regex:$kernel --launch-skip 1 --launch-count 1 \
+      --set full --import-source yes -f -o "/tmp/anchor-bwd-$impl" \
+      python3 benchmarks/training_step_once.py --impl $impl --shape "$shape" --warmup 1 --calls 1
+    tail -3 "$out/anchor-bwd-$impl-run.log"
+    "$ncu" -i "/tmp/anchor-bwd-$impl.ncu-rep" --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section InstructionStats --section ComputeWorkloadAnalysis --section LaunchStats \
+      > "$out/anchor-bwd-$impl.txt" 2>&1
+    grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Block Size|Grid Size|Executed Instructions " \
+      "$out/anchor-bwd-$impl.txt" | head -12
+    "$ncu" -i "/tmp/anchor-bwd-$impl.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 \
+      > "$out/anchor-bwd-sass-$impl.csv.xz"
+    python3 benchmarks/sass_stalls.py "$out/anchor-bwd-sass-$impl.csv.xz" ${roles:+--roles "$roles"} \
+      > "$out/anchor-bwd-stalls-$impl.log" 2>&1
+    head -24 "$out/anchor-bwd-stalls-$impl.log"
+  done
 elif [ "$part" = p-given ]; then
   gpu_tests gpu-p-given 240 8 tests/test_gpu_hopper_backward.py -k fused_switches
   (export FLASHGDN_HOPPER_FUSED_P_GIVEN=1

@@ -1,0 +1,81 @@
+"""A few forward + backward calls of one implementation on one shape, and nothing else: the process to run under
+Nsight Compute when the kernels of a training step are to be profiled side by side with an anchor's (flashgdn's
+fused backward beside FlashQLA's, say), each implementation in its own process so that each profile holds only its
+own kernels. The inputs are the benchmark's (``flashgdn.bench.inputs.make_inputs``, so the same tensors for every
+implementation); the first ``--warmup`` calls compile and warm, and the profiler is told to skip their launches.
+
+    python benchmarks/training_step_once.py --impl flashqla --shape 16/32:4096x8 --calls 2
+    ncu -k regex:fused_chunk_gdr_bwd --launch-skip 1 --launch-count 1 python benchmarks/training_step_once.py ...
+
+Prints each call's wall time (a sanity check, not a benchmark: ``python -m flashgdn.bench`` times)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def parse_shape(text: str):
+    """``HQK/HV:SEQLENS`` (``16/32:4096x8``, ``2/4:775+7417``) -> the benchmark's Shape."""
+    from flashgdn.bench.shapes import custom_shapes
+
+    heads, sep, seqlens = text.partition(":")
+    if not sep or not seqlens:
+        raise ValueError(f"--shape: expected HQK/HV:SEQLENS (e.g. 16/32:4096x8), got {text!r}")
+    shapes = custom_shapes(heads, seqlens)
+    if len(shapes) != 1:
+        raise ValueError(f"--shape: one head pair and one sequence mix, got {len(shapes)} shapes from {text!r}")
+    return shapes[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--impl", default="flashgdn", help="flashgdn, flashgdn:BACKEND, flashqla or fla")
+    ap.add_argument("--shape", default="16/32:4096x8", help="HQK/HV:SEQLENS, as the benchmark's --heads/--seqlens")
+    ap.add_argument("--calls", type=int, default=2, help="forward + backward calls after the warm-up")
+    ap.add_argument("--warmup", type=int, default=1, help="calls before them (compiles and first launches)")
+    ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    if args.calls < 1 or args.warmup < 0:
+        ap.error("--calls must be at least 1 and --warmup at least 0")
+
+    from flashgdn.bench.impls import DEFAULT_FLASHGDN_BACKEND, make_impls, parse_impls
+    from flashgdn.bench.inputs import make_inputs
+
+    try:
+        shape = parse_shape(args.shape)
+        names, backends = parse_impls(args.impl)
+    except ValueError as e:
+        ap.error(str(e))
+    if len(names) != 1:
+        ap.error("--impl: one implementation")
+    impl = make_impls(names, backends or [DEFAULT_FLASHGDN_BACKEND])[0]
+    device = torch.device(args.device)
+    missing = impl.missing_reason(device)
+    if missing:
+        print(f"{impl.label} cannot run here: {missing}", file=sys.stderr)
+        return 2
+    inp = make_inputs(shape, 128, 128, device, with_grads=args.mode == "fwdbwd")
+    prep = impl.prepare(inp, args.mode)
+
+    def call():
+        with torch.set_grad_enabled(args.mode == "fwdbwd"):
+            out = prep.forward()
+            if args.mode == "fwdbwd":
+                torch.autograd.grad(tuple(out), prep.leaves, prep.grad_outputs, allow_unused=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for i in range(args.warmup + args.calls):
+        t = time.perf_counter()
+        call()
+        what = "warm-up" if i < args.warmup else "call"
+        print(f"{impl.label} {args.mode} {args.shape} {what} {i}: {1e3 * (time.perf_counter() - t):.2f} ms (wall)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
