@@ -55,10 +55,10 @@ KKT_BLOCKS_PER_SM = int(os.environ.get("FLASHGDN_HOPPER_KKT_BLOCKS_PER_SM", "5")
 #: (96 a thread). At 72 registers the group-of-one build compiles to the same instructions with no spills, so seven
 #: share an SM: 1.4x the heads in flight, against stage 1's 1.4x the time per value head at Hqk = Hv that a group of
 #: two takes (``forward/kkt-options-mma32-v0.24b.json``: 32/32 0.167 ms against 16/32's 0.119 on 4096x8). The same
-#: code at another register cap, so the same bits. Measured (notes v0.33c): the stage alone 0.927x-0.964x (0.960x-1.007x
-#: with A stored; ``forward/odd-blocks-1*-v0.33c.json``), the op's forward 0.994x on the canonical set's full shapes at
-#: 32/32 and 16/16 (16/16 0.978x-0.991x), fwd+bwd 0.999x, the same bits on all 36 (``forward/odd-blocks-ab-v0.33c.json``).
-#: The default; FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS=0 for five per SM.
+#: code at another register cap, so the same bits. Measured (notes v0.33c): the stage alone 0.927x-0.964x
+#: (0.960x-1.007x with A stored; ``forward/odd-blocks-1*-v0.33c.json``), the op's forward 0.994x on the canonical set's
+#: full shapes at 32/32 and 16/16 (16/16 0.978x-0.991x), fwd+bwd 0.999x, the same bits on all 36
+#: (``forward/odd-blocks-ab-v0.33c.json``). The default; FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS=0 for five per SM.
 KKT_ODD_GROUP_BLOCKS = os.environ.get("FLASHGDN_HOPPER_KKT_ODD_GROUP_BLOCKS", "1") == "1"
 #: (group, A stored) -> stage 1's CTAs per SM under KKT_ODD_GROUP_BLOCKS, where the build compiles to the same
 #: instructions without spills: a group of one. (A group of three at six spills 4-16 bytes at 80 registers, depending
