@@ -21,12 +21,10 @@ import torch
 
 
 def parse_shape(text):
-    from flashgdn.bench.shapes import parse_heads, parse_seqlens
+    from flashgdn.bench.shapes import parse_shape as shape_of
 
-    heads, mix = text.split(":")
-    (hq, hv), = parse_heads(heads)
-    (seqlens,) = parse_seqlens(mix)
-    return hq, hv, list(seqlens)
+    shape = shape_of(text)
+    return shape.h_qk, shape.h_v, list(shape.seqlens)
 
 
 def main(argv=None):

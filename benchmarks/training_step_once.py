@@ -17,19 +17,6 @@ import time
 import torch
 
 
-def parse_shape(text: str):
-    """``HQK/HV:SEQLENS`` (``16/32:4096x8``, ``2/4:775+7417``) -> the benchmark's Shape."""
-    from flashgdn.bench.shapes import custom_shapes
-
-    heads, sep, seqlens = text.partition(":")
-    if not sep or not seqlens:
-        raise ValueError(f"--shape: expected HQK/HV:SEQLENS (e.g. 16/32:4096x8), got {text!r}")
-    shapes = custom_shapes(heads, seqlens)
-    if len(shapes) != 1:
-        raise ValueError(f"--shape: one head pair and one sequence mix, got {len(shapes)} shapes from {text!r}")
-    return shapes[0]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--impl", default="flashgdn", help="flashgdn, flashgdn:BACKEND, flashqla or fla")
@@ -44,6 +31,8 @@ def main(argv=None) -> int:
 
     from flashgdn.bench.impls import DEFAULT_FLASHGDN_BACKEND, make_impls, parse_impls
     from flashgdn.bench.inputs import make_inputs
+    from flashgdn.bench.runner import step_call
+    from flashgdn.bench.shapes import parse_shape
 
     try:
         shape = parse_shape(args.shape)
@@ -59,19 +48,12 @@ def main(argv=None) -> int:
         print(f"{impl.label} cannot run here: {missing}", file=sys.stderr)
         return 2
     inp = make_inputs(shape, 128, 128, device, with_grads=args.mode == "fwdbwd")
-    prep = impl.prepare(inp, args.mode)
-
-    def call():
-        with torch.set_grad_enabled(args.mode == "fwdbwd"):
-            out = prep.forward()
-            if args.mode == "fwdbwd":
-                torch.autograd.grad(tuple(out), prep.leaves, prep.grad_outputs, allow_unused=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
+    call = step_call(impl.prepare(inp, args.mode), args.mode)
     for i in range(args.warmup + args.calls):
         t = time.perf_counter()
         call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         what = "warm-up" if i < args.warmup else "call"
         print(f"{impl.label} {args.mode} {args.shape} {what} {i}: {1e3 * (time.perf_counter() - t):.2f} ms (wall)")
     return 0

@@ -131,3 +131,15 @@ def test_fills_gpu_is_sequences_times_value_heads_at_least_64():
     few = [s for s in S.canonical_set() if not s.fills_gpu]
     full = [s for s in S.canonical_set() if s.fills_gpu]
     assert len(few) + len(full) == 171 and len(few) == 82  # the split the results README reports
+
+
+def test_parse_shape_takes_exactly_one_shape():
+    from flashgdn.bench.shapes import parse_shape
+
+    shape = parse_shape("16/32:4096x2")
+    assert (shape.h_qk, shape.h_v, tuple(shape.seqlens)) == (16, 32, (4096, 4096))
+    assert tuple(parse_shape("2/4:775+7417").seqlens) == (775, 7417)
+    for bad, message in (("16/32", "expected HQK/HV:SEQLENS"), ("16/32:", "expected HQK/HV:SEQLENS"),
+                         ("16/32,8/16:4096", "one head pair and one sequence mix")):
+        with pytest.raises(ValueError, match=message):
+            parse_shape(bad)

@@ -14,7 +14,7 @@ import torch
 
 from . import inputs as cost
 from .check import Checker
-from .impls import Impl, dist_version
+from .impls import Impl, Prepared, dist_version
 from .inputs import Inputs, add_grad_outputs, make_inputs
 from .results import save
 from .shapes import DEFAULT_MODES, Shape
@@ -90,6 +90,22 @@ def _device_ok(device: torch.device) -> None:
         raise DeviceLost(_short(e)) from e
 
 
+def step_call(prep: Prepared, mode: str) -> Callable[[], tuple]:
+    """One call of a prepared implementation: the forward alone without autograd ("fwd", gradients None), or the
+    forward and the gradients of its leaves ("fwdbwd"); returns ``(outputs, gradients)``."""
+    if mode == "fwd":
+        def call():
+            with torch.no_grad():
+                return prep.forward(), None
+    else:
+        def call():
+            with torch.enable_grad():
+                out = prep.forward()
+                grads = torch.autograd.grad(tuple(out), prep.leaves, prep.grad_outputs, allow_unused=True)
+            return out, grads
+    return call
+
+
 def run_one(impl: Impl, inp: Inputs, mode: str, checker: Optional[Checker], device: torch.device) -> Dict[str, Any]:
     """One record: run / missing / refused, never raising (except DeviceLost)."""
     shape = inp.shape
@@ -122,16 +138,7 @@ def run_one(impl: Impl, inp: Inputs, mode: str, checker: Optional[Checker], devi
     phase = "prepare"
     try:
         prep = impl.prepare(inp, mode)
-        if mode == "fwd":
-            def call():
-                with torch.no_grad():
-                    return prep.forward(), None
-        else:
-            def call():
-                with torch.enable_grad():
-                    out = prep.forward()
-                    grads = torch.autograd.grad(tuple(out), prep.leaves, prep.grad_outputs, allow_unused=True)
-                return out, grads
+        call = step_call(prep, mode)
 
         def bench():
             call()

@@ -137,6 +137,18 @@ def custom_shapes(heads: str, seqlens: str) -> List[Shape]:
     return [Shape("custom", hq, hv, mix) for hq, hv in parse_heads(heads) for mix in parse_seqlens(seqlens)]
 
 
+def parse_shape(text: str) -> Shape:
+    """One shape from ``HQK/HV:SEQLENS`` (``16/32:4096x8``, ``8/32:24576+8192``), in ``--heads``/``--seqlens``'
+    syntax; a ValueError names what is wrong."""
+    heads, sep, seqlens = text.partition(":")
+    if not sep or not seqlens:
+        raise ValueError(f"--shape: expected HQK/HV:SEQLENS (e.g. 16/32:4096x8), got {text!r}")
+    shapes = custom_shapes(heads, seqlens)
+    if len(shapes) != 1:
+        raise ValueError(f"--shape: one head pair and one sequence mix, got {len(shapes)} shapes from {text!r}")
+    return shapes[0]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the named sets
 
