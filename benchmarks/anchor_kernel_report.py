@@ -6,7 +6,7 @@ memory and SASS instructions of each, from the same ``common.resource_usage`` th
 ``--site`` is a folder that holds the ``flash_qla`` package (the GPU machine's stack, unpacked from
 ``.device/stack.tar.xz``, has the pinned flash-qla). Its backward module is loaded on its own, without the package's
 ``__init__``, which checks for a GPU at import. Ours is the fused build the operator makes for those heads
-(``backward.fused_backward_options``, with ``first_apart`` as the training step builds it)."""
+(``variants.training_variants``' fused build, as a training step precompiles it)."""
 from __future__ import annotations
 
 import argparse
@@ -52,11 +52,16 @@ def flashqla_kernel(site: str, Hqk: int, Hv: int):
 
 
 def flashgdn_kernel(Hqk: int, Hv: int):
-    from flashgdn.kernels.hopper import backward
-    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+    """The fused build a training step precompiles for these heads (with the final state's gradient), and the names
+    of the options it is built with."""
+    from flashgdn.kernels.hopper.variants import build, training_variants
 
-    options = dict(backward.fused_backward_options(Hv, Hv // Hqk), first_apart=backward.FIRST_STATES_APART)
-    return build_fused_backward(Hqk, Hv, 128, 128, "bfloat16", True, **options), options
+    fused = [(builder, kw) for _, builder, kw in training_variants(Hqk, Hv, flags="common")
+             if builder == "fused_backward" and kw["has_final_grad"]]
+    if len(fused) != 1:
+        raise RuntimeError(f"expected one fused backward build for {Hqk}/{Hv}, the training step has {len(fused)}")
+    builder, kw = fused[0]
+    return build(builder, kw), [k for k, v in kw.items() if v is True and k != "has_final_grad"]
 
 
 def main(argv=None) -> int:
