@@ -1,9 +1,11 @@
 """Where one training step's GPU time goes, kernel by kernel (GPU only; torch.profiler).
 
     python benchmarks/step_kernels.py --shape 16/32:4096x8 --shape 2/8:32768 --out step.json
+    python benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --shape 16/32:8192
 
-Runs flashgdn's forward and backward as the benchmark harness does (``flashgdn.bench``: bf16 q/k/v, float32 g,
-beta and initial state, every input a leaf, ``torch.autograd.grad``), twice to load the kernels, then ``--steps``
+Runs an implementation's forward and backward (flashgdn's unless ``--impl`` names others, each shape for each) as the
+benchmark harness does (``flashgdn.bench``: bf16 q/k/v, float32 g, beta and initial state, every input a leaf,
+``torch.autograd.grad``), twice to load the kernels, then ``--steps``
 times under the profiler, and prints each kernel's time per step with its share of the step's kernel time,
 grouped by the kernel's name (TileLang kernels by their stage, PyTorch's by theirs). The stage timings
 (``stage_timing.py``) time each stage alone; this says what else runs between them and how long it takes.
@@ -16,23 +18,24 @@ from collections import defaultdict
 import torch
 
 
-def step_fn(h_qk: int, h_v: int, seqlens, cp: str):
-    from flashgdn import chunk_gated_delta_rule
+def step_fn(impl_name: str, h_qk: int, h_v: int, seqlens, cp: str, mode: str = "fwdbwd"):
+    """One call of ``impl_name`` (flashgdn, flashgdn:BACKEND, flashqla, fla, flashinfer) as the benchmark harness
+    makes it (``flashgdn.bench.runner.step_call``); ``cp`` reaches flashgdn only (the anchors choose their own)."""
+    from flashgdn.bench.impls import DEFAULT_FLASHGDN_BACKEND, make_impls, parse_impls
     from flashgdn.bench.inputs import make_inputs
+    from flashgdn.bench.runner import step_call
     from flashgdn.bench.shapes import Shape
 
-    inp = make_inputs(Shape("custom", h_qk, h_v, tuple(seqlens)), 128, 128, "cuda", with_grads=True)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0)]
-    q, k, v, g, beta, h0 = leaves
-
-    def step():
-        with torch.enable_grad():
-            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=inp.scale, initial_state=h0,
-                                           output_final_state=True, cu_seqlens=inp.cu_seqlens,
-                                           cu_seqlens_cpu=inp.cu_seqlens_cpu, backend="hopper", cp=cp)
-            return torch.autograd.grad((o, ht), leaves, (inp.do, inp.dht))
-
-    return step
+    names, backends = parse_impls(impl_name)
+    if len(names) != 1:
+        raise ValueError(f"--impl: one implementation, got {impl_name!r}")
+    impl = make_impls(names, backends or [DEFAULT_FLASHGDN_BACKEND], cp=cp)[0]
+    device = torch.device("cuda")
+    missing = impl.missing_reason(device)
+    if missing:
+        raise RuntimeError(f"{impl.label} cannot run here: {missing}")
+    inp = make_inputs(Shape("custom", h_qk, h_v, tuple(seqlens)), 128, 128, device, with_grads=mode == "fwdbwd")
+    return step_call(impl.prepare(inp, mode), mode)
 
 
 def profile(step, steps: int):
@@ -77,7 +80,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", action="append", help="HQK/HV:MIX (MIX as the harness's --seqlens: 4096x8, "
                     "1000+3000); repeatable; default 16/32:4096x8")
-    ap.add_argument("--cp", default="off")
+    ap.add_argument("--impl", action="append", help="flashgdn (default), flashgdn:BACKEND, flashqla, fla or "
+                    "flashinfer; repeatable: each shape profiled for each, in the order given")
+    ap.add_argument("--cp", default="off", help="flashgdn's cp= (off, auto or a segment length in chunks)")
+    ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sequence", action="store_true", help="also print the last step's kernels in launch order")
     ap.add_argument("--out")
@@ -87,13 +93,14 @@ def main(argv=None):
     from flashgdn.bench.shapes import parse_seqlens
 
     results = []
-    for spec in args.shape or ["16/32:4096x8"]:
+    for spec, impl in [(s, i) for s in args.shape or ["16/32:4096x8"] for i in args.impl or ["flashgdn"]]:
         heads, mix = spec.split(":")
         h_qk, h_v = (int(x) for x in heads.split("/"))
         seqlens = parse_seqlens(mix)[0]
-        rows, sequence = profile(step_fn(h_qk, h_v, seqlens, args.cp), args.steps)
+        rows, sequence = profile(step_fn(impl, h_qk, h_v, seqlens, args.cp, args.mode), args.steps)
         total = sum(ms for _, ms, _ in rows)
-        label = f"{h_qk}/{h_v} {len(seqlens)} seqs, {sum(seqlens)} tokens, cp={args.cp}"
+        cp = f", cp={args.cp}" if impl.startswith("flashgdn") else ""
+        label = f"{impl} {args.mode} {h_qk}/{h_v} {len(seqlens)} seqs, {sum(seqlens)} tokens{cp}"
         print(f"\n{label}: {total:.3f} ms of kernels per step")
         for name, ms, n in rows:
             print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{n:<3d} {name[:110]}")
@@ -101,7 +108,8 @@ def main(argv=None):
             print("  the last step in launch order (start us, ms):")
             for name, start, ms in sequence:
                 print(f"    {start:9.1f} {ms:8.4f}  {name[:100]}")
-        results.append(dict(heads=heads, seqlens=list(seqlens), cp=args.cp, total_ms=total,
+        results.append(dict(impl=impl, mode=args.mode, heads=heads, seqlens=list(seqlens),
+                            cp=args.cp if impl.startswith("flashgdn") else None, total_ms=total,
                             kernels=[dict(name=name, ms=ms, calls=n) for name, ms, n in rows],
                             sequence=[dict(name=name, start_us=start, ms=ms) for name, start, ms in sequence]))
     if args.out:

@@ -39,3 +39,8 @@ def test_a_step_on_the_gpu_names_every_stage(tmp_path, cuda):
     for stage in ("chunk_plan", "kkt_inverse", "chunk_forward_rs", "state_grad_walk", "chunk_grad", "group_sum"):
         assert stage in names, stage
     assert r["total_ms"] == pytest.approx(sum(k["ms"] for k in r["kernels"]))
+
+
+def test_one_implementation_a_profile():
+    with pytest.raises(ValueError, match="one implementation"):
+        sk.step_fn("flashgdn,flashqla", 2, 4, [64], "off")
