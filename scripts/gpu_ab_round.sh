@@ -119,7 +119,11 @@ set -uo pipefail
 #   (benchmarks/training_step_once.py, the warm-up call's launch skipped): anchor-bwd-{flashgdn,flashqla}.txt (speed of
 #   light, warp states, instruction statistics, occupancy), anchor-bwd-sass-*.csv.xz and anchor-bwd-stalls-*.log
 #   (each role's stall samples; FlashQLA's roles by the registers its warpgroups set: 24 producer, 144 K side,
-#   176 A side, 160 state).
+#   184 A side, 160 state).
+# step-anchor: a training step's kernels, flashgdn's (cp auto) beside FlashQLA's, on the bwd set's 16/32 shapes (8192 and
+#   32768 tokens in 1, 2 and 8 sequences) and its worst few-head ones (2/4 8192x1, 4/8 8 sequences of 32768 tokens),
+#   each with the last step's launch order (step-anchor.json, step-anchor.log): which passes around the fused
+#   backwards make the backward's gap, where the fused kernels alone are within 5% (notes "profile-anchor-bwd measured").
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -127,7 +131,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -291,7 +295,7 @@ elif [ "$part" = profile-anchor-bwd ]; then
   shape=${PROFILE_SHAPE:-16/32:4096x8}
   for impl in flashgdn flashqla; do
     if [ $impl = flashgdn ]; then kernel=fused_backward_kernel; roles=""; else
-      kernel=fused_chunk_gdr_bwd; roles="24=producer,144=K side,176=A side,160=state"; fi
+      kernel=fused_chunk_gdr_bwd; roles="24=producer,144=K side,184=A side,160=state"; fi
     logged anchor-bwd-$impl-run 240 "$ncu" --clock-control none -k regex:$kernel --launch-skip 1 --launch-count 1 \
       --set full --import-source yes -f -o "/tmp/anchor-bwd-$impl" \
       python3 benchmarks/training_step_once.py --impl $impl --shape "$shape" --warmup 1 --calls 1
@@ -307,6 +311,12 @@ elif [ "$part" = profile-anchor-bwd ]; then
       > "$out/anchor-bwd-stalls-$impl.log" 2>&1
     head -24 "$out/anchor-bwd-stalls-$impl.log"
   done
+elif [ "$part" = step-anchor ]; then
+  logged step-anchor 420 python3 benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --sequence \
+    --shape 16/32:8192 --shape 16/32:775+7417 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \
+    --shape 16/32:22306+10462 --shape 16/32:2308+9176+8884+1687+7967+73+2598+75 --shape 2/4:8192 \
+    --shape 4/8:2308+9176+8884+1687+7967+73+2598+75 --out "$out/step-anchor.json"
+  grep "kernels per step\|exit" "$out/step-anchor.log"
 elif [ "$part" = p-given ]; then
   gpu_tests gpu-p-given 240 8 tests/test_gpu_hopper_backward.py -k fused_switches
   (export FLASHGDN_HOPPER_FUSED_P_GIVEN=1
