@@ -1,0 +1,148 @@
+"""``flashgdn.cp.bounds`` (CPU): the bound on each segment's transition norm holds against the transition itself,
+made token by token in float64, for any gate, beta and key norm; it is tight for one token; and where it says
+"negligible" the transition is below float32's range."""
+import math
+
+import pytest
+import torch
+
+from flashgdn.cp.bounds import NEGLIGIBLE_LOG_NORM, token_log_growth, transition_log_bounds
+from flashgdn.reference.chunked import compose_transitions, kkt_inverse, state_pass, chunk_local_cumsum
+
+
+def _transition(k, g, beta, h, group, t0, t1):
+    """``prod_t exp(g_t) (I - beta_t k_t k_t^T)`` over tokens t0..t1-1 of value head h, float64, the latest first."""
+    K = k.shape[-1]
+    M = torch.eye(K, dtype=torch.float64)
+    for t in range(t0, t1):
+        kt = k[0, t, h // group].double()
+        step = torch.eye(K, dtype=torch.float64) - beta[0, t, h].double() * torch.outer(kt, kt)
+        M = math.exp(float(g[0, t, h])) * step @ M
+    return M
+
+
+def _inputs(T, Hqk, Hv, K, seed, normalised=True, beta_hi=1.0, g_scale=1.0 / 16, zero_gate_heads=()):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, T, Hqk, K, generator=gen)
+    if normalised:
+        k = torch.nn.functional.normalize(k, dim=-1)
+    k = k.to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen)) * g_scale
+    for h in zero_gate_heads:
+        g[..., h] = 0
+    beta = torch.rand(1, T, Hv, generator=gen) * beta_hi
+    return k, g, beta
+
+
+@pytest.mark.parametrize("case", [
+    dict(normalised=True, beta_hi=1.0),
+    dict(normalised=False, beta_hi=1.0),           # |k|^2 ~ K: beta |k|^2 far past 2, growth on every token
+    dict(normalised=True, beta_hi=2.5, zero_gate_heads=(1,)),  # beta past 2, a head without decay
+    dict(normalised=True, beta_hi=1.0, g_scale=2.0),           # strong decay
+])
+def test_the_bound_holds_against_the_transition(case):
+    T, Hqk, Hv, K = 90, 2, 4, 16
+    k, g, beta = _inputs(T, Hqk, Hv, K, seed=3, **case)
+    seg_cu = torch.tensor([0, 1, 30, 30, 90])  # one token, 29, an empty segment, 60
+    bounds = transition_log_bounds(k, g, beta, seg_cu)
+    assert bounds.shape == (4, Hv) and bounds.dtype == torch.float32
+    for s in range(4):
+        for h in range(Hv):
+            M = _transition(k, g, beta, h, Hv // Hqk, int(seg_cu[s]), int(seg_cu[s + 1]))
+            norm = torch.linalg.matrix_norm(M, ord=2)
+            assert math.log(float(norm)) <= float(bounds[s, h]) + 1e-5, (s, h)
+            if s == 0:  # one token: the bound is its transition's norm
+                assert math.log(float(norm)) == pytest.approx(float(bounds[s, h]), abs=1e-5)
+    assert (bounds[2] == 0).all()  # the empty segment's M is the identity
+
+
+def test_normalised_keys_and_small_beta_bound_by_the_summed_decay():
+    k, g, beta = _inputs(200, 2, 4, 32, seed=5)
+    want = g[0].sum(0)
+    got = transition_log_bounds(k, g, beta, torch.tensor([0, 200]))[0]
+    assert torch.allclose(got, want, rtol=1e-5)
+    assert torch.equal(token_log_growth(k, g, beta), g[0])  # no token's factor above 1
+
+
+def test_the_chunked_transition_obeys_the_bound():
+    """The chunked form's M (state_pass and compose_transitions, as context parallelism splices it) is the
+    token-by-token product: the bound that holds for one holds for the other."""
+    T, Hqk, Hv, K = 128, 1, 2, 16
+    k, g, beta = _inputs(T, Hqk, Hv, K, seed=7, normalised=False, beta_hi=0.3)
+    kd, gd, bd = k.double(), g.double(), beta.double()
+    gcum = chunk_local_cumsum(gd)
+    A = kkt_inverse(kd, bd)
+    _, M, b = state_pass(kd, torch.zeros(1, T, Hv, K, dtype=torch.float64), gcum, A, bd)
+    M_run, _ = compose_transitions(M, b)  # [Hv, K, K] after both chunks
+    bounds = transition_log_bounds(k, g, beta, torch.tensor([0, T]))[0]
+    for h in range(Hv):
+        want = _transition(k, g, beta, h, Hv // Hqk, 0, T)
+        assert torch.allclose(M_run[0, h] if M_run.dim() == 4 else M_run[h], want, rtol=1e-8, atol=1e-12)
+        assert math.log(float(torch.linalg.matrix_norm(want, ord=2))) <= float(bounds[h]) + 1e-5
+
+
+def test_below_the_threshold_the_transition_is_below_float32s_range():
+    # decay ~ -0.05 a token (the benchmark's gates): 2048 tokens sum to ~ -104
+    k, g, beta = _inputs(2048, 1, 2, 16, seed=11)
+    bounds = transition_log_bounds(k, g, beta, torch.tensor([0, 2048]))[0]
+    assert (bounds < NEGLIGIBLE_LOG_NORM).all()
+    for h in range(2):
+        M = _transition(k, g, beta, h, 2, 0, 2048)
+        assert float(M.abs().max()) < torch.finfo(torch.float32).tiny
+
+
+def test_non_finite_gates_never_look_negligible():
+    k, g, beta = _inputs(8, 1, 1, 16, seed=1)
+    g[0, 2, 0] = float("nan")
+    assert not (transition_log_bounds(k, g, beta, torch.tensor([0, 8])) < NEGLIGIBLE_LOG_NORM).any()
+
+
+def test_bounds_need_no_host_read():
+    """On meta tensors (no values anywhere) the bound is made: it reads nothing back to the host."""
+    k = torch.empty(1, 64, 2, 16, dtype=torch.bfloat16, device="meta")
+    g = torch.empty(1, 64, 4, device="meta")
+    out = transition_log_bounds(k, g, torch.empty_like(g), torch.empty(3, dtype=torch.int32, device="meta"))
+    assert out.shape == (2, 4) and out.device.type == "meta"
+
+
+def test_a_splice_with_the_negligible_transitions_zeroed_gives_the_unsplit_states():
+    """The use the Hopper transition pass makes of the bound, in float64 by the reference's chunked form: one
+    sequence in four 2-chunk segments, each segment's (M, b) composed from its chunks, M set to zero where its bound
+    is below NEGLIGIBLE_LOG_NORM, spliced from a random initial state: the final state equals the unsplit one to
+    float64 rounding. Strong gates on two heads (their M negligible), a g = 0 head and one of the normal gates
+    (never), keys not normalised."""
+    T, Hqk, Hv, K, V = 512, 1, 4, 16, 8
+    gen = torch.Generator().manual_seed(2)
+    k = (torch.randn(1, T, Hqk, K, generator=gen) * K ** -0.5).to(torch.bfloat16)
+    v = torch.randn(1, T, Hv, V, generator=gen, dtype=torch.float64)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen)) / 16
+    g[..., :2] = -8 * torch.nn.functional.softplus(torch.randn(1, T, 2, generator=gen))
+    g[..., 3] = 0
+    beta = torch.sigmoid(torch.randn(1, T, Hv, generator=gen))
+    h0 = torch.randn(1, Hv, K, V, generator=gen, dtype=torch.float64)
+    kd, gd, bd = k.double(), g.double(), beta.double()
+    gcum = chunk_local_cumsum(gd)
+    A = kkt_inverse(kd, bd)
+    _, M, b = state_pass(kd, v, gcum, A, bd)  # per chunk: [8, Hv, K, K], [8, Hv, K, V]
+    seg_cu = torch.tensor([0, 128, 256, 384, 512])
+    bounds = transition_log_bounds(k, g, beta, seg_cu)
+    gone = bounds < NEGLIGIBLE_LOG_NORM
+    assert gone[:, :2].all() and not gone[:, 2:].any()
+    S_split = h0[0]
+    for s in range(4):
+        Ms, bs = compose_transitions(M[2 * s:2 * s + 2], b[2 * s:2 * s + 2])
+        Ms = torch.where(gone[s][:, None, None], torch.zeros_like(Ms), Ms)
+        S_split = Ms @ S_split + bs
+    S_whole = h0[0]
+    for c in range(8):
+        S_whole = M[c] @ S_whole + b[c]
+    scale = S_whole.abs().max()
+    assert float((S_split - S_whole).abs().max() / scale) < 1e-13
+
+
+def test_bounds_into_a_given_tensor():
+    k, g, beta = _inputs(100, 2, 4, 16, seed=9)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    out = torch.full((2, 4), float("nan"))
+    assert transition_log_bounds(k, g, beta, cu, out=out) is out
+    assert torch.equal(out, transition_log_bounds(k, g, beta, cu))
