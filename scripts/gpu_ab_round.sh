@@ -124,6 +124,10 @@ set -uo pipefail
 #   32768 tokens in 1, 2 and 8 sequences) and its worst few-head ones (2/4 8192x1, 4/8 8 sequences of 32768 tokens),
 #   each with the last step's launch order (step-anchor.json, step-anchor.log): which passes around the fused
 #   backwards make the backward's gap, where the fused kernels alone are within 5% (notes "profile-anchor-bwd measured").
+# negligible-m: the transition pass without a walk for an M below float32's range (backend.CP_NEGLIGIBLE_M, notes
+#   v0.34a): its GPU tests (gpu-negligible-m.log), then both ways side by side in one process with the same-bits check:
+#   the cp set's forward (negligible-m-cp-fwd.json), and fwd+bwd on the cp and bwd sets' 8/16 and the bwd set's 16/32
+#   shapes (negligible-m-fwdbwd.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -131,7 +135,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -311,6 +315,14 @@ elif [ "$part" = profile-anchor-bwd ]; then
       > "$out/anchor-bwd-stalls-$impl.log" 2>&1
     head -24 "$out/anchor-bwd-stalls-$impl.log"
   done
+elif [ "$part" = negligible-m ]; then
+  gpu_tests gpu-negligible-m 240 4 tests/test_gpu_hopper_cp.py -k negligible
+  logged negligible-m-cp-fwd 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
+    --set cp --modes fwd --rounds 2 --out "$out/negligible-m-cp-fwd.json"
+  grep "geometric\|same bits" "$out/negligible-m-cp-fwd.log"
+  logged negligible-m-fwdbwd 280 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
+    --set cp,bwd --only-heads 8/16,16/32 --modes fwdbwd --rounds 2 --out "$out/negligible-m-fwdbwd.json"
+  grep "geometric\|same bits" "$out/negligible-m-fwdbwd.log"
 elif [ "$part" = step-anchor ]; then
   logged step-anchor 420 python3 benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --sequence \
     --shape 16/32:8192 --shape 16/32:775+7417 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \

@@ -434,3 +434,63 @@ def test_backward_overlap_gives_the_same_bits_and_replays_in_a_cuda_graph(opts, 
     torch.cuda.synchronize()
     for name, x, w in zip(["o", "final state"] + names, captured, got):
         assert torch.equal(x, w), ("graph", name)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),  # most heads' M negligible, one never
+    dict(seqlens=[8192], gate="mixed", normalize_qk=False),  # keys of any norm: the bound's growth terms
+    dict(seqlens=[4096, 4096], dense=True),  # the normal gates on 4-chunk segments: nothing negligible
+])
+def test_negligible_transitions_give_the_same_bits(opts, cuda, monkeypatch):
+    """``backend.CP_NEGLIGIBLE_M``: the transition pass stores zero for an M whose bound (``flashgdn.cp.bounds``) is
+    below float32's range, without walking it. The M it would have made is that small too, and the splices add it
+    times a state of ordinary size to b: below float32's resolution there, so the op and every gradient (cp=4: the
+    backward's reverse splice reads the forward's M) are the same bits with and without it."""
+    from flashgdn.kernels.hopper import backend
+
+    _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_NEGLIGIBLE_M")
+
+
+def test_negligible_transitions_are_zero_where_the_bound_says_and_unchanged_elsewhere(cuda):
+    """The pass itself (``forward.hopper_transition_pairs``) with and without the bounds, on the same segments: every
+    b and every M whose bound is at or above NEGLIGIBLE_LOG_NORM the same bits; each M below it all zeros, and the
+    M the plain pass makes there below float32's smallest normal number (what the bound promises)."""
+    from flashgdn.cp.bounds import NEGLIGIBLE_LOG_NORM, transition_log_bounds
+    from flashgdn.cp.plan import segment_index_tensors, split_sequences
+    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+
+    inp = make_inputs([3000, 64, 2000], Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="mixed",
+                      zero_gate_heads=(3,))
+    plan = split_sequences([3000, 64, 2000], 8)
+    index = segment_index_tensors(plan, inp["cu_seqlens"])
+    seg_cu = index.seg_cu.to(torch.int32)
+    k, g, beta = inp["k"], inp["g"], inp["beta"]
+    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu)
+    bounds = transition_log_bounds(k, g, beta, seg_cu)
+    h0 = inp["initial_state"].float().contiguous()
+    args = (inp["q"], k, inp["v"], stage1, None, seg_cu)
+    plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0)
+    got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds)
+    gone = bounds < NEGLIGIBLE_LOG_NORM  # [S, Hv]
+    assert gone.any() and not gone.all() and not gone[:, 3].any()  # the g = 0 head never
+    m_plain, m_got = plain[:, 1::2], got[:, 1::2]
+    assert torch.equal(plain[:, 0::2], got[:, 0::2]), "b"
+    assert torch.equal(m_got[~gone], m_plain[~gone]), "M at or above the threshold"
+    assert not m_got[gone].any(), "M below the threshold is stored as zero"
+    # the M the splice reads (a segment neither first nor last in its sequence; the others keep their identity start)
+    seg = torch.arange(plan.num_segments)
+    first = plan.first[plan.seg_seq]
+    read = ((seg != first) & (seg != first + plan.count[plan.seg_seq] - 1)).to(cuda)
+    walked = gone & read[:, None]
+    assert walked.any()
+    assert float(m_plain[walked].abs().max()) < torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong")])
+def test_negligible_transitions_replay_in_a_cuda_graph(opts, cuda, monkeypatch):
+    """With ``backend.CP_NEGLIGIBLE_M`` the forward (its bounds made on a stream of their own) reads nothing back
+    from the GPU and a CUDA graph of it replays to the eager result bit for bit."""
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
+    test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)

@@ -246,6 +246,9 @@ def test_loop_and_stage1_options_are_checked():
         build_chunk_forward_rs(*args, with_output=False, decayed_k=True, inverse_in_loop=True)
     with pytest.raises(ValueError, match="decayed_k"):
         build_chunk_forward_rs(*args, precise=True, decayed_k=True)
+    with pytest.raises(ValueError, match="negligible_m"):  # its M items start from the identity it makes itself
+        build_chunk_forward_rs(*args, with_output=False, transition_pairs=True, skip_unread="forward",
+                               negligible_m=True)
     from flashgdn.kernels.hopper.chunk_forward_rso import build_chunk_forward_rso
 
     with pytest.raises(ValueError, match="regs"):  # the register split must add up to the register file

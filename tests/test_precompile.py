@@ -221,6 +221,24 @@ def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
     assert not any(from_h0().values())
 
 
+def test_precompiled_transition_passes_follow_negligible_m(monkeypatch):
+    """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M reaches the transition passes that make their start states (the builds that
+    take the bounds), and nothing else; off by default."""
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.variants import training_variants
+
+    def negligible():
+        return {name: kw.get("negligible_m", False) for name, builder, kw in training_variants(2, 8, flags="common")
+                if builder == "chunk_forward_rs"}
+
+    assert not any(negligible().values())
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
+    got = negligible()
+    assert {n for n, on in got.items() if on} == {n for n in got if "_pairs_skip_" in n} != set(), got
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", False)  # the build that reads its starts takes no bounds
+    assert not any(negligible().values())
+
+
 @pytest.mark.parametrize("diag16, mma32, triangle, want", [
     (True, True, True, dict(diag16=True, mma32=True)),  # the default
     (True, False, True, dict(diag16=True)),

@@ -189,6 +189,14 @@ CP_FORWARD_ON_BACKWARD_SEGMENTS = os.environ.get("FLASHGDN_HOPPER_CP_FORWARD_ON_
 #: 0.744 -> 0.731 ms, 8/16 8192x1 0.656 -> 0.646. FLASHGDN_HOPPER_CP_CHAIN_INDEX=0 for the torch ops.
 CP_CHAIN_INDEX = os.environ.get("FLASHGDN_HOPPER_CP_CHAIN_INDEX", "1") == "1"
 
+#: the transition pass stores zero, without a walk, for the M of a segment whose transition is below float32's range
+#: by a bound from the inputs alone (``flashgdn.cp.bounds``: the summed log decay, plus each token's log growth
+#: where beta |k|^2 leaves [0, 2], below -88), made beside stage 1 on a stream of its own. Exact: what is dropped is
+#: under float32's smallest normal number times the start state. Where every head decays (the benchmark's gates sum to
+#: ~-3.2 a chunk: ~28 chunks) the pass makes b alone on segments of 32 chunks and more. An A/B (notes v0.34a), off
+#: until measured: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1.
+CP_NEGLIGIBLE_M = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M", "0") == "1"
+
 
 def _backward_splits(backward_plan) -> bool:
     """Whether a backward follows (``backward_plan`` not None) and its plan splits."""
@@ -319,11 +327,34 @@ class _HopperSegmentsForward:
         from .forward import hopper_stage1, hopper_transition_pairs
 
         cu = seg_cu.to(torch.int32)
+        bounds = None
+        if CP_NEGLIGIBLE_M and h0 is not None and unread is not None:
+            bounds = _m_bounds_aside(k, g, beta, cu)
         if self._stage1_source is not None:
             self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu)
         else:
             self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu)
-        return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0)
+        m_bound = None
+        if bounds is not None:
+            m_bound, side = bounds
+            torch.cuda.current_stream(k.device).wait_stream(side)
+        return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0, m_bound=m_bound)
+
+
+def _m_bounds_aside(k, g, beta, cu):
+    """Every segment's bound on log ||M||_2 (``flashgdn.cp.bounds.transition_log_bounds``), made on a stream of its
+    own from this point of the current one, so beside stage 1 that follows (its reads of k against stage 1's
+    products): ``(bounds, stream)``; the current stream waits for ``stream`` before the pass reads them."""
+    from ...cp.backward import side_stream
+    from ...cp.bounds import transition_log_bounds
+
+    main, side = torch.cuda.current_stream(k.device), side_stream(k.device, "transition bounds")
+    # allocated here, on the stream that reads it, and written on the side stream (whose own temporaries stay there)
+    out = torch.empty((cu.shape[0] - 1, g.shape[2]), dtype=torch.float32, device=k.device)
+    side.wait_stream(main)  # the inputs, the offsets and the allocation, in the order the main stream sees them
+    with torch.cuda.stream(side):
+        transition_log_bounds(k, g, beta, cu, out=out)
+    return out, side
 
 
 class HopperBackend(Backend):

@@ -33,6 +33,7 @@ with ``decayed_k`` a fourth, a_ready (gate -> state: gamma and Ag, before P and 
 import functools
 from typing import Optional
 
+from ...cp.bounds import NEGLIGIBLE_LOG_NORM
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .gate_inverse import make_gate_inverse
 from .loop_parts import make_loop_parts
@@ -72,6 +73,7 @@ def build_chunk_forward_rs(
     lean: bool = False,
     starts_from_h0: bool = False,
     first_apart: bool = False,
+    negligible_m: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -111,6 +113,11 @@ def build_chunk_forward_rs(
     starts from ``h0[seq_seq[n], h]`` where n is its sequence's first segment and from zero elsewhere, head 2h + 1
     from the identity. This spares the host's [S, 2 Hv, K, V] start tensor: four small kernels (two fills, a scatter
     of h0, the identity's copy) and its reads, per pass.
+
+    ``negligible_m=True`` (with ``starts_from_h0``) adds a last argument ``m_bound [segments, Hv]`` float32, the log
+    of a bound on each segment's ||M||_2 (``flashgdn.cp.bounds.transition_log_bounds``): an M item whose bound is
+    below ``NEGLIGIBLE_LOG_NORM`` walks no chunk and stores zero, the float32 value of an M that small (an A/B,
+    ``backend.CP_NEGLIGIBLE_M``). The other items, and every item of a build without it, are unchanged.
 
     ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
     writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
@@ -188,6 +195,8 @@ def build_chunk_forward_rs(
         if not skipping:
             raise ValueError("starts_from_h0 is an option of the transition pass with skip_unread (its segment index)")
         state_shape_h0 = (n_h0, Hv, K, V)
+    if negligible_m and not starts_from_h0:
+        raise ValueError("negligible_m is an option of the transition pass that makes its start states (starts_from_h0)")
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
         raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
@@ -211,7 +220,7 @@ def build_chunk_forward_rs(
     @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
                    o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq=None, is_first=None, first_states=None,
-                   shift=None):
+                   shift=None, m_gone=None):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -230,9 +239,14 @@ def build_chunk_forward_rs(
             dcol_f = T.alloc_fragment((C,), acc)
             gl = T.alloc_local((1,), acc)
         if starts_from_h0:
-            if h % 2 == 1:  # M's pass: from the identity (st_f is S^T: S[j, c0 + i])
-                for i, j in T.Parallel(HV2, K):
-                    st_f[i, j] = T.if_then_else(c0 + i == j, T.float32(1), T.float32(0))
+            if h % 2 == 1:  # M's pass: from the identity (st_f is S^T: S[j, c0 + i]); zero where negligible
+                if negligible_m:
+                    for i, j in T.Parallel(HV2, K):
+                        st_f[i, j] = T.if_then_else(m_gone, T.float32(0),
+                                                    T.if_then_else(c0 + i == j, T.float32(1), T.float32(0)))
+                else:
+                    for i, j in T.Parallel(HV2, K):
+                        st_f[i, j] = T.if_then_else(c0 + i == j, T.float32(1), T.float32(0))
             elif is_first:  # b's pass on a sequence's first segment: from the sequence's initial state
                 for i, j in T.Parallel(HV2, K):
                     st_f[i, j] = h0[seq, h // 2, j, c0 + i]
@@ -380,7 +394,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
-                    count=None, first_states=None, shift=None):
+                    count=None, first_states=None, shift=None, m_bound=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -398,6 +412,9 @@ def build_chunk_forward_rs(
                 unread_m = T.Or(is_first, is_last) if forward_skips else is_first
                 unread = T.if_then_else(h % 2 == 0, True if skip_unread == "m_only" else is_last, unread_m)
                 n_chunks = T.if_then_else(unread, 0, n_chunks)
+                if negligible_m:  # an M below float32's range: no walk, zero stored (flashgdn.cp.bounds)
+                    m_gone = T.And(h % 2 == 1, m_bound[n, h // 2] < T.float32(NEGLIGIBLE_LOG_NORM))
+                    n_chunks = T.if_then_else(m_gone, 0, n_chunks)
 
             # two-stage input ring
             q_s = T.alloc_shared((2, C, K), io_dtype)
@@ -429,7 +446,11 @@ def build_chunk_forward_rs(
                 T.set_max_nreg(state_regs, 1)
                 # (seq and is_first passed only where used: passing them to every skipping build changes the
                 # generated code of the measured ones, and so their cache entries)
-                if starts_from_h0:
+                if negligible_m:
+                    state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first,
+                               m_gone=m_gone)
+                elif starts_from_h0:
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
                 else:  # (first_states and shift None but with first_apart)
@@ -438,7 +459,11 @@ def build_chunk_forward_rs(
                                first_states=first_states, shift=shift)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
-                if starts_from_h0:
+                if negligible_m:
+                    state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first,
+                               m_gone=m_gone)
+                elif starts_from_h0:
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
                 else:  # (first_states and shift None but with first_apart)
@@ -497,6 +522,30 @@ def build_chunk_forward_rs(
             ht: T.Tensor(state_shape_ht, ht_dtype),
         ):
             kernel_body(q, k, v, None, None, g, beta, cu_seqlens, None, h0, scale, o, ht)
+
+    elif negligible_m:
+        n_cp_seqs = T.dynamic("n_cp_seqs")
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+            seg_seq: T.Tensor((num_seqs,), "int64"),
+            first: T.Tensor((n_cp_seqs,), "int64"),
+            count: T.Tensor((n_cp_seqs,), "int64"),
+            m_bound: T.Tensor((num_seqs, Hv), "float32"),
+        ):
+            kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count,
+                        m_bound=m_bound)
 
     elif skipping:
         n_cp_seqs = T.dynamic("n_cp_seqs")

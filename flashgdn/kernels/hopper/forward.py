@@ -444,14 +444,17 @@ def kkt_options() -> dict:
 
 def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage1: Stage1,
                             start: Optional[torch.Tensor], cu_seqlens: torch.Tensor, unread=None,
-                            h0: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            h0: Optional[torch.Tensor] = None, m_bound: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context parallelism's transition pass with stage 1 shared (the rs loop's ``transition_pairs`` variant):
     packed ``[1, T, ...]`` inputs over segments ``cu_seqlens``; ``start [S, 2 Hv, K, V]`` float32 K-major, head
     2h the b pass of value head h and 2h + 1 its M pass (v = 0). Returns the end states, same layout.
     ``unread = (index, "forward" | "backward")`` (``flashgdn.cp.SegmentIndex``): the items the splices never read
     walk no chunk (their end is their start; the kernel's ``skip_unread``). ``h0`` (with ``unread``, instead of
     ``start``): the sequences' initial states ``[sequences, Hv, K, V]``, from which the kernel makes the start
-    states itself (its ``starts_from_h0``: h0 for b on a sequence's first segment, else zero; the identity for M)."""
+    states itself (its ``starts_from_h0``: h0 for b on a sequence's first segment, else zero; the identity for M).
+    ``m_bound`` (with ``h0``): ``[S, Hv]`` float32, the log of a bound on each segment's ||M||_2
+    (``flashgdn.cp.bounds.transition_log_bounds``); an M below float32's range is then stored as zero without a walk
+    (the kernel's ``negligible_m``)."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     _, TT, Hqk, K = k.shape
@@ -460,7 +463,11 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     mode = "" if unread is None else unread[1]
     if (h0 is None) == (start is None) or (h0 is not None and unread is None):
         raise ValueError("hopper_transition_pairs takes start, or h0 with unread (the segment index)")
+    if m_bound is not None and h0 is None:
+        raise ValueError("m_bound is an option of the pass that makes its start states (h0 with unread)")
     from_h0 = {} if h0 is None else dict(starts_from_h0=True)
+    if m_bound is not None:
+        from_h0["negligible_m"] = True
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(k.dtype), True, True, False, with_output=False,
                                     transition_pairs=True, skip_unread=mode, **lean_state_option(), **from_h0)
     end = _output((N, 2 * Hv, K, V), torch.float32, k.device)
@@ -471,6 +478,10 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if unread is not None:
         index = unread[0]
         args += (index.seg_seq.to(torch.int64), index.first.to(torch.int64), index.count.to(torch.int64))
+    if m_bound is not None:
+        if m_bound.shape != (N, Hv):
+            raise ValueError(f"m_bound must be [{N}, {Hv}] (segments, value heads), got {tuple(m_bound.shape)}")
+        args += (m_bound.to(torch.float32).contiguous(),)
     kernel(*args)
     return end
 
