@@ -126,8 +126,9 @@ set -uo pipefail
 #   backwards make the backward's gap, where the fused kernels alone are within 5% (notes "profile-anchor-bwd measured").
 # negligible-m: the transition pass without a walk for an M below float32's range (backend.CP_NEGLIGIBLE_M, notes
 #   v0.34a): its GPU tests (gpu-negligible-m.log), then both ways side by side in one process with the same-bits check:
-#   the cp set's forward (negligible-m-cp-fwd.json), and fwd+bwd on the cp and bwd sets' 8/16 and the bwd set's 16/32
-#   shapes (negligible-m-fwdbwd.json).
+#   the cp set's forward at 2/4, 4/8 and 8/16 (the head configs the shipped kernel cache holds;
+#   negligible-m-cp-fwd.json), and fwd+bwd on the cp and bwd sets' 8/16 and the bwd set's 16/32 shapes
+#   (negligible-m-fwdbwd.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -318,7 +319,7 @@ elif [ "$part" = profile-anchor-bwd ]; then
 elif [ "$part" = negligible-m ]; then
   gpu_tests gpu-negligible-m 240 4 tests/test_gpu_hopper_cp.py -k negligible
   logged negligible-m-cp-fwd 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
-    --set cp --modes fwd --rounds 2 --out "$out/negligible-m-cp-fwd.json"
+    --set cp --only-heads 2/4,4/8,8/16 --modes fwd --rounds 2 --out "$out/negligible-m-cp-fwd.json"
   grep "geometric\|same bits" "$out/negligible-m-cp-fwd.log"
   logged negligible-m-fwdbwd 280 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
     --set cp,bwd --only-heads 8/16,16/32 --modes fwdbwd --rounds 2 --out "$out/negligible-m-fwdbwd.json"
