@@ -249,6 +249,41 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, st
     assert (final is None) != output_final_state
 
 
+def test_negligible_m_gives_the_transition_pass_its_bounds(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M: the paired pass that makes its start states gets the bounds as its last
+    argument ([segments, Hv] float32, checked against the build's signature), the ones ``flashgdn.cp.bounds`` makes
+    for the segments it runs on."""
+    from flashgdn.api.validate import validate
+    from flashgdn.cp import plan_for_problem
+    from flashgdn.cp.bounds import transition_log_bounds
+    from flashgdn.cp.exact import cp_problem_forward
+    from flashgdn.kernels.hopper import backend, forward
+    from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
+
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
+    seen = []
+    real = forward.hopper_transition_pairs
+
+    def pairs(*args, **kwargs):
+        seen.append((args[5].clone(), kwargs.get("m_bound")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "hopper_transition_pairs", pairs)
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[700, 30, 300], pad=5, gate="mixed")
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+    p = validate(**inp, output_final_state=True, cp=4)
+    plan = plan_for_problem(p, auto=True)
+    cp_problem_forward(_HopperSegmentsForward(paired=True, fused=True), p, plan, p.q, p.k)
+    assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
+                                               "chunk_forward_rso"]
+    ((seg_cu, m_bound),) = seen
+    assert m_bound is not None and m_bound.shape == (plan.num_segments, 8) and m_bound.dtype == torch.float32
+    T = p.q.shape[1]
+    assert torch.equal(m_bound, transition_log_bounds(p.k.reshape(1, T, 2, 128), p.g.reshape(1, T, 8),
+                                                      p.beta.reshape(1, T, 8), seg_cu))
+
+
 @pytest.mark.parametrize("fused,starts_in_kernel", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("with_h0", [True, False])
 def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fused, starts_in_kernel, checked_kernels,

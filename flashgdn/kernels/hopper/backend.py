@@ -337,16 +337,21 @@ class _HopperSegmentsForward:
         m_bound = None
         if bounds is not None:
             m_bound, side = bounds
-            torch.cuda.current_stream(k.device).wait_stream(side)
+            if side is not None:
+                torch.cuda.current_stream(k.device).wait_stream(side)
         return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0, m_bound=m_bound)
 
 
 def _m_bounds_aside(k, g, beta, cu):
     """Every segment's bound on log ||M||_2 (``flashgdn.cp.bounds.transition_log_bounds``), made on a stream of its
     own from this point of the current one, so beside stage 1 that follows (its reads of k against stage 1's
-    products): ``(bounds, stream)``; the current stream waits for ``stream`` before the pass reads them."""
+    products): ``(bounds, stream)``; the current stream waits for ``stream`` before the pass reads them. Off a CUDA
+    device (the driver's tests with the kernels stood in for): made in place, ``(bounds, None)``."""
     from ...cp.backward import side_stream
     from ...cp.bounds import transition_log_bounds
+
+    if not k.is_cuda:
+        return transition_log_bounds(k, g, beta, cu), None
 
     main, side = torch.cuda.current_stream(k.device), side_stream(k.device, "transition bounds")
     # allocated here, on the stream that reads it, and written on the side stream (whose own temporaries stay there)
