@@ -76,6 +76,22 @@ def per_kernel(events, steps: int):
     return sorted(((name, ms, n // steps) for name, (ms, n) in per.items()), key=lambda r: -r[1])
 
 
+def side_by_side(results):
+    """One line per shape: each implementation's kernel time per step, and its ratio to the first one's (the
+    records of ``main``, in their order: every implementation of a shape together)."""
+    by_shape = {}
+    for r in results:
+        by_shape.setdefault((r["heads"], tuple(r["seqlens"]), r["mode"]), []).append(r)
+    lines = []
+    for (heads, seqlens, mode), rs in by_shape.items():
+        base = rs[0]["total_ms"]
+        mix = "+".join(map(str, seqlens)) if len(seqlens) <= 4 else f"{len(seqlens)} seqs of {sum(seqlens)} tokens"
+        parts = [f"{r['impl']} {r['total_ms']:.3f}" + ("" if i == 0 else f" ({r['total_ms'] / base:.2f}x)")
+                 for i, r in enumerate(rs)]
+        lines.append(f"{heads} {mix} {mode}: " + ", ".join(parts))
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", action="append", help="HQK/HV:MIX (MIX as the harness's --seqlens: 4096x8, "
@@ -112,6 +128,10 @@ def main(argv=None):
                             cp=args.cp if impl.startswith("flashgdn") else None, total_ms=total,
                             kernels=[dict(name=name, ms=ms, calls=n) for name, ms, n in rows],
                             sequence=[dict(name=name, start_us=start, ms=ms) for name, start, ms in sequence]))
+    if len(args.impl or []) > 1:
+        print("\nkernel time per step, side by side (ms; each against the first implementation):")
+        for line in side_by_side(results):
+            print("  " + line)
     if args.out:
         sys.path.insert(0, "benchmarks")
         from stage_timing import results_header

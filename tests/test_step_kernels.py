@@ -44,3 +44,11 @@ def test_a_step_on_the_gpu_names_every_stage(tmp_path, cuda):
 def test_one_implementation_a_profile():
     with pytest.raises(ValueError, match="one implementation"):
         sk.step_fn("flashgdn,flashqla", 2, 4, [64], "off")
+
+
+def test_side_by_side_sets_each_implementation_against_the_first():
+    rs = [dict(heads="16/32", seqlens=[8192], mode="fwdbwd", impl="flashgdn", total_ms=1.0),
+          dict(heads="16/32", seqlens=[8192], mode="fwdbwd", impl="flashqla", total_ms=0.8),
+          dict(heads="2/4", seqlens=[1, 2, 3, 4, 5], mode="fwdbwd", impl="flashgdn", total_ms=0.5)]
+    assert sk.side_by_side(rs) == ["16/32 8192 fwdbwd: flashgdn 1.000, flashqla 0.800 (0.80x)",
+                                   "2/4 5 seqs of 15 tokens fwdbwd: flashgdn 0.500"]
