@@ -129,6 +129,9 @@ set -uo pipefail
 #   the cp set's forward at 2/4, 4/8 and 8/16 (the head configs the shipped kernel cache holds;
 #   negligible-m-cp-fwd.json), and fwd+bwd on the cp and bwd sets' 8/16 and the bwd set's 16/32 shapes
 #   (negligible-m-fwdbwd.json).
+# longest-first: the fused backward's rows of CTAs longest first (backward.FUSED_LONGEST_FIRST, notes v0.34b): its
+#   same-bits GPU tests (gpu-longest-first.log), then fwd+bwd both ways side by side on the bwd set
+#   (longest-first-ab.json; --max-diff 1e-2: on two 4/8 shapes the model then picks other segments, other rounding).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -136,7 +139,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -324,6 +327,11 @@ elif [ "$part" = negligible-m ]; then
   logged negligible-m-fwdbwd 280 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
     --set cp,bwd --only-heads 8/16,16/32 --modes fwdbwd --rounds 2 --out "$out/negligible-m-fwdbwd.json"
   grep "geometric\|same bits" "$out/negligible-m-fwdbwd.log"
+elif [ "$part" = longest-first ]; then
+  gpu_tests gpu-longest-first 240 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
+  logged longest-first-ab 420 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST \
+    --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/longest-first-ab.json"
+  grep "geometric\|same bits" "$out/longest-first-ab.log"
 elif [ "$part" = step-anchor ]; then
   logged step-anchor 420 python3 benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --sequence \
     --shape 16/32:8192 --shape 16/32:775+7417 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \

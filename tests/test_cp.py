@@ -188,6 +188,35 @@ def test_cp_auto_picks_what_measured_fastest(name, skip, current, misses):
             assert at_pick <= misses.get(r["shape"], 1.03) * min(measured.values()), (r["shape"], pick, measured)
 
 
+def test_cost_model_of_the_fused_backward_longest_first():
+    """``CostModel.fused_longest_first``: the fused kernel's makespan with its rows longest first. The bwd set's
+    eight-sequence 16/32 mix of 8192 tokens (one of 54 chunks among seven of 3-22): its 32 CTAs of 54 chunks start at
+    once instead of after 160 shorter ones took the SMs, so the time is that long CTA's (34 + 54 x 11.1 us); no
+    longer than in launch order on the bwd set, and unchanged where every item is as long."""
+    from flashgdn.cp.plan import CostModel
+
+    chunks = [15, 8, 9, 3, 13, 54, 8, 22]
+    plain, lpt = CostModel(), CostModel(fused_longest_first=True)
+    assert lpt.backward_gradients_us(chunks, 32)[0] == pytest.approx(34 + 54 * 11.1)
+    assert plain.backward_gradients_us(chunks, 32)[0] > 1.15 * lpt.backward_gradients_us(chunks, 32)[0]
+    assert lpt.backward_gradients_us(chunks, 32)[1] == plain.backward_gradients_us(chunks, 32)[1]  # the two kernels
+    # on every shape of the bwd set, no later than in launch order (LPT is not optimal in general, but within 4/3)
+    from flashgdn.bench.shapes import bwd_set
+
+    for shape in bwd_set():
+        items = [-(-n // 64) for n in shape.seqlens]
+        assert lpt.backward_gradients_us(items, shape.h_v)[0] <= plain.backward_gradients_us(items, shape.h_v)[0]
+    assert lpt.backward_gradients_us([64] * 8, 32) == plain.backward_gradients_us([64] * 8, 32)
+
+
+def test_longest_first_order_is_a_stable_permutation_longest_first():
+    from flashgdn.kernels.hopper.backward import longest_first_order
+
+    cu = torch.tensor([0, 100, 100, 3537, 3600, 4000, 7437], dtype=torch.int32)  # lengths 100 0 3437 63 400 3437
+    order = longest_first_order(cu)
+    assert order.dtype == torch.int32 and order.tolist() == [2, 5, 4, 0, 3, 1]
+
+
 def test_cost_model_aggregates_equal_the_segment_lists():
     """``estimated_us`` works on (count, chunks in all, longest) aggregates instead of a list of every segment;
     the time equals the one from the explicit segment list, fed to the model's list forms."""

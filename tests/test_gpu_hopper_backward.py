@@ -390,6 +390,8 @@ FUSED_SAME_BITS = {
                         "the same expression",
     "FUSED_P_GIVEN": "P made by gated_scores.py before the fused kernel and loaded by it: the same product and "
                      "expression in another kernel",
+    "FUSED_LONGEST_FIRST": "the rows of CTAs take the sequences longest first: every CTA computes what it did, for "
+                           "the sequence it did, only started in another order",
 }
 
 

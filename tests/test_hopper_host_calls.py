@@ -162,6 +162,37 @@ def test_backward_calls_match_the_kernels(opts, heads, with_dht, fused, checked_
     assert states == {S - len(seqlens) if apart and opts.get("dense") else S}
 
 
+def test_fused_backward_longest_first_gets_the_order(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_FUSED_LONGEST_FIRST: the fused kernel's build with ``longest_first`` gets the sequences' order,
+    longest first, as its last argument (checked against the build's signature)."""
+    from flashgdn.kernels.hopper import backward, fused_backward
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(backward, "FUSED_LONGEST_FIRST", True)
+    orders = []
+    real = fused_backward.build_fused_backward  # the fixture's stand-in
+
+    def capture(*a, **kw):
+        inner = real(*a, **kw)
+
+        def call(*args):
+            orders.append((kw.get("longest_first"), args[-1]))
+            return inner(*args)
+        return call
+
+    monkeypatch.setattr(fused_backward, "build_fused_backward", capture)
+    seqlens = [300, 1, 640, 64]
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens)
+    q, k, v, g, beta, h0 = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    hopper_backward(q, k, v, g, beta, do, None, 0.1, h0, inp["cu_seqlens"], False,
+                    cu_seqlens_cpu=inp["cu_seqlens"].clone())
+    ((on, order),) = orders
+    assert on is True and order.dtype == torch.int32 and order.tolist() == [2, 0, 3, 1]
+    assert [c[0] for c in checked_kernels if c[0] == "fused_backward"] == ["fused_backward"]
+
+
 @pytest.mark.parametrize("seqlens,host_copy,expected", [
     ([300, 1, 64], True, 7 - 3),   # every sequence known non-empty: S - N states
     ([300, 0, 64], True, 6),       # an empty sequence: the slots' own numbering

@@ -246,6 +246,10 @@ def test_loop_and_stage1_options_are_checked():
         build_chunk_forward_rs(*args, with_output=False, decayed_k=True, inverse_in_loop=True)
     with pytest.raises(ValueError, match="decayed_k"):
         build_chunk_forward_rs(*args, precise=True, decayed_k=True)
+    from flashgdn.kernels.hopper.fused_backward import build_fused_backward
+
+    with pytest.raises(ValueError, match="longest_first"):  # its order rides with first_apart's arguments
+        build_fused_backward(2, 8, 128, 128, "bfloat16", True, longest_first=True)
     with pytest.raises(ValueError, match="negligible_m"):  # its M items start from the identity it makes itself
         build_chunk_forward_rs(*args, with_output=False, transition_pairs=True, skip_unread="forward",
                                negligible_m=True)

@@ -239,6 +239,25 @@ def test_precompiled_transition_passes_follow_negligible_m(monkeypatch):
     assert not any(negligible().values())
 
 
+def test_precompiled_fused_backward_follows_longest_first(monkeypatch):
+    """FLASHGDN_HOPPER_FUSED_LONGEST_FIRST reaches the fused backward builds a training step precompiles (those beside
+    first_apart, the operator's), and nothing else; off by default."""
+    from flashgdn.kernels.hopper import backward
+    from flashgdn.kernels.hopper.variants import training_variants
+
+    def longest_first():
+        return {name: kw.get("longest_first", False) for name, builder, kw in training_variants(16, 32, flags="common")
+                if builder == "fused_backward"}
+
+    got = longest_first()
+    assert got and not any(got.values())
+    monkeypatch.setattr(backward, "FUSED_LONGEST_FIRST", True)
+    got = longest_first()
+    assert got and all(got.values()), got
+    monkeypatch.setattr(backward, "FIRST_STATES_APART", False)
+    assert not any(longest_first().values())
+
+
 @pytest.mark.parametrize("diag16, mma32, triangle, want", [
     (True, True, True, dict(diag16=True, mma32=True)),  # the default
     (True, False, True, dict(diag16=True)),

@@ -203,13 +203,18 @@ class CostModel:
     reverse_splice_step_fixed_us: float = 2.4
     reverse_splice_step_head_us: float = 0.2
     backward_cp_driver_us: float = 15.0
+    # the fused kernel's rows of CTAs longest first (``backward.FUSED_LONGEST_FIRST``): its makespan in that order
+    fused_longest_first: bool = False
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
-                   skip_unread: bool = False, reuse_transitions: bool = False) -> "CostModel":
+                   skip_unread: bool = False, reuse_transitions: bool = False,
+                   fused_longest_first: bool = False) -> "CostModel":
         """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
-        ``paired``/``fused``/``skip_unread``/``reuse_transitions``: which of CP's kernels the backend runs."""
-        flags = dict(paired=paired, fused=fused, skip_unread=skip_unread, reuse_transitions=reuse_transitions)
+        ``paired``/``fused``/``skip_unread``/``reuse_transitions``/``fused_longest_first``: which of CP's kernels the
+        backend runs, and how the fused backward orders its CTAs."""
+        flags = dict(paired=paired, fused=fused, skip_unread=skip_unread, reuse_transitions=reuse_transitions,
+                     fused_longest_first=fused_longest_first)
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
             return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, **flags)
         return CostModel(**flags)
@@ -253,14 +258,17 @@ class CostModel:
 
 
     def makespan_us(self, item_chunks: Sequence[int], heads: int, item_us: float, chunk_us: float,
-                    busy_chunk_us: float) -> float:
+                    busy_chunk_us: float, longest_first: bool = False) -> float:
         """One pass of one CTA per item and value head over items of the given chunk counts, in launch order (an
         item's ``heads`` CTAs next to each other, as the kernels' ``(Hv, items)`` grids launch them): the SMs take
         the CTAs in that order as they come free (``list_schedule``), each CTA ``item_us + chunks x chunk_us``; and
         no less than the CTAs' total at ``busy_chunk_us`` a chunk over the SMs. Past four waves the schedule is
-        taken as the longest CTA (the total then sets the time anyway)."""
+        taken as the longest CTA (the total then sets the time anyway). ``longest_first``: the items launched in
+        the order of their lengths, longest first."""
         if not len(item_chunks) or heads <= 0:
             return 0.0
+        if longest_first:
+            item_chunks = sorted(item_chunks, reverse=True)
         total = heads * (len(item_chunks) * item_us + sum(item_chunks) * busy_chunk_us) / self.num_sms
         if len(item_chunks) * heads > 4 * self.num_sms:
             return max(item_us + max(item_chunks) * chunk_us, total)
@@ -270,7 +278,8 @@ class CostModel:
         """``(fused, two kernels)``: the backward's gradients on work items of the given chunk counts (launch order)
         by the fused kernel, or by the walk and then ``chunk_grad`` (every chunk and value head spread over the SMs,
         as many CTAs as chunks x heads: one SM's time each, in waves)."""
-        fused = self.makespan_us(item_chunks, heads, self.fused_item_us, self.fused_chunk_us, self.fused_busy_chunk_us)
+        fused = self.makespan_us(item_chunks, heads, self.fused_item_us, self.fused_chunk_us, self.fused_busy_chunk_us,
+                                 self.fused_longest_first)
         walk = self.makespan_us(item_chunks, heads, self.walk_item_us, self.walk_chunk_us, self.walk_busy_chunk_us)
         grads = math.ceil(sum(item_chunks) * heads / self.num_sms) * self.chunk_grad_us
         return fused, walk + grads

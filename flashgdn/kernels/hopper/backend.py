@@ -234,9 +234,12 @@ def cp_cost_model(device: Optional[torch.device] = None):
     from ...cp.plan import CostModel
     from .forward import PRECISE
 
+    from . import backward
+
     paired = CP_PAIRED and not PRECISE
     return CostModel.for_device(device, paired=paired, fused=CP_FUSED, skip_unread=paired and CP_SKIP_UNREAD,
-                                reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS)
+                                reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS,
+                                fused_longest_first=backward.FUSED_LONGEST_FIRST and backward.FIRST_STATES_APART)
 
 
 class _HopperSegmentsForward:

@@ -106,6 +106,15 @@ FUSED_BACKWARD = "auto" if _FUSED == "auto" else _FUSED == "1"
 #: FLASHGDN_HOPPER_FIRST_STATES_APART=0: every chunk state in the states tensor.
 FIRST_STATES_APART = os.environ.get("FLASHGDN_HOPPER_FIRST_STATES_APART", "1") == "1"
 
+#: the fused kernel's rows of CTAs take the sequences (or segments) longest first (``fused_backward.py``'s
+#: ``longest_first``, beside FIRST_STATES_APART): the GPU starts CTAs in grid order as SMs come free, so in the
+#: sequences' own order a long one may start only after short ones have taken the SMs, and the kernel then ends a
+#: long CTA after them. Longest first (LPT scheduling) it tends to its longest CTA. The same bits. The cost model
+#: (``CostModel.fused_longest_first``) puts the fused kernel at 0.81x-0.93x of its time on seven of the bwd set's
+#: 32 shapes (uneven mixes with more CTAs than SMs) and unchanged elsewhere. An A/B (notes v0.34b), off until
+#: measured: FLASHGDN_HOPPER_FUSED_LONGEST_FIRST=1.
+FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0") == "1"
+
 
 class FirstStatesApart(NamedTuple):
     """The chunk states as the fused kernel takes them with ``first_apart``: ``states [S - shift N, Hv, V, K]``,
@@ -264,7 +273,8 @@ def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.d
     from ...cp.plan import CostModel
 
     # the H200's count where there is no CUDA device to ask (the host code's CPU tests), as the CP cost model does
-    model = CostModel.for_device(device if device.type == "cuda" and torch.cuda.is_available() else None)
+    model = CostModel.for_device(device if device.type == "cuda" and torch.cuda.is_available() else None,
+                                 fused_longest_first=FUSED_LONGEST_FIRST and FIRST_STATES_APART)
     if item_lengths is None:
         return num_items * Hv >= model.num_sms
     chunks = [-(-int(n) // CHUNK) for n in item_lengths]
@@ -272,6 +282,12 @@ def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.d
         return False
     fused, two_kernels = model.backward_gradients_us(chunks, Hv)
     return fused < two_kernels
+
+
+def longest_first_order(cu: torch.Tensor) -> torch.Tensor:
+    """The items of offsets ``cu`` (``[N + 1]`` on the device) longest first, ties in their own order: an int32
+    permutation ``[N]``, by device ops (nothing read back to the host)."""
+    return torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
 
 
 def chunk_grad_options(group: int = 1) -> dict:
@@ -584,6 +600,8 @@ class HopperBackwardStages:
         if apart:  # dh0 is the buffer that holds the first chunk states until the kernel writes over them
             states, dh0, shift = states
             options = dict(options, first_apart=True)
+            if FUSED_LONGEST_FIRST:  # (built beside first_apart only)
+                options["longest_first"] = True
         else:
             dh0 = _output((N, Hv, K, V), torch.float32, q.device)
         args = (qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
@@ -593,6 +611,8 @@ class HopperBackwardStages:
             args += (_first_states_view(dh0, q.dtype, V, K), shift)
         if options.get("p_given"):  # the chunks' P, let go once the kernel has read it
             args += (self._given_scores(offsets, stage1, Hv, scale),)
+        if options.get("longest_first"):  # the rows of CTAs in the order of the items' lengths, longest first
+            args += (longest_first_order(cu),)
         build_fused_backward(Hqk, Hv, K, V, tl_dtype(q.dtype), dht is not None, **options)(*args)
         return (dq.view(1, TT, Hqk, per, K), dk.view(1, TT, Hqk, per, K), dv, dg, dbeta), dh0
 

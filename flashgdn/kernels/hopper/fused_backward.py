@@ -144,7 +144,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False):
+                         fold_mma: bool = False, longest_first: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
@@ -211,6 +211,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     value side makes dVn; its row sums reach dg through a vector of their own (on the value side ptxas serialised
     the kernel's wgmma there for want of registers). On the gate side where P is not given too (issued once P is
     out), it was slower: the gate side's path is the one the value side waits for there (notes v0.30d).
+
+    ``longest_first`` (with ``first_apart``; ``backward.FUSED_LONGEST_FIRST``, an A/B): a last argument ``order
+    [sequences]`` int32, a permutation of the sequences (or segments), and the CTAs of row y of the grid work on
+    sequence ``order[y]``. The GPU starts a grid's CTAs in order as SMs come free, so with the sequences longest first
+    (``torch.argsort`` of their lengths) a long one no longer starts after the short ones have taken the SMs: the
+    kernel's time tends to its longest CTA where its CTAs are uneven and more than the SMs (LPT scheduling). Every CTA
+    computes what it did, so the same bits.
     """
     import tilelang
     import tilelang.language as T
@@ -227,6 +234,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     num_states = T.dynamic("num_states") if first_apart else num_slots
     if first_apart and trace:
         raise ValueError("the trace build reads every chunk state from the states tensor (first_apart off)")
+    if longest_first and not first_apart:
+        raise ValueError("longest_first is built beside first_apart (the operator's default) only")
     assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
     # beside p_given the gate side folds, into Q K^T's accumulator (free there): on the value side ptxas serialised
     # the kernel's wgmma for want of registers (C7512)
@@ -378,8 +387,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
 
     @T.macro
     def fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq, dk,
-                            dg, dbeta, dh0, tr, first_states=None, shift=None, p_in=None):
+                            dg, dbeta, dh0, tr, first_states=None, shift=None, p_in=None, order=None):
         with T.Kernel(Hv, num_seqs, threads=512, prelude=prelude, cluster_dims=cluster_dims) as (h, n):
+            if longest_first:  # this row of the grid works on the sequence the order puts here
+                n = order[n]
             hq = h // group
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
@@ -1037,6 +1048,65 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         ):
             fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
                                 dk, dg, dbeta, dh0, None, p_in=p_in)
+    elif longest_first and not p_given:
+        @T.prim_func
+        def fused_backward_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dg: T.Tensor((1, num_tokens, Hv), "float32"),
+            dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            first_states: T.Tensor((num_seqs, Hv, 2 * V, K), io_dtype),
+            shift: T.int32,
+            order: T.Tensor((num_seqs,), "int32"),
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, None, first_states, shift, order=order)
+
+    elif longest_first:
+        @T.prim_func
+        def fused_backward_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            A: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            states: T.Tensor((num_states, Hv, V, K), io_dtype),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dv: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            dq: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dk: T.Tensor((1, num_tokens, dq_heads, K), io_dtype),
+            dg: T.Tensor((1, num_tokens, Hv), "float32"),
+            dbeta: T.Tensor((1, num_tokens, Hv), "float32"),
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            first_states: T.Tensor((num_seqs, Hv, 2 * V, K), io_dtype),
+            shift: T.int32,
+            p_in: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            order: T.Tensor((num_seqs,), "int32"),
+        ):
+            fused_backward_body(q, k, v, do, gcum, beta, Ag, A, cu_seqlens, first_slot, states, dht, scale, dv, dq,
+                                dk, dg, dbeta, dh0, None, first_states, shift, p_in, order)
+
     elif first_apart and not p_given:
         @T.prim_func
         def fused_backward_kernel(

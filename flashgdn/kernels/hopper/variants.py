@@ -229,6 +229,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                     or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
             v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
+            if backward.FUSED_LONGEST_FIRST and kw.get("first_apart"):
+                v = (v[0], builder, {**v[2], "longest_first": True})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
         if builder == "gated_scores" and not (fused and backward.fused_backward_options(Hv, Hv // Hqk).get("p_given")):
@@ -384,6 +386,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         for has_dht in (True, False):
             yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{folded_tag}]", "fused_backward",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **folded))
+        # its rows of CTAs longest first (backward.FUSED_LONGEST_FIRST, an A/B; training_variants adds it when on)
+        yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{folded_tag},longest_first]", "fused_backward",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **folded, longest_first=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
