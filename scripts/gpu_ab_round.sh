@@ -320,16 +320,16 @@ elif [ "$part" = profile-anchor-bwd ]; then
     head -24 "$out/anchor-bwd-stalls-$impl.log"
   done
 elif [ "$part" = negligible-m ]; then
-  gpu_tests gpu-negligible-m 240 4 tests/test_gpu_hopper_cp.py -k negligible
-  logged negligible-m-cp-fwd 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
+  gpu_tests gpu-negligible-m 150 4 tests/test_gpu_hopper_cp.py -k negligible
+  logged negligible-m-cp-fwd 150 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
     --set cp --only-heads 2/4,4/8,8/16 --modes fwd --rounds 2 --out "$out/negligible-m-cp-fwd.json"
   grep "geometric\|same bits" "$out/negligible-m-cp-fwd.log"
-  logged negligible-m-fwdbwd 280 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
+  logged negligible-m-fwdbwd 220 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M \
     --set cp,bwd --only-heads 8/16,16/32 --modes fwdbwd --rounds 2 --out "$out/negligible-m-fwdbwd.json"
   grep "geometric\|same bits" "$out/negligible-m-fwdbwd.log"
 elif [ "$part" = longest-first ]; then
-  gpu_tests gpu-longest-first 240 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
-  logged longest-first-ab 420 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST \
+  gpu_tests gpu-longest-first 150 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
+  logged longest-first-ab 360 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST \
     --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/longest-first-ab.json"
   grep "geometric\|same bits" "$out/longest-first-ab.log"
 elif [ "$part" = step-anchor ]; then
