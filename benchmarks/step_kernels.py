@@ -21,21 +21,16 @@ import torch
 def step_fn(impl_name: str, h_qk: int, h_v: int, seqlens, cp: str, mode: str = "fwdbwd"):
     """One call of ``impl_name`` (flashgdn, flashgdn:BACKEND, flashqla, fla, flashinfer) as the benchmark harness
     makes it (``flashgdn.bench.runner.step_call``); ``cp`` reaches flashgdn only (the anchors choose their own)."""
-    from flashgdn.bench.impls import DEFAULT_FLASHGDN_BACKEND, make_impls, parse_impls
-    from flashgdn.bench.inputs import make_inputs
-    from flashgdn.bench.runner import step_call
+    from flashgdn.bench.impls import one_impl
+    from flashgdn.bench.runner import shape_call
     from flashgdn.bench.shapes import Shape
 
-    names, backends = parse_impls(impl_name)
-    if len(names) != 1:
-        raise ValueError(f"--impl: one implementation, got {impl_name!r}")
-    impl = make_impls(names, backends or [DEFAULT_FLASHGDN_BACKEND], cp=cp)[0]
+    impl = one_impl(impl_name, cp=cp)
     device = torch.device("cuda")
     missing = impl.missing_reason(device)
     if missing:
         raise RuntimeError(f"{impl.label} cannot run here: {missing}")
-    inp = make_inputs(Shape("custom", h_qk, h_v, tuple(seqlens)), 128, 128, device, with_grads=mode == "fwdbwd")
-    return step_call(impl.prepare(inp, mode), mode)
+    return shape_call(impl, Shape("custom", h_qk, h_v, tuple(seqlens)), device, mode)
 
 
 def profile(step, steps: int):

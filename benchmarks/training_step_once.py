@@ -29,26 +29,21 @@ def main(argv=None) -> int:
     if args.calls < 1 or args.warmup < 0:
         ap.error("--calls must be at least 1 and --warmup at least 0")
 
-    from flashgdn.bench.impls import DEFAULT_FLASHGDN_BACKEND, make_impls, parse_impls
-    from flashgdn.bench.inputs import make_inputs
-    from flashgdn.bench.runner import step_call
+    from flashgdn.bench.impls import one_impl
+    from flashgdn.bench.runner import shape_call
     from flashgdn.bench.shapes import parse_shape
 
     try:
         shape = parse_shape(args.shape)
-        names, backends = parse_impls(args.impl)
+        impl = one_impl(args.impl)
     except ValueError as e:
         ap.error(str(e))
-    if len(names) != 1:
-        ap.error("--impl: one implementation")
-    impl = make_impls(names, backends or [DEFAULT_FLASHGDN_BACKEND])[0]
     device = torch.device(args.device)
     missing = impl.missing_reason(device)
     if missing:
         print(f"{impl.label} cannot run here: {missing}", file=sys.stderr)
         return 2
-    inp = make_inputs(shape, 128, 128, device, with_grads=args.mode == "fwdbwd")
-    call = step_call(impl.prepare(inp, args.mode), args.mode)
+    call = shape_call(impl, shape, device, args.mode)
     for i in range(args.warmup + args.calls):
         t = time.perf_counter()
         call()

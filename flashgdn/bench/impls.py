@@ -291,6 +291,15 @@ def make_impls(names: Sequence[str], flashgdn_backends: Sequence[str], cp=None) 
     return out
 
 
+def one_impl(text: str, cp=None) -> Impl:
+    """The one implementation ``text`` names (``flashgdn``, ``flashgdn:BACKEND``, ``flashqla``, ``fla``,
+    ``flashinfer``), as ``make_impls`` makes it (``cp`` for flashgdn); ValueError unless it names exactly one."""
+    names, backends = parse_impls(text)
+    if len(names) != 1:
+        raise ValueError(f"--impl: one implementation, got {text!r}")
+    return make_impls(names, backends or [DEFAULT_FLASHGDN_BACKEND], cp=cp)[0]
+
+
 def parse_impls(text: str) -> Tuple[List[str], List[str]]:
     """``"flashqla,fla,flashinfer,flashgdn"`` -> (impl names, explicitly asked flashgdn backends).
     ``flashgdn:reference`` (or ``flashgdn:hopper+reference``) asks for particular backends."""

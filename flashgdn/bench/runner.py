@@ -106,6 +106,12 @@ def step_call(prep: Prepared, mode: str) -> Callable[[], tuple]:
     return call
 
 
+def shape_call(impl: Impl, shape: Shape, device: torch.device, mode: str) -> Callable[[], tuple]:
+    """``step_call`` of ``impl`` on the benchmark's inputs for ``shape`` (K = V = 128; output gradients in fwdbwd)."""
+    inp = make_inputs(shape, 128, 128, device, with_grads=mode == "fwdbwd")
+    return step_call(impl.prepare(inp, mode), mode)
+
+
 def run_one(impl: Impl, inp: Inputs, mode: str, checker: Optional[Checker], device: torch.device) -> Dict[str, Any]:
     """One record: run / missing / refused, never raising (except DeviceLost)."""
     shape = inp.shape
