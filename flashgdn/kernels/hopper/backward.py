@@ -116,6 +116,12 @@ FIRST_STATES_APART = os.environ.get("FLASHGDN_HOPPER_FIRST_STATES_APART", "1") =
 FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0") == "1"
 
 
+def fused_longest_first() -> bool:
+    """Whether the fused kernel the backward builds takes its rows longest first: FUSED_LONGEST_FIRST, where its
+    build has first_apart (FIRST_STATES_APART) to carry it. What the cost models are told."""
+    return FUSED_LONGEST_FIRST and FIRST_STATES_APART
+
+
 class FirstStatesApart(NamedTuple):
     """The chunk states as the fused kernel takes them with ``first_apart``: ``states [S - shift N, Hv, V, K]``,
     every chunk but each sequence's first; ``ds_start`` the fused kernel's d(initial state) output ``[N, Hv, K, V]``
@@ -274,7 +280,7 @@ def fused_backward_wanted(item_lengths, num_items: int, Hv: int, device: torch.d
 
     # the H200's count where there is no CUDA device to ask (the host code's CPU tests), as the CP cost model does
     model = CostModel.for_device(device if device.type == "cuda" and torch.cuda.is_available() else None,
-                                 fused_longest_first=FUSED_LONGEST_FIRST and FIRST_STATES_APART)
+                                 fused_longest_first=fused_longest_first())
     if item_lengths is None:
         return num_items * Hv >= model.num_sms
     chunks = [-(-int(n) // CHUNK) for n in item_lengths]

@@ -463,8 +463,6 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     mode = "" if unread is None else unread[1]
     if (h0 is None) == (start is None) or (h0 is not None and unread is None):
         raise ValueError("hopper_transition_pairs takes start, or h0 with unread (the segment index)")
-    if m_bound is not None and h0 is None:
-        raise ValueError("m_bound is an option of the pass that makes its start states (h0 with unread)")
     from_h0 = {} if h0 is None else dict(starts_from_h0=True)
     if m_bound is not None:
         from_h0["negligible_m"] = True
