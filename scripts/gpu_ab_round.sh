@@ -132,6 +132,11 @@ set -uo pipefail
 # longest-first: the fused backward's rows of CTAs longest first (backward.FUSED_LONGEST_FIRST, notes v0.34b): its
 #   same-bits GPU tests (gpu-longest-first.log), then fwd+bwd both ways side by side on the bwd set
 #   (longest-first-ab.json; --max-diff 1e-2: on two 4/8 shapes the model then picks other segments, other rounding).
+# walk-starts: CP's walks from zero without their per-chunk stores (backward.WALK_STARTS_ONLY, notes v0.35a): its
+#   same-bits GPU tests (gpu-walk-starts.log), then fwd+bwd both ways side by side on the cp set's 2/4, 4/8 and 8/16
+#   shapes (walk-starts-cp.json).
+# walk-starts-bwd: the same on the bwd set (walk-starts-bwd.json), and one step's kernels at 8/16 131072x1 and 16/32
+#   32768x1 with it off and on, one process each (walk-starts-steps-{0,1}.log).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -139,7 +144,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -332,6 +337,20 @@ elif [ "$part" = longest-first ]; then
   logged longest-first-ab 360 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST \
     --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/longest-first-ab.json"
   grep "geometric\|same bits" "$out/longest-first-ab.log"
+elif [ "$part" = walk-starts ]; then
+  gpu_tests gpu-walk-starts 150 4 tests/test_gpu_hopper_cp.py -k "walk_starts or walks_from_zero_without"
+  logged walk-starts-cp 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY \
+    --set cp --only-heads 2/4,4/8,8/16 --modes fwdbwd --rounds 2 --out "$out/walk-starts-cp.json"
+  grep "geometric\|same bits" "$out/walk-starts-cp.log"
+elif [ "$part" = walk-starts-bwd ]; then
+  logged walk-starts-bwd 300 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY \
+    --set bwd --modes fwdbwd --rounds 2 --out "$out/walk-starts-bwd.json"
+  grep "geometric\|same bits" "$out/walk-starts-bwd.log"
+  for on in 0 1; do
+    logged walk-starts-steps-$on 90 env FLASHGDN_HOPPER_WALK_STARTS_ONLY=$on python3 benchmarks/step_kernels.py \
+      --cp auto --sequence --shape 8/16:131072 --shape 16/32:32768
+    grep "kernels per step\|state_grad_walk" "$out/walk-starts-steps-$on.log" | head -6
+  done
 elif [ "$part" = step-anchor ]; then
   logged step-anchor 420 python3 benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --sequence \
     --shape 16/32:8192 --shape 16/32:775+7417 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \

@@ -209,6 +209,24 @@ def test_cost_model_of_the_fused_backward_longest_first():
     assert lpt.backward_gradients_us([64] * 8, 32) == plain.backward_gradients_us([64] * 8, 32)
 
 
+def test_cost_model_of_the_walks_from_zero_without_their_stores():
+    """``CostModel.walk_starts_only``: CP's walks from zero at the starts-only build's chunk costs, and nothing else
+    of the backward's estimate changed (the two-kernel backward's walk keeps its stores). On 4/16 131072x1 at 256-chunk
+    segments, 8 x 16 CTAs of 256 chunks on 132 SMs, the walk is set by its total at the busy rate: 2048 chunks x 16
+    heads x (2.7 instead of 3.5 us) over the SMs."""
+    from flashgdn.cp.plan import CostModel, backward_estimated_us
+
+    kw = dict(paired=True, fused=True, skip_unread=True, reuse_transitions=True)
+    plain, lean = CostModel(**kw), CostModel(**kw, walk_starts_only=True)
+    assert lean.walk_from_zero_chunk_us == lean.walk_starts_chunk_us < plain.walk_from_zero_chunk_us == 3.15
+    assert lean.walk_from_zero_busy_chunk_us == lean.walk_starts_busy_chunk_us < plain.walk_from_zero_busy_chunk_us
+    us = {m: backward_estimated_us([131072], 16, 256, m)[0] for m in (plain, lean)}
+    assert us[plain] - us[lean] == pytest.approx(2048 * 16 * (3.5 - 2.7) / 132)
+    # no split: no walk from zero, the same estimate; the two kernels' walk is the one with its stores
+    assert backward_estimated_us([8192] * 8, 16, None, lean) == backward_estimated_us([8192] * 8, 16, None, plain)
+    assert lean.backward_gradients_us([64] * 4, 8) == plain.backward_gradients_us([64] * 4, 8)
+
+
 def test_longest_first_order_is_a_stable_permutation_longest_first():
     from flashgdn.kernels.hopper.backward import longest_first_order
 

@@ -95,6 +95,35 @@ def test_cp_backward_runs_a_fused_stage_in_step_four(segment_chunks):
         assert rel_rms(x, w) < 1e-10, name
 
 
+class _StartsWalkingReferenceStages(_FusingReferenceStages):
+    """The fusing reference stages that also offer ``walk_starts`` (the walk from zero with its start gradients
+    alone, as the Hopper backend's ``starts_only`` build gives them): ``cp_backward`` must take step 2's D from it
+    and call ``state_gradients`` for nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls["walk_starts"] = 0
+
+    def walk_starts(self, q, k, g, beta, do, scale, cu, cu_cpu):
+        self.calls["walk_starts"] += 1
+        return ReferenceBackwardStages.state_gradients(self, q, k, g, beta, do, None, scale, cu, cu_cpu)[1]
+
+
+@pytest.mark.parametrize("segment_chunks", [None, 2])
+def test_cp_backward_takes_the_walks_from_zero_from_walk_starts(segment_chunks):
+    """Stages with ``walk_starts`` give step 2's D by it (once, where the plan splits) and ``state_gradients`` is
+    not called; the gradients are the same."""
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(1, 16, 16)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    stages = _StartsWalkingReferenceStages()
+    with torch.no_grad():
+        got = cp_backward(stages, ref_forward, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+    assert stages.calls == {"state_gradients": 0, "chunk_gradients": 0, "fused_gradients": 1,
+                            "walk_starts": int(plan.split)}
+    for name, x, w in zip(NAMES, got, want):
+        assert rel_rms(x, w) < 1e-10, name
+
+
 @pytest.mark.parametrize("plan_kind", ["none", "unsplit"])
 def test_cp_backward_without_segments_runs_the_stages_once(plan_kind):
     (q, k, v, g, beta, do, dht, h0, cu), want = _grads(0, 16, 16)

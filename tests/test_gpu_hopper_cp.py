@@ -451,6 +451,39 @@ def test_negligible_transitions_give_the_same_bits(opts, cuda, monkeypatch):
     _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_NEGLIGIBLE_M")
 
 
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[8192]),
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
+    dict(seqlens=[4096, 4096], dense=True),
+])
+def test_walks_from_zero_without_their_stores_give_the_same_bits(opts, cuda, monkeypatch):
+    """``backward.WALK_STARTS_ONLY``: CP's walks from zero by the walk's starts-only build, which stores no per-chunk
+    gradient. The start gradients are what the walk with its stores makes, so the op and every gradient are the same
+    bits with and without it."""
+    from flashgdn.kernels.hopper import backward
+
+    _same_bits_both_ways(opts, cuda, monkeypatch, backward, "WALK_STARTS_ONLY")
+
+
+@pytest.mark.parametrize("precise", [False, True])
+def test_walk_starts_are_the_walks_start_gradients(precise, cuda):
+    """The starts-only build itself (``backward.hopper_walk_starts``) against the walk with its stores
+    (``hopper_state_gradients`` from a zero end gradient): every start gradient the same bits, on sequences of 1, 64,
+    65 and 3000 tokens and an empty one, strong and zero gates, in the precise mode too."""
+    from flashgdn.kernels.hopper.backward import hopper_state_gradients, hopper_walk_starts
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, seqlens=[3000, 1, 0, 64, 65],
+                      gate="strong", zero_gate_heads=(2,))
+    q, k, g, beta, cu = (inp[n] for n in ("q", "k", "g", "beta", "cu_seqlens"))
+    do = torch.randn(inp["v"].shape, generator=torch.Generator(device=cuda).manual_seed(3), device=cuda)
+    do = do.to(torch.bfloat16)
+    want = hopper_state_gradients(q, k, g, beta, do, None, 0.3, cu, precise=precise)[1]
+    got = hopper_walk_starts(q, k, g, beta, do, 0.3, cu, precise=precise)
+    assert got.shape == want.shape == (5, 4, 128, 128) and got.dtype == torch.float32
+    assert torch.equal(got, want)
+    assert got.abs().amax() > 0  # a walk that ran
+
+
 def test_negligible_transitions_are_zero_where_the_bound_says_and_unchanged_elsewhere(cuda):
     """The pass itself (``forward.hopper_transition_pairs``) with and without the bounds, on the same segments: every
     b and every M whose bound is at or above NEGLIGIBLE_LOG_NORM the same bits; each M below it all zeros, and the

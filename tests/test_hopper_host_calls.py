@@ -360,6 +360,39 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
     assert grads[0].shape == q.shape and (grads[5] is None) == (h0 is None)
 
 
+@pytest.mark.parametrize("precise", [False, True])
+@pytest.mark.parametrize("starts_only", [False, True])
+def test_walks_from_zero_follow_walk_starts_only(starts_only, precise, checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_WALK_STARTS_ONLY: CP's walk from zero is the walk's ``starts_only`` build (no ``ds_end``
+    argument: checked against its signature), in the precise mode too; the walk from the true end gradients (step 4)
+    keeps its stores. Off, no build has ``starts_only``."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backward, forward, state_grad_walk
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", starts_only)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", False)  # so that step 4 runs the walk too
+    monkeypatch.setattr(forward, "PRECISE", precise)
+    built = []
+    checked = state_grad_walk.build_state_grad_walk  # the fixture's signature-checking builder
+
+    def recording(*args, **kwargs):
+        built.append((args[5], kwargs.get("starts_only", False), kwargs["precise"]))
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(state_grad_walk, "build_state_grad_walk", recording)
+    seqlens = [700, 30, 300]
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens)
+    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    plan = split_sequences(seqlens, 4)
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone())
+    # (has_final_grad, starts_only, precise): the walk from zero, then step 4's from the spliced end gradients
+    assert built == [(False, starts_only, precise), (True, False, precise)]
+    walks = [sizes for name, sizes in checked_kernels if name == "state_grad_walk"]
+    assert len(walks) == 2 and all(w["num_seqs"] == plan.num_segments for w in walks)
+
+
 def test_precise_mode_reaches_every_loop_of_the_backward(checked_kernels, monkeypatch):
     """The precise mode (forward.PRECISE, FLASHGDN_HOPPER_PRECISE=1) also puts the backward's loops in theirs: with
     CP, the forward transitions, the walk from zero, the states pass and the walk are all built with

@@ -258,6 +258,27 @@ def test_precompiled_fused_backward_follows_longest_first(monkeypatch):
     assert not any(longest_first().values())
 
 
+@pytest.mark.parametrize("precise", [False, True])
+def test_precompiled_walks_follow_walk_starts_only(precise, monkeypatch):
+    """FLASHGDN_HOPPER_WALK_STARTS_ONLY adds the walk's starts-only build (CP's walk from zero) to what a training
+    step precompiles, in the mode it runs in, beside the walks with their stores; off by default."""
+    from flashgdn.kernels.hopper import backward, forward
+    from flashgdn.kernels.hopper.variants import training_variants
+
+    monkeypatch.setattr(forward, "PRECISE", precise)
+
+    def walks():
+        return [kw for name, builder, kw in training_variants(2, 8, flags="common") if builder == "state_grad_walk"]
+
+    plain = walks()
+    assert plain and not any(kw.get("starts_only") for kw in plain)
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
+    got = walks()
+    (only,) = [kw for kw in got if kw.get("starts_only")]
+    assert only["precise"] is precise and only["has_final_grad"] is False
+    assert [kw for kw in got if not kw.get("starts_only")] == plain
+
+
 @pytest.mark.parametrize("diag16, mma32, triangle, want", [
     (True, True, True, dict(diag16=True, mma32=True)),  # the default
     (True, False, True, dict(diag16=True)),

@@ -76,7 +76,9 @@ class BackwardStages(Protocol):
     # optional: ``fuses_gradients`` (True) and ``fused_gradients(q, k, v, g, beta, do, states, dht, scale, cu, cu_cpu)
     # -> (grads, ds_start)``, the two stages above in one (``grads`` as ``chunk_gradients`` gives them);
     # ``prepare(q, k, g, beta, cu, cu_cpu)``: whatever the stages share (e.g. stage 1), made now, on the current
-    # stream, so that passes on two streams can both read it (``OVERLAP``)
+    # stream, so that passes on two streams can both read it (``OVERLAP``);
+    # ``walk_starts(q, k, g, beta, do, scale, cu, cu_cpu) -> ds_start``: ``state_gradients``' second output from a
+    # zero end gradient, without making the per-chunk gradients it does not return
 
     def finish_gradients(self, grads):
         """The gradients of ``chunk_gradients`` made final (dq, dk per qk head), called once the per-chunk
@@ -143,9 +145,13 @@ def cp_backward(
                                 taken[1].to(h0.dtype), None if pairs is None else pairs.to(h0.dtype))
             del pairs
         del taken  # ``known`` alone holds a handed-off starts tensor now
+        walk_starts = getattr(stages, "walk_starts", None)
+
         def walks_from_zero():
             # 2. every segment's D (only the start gradients are kept: a name for the per-chunk ones would keep
             # them alive to the end)
+            if walk_starts is not None:
+                return walk_starts(q, k, g, beta, do, scale, seg_cu, seg_cu_cpu).to(h0.dtype)
             return stages.state_gradients(q, k, g, beta, do, None, scale, seg_cu, seg_cu_cpu)[1].to(h0.dtype)
 
         prepare = getattr(stages, "prepare", None)

@@ -205,16 +205,24 @@ class CostModel:
     backward_cp_driver_us: float = 15.0
     # the fused kernel's rows of CTAs longest first (``backward.FUSED_LONGEST_FIRST``): its makespan in that order
     fused_longest_first: bool = False
+    # CP's walks from zero by the walk's ``starts_only`` build (``backward.WALK_STARTS_ONLY``), which stores no
+    # per-chunk gradient. Not measured: estimated from the states pass against the same rs loop without its stores
+    # (1.85 against 1.08 us a chunk on one SM, 2.66 against 1.46 on a full GPU). The walk's chunk is taken 0.55 us
+    # shorter (~70% of the stores' share there: the walk's store sits at a chunk's start, before the wait for its
+    # inputs) and its busy chunk 0.8 us (its 32 KB a chunk and value head of HBM writes gone)
+    walk_starts_only: bool = False
+    walk_starts_chunk_us: float = 2.6
+    walk_starts_busy_chunk_us: float = 2.7
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
                    skip_unread: bool = False, reuse_transitions: bool = False,
-                   fused_longest_first: bool = False) -> "CostModel":
+                   fused_longest_first: bool = False, walk_starts_only: bool = False) -> "CostModel":
         """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
-        ``paired``/``fused``/``skip_unread``/``reuse_transitions``/``fused_longest_first``: which of CP's kernels the
-        backend runs, and how the fused backward orders its CTAs."""
+        ``paired``/``fused``/``skip_unread``/``reuse_transitions``/``fused_longest_first``/``walk_starts_only``:
+        which of CP's kernels the backend runs, and how the fused backward orders its CTAs."""
         flags = dict(paired=paired, fused=fused, skip_unread=skip_unread, reuse_transitions=reuse_transitions,
-                     fused_longest_first=fused_longest_first)
+                     fused_longest_first=fused_longest_first, walk_starts_only=walk_starts_only)
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
             return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, **flags)
         return CostModel(**flags)
@@ -273,6 +281,16 @@ class CostModel:
         if len(item_chunks) * heads > 4 * self.num_sms:
             return max(item_us + max(item_chunks) * chunk_us, total)
         return max(list_schedule([(item_us + c * chunk_us, heads) for c in item_chunks], self.num_sms), total)
+
+    @property
+    def walk_from_zero_chunk_us(self) -> float:
+        """A chunk of CP's walk from zero on one SM (``walk_starts_only``: the build without per-chunk stores)."""
+        return self.walk_starts_chunk_us if self.walk_starts_only else self.walk_chunk_us
+
+    @property
+    def walk_from_zero_busy_chunk_us(self) -> float:
+        """A chunk of CP's walk from zero on a full GPU (``walk_starts_only`` as above)."""
+        return self.walk_starts_busy_chunk_us if self.walk_starts_only else self.walk_busy_chunk_us
 
     def backward_gradients_us(self, item_chunks: Sequence[int], heads: int) -> Tuple[float, float]:
         """``(fused, two kernels)``: the backward's gradients on work items of the given chunk counts (launch order)
@@ -552,7 +570,8 @@ def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Op
     forward_steps = forward_splice_steps(pieces, segment_chunks, forward_chunks)
     splices = (forward_steps * (model.splice_step_fixed_us + heads * model.splice_step_head_us)
                + steps * (model.reverse_splice_step_fixed_us + heads * model.reverse_splice_step_head_us))
-    walk_from_zero = model.makespan_us(segs, heads, model.walk_item_us, model.walk_chunk_us, model.walk_busy_chunk_us)
+    walk_from_zero = model.makespan_us(segs, heads, model.walk_item_us, model.walk_from_zero_chunk_us,
+                                       model.walk_from_zero_busy_chunk_us)
     return us + transitions + splices + walk_from_zero + model.backward_cp_driver_us, use_fused
 
 

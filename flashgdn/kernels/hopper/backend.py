@@ -239,7 +239,8 @@ def cp_cost_model(device: Optional[torch.device] = None):
     paired = CP_PAIRED and not PRECISE
     return CostModel.for_device(device, paired=paired, fused=CP_FUSED, skip_unread=paired and CP_SKIP_UNREAD,
                                 reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS,
-                                fused_longest_first=backward.fused_longest_first())
+                                fused_longest_first=backward.fused_longest_first(),
+                                walk_starts_only=backward.WALK_STARTS_ONLY)
 
 
 class _HopperSegmentsForward:

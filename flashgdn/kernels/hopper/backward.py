@@ -115,6 +115,15 @@ FIRST_STATES_APART = os.environ.get("FLASHGDN_HOPPER_FIRST_STATES_APART", "1") =
 #: measured: FLASHGDN_HOPPER_FUSED_LONGEST_FIRST=1.
 FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0") == "1"
 
+#: context parallelism's walks from zero (``flashgdn.cp.backward``'s step 2) by the walk's ``starts_only`` build,
+#: which writes each segment's start gradient (D) alone: the other build also stores dS'^T at the end of every chunk,
+#: 32 KB a chunk and value head that the walks from zero throw away, with a TMA store waited for on the chain of
+#: each chunk, and an ``[S, Hv, V, K]`` tensor allocated for it beside the states pass. The same bits. The cost model
+#: (``CostModel.walk_starts_only``, estimated from the states pass with and without its stores, not measured) puts
+#: the walk from zero at ~0.83x of its time. An A/B (notes v0.35a), off until measured:
+#: FLASHGDN_HOPPER_WALK_STARTS_ONLY=1.
+WALK_STARTS_ONLY = os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "0") == "1"
+
 
 def fused_longest_first() -> bool:
     """Whether the fused kernel the backward builds takes its rows longest first: FUSED_LONGEST_FIRST, where its
@@ -424,6 +433,34 @@ def hopper_state_gradients(
     return ds_end, dh0, st1.bounds
 
 
+def hopper_walk_starts(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    scale: float,
+    cu_seqlens: Optional[torch.Tensor],
+    _stage1=None,
+    precise: bool = False,
+) -> torch.Tensor:
+    """The walk from a zero end gradient, its start gradients alone (the walk's ``starts_only`` build): ``[N, Hv,
+    K, V]`` float32 K-major, what ``hopper_state_gradients(..., dht=None)[1]`` gives, without the per-chunk
+    gradients. Inputs as ``hopper_state_gradients``'s."""
+    from .state_grad_walk import build_state_grad_walk
+
+    B, T, Hqk, K = q.shape
+    Hv, V = do.shape[2], do.shape[3]
+    dev = q.device
+    (qf, kf), cu, N, st1 = _stage1 or _plan_and_stage1(q, k, g, beta, cu_seqlens)
+    dh0 = _output((N, Hv, K, V), torch.float32, dev)
+    build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), False, staged_stores=STAGED_STATE_STORES,
+                          precise=precise, starts_only=True, **lean_state_option())(
+        qf, kf, do.reshape(1, B * T, Hv, V).contiguous(), st1.gcum, st1.Ag, cu, st1.first_slot,
+        _end_gradients(None, Hv, K, V, dev), float(scale), dh0)
+    return dh0
+
+
 def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    cu_seqlens: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1 with the ungated inverse stored too (``kkt_inverse(..., store_inverse=True)``), for the per-chunk
@@ -562,6 +599,14 @@ class HopperBackwardStages:
                                                 _stage1=self._stage1_for(q, k, g, beta, cu, cu_cpu),
                                                 precise=self.precise)
         return ds_end, dh0
+
+    def walk_starts(self, q, k, g, beta, do, scale, cu, cu_cpu):
+        """The walk from a zero end gradient, its start gradients alone (context parallelism's D): the walk's
+        ``starts_only`` build with WALK_STARTS_ONLY, else ``state_gradients``' second output."""
+        if not WALK_STARTS_ONLY:
+            return self.state_gradients(q, k, g, beta, do, None, scale, cu, cu_cpu)[1]
+        return hopper_walk_starts(q, k, g, beta, do, scale, cu, _stage1=self._stage1_for(q, k, g, beta, cu, cu_cpu),
+                                  precise=self.precise)
 
     def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
         from .chunk_grad import build_chunk_grad

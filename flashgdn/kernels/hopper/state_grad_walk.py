@@ -46,7 +46,8 @@ PRECISE_REGS = (200, 72, 40)
 
 @functools.lru_cache(maxsize=None)
 def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
-                          staged_stores: bool = False, precise: bool = False, lean: bool = False):
+                          staged_stores: bool = False, precise: bool = False, lean: bool = False,
+                          starts_only: bool = False):
     """Compile (or load) the walk. Arguments of the returned kernel, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -62,6 +63,13 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     
     ``lean`` (an A/B, ``forward.LEAN_STATE_PASSES``): the state paths read d_j and gamma_j once per chunk into fragments
     of the thread's 16 columns, and exp(g~_last) once, instead of once per element; the same bits.
+
+    ``starts_only`` (an A/B, ``backward.WALK_STARTS_ONLY``): the walk that context parallelism runs on every segment
+    from a zero end gradient needs only the gradient at the segment's start (its D, ``flashgdn.cp.backward``), yet
+    the build above stores dS'^T at the end of every chunk too, 32 KB a chunk and value head that nothing reads:
+    cast, staged, sent by TMA and waited for by one thread of each state warpgroup before the chunk's first GEMM,
+    on the chain. This build has no ``ds_end`` argument and makes none of that. ``dh0`` gets the same values (the
+    stores only read the registers the walk goes on with), so the same bits.
     """
     import tilelang
     import tilelang.language as T
@@ -87,7 +95,7 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # dS^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
-        if staged_stores:  # this warpgroup's dS^T rows, for the TMA store
+        if staged_stores and not starts_only:  # this warpgroup's dS^T rows, for the TMA store
             dss_s = T.alloc_shared((HV2, K), io_dtype)
         u_f = T.alloc_fragment((HV2, C), acc)  # X^T, then Y^T
         ub_f = T.alloc_fragment((HV2, C), io_dtype)
@@ -108,7 +116,9 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
             st = c % 2
             slot = first_slot[n] + (n_chunks - 1 - c)
             # the gradient at this chunk's end, for the per-chunk gradients
-            if staged_stores:
+            if starts_only:
+                pass
+            elif staged_stores:
                 for i, j in T.Parallel(HV2, K):
                     dss_s[i, j] = T.cast(st_f[i, j], io_dtype)
                 T.fence_proxy_async()
@@ -170,20 +180,8 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True, reverse=True)
 
-    @T.prim_func
-    def state_grad_walk_kernel(
-        q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
-        do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
-        gcum: T.Tensor((Hv, slot_rows), "float32"),
-        Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        first_slot: T.Tensor((num_seqs,), "int32"),
-        dht: T.Tensor((n_dht, Hv, K, V), "float32"),
-        scale: T.float32,
-        ds_end: T.Tensor((num_slots, Hv, V, K), io_dtype),
-        dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
-    ):
+    @T.macro
+    def walk_body(q, k, do, gcum, Ag, cu_seqlens, first_slot, dht, scale, ds_end, dh0):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
             hq = h // group
             bos = cu_seqlens[n]
@@ -234,5 +232,39 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
                 T.set_max_nreg(producer_regs, 0)
                 producer(tx, n, h, hq, bos, eos, n_chunks, q, k, do, gcum, Ag, first_slot, q_s, k_s, do_s, a_s,
                          gc_s, full, empty)
+
+
+    # (TileLang reads a kernel's parameters from its signature, so the build without ds_end has its own)
+    if starts_only:
+        @T.prim_func
+        def state_grad_walk_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+        ):
+            walk_body(q, k, do, gcum, Ag, cu_seqlens, first_slot, dht, scale, None, dh0)
+    else:
+        @T.prim_func
+        def state_grad_walk_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            ds_end: T.Tensor((num_slots, Hv, V, K), io_dtype),
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+        ):
+            walk_body(q, k, do, gcum, Ag, cu_seqlens, first_slot, dht, scale, ds_end, dh0)
 
     return tilelang.compile(state_grad_walk_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

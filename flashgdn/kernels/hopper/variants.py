@@ -244,6 +244,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         if builder in ("chunk_forward_rs", "state_grad_walk") and (
                 kw["staged_stores"] != backward.STAGED_STATE_STORES or kw["precise"] != precise or "lean" in kw):
             continue
+        if builder == "state_grad_walk" and kw.get("starts_only") and not backward.WALK_STARTS_ONLY:
+            continue
         # the states pass for the fused kernel, beside the plain one for the two kernels ("auto" may take either)
         if kw.get("first_apart") and not (fused and backward.FIRST_STATES_APART):
             continue
@@ -282,6 +284,12 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged,
                         precise=precise))
+    # context parallelism's walk from zero with its start gradients alone (backward.WALK_STARTS_ONLY, an A/B;
+    # training_variants adds it when on), with the default stores' flag and in the precise mode
+    for precise in (False, True) if dtype == "bfloat16" else (False,):
+        yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=0,staged{',precise' * precise},starts_only]", "state_grad_walk",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=False, staged_stores=True,
+                    precise=precise, starts_only=True))
     # the walk with its column factors in registers (forward.LEAN_STATE_PASSES, an A/B)
     yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged,lean]", "state_grad_walk",
            dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True, precise=False,
