@@ -137,6 +137,11 @@ set -uo pipefail
 #   shapes (walk-starts-cp.json).
 # walk-starts-bwd: the same on the bwd set (walk-starts-bwd.json), and one step's kernels at 8/16 131072x1 and 16/32
 #   32768x1 with it off and on, one process each (walk-starts-steps-{0,1}.log).
+# pending-tests: the GPU tests of the A/Bs built without a GPU to run them (v0.34a negligible-m, v0.34b longest-first,
+#   v0.35a walk-starts) and chunk_grad's dg scan test, each in a pytest run of its own (gpu-pending-*.log).
+# pending-ab: those three switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
+#   8/16 shapes fwd and fwd+bwd (pending-ab-cp.json), and the bwd set's fwd+bwd (pending-ab-bwd.json; --max-diff
+#   1e-2, as for longest-first alone). What each switch gave alone is for its own round.
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -144,7 +149,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -351,6 +356,19 @@ elif [ "$part" = walk-starts-bwd ]; then
       --cp auto --sequence --shape 8/16:131072 --shape 16/32:32768
     grep "kernels per step\|state_grad_walk" "$out/walk-starts-steps-$on.log" | head -6
   done
+elif [ "$part" = pending-tests ]; then
+  gpu_tests gpu-pending-negligible-m 130 4 tests/test_gpu_hopper_cp.py -k negligible
+  gpu_tests gpu-pending-walk-starts 100 4 tests/test_gpu_hopper_cp.py -k "walk_starts or walks_from_zero_without"
+  gpu_tests gpu-pending-longest-first 100 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
+  gpu_tests gpu-pending-dg-scan 200 2 tests/test_gpu_hopper_backward.py -k dg_scan_matches
+elif [ "$part" = pending-ab ]; then
+  switches=flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M,flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST,flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY
+  logged pending-ab-cp 220 python3 benchmarks/switch_ab.py --switch "$switches" --set cp --only-heads 2/4,4/8,8/16 \
+    --modes fwd,fwdbwd --rounds 2 --out "$out/pending-ab-cp.json"
+  grep "geometric\|same bits" "$out/pending-ab-cp.log"
+  logged pending-ab-bwd 330 python3 benchmarks/switch_ab.py --switch "$switches" --set bwd --modes fwdbwd --rounds 2 \
+    --max-diff 1e-2 --out "$out/pending-ab-bwd.json"
+  grep "geometric\|same bits\|max_rel" "$out/pending-ab-bwd.log"
 elif [ "$part" = step-anchor ]; then
   logged step-anchor 420 python3 benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --sequence \
     --shape 16/32:8192 --shape 16/32:775+7417 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \
