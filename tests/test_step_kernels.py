@@ -44,6 +44,8 @@ def test_a_step_on_the_gpu_names_every_stage(tmp_path, cuda):
 def test_one_implementation_a_profile():
     with pytest.raises(ValueError, match="one implementation"):
         sk.step_fn("flashgdn,flashqla", 2, 4, [64], "off")
+    with pytest.raises(ValueError, match="one implementation"):  # two of flashgdn's backends are two as well
+        sk.step_fn("flashgdn:hopper+reference", 2, 4, [64], "off")
 
 
 def test_side_by_side_sets_each_implementation_against_the_first():

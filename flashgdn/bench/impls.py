@@ -293,9 +293,10 @@ def make_impls(names: Sequence[str], flashgdn_backends: Sequence[str], cp=None) 
 
 def one_impl(text: str, cp=None) -> Impl:
     """The one implementation ``text`` names (``flashgdn``, ``flashgdn:BACKEND``, ``flashqla``, ``fla``,
-    ``flashinfer``), as ``make_impls`` makes it (``cp`` for flashgdn); ValueError unless it names exactly one."""
+    ``flashinfer``), as ``make_impls`` makes it (``cp`` for flashgdn); ValueError unless it names exactly one
+    (``flashgdn:hopper+reference`` names two)."""
     names, backends = parse_impls(text)
-    if len(names) != 1:
+    if len(names) != 1 or len(backends) > 1:
         raise ValueError(f"--impl: one implementation, got {text!r}")
     return make_impls(names, backends or [DEFAULT_FLASHGDN_BACKEND], cp=cp)[0]
 
