@@ -132,16 +132,20 @@ set -uo pipefail
 # longest-first: the fused backward's rows of CTAs longest first (backward.FUSED_LONGEST_FIRST, notes v0.34b): its
 #   same-bits GPU tests (gpu-longest-first.log), then fwd+bwd both ways side by side on the bwd set
 #   (longest-first-ab.json; --max-diff 1e-2: on two 4/8 shapes the model then picks other segments, other rounding).
+# late-b: the transition pass's b items from their first chunk that float32 can see (backend.CP_LATE_B beside
+#   CP_NEGLIGIBLE_M, notes v0.35b): its GPU tests (gpu-late-b.log), then, with CP_NEGLIGIBLE_M on both ways, the cp set's
+#   forward at 2/4, 4/8 and 8/16 (late-b-cp-fwd.json) and fwd+bwd at 8/16 (late-b-fwdbwd.json).
 # walk-starts: CP's walks from zero without their per-chunk stores (backward.WALK_STARTS_ONLY, notes v0.35a): its
 #   same-bits GPU tests (gpu-walk-starts.log), then fwd+bwd both ways side by side on the cp set's 2/4, 4/8 and 8/16
 #   shapes (walk-starts-cp.json).
 # walk-starts-bwd: the same on the bwd set (walk-starts-bwd.json), and one step's kernels at 8/16 131072x1 and 16/32
 #   32768x1 with it off and on, one process each (walk-starts-steps-{0,1}.log).
-# pending-tests: the GPU tests of the A/Bs built without a GPU to run them (v0.34a negligible-m, v0.34b longest-first,
-#   v0.35a walk-starts) and chunk_grad's dg scan test, each in a pytest run of its own (gpu-pending-*.log).
-# pending-ab: those three switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
+# pending-tests: the GPU tests of the A/Bs built without a GPU to run them (v0.34a negligible-m with v0.35b late-b,
+#   v0.34b longest-first, v0.35a walk-starts) and chunk_grad's dg scan test, each in a pytest run of its own
+#   (gpu-pending-*.log).
+# pending-ab: those four switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
 #   8/16 shapes fwd and fwd+bwd (pending-ab-cp.json), and the bwd set's fwd+bwd (pending-ab-bwd.json; --max-diff
-#   1e-2, as for longest-first alone). What each switch gave alone is for its own round.
+#   1e-2, as for longest-first alone). What each switch gave alone is for its own rounds.
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -149,7 +153,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|late-b OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -342,6 +346,15 @@ elif [ "$part" = longest-first ]; then
   logged longest-first-ab 360 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST \
     --set bwd --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/longest-first-ab.json"
   grep "geometric\|same bits" "$out/longest-first-ab.log"
+elif [ "$part" = late-b ]; then
+  gpu_tests gpu-late-b 150 4 tests/test_gpu_hopper_cp.py -k late_b
+  (export FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1
+   logged late-b-cp-fwd 180 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_LATE_B \
+     --set cp --only-heads 2/4,4/8,8/16 --modes fwd --rounds 2 --out "$out/late-b-cp-fwd.json"
+   grep "geometric\|same bits" "$out/late-b-cp-fwd.log"
+   logged late-b-fwdbwd 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_LATE_B \
+     --set cp --only-heads 8/16 --modes fwdbwd --rounds 2 --out "$out/late-b-fwdbwd.json"
+   grep "geometric\|same bits" "$out/late-b-fwdbwd.log")
 elif [ "$part" = walk-starts ]; then
   gpu_tests gpu-walk-starts 150 4 tests/test_gpu_hopper_cp.py -k "walk_starts or walks_from_zero_without"
   logged walk-starts-cp 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY \
@@ -357,12 +370,13 @@ elif [ "$part" = walk-starts-bwd ]; then
     grep "kernels per step\|state_grad_walk" "$out/walk-starts-steps-$on.log" | head -6
   done
 elif [ "$part" = pending-tests ]; then
-  gpu_tests gpu-pending-negligible-m 130 4 tests/test_gpu_hopper_cp.py -k negligible
+  gpu_tests gpu-pending-negligible-m 150 4 tests/test_gpu_hopper_cp.py -k "negligible or late_b"
   gpu_tests gpu-pending-walk-starts 100 4 tests/test_gpu_hopper_cp.py -k "walk_starts or walks_from_zero_without"
   gpu_tests gpu-pending-longest-first 100 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
   gpu_tests gpu-pending-dg-scan 200 2 tests/test_gpu_hopper_backward.py -k dg_scan_matches
 elif [ "$part" = pending-ab ]; then
-  switches=flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M,flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST,flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY
+  switches=flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M,flashgdn.kernels.hopper.backend:CP_LATE_B
+  switches=$switches,flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST,flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY
   logged pending-ab-cp 220 python3 benchmarks/switch_ab.py --switch "$switches" --set cp --only-heads 2/4,4/8,8/16 \
     --modes fwd,fwdbwd --rounds 2 --out "$out/pending-ab-cp.json"
   grep "geometric\|same bits" "$out/pending-ab-cp.log"

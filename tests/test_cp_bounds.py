@@ -146,3 +146,100 @@ def test_bounds_into_a_given_tensor():
     out = torch.full((2, 4), float("nan"))
     assert transition_log_bounds(k, g, beta, cu, out=out) is out
     assert torch.equal(out, transition_log_bounds(k, g, beta, cu))
+
+
+def _walk(k, v, g, beta, h, group, t0, t1, S, inject=True):
+    """The recurrence's state ``[K, V]`` float64 after tokens t0..t1-1 of value head h from ``S`` at t0
+    (``inject=False``: the transitions alone, no ``beta k v^T``)."""
+    for t in range(t0, t1):
+        kt, vt, bt = k[0, t, h // group].double(), v[0, t, h].double(), float(beta[0, t, h])
+        S = math.exp(float(g[0, t, h])) * S
+        S = S - bt * torch.outer(kt, kt @ S)
+        if inject:
+            S = S + bt * torch.outer(kt, vt)
+    return S
+
+
+def _late_b_case(seed=11, g_scale=1.0, h0_scale=1.0):
+    """Two sequences (700 and 450 tokens) cut into segments of 4 chunks (256 tokens): 3 + 2 segments, strong decay
+    on heads 0-2, none on head 3, unnormalised keys on qk head 1, initial states of size ``h0_scale``."""
+    T, Hqk, Hv, K, V = 1150, 2, 4, 8, 8
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, T, Hqk, K, generator=gen)
+    k[:, :, 0] = torch.nn.functional.normalize(k[:, :, 0], dim=-1)
+    k = k.to(torch.bfloat16)
+    v = torch.randn(1, T, Hv, V, generator=gen).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen)) * g_scale
+    g[..., 3] = 0
+    beta = torch.rand(1, T, Hv, generator=gen)
+    h0 = torch.randn(2, Hv, K, V, generator=gen, dtype=torch.float64) * h0_scale
+    seg_cu = torch.tensor([0, 256, 512, 700, 956, 1150])
+    seg_seq = torch.tensor([0, 0, 0, 1, 1])
+    first = torch.tensor([0, 3])
+    return k, v, g, beta, h0, seg_cu, seg_seq, first
+
+
+@pytest.mark.parametrize("g_scale,h0_scale", [(1.0, 0.0), (1.0, 1.0), (0.6, 1e30)])
+def test_late_b_drops_only_what_is_below_float32s_range(g_scale, h0_scale):
+    """``b_start_chunks``: for every segment and head, the tokens before the chunk where b's walk starts owe b (from
+    zero, or from h0 on a sequence's first segment) less than e^-88 in every entry, made token by token in float64:
+    their state at that point carried to the segment's end by the transitions alone. Strong decay lets most of a
+    segment go; heads without decay or with unnormalised keys (value heads 2 and 3 of qk head 1) keep every chunk; a
+    huge h0 keeps more of a first segment."""
+    from flashgdn.cp.bounds import b_start_chunks
+
+    k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case(g_scale=g_scale, h0_scale=h0_scale)
+    chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
+    starts = b_start_chunks(k, v, g, beta, seg_cu, sum(chunks), h0=h0, seg_seq=seg_seq, first=first)
+    assert starts.shape == (5, 4) and starts.dtype == torch.int32
+    K, V = 8, 8
+    for s in range(5):
+        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
+        for h in range(4):
+            c = int(starts[s, h])
+            assert 0 <= c <= chunks[s]
+            if h >= 2:
+                assert c == 0, "no decay, or keys that grow the state: the whole history is kept"
+                continue
+            if c == 0:  # the walk from the segment's start state: nothing left out
+                continue
+            S0 = h0[int(seg_seq[s]), h] if s in (0, 3) else torch.zeros(K, V, dtype=torch.float64)
+            p = min(a + 64 * c, e)
+            dropped = _walk(k, v, g, beta, h, 2, p, e, _walk(k, v, g, beta, h, 2, a, p, S0), inject=False)
+            assert dropped.abs().max() < math.exp(NEGLIGIBLE_LOG_NORM), (s, h, c)
+    if g_scale == 1.0:  # ~-50 a chunk: every segment starts late on the decaying heads, whatever h0
+        assert (starts[:, :2] > 0).all(), starts
+    else:  # ~-30 a chunk: the first segments keep more of their start with an h0 of 1e30
+        lean = b_start_chunks(k, v, g, beta, seg_cu, sum(chunks), h0=h0 * 0, seg_seq=seg_seq, first=first)
+        assert (starts[[0, 3], :2] <= lean[[0, 3], :2]).all() and (starts[[0, 3], :2] < lean[[0, 3], :2]).any()
+        assert torch.equal(starts[[1, 2, 4]], lean[[1, 2, 4]])
+
+
+def test_late_b_is_b_up_to_float32s_range_in_the_chunked_form():
+    """What the Hopper pass computes with ``late_b``: each segment's b by the chunked form (``state_pass`` and
+    ``compose_transitions``, float64) over its chunks from ``b_start_chunks``'s on, from zero, equals b over all its
+    chunks from its start state, to float64's rounding of b plus e^-88."""
+    from flashgdn.cp.bounds import b_start_chunks
+
+    k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case(seed=12)
+    chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
+    starts = b_start_chunks(k, v, g, beta, seg_cu, sum(chunks), h0=h0, seg_seq=seg_seq, first=first)
+    assert (starts > 0).any()
+    for s in range(5):
+        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
+        pad = chunks[s] * 64 - (e - a)
+        sl = lambda x: torch.nn.functional.pad(x[:, a:e].double(), (0, 0) * (x.dim() - 2) + (0, pad))
+        kd, vd, gd, bd = sl(k), sl(v), sl(g), sl(beta)
+        gcum = chunk_local_cumsum(gd)
+        A = kkt_inverse(kd, bd)
+        _, M, b = state_pass(kd, vd, gcum, A, bd)  # per chunk: S' = M S + b
+        for h in range(4):
+            S_full = h0[int(seg_seq[s]), h] if s in (0, 3) else torch.zeros(8, 8, dtype=torch.float64)
+            S_late = S_full.clone() if int(starts[s, h]) == 0 else torch.zeros(8, 8, dtype=torch.float64)
+            for c in range(chunks[s]):
+                Mc, bc = M[0, c, h] if M.dim() == 5 else M[c, h], b[0, c, h] if b.dim() == 5 else b[c, h]
+                S_full = Mc @ S_full + bc
+                if c >= int(starts[s, h]):
+                    S_late = Mc @ S_late + bc
+            tol = 1e-12 * float(S_full.abs().max()) + math.exp(NEGLIGIBLE_LOG_NORM)
+            assert (S_late - S_full).abs().max() <= tol, (s, h, int(starts[s, h]))

@@ -452,6 +452,52 @@ def test_negligible_transitions_give_the_same_bits(opts, cuda, monkeypatch):
 
 
 @pytest.mark.parametrize("opts", [
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),  # most b items start late, one head never
+    dict(seqlens=[8192], gate="mixed", normalize_qk=False),  # keys of any norm: the bound's growth terms
+    dict(seqlens=[4096, 4096], dense=True),  # the normal gates on 4-chunk segments: no b starts late
+])
+def test_late_b_gives_the_same_bits(opts, cuda, monkeypatch):
+    """``backend.CP_LATE_B`` (beside CP_NEGLIGIBLE_M): the transition pass walks each b from the chunk on which its
+    bound (``flashgdn.cp.bounds.b_start_chunks``) says the earlier tokens owe it less than float32's smallest normal
+    number. What it leaves out is below the float32 resolution of every entry of b that is not itself that small, and
+    the rounding it would have added decays with it, so the op and every gradient are the same bits."""
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
+    _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_LATE_B")
+
+
+def test_late_b_items_walk_from_their_start_chunk_to_the_same_ends(cuda):
+    """The pass itself (``forward.hopper_transition_pairs``) with the bounds, without and with ``b_start``, on the
+    same segments: every M and every b a splice reads the same bits, where b items of the decaying heads leave out
+    chunks (the g = 0 head none)."""
+    from flashgdn.cp.bounds import b_start_chunks, transition_log_bounds
+    from flashgdn.cp.plan import segment_index_tensors, split_sequences
+    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+
+    seqlens = [3000, 64, 2000]
+    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
+                      zero_gate_heads=(3,))
+    plan = split_sequences(seqlens, 8)
+    index = segment_index_tensors(plan, inp["cu_seqlens"])
+    seg_cu = index.seg_cu.to(torch.int32)
+    k, v, g, beta = inp["k"], inp["v"], inp["g"], inp["beta"]
+    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu)
+    bounds = transition_log_bounds(k, g, beta, seg_cu)
+    h0 = inp["initial_state"].float().contiguous()
+    chunks = sum((n + 63) // 64 for n in (plan.seg_cu[1:] - plan.seg_cu[:-1]).tolist())
+    starts = b_start_chunks(k, v, g, beta, seg_cu, chunks, h0=h0, seg_seq=index.seg_seq, first=index.first)
+    args = (inp["q"], k, v, stage1, None, seg_cu)
+    plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds)
+    got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds, b_start=starts)
+    seg = torch.arange(plan.num_segments)
+    last = (seg == plan.first[plan.seg_seq] + plan.count[plan.seg_seq] - 1).to(cuda)
+    assert (starts[~last, :3] > 0).any() and not starts[:, 3].any()
+    assert torch.equal(plain[:, 1::2], got[:, 1::2]), "M"
+    assert torch.equal(plain[~last][:, 0::2], got[~last][:, 0::2]), "b of the segments a splice reads"
+
+
+@pytest.mark.parametrize("opts", [
     dict(seqlens=[8192]),
     dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),
     dict(seqlens=[4096, 4096], dense=True),

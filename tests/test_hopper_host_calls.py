@@ -315,6 +315,47 @@ def test_negligible_m_gives_the_transition_pass_its_bounds(checked_kernels, monk
                                                       p.beta.reshape(1, T, 8), seg_cu))
 
 
+def test_late_b_gives_the_transition_pass_its_starts(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_CP_LATE_B (beside CP_NEGLIGIBLE_M): the paired pass gets the chunks each b item leaves out as
+    its last argument ([segments, Hv] int32, checked against the late_b build's signature), the ones
+    ``flashgdn.cp.bounds.b_start_chunks`` makes for its segments, the sequences' initial states and the chunk count
+    the host's offsets give."""
+    from flashgdn.api.validate import validate
+    from flashgdn.cp import plan_for_problem
+    from flashgdn.cp.bounds import b_start_chunks
+    from flashgdn.cp.exact import cp_problem_forward, segment_indices
+    from flashgdn.kernels.hopper import backend, forward
+    from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
+
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
+    monkeypatch.setattr(backend, "CP_LATE_B", True)
+    seen = []
+    real = forward.hopper_transition_pairs
+
+    def pairs(*args, **kwargs):
+        seen.append((args[5].clone(), kwargs.get("h0").clone(), kwargs.get("b_start")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "hopper_transition_pairs", pairs)
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[700, 30, 300], pad=5, gate="strong")
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+    p = validate(**inp, output_final_state=True, cp=4)
+    plan = plan_for_problem(p, auto=True)
+    forward_ = _HopperSegmentsForward(paired=True, fused=True)
+    cp_problem_forward(forward_, p, plan, p.q, p.k)
+    assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
+                                               "chunk_forward_rso"]
+    ((seg_cu, h0, b_start),) = seen
+    assert b_start is not None and b_start.shape == (plan.num_segments, 8) and b_start.dtype == torch.int32
+    T = p.q.shape[1]
+    index = segment_indices(forward_, plan, p.cu_seqlens)
+    chunks = sum((n + 63) // 64 for n in (plan.seg_cu[1:] - plan.seg_cu[:-1]).tolist())
+    want = b_start_chunks(p.k.reshape(1, T, 2, 128), p.v.reshape(1, T, 8, 128), p.g.reshape(1, T, 8),
+                          p.beta.reshape(1, T, 8), seg_cu, chunks, h0=h0, seg_seq=index.seg_seq, first=index.first)
+    assert torch.equal(b_start, want)
+
+
 @pytest.mark.parametrize("fused,starts_in_kernel", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("with_h0", [True, False])
 def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fused, starts_in_kernel, checked_kernels,

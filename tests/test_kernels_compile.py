@@ -253,6 +253,9 @@ def test_loop_and_stage1_options_are_checked():
     with pytest.raises(ValueError, match="negligible_m"):  # its M items start from the identity it makes itself
         build_chunk_forward_rs(*args, with_output=False, transition_pairs=True, skip_unread="forward",
                                negligible_m=True)
+    with pytest.raises(ValueError, match="late_b"):  # its starts come with the bounds' argument
+        build_chunk_forward_rs(*args, with_output=False, transition_pairs=True, skip_unread="forward",
+                               starts_from_h0=True, late_b=True)
     from flashgdn.kernels.hopper.chunk_forward_rso import build_chunk_forward_rso
 
     with pytest.raises(ValueError, match="regs"):  # the register split must add up to the register file

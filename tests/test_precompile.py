@@ -239,6 +239,25 @@ def test_precompiled_transition_passes_follow_negligible_m(monkeypatch):
     assert not any(negligible().values())
 
 
+def test_precompiled_transition_passes_follow_late_b(monkeypatch):
+    """FLASHGDN_HOPPER_CP_LATE_B reaches the transition passes that take the bounds (beside CP_NEGLIGIBLE_M), and
+    nothing else; off by default, and nothing without CP_NEGLIGIBLE_M."""
+    from flashgdn.kernels.hopper import backend
+    from flashgdn.kernels.hopper.variants import training_variants
+
+    def late():
+        return {name: kw.get("late_b", False) for name, builder, kw in training_variants(2, 8, flags="common")
+                if builder == "chunk_forward_rs"}
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
+    assert not any(late().values())
+    monkeypatch.setattr(backend, "CP_LATE_B", True)
+    got = late()
+    assert {n for n, on in got.items() if on} == {n for n in got if "_pairs_skip_" in n} != set(), got
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", False)
+    assert not any(late().values())
+
+
 def test_precompiled_fused_backward_follows_longest_first(monkeypatch):
     """FLASHGDN_HOPPER_FUSED_LONGEST_FIRST reaches the fused backward builds a training step precompiles (those beside
     first_apart, the operator's), and nothing else; off by default."""

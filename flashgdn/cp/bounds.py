@@ -21,9 +21,22 @@ e^-10, which drops terms a float32 result still sees.
 ``transition_log_bounds`` is the bound per segment and value head, by a handful of device ops (no value read on the
 host, so CUDA-graph capturable); the Hopper backend's transition pass (``FLASHGDN_HOPPER_CP_NEGLIGIBLE_M``) skips
 the M of a segment whose bound is below ``NEGLIGIBLE_LOG_NORM``.
+
+The same factors bound what a segment's b (its end state from a zero start, or from the sequence's initial state on
+its first segment) owes to its early tokens. Token t injects ``beta_t k_t v_t^T`` (spectral norm
+``|beta_t| |k_t| |v_t|``), which reaches the segment's end e through the transitions of the tokens after it, so the
+tokens before a point p contribute to b at most
+
+    E(p) = sum over t < p of |beta_t| |k_t| |v_t| exp(sum over t < u < e of l_u)  (+ |h0| exp(sum over the segment of l_u))
+
+with ``l_u`` the per-token log bound above and the h0 term on a sequence's first segment (the Frobenius norm bounds
+the spectral one). Where E(p) is below e^-88 at a chunk boundary p, b walked from zero at p differs from b walked
+from the segment's start by less than float32's smallest normal number in every entry: the walk may start there
+(``b_start_chunks``, the Hopper transition pass's ``late_b``). This needs |v| per token, a read of v.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -64,3 +77,54 @@ def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     if out is None:
         return (at[1:] - at[:-1]).to(torch.float32)
     return torch.sub(at[1:], at[:-1], out=out)
+
+
+def b_start_chunks(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg_cu: torch.Tensor,
+                   num_chunks: int, h0: Optional[torch.Tensor] = None, seg_seq: Optional[torch.Tensor] = None,
+                   first: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """For every segment ``[seg_cu[s], seg_cu[s + 1])`` and value head, how many of the segment's first chunks its b
+    walk may leave out: the most chunk boundaries p from the segment's start at which the bound E(p) of the module
+    docstring on the dropped tokens' share of b is below ``NEGLIGIBLE_LOG_NORM`` (all of them: b is zero). ``[S, Hv]``
+    int32, by device ops (nothing read on the host). ``k [1, T, Hqk, K]``, ``v [1, T, Hv, V]``, ``g``, ``beta``
+    ``[1, T, Hv]``; ``num_chunks``: the segments' chunk count in all (known on the host with the plan). ``h0``: the
+    sequences' initial states ``[N, Hv, K, V]`` (any layout of the last two), from which the b of a sequence's first
+    segment starts (``seg_seq [S]`` and ``first [N]``: each segment's sequence and each sequence's first segment);
+    None: every b starts from zero.
+
+    Conservative where that is cheaper: the sum over t < p runs over every token before p, those of earlier segments
+    too (one running log-sum-exp over the packed tokens instead of one per segment); it only adds to E. A NaN or an
+    infinite bound leaves out nothing. ``out``: an int32 ``[S, Hv]`` tensor to write the counts into."""
+    per_token = token_log_growth(k, g, beta).to(torch.float64)  # [T, Hv]
+    T_, Hv = per_token.shape
+    Hqk = k.shape[2]
+    run = torch.nn.functional.pad(per_token.cumsum(0), (0, 0, 1, 0))  # [T + 1, Hv]: the sum of l_u for u < t
+    knorm = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.float32)  # [T, Hqk]
+    vnorm = torch.linalg.vector_norm(v[0], dim=-1, dtype=torch.float32)  # [T, Hv]
+    inject = beta[0].to(torch.float32).abs().reshape(T_, Hqk, Hv // Hqk) * knorm.unsqueeze(-1)
+    inject = inject.reshape(T_, Hv).mul_(vnorm).to(torch.float64).log_()  # log |beta_t| |k_t| |v_t|
+    # log of sum over t' <= t of |beta||k||v| exp(-(sum of l_u for u <= t')): E(p) = exp(at[p - 1] + run[e])
+    at = torch.logcumsumexp(inject.sub_(run[1:]), dim=0)
+    cu = seg_cu.to(torch.int64)
+    S = cu.shape[0] - 1
+    starts, ends = cu[:-1], cu[1:]
+    chunks = torch.div(ends - starts + 63, 64, rounding_mode="floor")  # [S]
+    # every chunk boundary of every segment, flat: its segment and its number c = 1 .. chunks
+    seg_of = torch.repeat_interleave(torch.arange(S, device=cu.device), chunks, output_size=num_chunks)
+    c = torch.arange(num_chunks, device=cu.device) - (torch.cumsum(chunks, 0) - chunks).index_select(0, seg_of) + 1
+    p = torch.minimum(starts.index_select(0, seg_of) + 64 * c, ends.index_select(0, seg_of))
+    log_e = at.index_select(0, (p - 1).clamp_(min=0)) + run.index_select(0, ends).index_select(0, seg_of)
+    if h0 is not None:
+        is_first = first.to(torch.int64).index_select(0, seg_seq.to(torch.int64)) == torch.arange(S, device=cu.device)
+        h0_norm = torch.linalg.vector_norm(h0.to(torch.float64), dim=(-2, -1))  # [N, Hv]
+        h0_term = h0_norm.index_select(0, seg_seq.to(torch.int64)).log_() + run.index_select(0, ends) \
+            - run.index_select(0, starts)  # [S, Hv]
+        h0_term = torch.where(is_first.unsqueeze(-1), h0_term, torch.full_like(h0_term, -math.inf))
+        log_e = torch.logaddexp(log_e, h0_term.index_select(0, seg_of))
+    # the first boundary where the bound fails (NaN fails), chunks + 1 where none does; the walk starts one before
+    fails = ~(log_e < NEGLIGIBLE_LOG_NORM)
+    limit = (chunks + 1).unsqueeze(-1).expand(S, Hv)
+    where = torch.where(fails, c.unsqueeze(-1).expand(-1, Hv), limit.index_select(0, seg_of))
+    first_fail = limit.clone().scatter_reduce_(0, seg_of.unsqueeze(-1).expand(-1, Hv), where, "amin")
+    if out is None:
+        return (first_fail - 1).to(torch.int32)
+    return out.copy_(first_fail - 1)

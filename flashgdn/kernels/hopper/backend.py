@@ -197,6 +197,15 @@ CP_CHAIN_INDEX = os.environ.get("FLASHGDN_HOPPER_CP_CHAIN_INDEX", "1") == "1"
 #: until measured: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1.
 CP_NEGLIGIBLE_M = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M", "0") == "1"
 
+#: beside CP_NEGLIGIBLE_M, the transition pass's b items leave out a segment's first chunks where a bound from the
+#: inputs (``flashgdn.cp.bounds.b_start_chunks``: |beta| |k| |v| of each token carried to the segment's end by the
+#: same per-token factors, plus h0's share on a sequence's first segment) puts what they owe b below e^-88, and walk
+#: the rest from zero: b is then what it was up to entries below float32's smallest normal number. With the
+#: benchmark's gates (~-3.2 a chunk) a b item walks ~30 chunks whatever the segment's length. The bound reads v too,
+#: beside stage 1 like M's. An A/B (notes v0.35b), off until measured: FLASHGDN_HOPPER_CP_LATE_B=1 (with
+#: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1).
+CP_LATE_B = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B", "0") == "1"
+
 
 def _backward_splits(backward_plan) -> bool:
     """Whether a backward follows (``backward_plan`` not None) and its plan splits."""
@@ -333,37 +342,52 @@ class _HopperSegmentsForward:
         cu = seg_cu.to(torch.int32)
         bounds = None
         if CP_NEGLIGIBLE_M and h0 is not None and unread is not None:
-            bounds = _m_bounds_aside(k, g, beta, cu)
+            late = None
+            if CP_LATE_B and seg_cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
+                lengths = seg_cu_cpu[1:] - seg_cu_cpu[:-1]
+                late = (v, h0, unread[0], int(torch.div(lengths + 63, 64, rounding_mode="floor").sum()))
+            bounds = _m_bounds_aside(k, g, beta, cu, late)
         if self._stage1_source is not None:
             self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu)
         else:
             self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu)
-        m_bound = None
+        m_bound = b_start = None
         if bounds is not None:
-            m_bound, side = bounds
+            m_bound, b_start, side = bounds
             if side is not None:
                 torch.cuda.current_stream(k.device).wait_stream(side)
-        return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0, m_bound=m_bound)
+        return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0, m_bound=m_bound,
+                                       b_start=b_start)
 
 
-def _m_bounds_aside(k, g, beta, cu):
-    """Every segment's bound on log ||M||_2 (``flashgdn.cp.bounds.transition_log_bounds``), made on a stream of its
-    own from this point of the current one, so beside stage 1 that follows (its reads of k against stage 1's
-    products): ``(bounds, stream)``; the current stream waits for ``stream`` before the pass reads them. Off a CUDA
-    device (the driver's tests with the kernels stood in for): made in place, ``(bounds, None)``."""
+def _m_bounds_aside(k, g, beta, cu, late=None):
+    """Every segment's bound on log ||M||_2 (``flashgdn.cp.bounds.transition_log_bounds``), and with ``late = (v,
+    h0, index, num_chunks)`` (``CP_LATE_B``: the values, the sequences' initial states, the segment index, the
+    segments' chunk count) the chunks each b item leaves out (``b_start_chunks``), made on a stream of their own from
+    this point of the current one, so beside stage 1 that follows (their reads of k and v against stage 1's
+    products): ``(bounds, starts or None, stream)``; the current stream waits for ``stream`` before the pass reads
+    them. Off a CUDA device (the driver's tests with the kernels stood in for): made in place, stream None."""
     from ...cp.backward import side_stream
-    from ...cp.bounds import transition_log_bounds
+    from ...cp.bounds import b_start_chunks, transition_log_bounds
+
+    def late_starts(out=None):
+        v, h0, index, num_chunks = late
+        return b_start_chunks(k, v, g, beta, cu, num_chunks, h0=h0, seg_seq=index.seg_seq, first=index.first,
+                              out=out)
 
     if not k.is_cuda:
-        return transition_log_bounds(k, g, beta, cu), None
+        return transition_log_bounds(k, g, beta, cu), None if late is None else late_starts(), None
 
     main, side = torch.cuda.current_stream(k.device), side_stream(k.device, "transition bounds")
     # allocated here, on the stream that reads it, and written on the side stream (whose own temporaries stay there)
     out = torch.empty((cu.shape[0] - 1, g.shape[2]), dtype=torch.float32, device=k.device)
-    side.wait_stream(main)  # the inputs, the offsets and the allocation, in the order the main stream sees them
+    starts = None if late is None else torch.empty((cu.shape[0] - 1, g.shape[2]), dtype=torch.int32, device=k.device)
+    side.wait_stream(main)  # the inputs, the offsets and the allocations, in the order the main stream sees them
     with torch.cuda.stream(side):
         transition_log_bounds(k, g, beta, cu, out=out)
-    return out, side
+        if late is not None:
+            late_starts(out=starts)
+    return out, starts, side
 
 
 class HopperBackend(Backend):

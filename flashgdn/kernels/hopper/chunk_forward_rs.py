@@ -74,6 +74,7 @@ def build_chunk_forward_rs(
     starts_from_h0: bool = False,
     first_apart: bool = False,
     negligible_m: bool = False,
+    late_b: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -118,6 +119,12 @@ def build_chunk_forward_rs(
     of a bound on each segment's ||M||_2 (``flashgdn.cp.bounds.transition_log_bounds``): an M item whose bound is
     below ``NEGLIGIBLE_LOG_NORM`` walks no chunk and stores zero, the float32 value of an M that small (an A/B,
     ``backend.CP_NEGLIGIBLE_M``). The other items, and every item of a build without it, are unchanged.
+
+    ``late_b=True`` (with ``negligible_m``) adds a last argument ``b_start [segments, Hv]`` int32
+    (``flashgdn.cp.bounds.b_start_chunks``): the b item of segment n and value head h leaves out the segment's first
+    ``b_start[n, h]`` chunks and walks the rest from zero (from h0 only where it leaves out none), the tokens left out
+    owing b less than float32's smallest normal number (an A/B, ``backend.CP_LATE_B``). Its chunks are those of the
+    build without it from that chunk on: the same tiles, slots and arithmetic.
 
     ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
     writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
@@ -197,6 +204,8 @@ def build_chunk_forward_rs(
         state_shape_h0 = (n_h0, Hv, K, V)
     if negligible_m and not starts_from_h0:
         raise ValueError("negligible_m is an option of the transition pass that makes its start states (starts_from_h0)")
+    if late_b and not negligible_m:
+        raise ValueError("late_b is built beside negligible_m (the transition pass that takes the bounds)")
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
         raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
@@ -394,7 +403,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
-                    count=None, first_states=None, shift=None, m_bound=None):
+                    count=None, first_states=None, shift=None, m_bound=None, b_start=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -415,6 +424,11 @@ def build_chunk_forward_rs(
                 if negligible_m:  # an M below float32's range: no walk, zero stored (flashgdn.cp.bounds)
                     m_gone = T.And(h % 2 == 1, m_bound[n, h // 2] < T.float32(NEGLIGIBLE_LOG_NORM))
                     n_chunks = T.if_then_else(m_gone, 0, n_chunks)
+                if late_b:  # b from its first chunk that float32 can see on, from zero (flashgdn.cp.bounds)
+                    b_skip = T.if_then_else(h % 2 == 0, b_start[n, h // 2], 0)
+                    bos = bos + b_skip * C
+                    n_chunks = T.max(n_chunks - b_skip, 0)
+                    is_first = T.And(is_first, b_skip == 0)
 
             # two-stage input ring
             q_s = T.alloc_shared((2, C, K), io_dtype)
@@ -503,8 +517,12 @@ def build_chunk_forward_rs(
             else:
                 # ---------------- producer
                 T.set_max_nreg(producer_regs, 0)
-                producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s, gc_s,
-                         full, empty, g, beta, g_s, b_s)
+                if late_b:  # its slots from the first chunk it walks
+                    producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s,
+                             gc_s, full, empty, g, beta, g_s, b_s, slot_shift=b_skip)
+                else:
+                    producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s,
+                             gc_s, full, empty, g, beta, g_s, b_s)
 
     if inverse_in_loop:
 
@@ -522,6 +540,31 @@ def build_chunk_forward_rs(
             ht: T.Tensor(state_shape_ht, ht_dtype),
         ):
             kernel_body(q, k, v, None, None, g, beta, cu_seqlens, None, h0, scale, o, ht)
+
+    elif late_b:
+        n_cp_seqs = T.dynamic("n_cp_seqs")
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+            seg_seq: T.Tensor((num_seqs,), "int64"),
+            first: T.Tensor((n_cp_seqs,), "int64"),
+            count: T.Tensor((n_cp_seqs,), "int64"),
+            m_bound: T.Tensor((num_seqs, Hv), "float32"),
+            b_start: T.Tensor((num_seqs, Hv), "int32"),
+        ):
+            kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count,
+                        m_bound=m_bound, b_start=b_start)
 
     elif negligible_m:
         n_cp_seqs = T.dynamic("n_cp_seqs")

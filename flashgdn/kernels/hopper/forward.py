@@ -444,7 +444,8 @@ def kkt_options() -> dict:
 
 def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage1: Stage1,
                             start: Optional[torch.Tensor], cu_seqlens: torch.Tensor, unread=None,
-                            h0: Optional[torch.Tensor] = None, m_bound: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            h0: Optional[torch.Tensor] = None, m_bound: Optional[torch.Tensor] = None,
+                            b_start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context parallelism's transition pass with stage 1 shared (the rs loop's ``transition_pairs`` variant):
     packed ``[1, T, ...]`` inputs over segments ``cu_seqlens``; ``start [S, 2 Hv, K, V]`` float32 K-major, head
     2h the b pass of value head h and 2h + 1 its M pass (v = 0). Returns the end states, same layout.
@@ -454,7 +455,8 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     states itself (its ``starts_from_h0``: h0 for b on a sequence's first segment, else zero; the identity for M).
     ``m_bound`` (with ``h0``): ``[S, Hv]`` float32, the log of a bound on each segment's ||M||_2
     (``flashgdn.cp.bounds.transition_log_bounds``); an M below float32's range is then stored as zero without a walk
-    (the kernel's ``negligible_m``)."""
+    (the kernel's ``negligible_m``). ``b_start`` (with ``m_bound``): ``[S, Hv]`` int32, the chunks each b item leaves
+    out (``flashgdn.cp.bounds.b_start_chunks``; the kernel's ``late_b``)."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     _, TT, Hqk, K = k.shape
@@ -466,6 +468,10 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     from_h0 = {} if h0 is None else dict(starts_from_h0=True)
     if m_bound is not None:
         from_h0["negligible_m"] = True
+    if b_start is not None:
+        if m_bound is None:
+            raise ValueError("b_start comes with m_bound (the kernel's late_b is built beside negligible_m)")
+        from_h0["late_b"] = True
     kernel = build_chunk_forward_rs(Hqk, Hv, K, V, tl_dtype(k.dtype), True, True, False, with_output=False,
                                     transition_pairs=True, skip_unread=mode, **lean_state_option(), **from_h0)
     end = _output((N, 2 * Hv, K, V), torch.float32, k.device)
@@ -480,6 +486,10 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         if m_bound.shape != (N, Hv):
             raise ValueError(f"m_bound must be [{N}, {Hv}] (segments, value heads), got {tuple(m_bound.shape)}")
         args += (m_bound.to(torch.float32).contiguous(),)
+    if b_start is not None:
+        if b_start.shape != (N, Hv):
+            raise ValueError(f"b_start must be [{N}, {Hv}] (segments, value heads), got {tuple(b_start.shape)}")
+        args += (b_start.to(torch.int32).contiguous(),)
     kernel(*args)
     return end
 

@@ -17,12 +17,14 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
     context-parallel transition pass, both on value head h // 2 (its Ag, g~ and qk head): h even loads v,
     h odd gets zeros (v's tile is zeroed once per ring stage and never written again). ``gate_rows``: the third
     warp loads the chunk's rows of g and beta for value head h (plain loads, zero past the sequence's end) into
-    ``g_s`` and ``b_s`` instead of stage 1's Ag and g~ tiles (the loop that makes them itself)."""
+    ``g_s`` and ``b_s`` instead of stage 1's Ag and g~ tiles (the loop that makes them itself). The macro's
+    ``slot_shift``: the CTA's item starts that many chunks into the sequence whose slots begin at ``first_slot[n]``
+    (``bos`` is its first token then; the transition pass's ``late_b``)."""
     import tilelang.language as T
 
     @T.macro
     def ring_producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s, gc_s,
-                      full, empty, g=None, beta=None, g_s=None, b_s=None):
+                      full, empty, g=None, beta=None, g_s=None, b_s=None, slot_shift=None):
         for c in T.serial(n_chunks):
             st = c % 2
             if reverse:  # ring step c holds chunk n_chunks - 1 - c
@@ -77,6 +79,8 @@ def make_ring_producer(C: int, K: int, V: int, io_dtype: str, first_warp: int, l
                 else:
                     if reverse:
                         slot = first_slot[n] + (n_chunks - 1 - c)
+                    elif slot_shift is not None:  # the item starts slot_shift chunks into its sequence (bos with it)
+                        slot = first_slot[n] + slot_shift + c
                     else:
                         slot = first_slot[n] + c
                     if paired:

@@ -90,6 +90,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
                         state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
                         starts_from_h0=True, negligible_m=True))
+            # and b walked from its first chunk that float32 can see (backend.CP_LATE_B, an A/B beside it)
+            yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0_negligible_late_b"),
+                   "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
+                        state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
+                        starts_from_h0=True, negligible_m=True, late_b=True))
             # context parallelism's own kernels (FLASHGDN_HOPPER_CP_FUSED=1): the segment index, the splices
             for cu_dtype in ("int32", "int64"):
                 yield (f"segment_index[{cu_dtype}]", "segment_index", dict(cu_dtype=cu_dtype))
@@ -149,8 +155,8 @@ def with_switches(v: Variant) -> Variant:
     """A variant with the build options the host's switches add to it, as ``forward`` and ``backward`` pass them
     (``forward.rso_options`` for the rso loop, ``forward.lean_state_option`` for the rs loop but its decayed_k
     builds, and for the walk; ``starts_from_h0`` for the skipping transition passes under
-    ``backend.CP_STARTS_IN_KERNEL``, and ``negligible_m`` for those under ``backend.CP_NEGLIGIBLE_M``): what the
-    operator then builds."""
+    ``backend.CP_STARTS_IN_KERNEL``, and ``negligible_m`` for those under ``backend.CP_NEGLIGIBLE_M``, with
+    ``late_b`` under ``backend.CP_LATE_B``): what the operator then builds."""
     from . import backend, forward
 
     name, builder, kw = v
@@ -167,6 +173,8 @@ def with_switches(v: Variant) -> Variant:
             kw["starts_from_h0"] = True
         if kw.get("starts_from_h0") and backend.CP_NEGLIGIBLE_M:
             kw["negligible_m"] = True
+            if backend.CP_LATE_B:
+                kw["late_b"] = True
     return name, builder, kw
 
 
