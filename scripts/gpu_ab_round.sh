@@ -135,15 +135,18 @@ set -uo pipefail
 # late-b: the transition pass's b items from their first chunk that float32 can see (backend.CP_LATE_B beside
 #   CP_NEGLIGIBLE_M, notes v0.35b): its GPU tests (gpu-late-b.log), then, with CP_NEGLIGIBLE_M on both ways, the cp set's
 #   forward at 2/4, 4/8 and 8/16 (late-b-cp-fwd.json) and fwd+bwd at 8/16 (late-b-fwdbwd.json).
+# walk-stop: the walks from zero stopped where the later tokens owe the start gradient nothing float32 holds
+#   (backward.WALK_EARLY_STOP beside WALK_STARTS_ONLY, notes v0.35c): its GPU tests (gpu-walk-stop.log), then, with
+#   WALK_STARTS_ONLY on both ways, fwd+bwd on the cp set's 2/4, 4/8 and 8/16 shapes (walk-stop-cp.json).
 # walk-starts: CP's walks from zero without their per-chunk stores (backward.WALK_STARTS_ONLY, notes v0.35a): its
 #   same-bits GPU tests (gpu-walk-starts.log), then fwd+bwd both ways side by side on the cp set's 2/4, 4/8 and 8/16
 #   shapes (walk-starts-cp.json).
 # walk-starts-bwd: the same on the bwd set (walk-starts-bwd.json), and one step's kernels at 8/16 131072x1 and 16/32
 #   32768x1 with it off and on, one process each (walk-starts-steps-{0,1}.log).
 # pending-tests: the GPU tests of the A/Bs built without a GPU to run them (v0.34a negligible-m with v0.35b late-b,
-#   v0.34b longest-first, v0.35a walk-starts) and chunk_grad's dg scan test, each in a pytest run of its own
+#   v0.34b longest-first, v0.35a walk-starts with v0.35c walk-stop) and chunk_grad's dg scan test, each in a pytest run of its own
 #   (gpu-pending-*.log).
-# pending-ab: those four switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
+# pending-ab: those five switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
 #   8/16 shapes fwd and fwd+bwd (pending-ab-cp.json), and the bwd set's fwd+bwd (pending-ab-bwd.json; --max-diff
 #   1e-2, as for longest-first alone). What each switch gave alone is for its own rounds.
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
@@ -153,7 +156,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|late-b OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|late-b|walk-stop OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -355,6 +358,12 @@ elif [ "$part" = late-b ]; then
    logged late-b-fwdbwd 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_LATE_B \
      --set cp --only-heads 8/16 --modes fwdbwd --rounds 2 --out "$out/late-b-fwdbwd.json"
    grep "geometric\|same bits" "$out/late-b-fwdbwd.log")
+elif [ "$part" = walk-stop ]; then
+  gpu_tests gpu-walk-stop 150 4 tests/test_gpu_hopper_cp.py -k "walks_from_zero_stopped or walks_stopped"
+  (export FLASHGDN_HOPPER_WALK_STARTS_ONLY=1
+   logged walk-stop-cp 240 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:WALK_EARLY_STOP \
+     --set cp --only-heads 2/4,4/8,8/16 --modes fwdbwd --rounds 2 --out "$out/walk-stop-cp.json"
+   grep "geometric\|same bits" "$out/walk-stop-cp.log")
 elif [ "$part" = walk-starts ]; then
   gpu_tests gpu-walk-starts 150 4 tests/test_gpu_hopper_cp.py -k "walk_starts or walks_from_zero_without"
   logged walk-starts-cp 200 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY \
@@ -371,12 +380,14 @@ elif [ "$part" = walk-starts-bwd ]; then
   done
 elif [ "$part" = pending-tests ]; then
   gpu_tests gpu-pending-negligible-m 150 4 tests/test_gpu_hopper_cp.py -k "negligible or late_b"
-  gpu_tests gpu-pending-walk-starts 100 4 tests/test_gpu_hopper_cp.py -k "walk_starts or walks_from_zero_without"
+  gpu_tests gpu-pending-walk-starts 150 4 tests/test_gpu_hopper_cp.py \
+    -k "walk_starts or walks_from_zero_without or walks_from_zero_stopped or walks_stopped"
   gpu_tests gpu-pending-longest-first 100 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
   gpu_tests gpu-pending-dg-scan 200 2 tests/test_gpu_hopper_backward.py -k dg_scan_matches
 elif [ "$part" = pending-ab ]; then
   switches=flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M,flashgdn.kernels.hopper.backend:CP_LATE_B
   switches=$switches,flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST,flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY
+  switches=$switches,flashgdn.kernels.hopper.backward:WALK_EARLY_STOP
   logged pending-ab-cp 220 python3 benchmarks/switch_ab.py --switch "$switches" --set cp --only-heads 2/4,4/8,8/16 \
     --modes fwd,fwdbwd --rounds 2 --out "$out/pending-ab-cp.json"
   grep "geometric\|same bits" "$out/pending-ab-cp.log"

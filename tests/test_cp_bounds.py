@@ -243,3 +243,52 @@ def test_late_b_is_b_up_to_float32s_range_in_the_chunked_form():
                     S_late = Mc @ S_late + bc
             tol = 1e-12 * float(S_full.abs().max()) + math.exp(NEGLIGIBLE_LOG_NORM)
             assert (S_late - S_full).abs().max() <= tol, (s, h, int(starts[s, h]))
+
+
+def _walk_back(q, k, g, beta, do, scale, h, group, t0, t1, dS, sources=True):
+    """The state gradient before token t0 of value head h ``[K, V]`` float64, from ``dS`` after token t1 - 1, walked
+    back through tokens t1 - 1 .. t0 (``sources=False``: the transposed transitions alone, no ``scale q_t dO_t^T``)."""
+    for t in reversed(range(t0, t1)):
+        if sources:
+            dS = dS + scale * torch.outer(q[0, t, h // group].double(), do[0, t, h].double())
+        kt, bt = k[0, t, h // group].double(), float(beta[0, t, h])
+        dS = math.exp(float(g[0, t, h])) * (dS - bt * torch.outer(kt, kt @ dS))
+    return dS
+
+
+@pytest.mark.parametrize("g_scale", [1.0, 0.6])
+def test_early_stop_drops_only_what_is_below_float32s_range(g_scale):
+    """``walk_stop_chunks``: for every segment and head, the tokens past the chunks its walk from zero covers owe the
+    start gradient less than e^-88 in every entry, made token by token in float64: their walk from zero, carried back
+    to the segment's start by the transposed transitions alone. Strong decay stops the walk early on every segment;
+    heads without decay, or with keys that grow the state, walk every chunk."""
+    from flashgdn.cp.bounds import walk_stop_chunks
+
+    k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case(seed=13, g_scale=g_scale)
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(k.shape, generator=gen)
+    q[:, :, 0] = torch.nn.functional.normalize(q[:, :, 0], dim=-1)
+    q = q.to(torch.bfloat16)
+    do = torch.randn(v.shape, generator=gen).to(torch.bfloat16)
+    chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
+    cover = walk_stop_chunks(q, k, g, beta, do, 0.3, seg_cu, sum(chunks))
+    assert cover.shape == (5, 4) and cover.dtype == torch.int32
+    for s in range(5):
+        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
+        for h in range(4):
+            c = int(cover[s, h])
+            assert 0 <= c <= chunks[s]
+            if h >= 2:
+                assert c == chunks[s], "no decay, or keys that grow the state: every chunk is walked"
+                continue
+            p = min(a + 64 * c, e)
+            if p == e:
+                continue
+            tail = _walk_back(q, k, g, beta, do, 0.3, h, 2, p, e, torch.zeros(8, 8, dtype=torch.float64))
+            dropped = _walk_back(q, k, g, beta, do, 0.3, h, 2, a, p, tail, sources=False)
+            assert dropped.abs().max() < math.exp(NEGLIGIBLE_LOG_NORM), (s, h, c)
+    full = torch.tensor(chunks)
+    if g_scale == 1.0:  # ~-50 a chunk: every segment of 3-4 chunks stops early on the decaying heads
+        assert (cover[:, :2] < full[:, None]).all(), cover
+    else:
+        assert (cover[:, :2] <= full[:, None]).all() and (cover[:, :2] < full[:, None]).any(), cover

@@ -511,6 +511,43 @@ def test_walks_from_zero_without_their_stores_give_the_same_bits(opts, cuda, mon
     _same_bits_both_ways(opts, cuda, monkeypatch, backward, "WALK_STARTS_ONLY")
 
 
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),  # most walks stop early, one head never
+    dict(seqlens=[8192], gate="mixed", normalize_qk=False),  # keys of any norm: the bound's growth terms
+    dict(seqlens=[4096, 4096], dense=True),  # the normal gates on 4-chunk segments: no walk stops early
+])
+def test_walks_from_zero_stopped_early_give_the_same_bits(opts, cuda, monkeypatch):
+    """``backward.WALK_EARLY_STOP`` (beside WALK_STARTS_ONLY): each walk from zero covers only its segment's chunks
+    before the point from which, by ``flashgdn.cp.bounds.walk_stop_chunks``, the later tokens owe its start
+    gradient less than float32's smallest normal number. What it leaves out, and the rounding it would have added,
+    decay on the way to the start, so the op and every gradient are the same bits."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
+    _same_bits_both_ways(opts, cuda, monkeypatch, backward, "WALK_EARLY_STOP")
+
+
+def test_walks_stopped_early_give_the_same_start_gradients(cuda):
+    """The walk itself (``backward.hopper_walk_starts``) without and with ``walk_chunks``: every start gradient the
+    same bits, where the walks of the decaying heads stop early (the g = 0 head's never)."""
+    from flashgdn.cp.bounds import walk_stop_chunks
+    from flashgdn.kernels.hopper.backward import hopper_walk_starts
+
+    seqlens = [3000, 1, 0, 64, 65, 2000]
+    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
+                      zero_gate_heads=(3,))
+    q, k, g, beta, cu = (inp[n] for n in ("q", "k", "g", "beta", "cu_seqlens"))
+    do = torch.randn(inp["v"].shape, generator=torch.Generator(device=cuda).manual_seed(4), device=cuda)
+    do = do.to(torch.bfloat16)
+    chunks = [(n + 63) // 64 for n in seqlens]
+    cover = walk_stop_chunks(q, k, g, beta, do, 0.3, cu, sum(chunks))
+    full = torch.tensor(chunks, device=cuda)[:, None]
+    assert (cover[:, :3] < full).any() and torch.equal(cover[:, 3:], full)
+    want = hopper_walk_starts(q, k, g, beta, do, 0.3, cu)
+    got = hopper_walk_starts(q, k, g, beta, do, 0.3, cu, walk_chunks=cover)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("precise", [False, True])
 def test_walk_starts_are_the_walks_start_gradients(precise, cuda):
     """The starts-only build itself (``backward.hopper_walk_starts``) against the walk with its stores

@@ -401,6 +401,46 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
     assert grads[0].shape == q.shape and (grads[5] is None) == (h0 is None)
 
 
+def test_walks_from_zero_stop_where_the_bound_says(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_WALK_EARLY_STOP (beside WALK_STARTS_ONLY): CP's walk from zero is the starts-only build with
+    ``early_stop``, whose last argument (checked against its signature) is ``flashgdn.cp.bounds.walk_stop_chunks`` of
+    the segments, the inputs the walk reads and the chunk count the host's offsets give."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.cp.bounds import walk_stop_chunks
+    from flashgdn.kernels.hopper import backward, state_grad_walk
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
+    monkeypatch.setattr(backward, "WALK_EARLY_STOP", True)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    calls = []
+    checked = state_grad_walk.build_state_grad_walk
+
+    def recording(*args, **kwargs):
+        kernel = checked(*args, **kwargs)
+
+        def call(*cargs):
+            calls.append((kwargs, cargs))
+            return kernel(*cargs)
+        return call
+
+    monkeypatch.setattr(state_grad_walk, "build_state_grad_walk", recording)
+    seqlens = [700, 30, 300]
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, gate="strong")
+    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    plan = split_sequences(seqlens, 4)
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone())
+    ((kwargs, args),) = calls
+    assert kwargs["starts_only"] and kwargs["early_stop"]
+    qf, kf, dof, seg_cu, walk_chunks = args[0], args[1], args[2], args[5], args[-1]
+    assert walk_chunks.shape == (plan.num_segments, 8) and walk_chunks.dtype == torch.int32
+    chunks = sum((n + 63) // 64 for n in (plan.seg_cu[1:] - plan.seg_cu[:-1]).tolist())
+    want = walk_stop_chunks(qf, kf, g, beta, dof, 0.1, seg_cu, chunks)
+    assert torch.equal(walk_chunks, want)
+    assert (want < torch.tensor([-(-int(n) // 64) for n in (plan.seg_cu[1:] - plan.seg_cu[:-1])])[:, None]).any()
+
+
 @pytest.mark.parametrize("precise", [False, True])
 @pytest.mark.parametrize("starts_only", [False, True])
 def test_walks_from_zero_follow_walk_starts_only(starts_only, precise, checked_kernels, monkeypatch):

@@ -294,8 +294,13 @@ def test_precompiled_walks_follow_walk_starts_only(precise, monkeypatch):
     monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
     got = walks()
     (only,) = [kw for kw in got if kw.get("starts_only")]
-    assert only["precise"] is precise and only["has_final_grad"] is False
+    assert only["precise"] is precise and only["has_final_grad"] is False and not only.get("early_stop")
     assert [kw for kw in got if not kw.get("starts_only")] == plain
+    # the walk stopped early (backward.WALK_EARLY_STOP) beside it: the build the operator runs with the host's offsets
+    monkeypatch.setattr(backward, "WALK_EARLY_STOP", True)
+    stopped = [kw for kw in walks() if kw.get("early_stop")]
+    assert len(stopped) == 1 and stopped[0]["starts_only"] and stopped[0]["precise"] is precise
+    assert [kw for kw in walks() if not kw.get("early_stop")] == got
 
 
 @pytest.mark.parametrize("diag16, mma32, triangle, want", [

@@ -33,6 +33,16 @@ with ``l_u`` the per-token log bound above and the h0 term on a sequence's first
 the spectral one). Where E(p) is below e^-88 at a chunk boundary p, b walked from zero at p differs from b walked
 from the segment's start by less than float32's smallest normal number in every entry: the walk may start there
 (``b_start_chunks``, the Hopper transition pass's ``late_b``). This needs |v| per token, a read of v.
+
+The backward's walk of a segment from a zero end gradient (context parallelism's D, the state gradient at the
+segment's start) is the mirror image. Token t's output ``o_t = scale S_t^T q_t`` adds ``scale q_t dO_t^T`` to the
+state gradient after it, which reaches the segment's start a through the transposed transitions of tokens a..t. So
+the tokens from a point p on owe D at most
+
+    E'(p) = sum over t >= p of scale |q_t| |dO_t| exp(sum over a <= u <= t of l_u)
+
+and where E'(p) is below e^-88 at a chunk boundary, the walk may stop there: it walks the segment's chunks before p
+only, from zero (``walk_stop_chunks``, the Hopper walk's ``early_stop``). This needs |dO| per token, a read of dO.
 """
 from __future__ import annotations
 
@@ -128,3 +138,43 @@ def b_start_chunks(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
     if out is None:
         return (first_fail - 1).to(torch.int32)
     return out.copy_(first_fail - 1)
+
+
+def walk_stop_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor,
+                     scale: float, seg_cu: torch.Tensor, num_chunks: int,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """For every segment ``[seg_cu[s], seg_cu[s + 1])`` and value head, how many of the segment's chunks, from its
+    start, its walk from a zero end gradient must cover: the fewest c such that the bound E'(p) of the module
+    docstring on what the tokens from ``p = start + 64 c`` on owe the start gradient is below ``NEGLIGIBLE_LOG_NORM``
+    (the segment's chunk count where none is). ``[S, Hv]`` int32, by device ops (nothing read on the host). ``q``,
+    ``k`` ``[1, T, Hqk, K]`` (as the kernels read them: normalised where the op normalises them), ``g``, ``beta``
+    ``[1, T, Hv]``, ``do [1, T, Hv, V]``; ``num_chunks``: the segments' chunk count in all (known on the host with
+    the plan). Conservative as ``b_start_chunks``: the sum over t >= p runs over every later packed token. A NaN or an
+    infinite bound keeps every chunk. ``out``: an int32 ``[S, Hv]`` tensor to write the counts into."""
+    per_token = token_log_growth(k, g, beta).to(torch.float64)  # [T, Hv]
+    T_, Hv = per_token.shape
+    Hqk = q.shape[2]
+    run = torch.nn.functional.pad(per_token.cumsum(0), (0, 0, 1, 0))  # [T + 1, Hv]: the sum of l_u for u < t
+    qnorm = torch.linalg.vector_norm(q[0], dim=-1, dtype=torch.float32)  # [T, Hqk]
+    donorm = torch.linalg.vector_norm(do[0], dim=-1, dtype=torch.float32)  # [T, Hv]
+    src = (abs(float(scale)) * qnorm).unsqueeze(-1).expand(T_, Hqk, Hv // Hqk).reshape(T_, Hv) * donorm
+    src = src.to(torch.float64).log_().add_(run[1:])  # log scale |q_t| |dO_t| + sum of l_u for u <= t
+    # log of the sum over t' >= t: E'(p) = exp(behind[p] - run[start])
+    behind = torch.logcumsumexp(src.flip(0), dim=0).flip(0)
+    cu = seg_cu.to(torch.int64)
+    S = cu.shape[0] - 1
+    starts, ends = cu[:-1], cu[1:]
+    chunks = torch.div(ends - starts + 63, 64, rounding_mode="floor")  # [S]
+    # every chunk's first token, flat: its segment and its number c = 0 .. chunks - 1
+    seg_of = torch.repeat_interleave(torch.arange(S, device=cu.device), chunks, output_size=num_chunks)
+    c = torch.arange(num_chunks, device=cu.device) - (torch.cumsum(chunks, 0) - chunks).index_select(0, seg_of)
+    p = starts.index_select(0, seg_of) + 64 * c
+    log_e = behind.index_select(0, p) - run.index_select(0, starts).index_select(0, seg_of)
+    # the walk covers every chunk up to the last boundary where the bound fails (NaN fails), none where none does
+    fails = ~(log_e < NEGLIGIBLE_LOG_NORM)
+    where = torch.where(fails, c.unsqueeze(-1).expand(-1, Hv) + 1, torch.zeros_like(c).unsqueeze(-1).expand(-1, Hv))
+    cover = torch.zeros((S, Hv), dtype=torch.int64, device=cu.device)
+    cover.scatter_reduce_(0, seg_of.unsqueeze(-1).expand(-1, Hv), where, "amax")
+    if out is None:
+        return cover.to(torch.int32)
+    return out.copy_(cover)

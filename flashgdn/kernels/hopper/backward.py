@@ -124,6 +124,14 @@ FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0")
 #: FLASHGDN_HOPPER_WALK_STARTS_ONLY=1.
 WALK_STARTS_ONLY = os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "0") == "1"
 
+#: beside WALK_STARTS_ONLY, each walk from zero covers only a segment's first chunks, up to where a bound from the
+#: inputs (``flashgdn.cp.bounds.walk_stop_chunks``: scale |q_t| |dO_t| of each later token carried back to the
+#: segment's start by the per-token transition bounds) puts what the later tokens owe its start gradient below
+#: e^-88: D is then what it was up to entries below float32's smallest normal number. With the benchmark's gates
+#: (~-3.2 a chunk) a walk covers ~30 chunks whatever the segment's length. The bound reads dO, on the walks' stream.
+#: An A/B (notes v0.35c), off until measured: FLASHGDN_HOPPER_WALK_EARLY_STOP=1 (with WALK_STARTS_ONLY).
+WALK_EARLY_STOP = os.environ.get("FLASHGDN_HOPPER_WALK_EARLY_STOP", "0") == "1"
+
 
 def fused_longest_first() -> bool:
     """Whether the fused kernel the backward builds takes its rows longest first: FUSED_LONGEST_FIRST, where its
@@ -443,10 +451,12 @@ def hopper_walk_starts(
     cu_seqlens: Optional[torch.Tensor],
     _stage1=None,
     precise: bool = False,
+    walk_chunks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The walk from a zero end gradient, its start gradients alone (the walk's ``starts_only`` build): ``[N, Hv,
     K, V]`` float32 K-major, what ``hopper_state_gradients(..., dht=None)[1]`` gives, without the per-chunk
-    gradients. Inputs as ``hopper_state_gradients``'s."""
+    gradients. Inputs as ``hopper_state_gradients``'s. ``walk_chunks`` ``[N, Hv]`` int32: the chunks each item walks,
+    from its start (``flashgdn.cp.bounds.walk_stop_chunks``; the walk's ``early_stop``)."""
     from .state_grad_walk import build_state_grad_walk
 
     B, T, Hqk, K = q.shape
@@ -454,10 +464,15 @@ def hopper_walk_starts(
     dev = q.device
     (qf, kf), cu, N, st1 = _stage1 or _plan_and_stage1(q, k, g, beta, cu_seqlens)
     dh0 = _output((N, Hv, K, V), torch.float32, dev)
+    args = (qf, kf, do.reshape(1, B * T, Hv, V).contiguous(), st1.gcum, st1.Ag, cu, st1.first_slot,
+            _end_gradients(None, Hv, K, V, dev), float(scale), dh0)
+    if walk_chunks is not None:
+        if walk_chunks.shape != (N, Hv):
+            raise ValueError(f"walk_chunks must be [{N}, {Hv}] (sequences, value heads), got {tuple(walk_chunks.shape)}")
+        args += (walk_chunks.to(torch.int32).contiguous(),)
     build_state_grad_walk(Hqk, Hv, K, V, tl_dtype(q.dtype), False, staged_stores=STAGED_STATE_STORES,
-                          precise=precise, starts_only=True, **lean_state_option())(
-        qf, kf, do.reshape(1, B * T, Hv, V).contiguous(), st1.gcum, st1.Ag, cu, st1.first_slot,
-        _end_gradients(None, Hv, K, V, dev), float(scale), dh0)
+                          precise=precise, starts_only=True, early_stop=walk_chunks is not None,
+                          **lean_state_option())(*args)
     return dh0
 
 
@@ -602,11 +617,23 @@ class HopperBackwardStages:
 
     def walk_starts(self, q, k, g, beta, do, scale, cu, cu_cpu):
         """The walk from a zero end gradient, its start gradients alone (context parallelism's D): the walk's
-        ``starts_only`` build with WALK_STARTS_ONLY, else ``state_gradients``' second output."""
+        ``starts_only`` build with WALK_STARTS_ONLY (and each walk stopped by ``walk_stop_chunks`` with
+        WALK_EARLY_STOP, given the host's offsets), else ``state_gradients``' second output."""
         if not WALK_STARTS_ONLY:
             return self.state_gradients(q, k, g, beta, do, None, scale, cu, cu_cpu)[1]
-        return hopper_walk_starts(q, k, g, beta, do, scale, cu, _stage1=self._stage1_for(q, k, g, beta, cu, cu_cpu),
-                                  precise=self.precise)
+        stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
+        walk_chunks = None
+        if WALK_EARLY_STOP and cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
+            from ...cp.bounds import walk_stop_chunks
+
+            (qf, kf), offsets, _, _ = stage1
+            TT, Hv = qf.shape[1], g.shape[-1]
+            lengths = cu_cpu[1:] - cu_cpu[:-1]
+            walk_chunks = walk_stop_chunks(qf, kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv),
+                                           do.reshape(1, TT, Hv, do.shape[-1]), scale, offsets,
+                                           int(torch.div(lengths + 63, 64, rounding_mode="floor").sum()))
+        return hopper_walk_starts(q, k, g, beta, do, scale, cu, _stage1=stage1, precise=self.precise,
+                                  walk_chunks=walk_chunks)
 
     def chunk_gradients(self, q, k, v, g, beta, do, states, ds_end, scale, cu, cu_cpu):
         from .chunk_grad import build_chunk_grad

@@ -47,7 +47,7 @@ PRECISE_REGS = (200, 72, 40)
 @functools.lru_cache(maxsize=None)
 def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
                           staged_stores: bool = False, precise: bool = False, lean: bool = False,
-                          starts_only: bool = False):
+                          starts_only: bool = False, early_stop: bool = False):
     """Compile (or load) the walk. Arguments of the returned kernel, in order:
 
       q, k      [1, T, Hqk, K]   io dtype (normalised as the forward used them)
@@ -70,12 +70,19 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     cast, staged, sent by TMA and waited for by one thread of each state warpgroup before the chunk's first GEMM,
     on the chain. This build has no ``ds_end`` argument and makes none of that. ``dh0`` gets the same values (the
     stores only read the registers the walk goes on with), so the same bits.
+
+    ``early_stop`` (with ``starts_only``; an A/B, ``backward.WALK_EARLY_STOP``) adds a last argument ``walk_chunks
+    [sequences, Hv]`` int32 (``flashgdn.cp.bounds.walk_stop_chunks``): the item walks only the first ``walk_chunks[n,
+    h]`` chunks of its sequence (segment), from zero at the last of them, the later tokens owing its start gradient
+    less than float32's smallest normal number. Those chunks are walked as the build without it walks them.
     """
     import tilelang
     import tilelang.language as T
 
     if precise and io_dtype != "bfloat16":
         raise ValueError("the precise mode is bfloat16 only, as the forward's (forward.PRECISE)")
+    if early_stop and not starts_only:
+        raise ValueError("early_stop is built beside starts_only (the walk from zero that keeps its start gradients)")
     C = CHUNK
     group = Hv // Hqk
     state_regs, gate_regs, producer_regs = PRECISE_REGS if precise else (STATE_REGS, GATE_REGS, PRODUCER_REGS)
@@ -181,12 +188,15 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=True, reverse=True)
 
     @T.macro
-    def walk_body(q, k, do, gcum, Ag, cu_seqlens, first_slot, dht, scale, ds_end, dh0):
+    def walk_body(q, k, do, gcum, Ag, cu_seqlens, first_slot, dht, scale, ds_end, dh0, walk_chunks=None):
         with T.Kernel(Hv, num_seqs, threads=512) as (h, n):
             hq = h // group
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
             n_chunks = T.ceildiv(eos - bos, C)
+            if early_stop:  # the chunks before the bound's stop only, the last of them now the walk's first
+                n_chunks = T.min(n_chunks, walk_chunks[n, h])
+                eos = T.min(eos, bos + n_chunks * C)
 
             q_s = T.alloc_shared((2, C, K), io_dtype)
             k_s = T.alloc_shared((2, C, K), io_dtype)
@@ -235,7 +245,23 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
 
 
     # (TileLang reads a kernel's parameters from its signature, so the build without ds_end has its own)
-    if starts_only:
+    if early_stop:
+        @T.prim_func
+        def state_grad_walk_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            do: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            dht: T.Tensor((n_dht, Hv, K, V), "float32"),
+            scale: T.float32,
+            dh0: T.Tensor((num_seqs, Hv, K, V), "float32"),
+            walk_chunks: T.Tensor((num_seqs, Hv), "int32"),
+        ):
+            walk_body(q, k, do, gcum, Ag, cu_seqlens, first_slot, dht, scale, None, dh0, walk_chunks)
+    elif starts_only:
         @T.prim_func
         def state_grad_walk_kernel(
             q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),

@@ -254,6 +254,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "state_grad_walk" and kw.get("starts_only") and not backward.WALK_STARTS_ONLY:
             continue
+        if builder == "state_grad_walk" and kw.get("early_stop") and not backward.WALK_EARLY_STOP:
+            continue
         # the states pass for the fused kernel, beside the plain one for the two kernels ("auto" may take either)
         if kw.get("first_apart") and not (fused and backward.FIRST_STATES_APART):
             continue
@@ -298,6 +300,11 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=0,staged{',precise' * precise},starts_only]", "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=False, staged_stores=True,
                     precise=precise, starts_only=True))
+        # and stopped where the later tokens owe the start gradient nothing float32 holds (backward.WALK_EARLY_STOP)
+        yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=0,staged{',precise' * precise},starts_only,early_stop]",
+               "state_grad_walk",
+               dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=False, staged_stores=True,
+                    precise=precise, starts_only=True, early_stop=True))
     # the walk with its column factors in registers (forward.LEAN_STATE_PASSES, an A/B)
     yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged,lean]", "state_grad_walk",
            dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True, precise=False,
