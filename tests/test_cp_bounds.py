@@ -186,12 +186,13 @@ def test_late_b_drops_only_what_is_below_float32s_range(g_scale, h0_scale):
     their state at that point carried to the segment's end by the transitions alone. Strong decay lets most of a
     segment go; heads without decay or with unnormalised keys (value heads 2 and 3 of qk head 1) keep every chunk; a
     huge h0 keeps more of a first segment."""
-    from flashgdn.cp.bounds import b_start_chunks
+    from flashgdn.cp.bounds import b_start_chunks, chunk_count
 
     k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case(g_scale=g_scale, h0_scale=h0_scale)
     chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
     starts = b_start_chunks(k, v, g, beta, seg_cu, sum(chunks), h0=h0, seg_seq=seg_seq, first=first)
     assert starts.shape == (5, 4) and starts.dtype == torch.int32
+    assert chunk_count(seg_cu) == sum(chunks) == 19 and chunk_count(torch.tensor([0, 0, 1, 66])) == 3
     K, V = 8, 8
     for s in range(5):
         a, e = int(seg_cu[s]), int(seg_cu[s + 1])

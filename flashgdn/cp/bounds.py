@@ -72,6 +72,13 @@ def token_log_growth(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> to
     return x.add_(g[0].to(torch.float32))
 
 
+def chunk_count(cu_cpu: torch.Tensor) -> int:
+    """The chunks of the packed sequences (or segments) of host offsets ``cu_cpu`` in all, an empty one none: the
+    ``num_chunks`` that ``b_start_chunks`` and ``walk_stop_chunks`` take, with no device value read."""
+    lengths = cu_cpu[1:] - cu_cpu[:-1]
+    return int(torch.div(lengths + 63, 64, rounding_mode="floor").sum())
+
+
 def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           seg_cu: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The log of an upper bound on every segment's ||M||_2, ``[S, Hv]`` float32, for the segments

@@ -344,8 +344,9 @@ class _HopperSegmentsForward:
         if CP_NEGLIGIBLE_M and h0 is not None and unread is not None:
             late = None
             if CP_LATE_B and seg_cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
-                lengths = seg_cu_cpu[1:] - seg_cu_cpu[:-1]
-                late = (v, h0, unread[0], int(torch.div(lengths + 63, 64, rounding_mode="floor").sum()))
+                from ...cp.bounds import chunk_count
+
+                late = (v, h0, unread[0], chunk_count(seg_cu_cpu))
             bounds = _m_bounds_aside(k, g, beta, cu, late)
         if self._stage1_source is not None:
             self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu)

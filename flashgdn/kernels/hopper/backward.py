@@ -624,14 +624,12 @@ class HopperBackwardStages:
         stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
         walk_chunks = None
         if WALK_EARLY_STOP and cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
-            from ...cp.bounds import walk_stop_chunks
+            from ...cp.bounds import chunk_count, walk_stop_chunks
 
             (qf, kf), offsets, _, _ = stage1
             TT, Hv = qf.shape[1], g.shape[-1]
-            lengths = cu_cpu[1:] - cu_cpu[:-1]
             walk_chunks = walk_stop_chunks(qf, kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv),
-                                           do.reshape(1, TT, Hv, do.shape[-1]), scale, offsets,
-                                           int(torch.div(lengths + 63, 64, rounding_mode="floor").sum()))
+                                           do.reshape(1, TT, Hv, do.shape[-1]), scale, offsets, chunk_count(cu_cpu))
         return hopper_walk_starts(q, k, g, beta, do, scale, cu, _stage1=stage1, precise=self.precise,
                                   walk_chunks=walk_chunks)
 
