@@ -379,11 +379,11 @@ elif [ "$part" = walk-starts-bwd ]; then
     grep "kernels per step\|state_grad_walk" "$out/walk-starts-steps-$on.log" | head -6
   done
 elif [ "$part" = pending-tests ]; then
-  gpu_tests gpu-pending-negligible-m 150 4 tests/test_gpu_hopper_cp.py -k "negligible or late_b"
-  gpu_tests gpu-pending-walk-starts 150 4 tests/test_gpu_hopper_cp.py \
+  gpu_tests gpu-pending-negligible-m 140 4 tests/test_gpu_hopper_cp.py -k "negligible or late_b"
+  gpu_tests gpu-pending-walk-starts 130 4 tests/test_gpu_hopper_cp.py \
     -k "walk_starts or walks_from_zero_without or walks_from_zero_stopped or walks_stopped"
-  gpu_tests gpu-pending-longest-first 100 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
-  gpu_tests gpu-pending-dg-scan 200 2 tests/test_gpu_hopper_backward.py -k dg_scan_matches
+  gpu_tests gpu-pending-longest-first 90 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"
+  gpu_tests gpu-pending-dg-scan 160 2 tests/test_gpu_hopper_backward.py -k dg_scan_matches
 elif [ "$part" = pending-ab ]; then
   switches=flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M,flashgdn.kernels.hopper.backend:CP_LATE_B
   switches=$switches,flashgdn.kernels.hopper.backward:FUSED_LONGEST_FIRST,flashgdn.kernels.hopper.backward:WALK_STARTS_ONLY
