@@ -379,7 +379,7 @@ elif [ "$part" = walk-starts-bwd ]; then
     grep "kernels per step\|state_grad_walk" "$out/walk-starts-steps-$on.log" | head -6
   done
 elif [ "$part" = pending-tests ]; then
-  gpu_tests gpu-pending-negligible-m 140 4 tests/test_gpu_hopper_cp.py -k "negligible or late_b"
+  gpu_tests gpu-pending-negligible-m 140 4 tests/test_gpu_hopper_cp.py -k "negligible or late_b or float32s_range"
   gpu_tests gpu-pending-walk-starts 130 4 tests/test_gpu_hopper_cp.py \
     -k "walk_starts or walks_from_zero_without or walks_from_zero_stopped or walks_stopped"
   gpu_tests gpu-pending-longest-first 90 4 tests/test_gpu_hopper_backward.py -k "fused_switches and LONGEST"

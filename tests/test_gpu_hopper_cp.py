@@ -610,3 +610,59 @@ def test_negligible_transitions_replay_in_a_cuda_graph(opts, cuda, monkeypatch):
 
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
+
+
+BOUND_SWITCHES = (("backend", "CP_NEGLIGIBLE_M"), ("backend", "CP_LATE_B"), ("backward", "WALK_STARTS_ONLY"),
+                  ("backward", "WALK_EARLY_STOP"))
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,))])
+def test_cp_on_float32s_range_reads_nothing_back_and_replays_in_a_cuda_graph(opts, cuda, monkeypatch):
+    """With every switch that leaves out what float32 cannot hold (``BOUND_SWITCHES``: M and b in the forward's
+    transition pass, the walks from zero without stores and stopped early), the forward alone and a training step
+    (forward, then backward, cp=4) read nothing back from the GPU (sync debug mode "error"), and a CUDA graph of the
+    training step replays to its eager bits: their bounds are device ops on streams of their own."""
+    from flashgdn.kernels.hopper import backend, backward
+
+    for module, name in BOUND_SWITCHES:
+        monkeypatch.setattr(backend if module == "backend" else backward, name, True)
+    test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
+
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
+    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+    gen = torch.Generator(device=cuda)
+    do = torch.randn(inp["v"].shape, generator=gen.manual_seed(5), device=cuda).to(inp["v"].dtype)
+    dht = torch.randn((len(opts["seqlens"]), 4, 128, 128), generator=gen.manual_seed(6), device=cuda)
+
+    def step():
+        for x in xs.values():
+            x.grad = None
+        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=4)
+        torch.autograd.backward([o, ht], [do, dht])
+        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+
+    want = step()  # compiles and loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, x, w in zip(["o", "final state"] + names, got, want):
+        assert torch.equal(x, w), ("eager", name)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for x in captured:
+        x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, x, w in zip(["o", "final state"] + names, captured, want):
+        assert torch.equal(x, w), ("graph", name)
