@@ -701,6 +701,57 @@ def test_cp_forward_uses_the_forwards_own_transition_pairs(case, segment_chunks)
     assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10
 
 
+class _FloatRangeForward(_StartsBuildingForward):
+    """The pass that makes its starts, as the Hopper kernel's ``negligible_m`` and ``late_b`` build runs it: an M
+    whose bound (``transition_log_bounds``) is below -88 is zero, and each b that a splice reads is walked from zero
+    from the chunk ``b_start_chunks`` gives on (from h0 where that is 0). Counts the items it changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropped_m = self.late_b = 0
+
+    def transition_pairs(self, q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu, unread=None, h0=None):
+        from flashgdn.cp.bounds import NEGLIGIBLE_LOG_NORM, b_start_chunks, chunk_count, transition_log_bounds
+
+        end = super().transition_pairs(q, k, v, g, beta, scale, start, seg_cu, seg_cu_cpu, unread, h0)
+        index = unread[0]
+        gone = transition_log_bounds(k, g, beta, seg_cu) < NEGLIGIBLE_LOG_NORM  # [S, Hv]
+        m = end[:, 1::2]
+        m[gone & ~m.isnan().flatten(2).any(-1)] = 0
+        self.dropped_m += int((gone & ~m.isnan().flatten(2).any(-1)).sum())
+        starts = b_start_chunks(k, v, g, beta, seg_cu, chunk_count(seg_cu_cpu), h0=h0, seg_seq=index.seg_seq,
+                                first=index.first)
+        for s, h in starts.nonzero().tolist():
+            if end[s, 2 * h].isnan().any():  # a b no splice reads
+                continue
+            a, e = int(seg_cu[s]), int(seg_cu[s + 1])
+            p = min(a + 64 * int(starts[s, h]), e)
+            sub = lambda x: x[:, p:e].contiguous()  # noqa: E731
+            zero = torch.zeros((1,) + h0.shape[1:], dtype=h0.dtype)
+            _, late = ref_forward(sub(q), sub(k), sub(v), sub(g), sub(beta), scale, zero, torch.tensor([0, e - p]),
+                                  True)
+            end[s, 2 * h] = late[0, h]
+            self.late_b += 1
+        return end
+
+
+@pytest.mark.parametrize("segment_chunks", [2, 3])
+@pytest.mark.parametrize("case", [1, 2])
+def test_cp_forward_on_float32s_range_is_the_forward(case, segment_chunks):
+    """The CP forward with the transitions the Hopper pass makes under ``CP_NEGLIGIBLE_M`` and ``CP_LATE_B`` (M
+    below float32's range zero, b from its late start): the forward without segments to 1e-10 in float64, where
+    strong decay drops M and starts b late (case 1: strong gates, a g = 0 head) and where keys of any norm keep
+    their history (case 2)."""
+    q, k, v, g, beta, h0, cu = _packed_case(case, 16, 16)
+    o_ref, ht_ref = ref_forward(q, k, v, g, beta, 0.25, h0, cu, True)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    fwd = _FloatRangeForward()
+    o, ht = cp_forward(fwd, q, k, v, g, beta, 0.25, h0, True, plan, cu)
+    assert rel_rms(o, o_ref) < 1e-10 and rel_rms(ht, ht_ref) < 1e-10
+    if case == 1:
+        assert fwd.dropped_m > 0 and fwd.late_b > 0
+
+
 def test_backend_model_is_the_one_these_tests_hold_to_the_records():
     """``BACKEND_MODEL`` above is what the Hopper backend plans with by default (no GPU: the H200's SM count)."""
     from flashgdn.kernels.hopper import backend

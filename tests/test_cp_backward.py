@@ -124,6 +124,49 @@ def test_cp_backward_takes_the_walks_from_zero_from_walk_starts(segment_chunks):
         assert rel_rms(x, w) < 1e-10, name
 
 
+class _EarlyStoppingReferenceStages(_StartsWalkingReferenceStages):
+    """``walk_starts`` as the Hopper walk's ``early_stop`` build runs it: each segment's walk from zero covers only
+    the chunks ``walk_stop_chunks`` gives, from its start; counts the walks it shortened."""
+
+    def __init__(self):
+        super().__init__()
+        self.stopped = 0
+
+    def walk_starts(self, q, k, g, beta, do, scale, cu, cu_cpu):
+        from flashgdn.cp.bounds import chunk_count, walk_stop_chunks
+
+        self.calls["walk_starts"] += 1
+        cover = walk_stop_chunks(q, k, g, beta, do, scale, cu, chunk_count(cu_cpu))
+        ends = torch.minimum(cu[:-1].unsqueeze(-1) + 64 * cover.to(cu.dtype), cu[1:].unsqueeze(-1))  # [S, Hv]
+        D = None
+        for h in range(g.shape[-1]):  # the segments cut at this head's ends, the tokens past them in no segment
+            cut = torch.stack([cu[:-1], ends[:, h]], 1).flatten()
+            d = ReferenceBackwardStages.state_gradients(self, q, k, g, beta, do, None, scale, cut, None)[1][0::2]
+            D = d if D is None else D
+            D[:, h] = d[:, h]
+            self.stopped += int((ends[:, h] < cu[1:]).sum())
+        return D
+
+
+@pytest.mark.parametrize("segment_chunks", [2, 3])
+@pytest.mark.parametrize("case", [1, 2])
+def test_cp_backward_with_walks_stopped_early_is_the_backward(case, segment_chunks):
+    """The CP backward with the walks from zero stopped where ``walk_stop_chunks`` says (the Hopper walk's
+    ``early_stop``): the backward without segments to 1e-10 in float64, where strong decay stops walks (case 1:
+    strong gates, a g = 0 head) and where keys of any norm keep them whole (case 2)."""
+    (q, k, v, g, beta, do, dht, h0, cu), want = _grads(case, 16, 16)
+    plan = split_sequences((cu[1:] - cu[:-1]).tolist(), segment_chunks)
+    stages = _EarlyStoppingReferenceStages()
+    with torch.no_grad():
+        got = cp_backward(stages, ref_forward, q, k, v, g, beta, do, dht, 0.3, h0, plan, cu, cu)
+    assert stages.calls["walk_starts"] == 1 and stages.calls["state_gradients"] == 0
+    for name, x, w in zip(NAMES, got, want):
+        if w is not None:
+            assert rel_rms(x, w) < 1e-10, name
+    if case == 1:
+        assert stages.stopped > 0
+
+
 @pytest.mark.parametrize("plan_kind", ["none", "unsplit"])
 def test_cp_backward_without_segments_runs_the_stages_once(plan_kind):
     (q, k, v, g, beta, do, dht, h0, cu), want = _grads(0, 16, 16)

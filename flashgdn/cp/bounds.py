@@ -56,6 +56,14 @@ import torch
 NEGLIGIBLE_LOG_NORM = -88.0
 
 
+def _row_norms(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` over the last dimension in float32 (bf16/fp16 rows summed in float32 without a float32 copy of them;
+    float32 and float64 rows in their own precision, then rounded)."""
+    if x.element_size() < 4:
+        return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    return torch.linalg.vector_norm(x, dim=-1).to(torch.float32)
+
+
 def token_log_growth(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """Per token and value head, ``g_t + log max(1, |1 - beta_t |k_t|^2|)`` in float32 ``[T, Hv]``: the log of the
     bound on the norm of that token's transition. ``k [1, T, Hqk, K]`` (the keys the kernels read: normalised
@@ -65,7 +73,7 @@ def token_log_growth(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> to
     if Hv % Hqk:
         raise ValueError(f"value heads ({Hv}) must be a multiple of qk heads ({Hqk})")
     # |k|^2 in float32 from the stored values (bf16/fp16 keys: their rounding is what the kernels multiply)
-    kk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.float32).square_()  # [T, Hqk]
+    kk = _row_norms(k[0]).square_()  # [T, Hqk]
     x = beta[0].reshape(T, Hqk, Hv // Hqk).to(torch.float32) * kk.unsqueeze(-1)  # beta |k|^2 per value head
     # log max(1, |1 - x|) = max(0, log |1 - x|), then + g
     x = x.sub_(1).abs_().log_().clamp_(min=0).reshape(T, Hv)
@@ -115,8 +123,8 @@ def b_start_chunks(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
     T_, Hv = per_token.shape
     Hqk = k.shape[2]
     run = torch.nn.functional.pad(per_token.cumsum(0), (0, 0, 1, 0))  # [T + 1, Hv]: the sum of l_u for u < t
-    knorm = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.float32)  # [T, Hqk]
-    vnorm = torch.linalg.vector_norm(v[0], dim=-1, dtype=torch.float32)  # [T, Hv]
+    knorm = _row_norms(k[0])  # [T, Hqk]
+    vnorm = _row_norms(v[0])  # [T, Hv]
     inject = beta[0].to(torch.float32).abs().reshape(T_, Hqk, Hv // Hqk) * knorm.unsqueeze(-1)
     inject = inject.reshape(T_, Hv).mul_(vnorm).to(torch.float64).log_()  # log |beta_t| |k_t| |v_t|
     # log of sum over t' <= t of |beta||k||v| exp(-(sum of l_u for u <= t')): E(p) = exp(at[p - 1] + run[e])
@@ -162,8 +170,8 @@ def walk_stop_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: to
     T_, Hv = per_token.shape
     Hqk = q.shape[2]
     run = torch.nn.functional.pad(per_token.cumsum(0), (0, 0, 1, 0))  # [T + 1, Hv]: the sum of l_u for u < t
-    qnorm = torch.linalg.vector_norm(q[0], dim=-1, dtype=torch.float32)  # [T, Hqk]
-    donorm = torch.linalg.vector_norm(do[0], dim=-1, dtype=torch.float32)  # [T, Hv]
+    qnorm = _row_norms(q[0])  # [T, Hqk]
+    donorm = _row_norms(do[0])  # [T, Hv]
     src = (abs(float(scale)) * qnorm).unsqueeze(-1).expand(T_, Hqk, Hv // Hqk).reshape(T_, Hv) * donorm
     src = src.to(torch.float64).log_().add_(run[1:])  # log scale |q_t| |dO_t| + sum of l_u for u <= t
     # log of the sum over t' >= t: E'(p) = exp(behind[p] - run[start])
