@@ -88,13 +88,16 @@ def chunk_count(cu_cpu: torch.Tensor) -> int:
 
 
 def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          seg_cu: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          seg_cu: torch.Tensor, out: Optional[torch.Tensor] = None,
+                          per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The log of an upper bound on every segment's ||M||_2, ``[S, Hv]`` float32, for the segments
     ``[seg_cu[s], seg_cu[s + 1])`` of the packed tokens (``seg_cu`` ``[S + 1]`` on the device, any integer dtype).
     Tokens outside every segment count in none; an empty segment gets 0 (its M is the identity). Non-finite gates
     give -inf or NaN, and a NaN bound is never below the threshold (nothing is skipped on it). ``out``: a float32
-    ``[S, Hv]`` tensor to write them into (e.g. one allocated on the stream that will read them)."""
-    per_token = token_log_growth(k, g, beta)
+    ``[S, Hv]`` tensor to write them into (e.g. one allocated on the stream that will read them). ``per_token``:
+    ``token_log_growth(k, g, beta)`` where the caller has it (one read of k for several bounds)."""
+    if per_token is None:
+        per_token = token_log_growth(k, g, beta)
     # summed by differences of a float64 running sum: its rounding (~1e-16 relative to the largest partial sum)
     # stays far below the threshold's margin for any realistic length
     run = torch.nn.functional.pad(per_token.cumsum(0, dtype=torch.float64), (0, 0, 1, 0))  # [T + 1, Hv]
@@ -106,7 +109,8 @@ def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
 
 def b_start_chunks(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg_cu: torch.Tensor,
                    num_chunks: int, h0: Optional[torch.Tensor] = None, seg_seq: Optional[torch.Tensor] = None,
-                   first: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   first: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                   per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
     """For every segment ``[seg_cu[s], seg_cu[s + 1])`` and value head, how many of the segment's first chunks its b
     walk may leave out: the most chunk boundaries p from the segment's start at which the bound E(p) of the module
     docstring on the dropped tokens' share of b is below ``NEGLIGIBLE_LOG_NORM`` (all of them: b is zero). ``[S, Hv]``
@@ -118,8 +122,11 @@ def b_start_chunks(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
 
     Conservative where that is cheaper: the sum over t < p runs over every token before p, those of earlier segments
     too (one running log-sum-exp over the packed tokens instead of one per segment); it only adds to E. A NaN or an
-    infinite bound leaves out nothing. ``out``: an int32 ``[S, Hv]`` tensor to write the counts into."""
-    per_token = token_log_growth(k, g, beta).to(torch.float64)  # [T, Hv]
+    infinite bound leaves out nothing. ``out``: an int32 ``[S, Hv]`` tensor to write the counts into.
+    ``per_token``: ``token_log_growth(k, g, beta)``, as ``transition_log_bounds`` takes it."""
+    if per_token is None:
+        per_token = token_log_growth(k, g, beta)
+    per_token = per_token.to(torch.float64)  # [T, Hv]
     T_, Hv = per_token.shape
     Hqk = k.shape[2]
     run = torch.nn.functional.pad(per_token.cumsum(0), (0, 0, 1, 0))  # [T + 1, Hv]: the sum of l_u for u < t

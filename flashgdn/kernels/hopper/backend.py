@@ -369,15 +369,19 @@ def _m_bounds_aside(k, g, beta, cu, late=None):
     products): ``(bounds, starts or None, stream)``; the current stream waits for ``stream`` before the pass reads
     them. Off a CUDA device (the driver's tests with the kernels stood in for): made in place, stream None."""
     from ...cp.backward import side_stream
-    from ...cp.bounds import b_start_chunks, transition_log_bounds
+    from ...cp.bounds import b_start_chunks, token_log_growth, transition_log_bounds
 
-    def late_starts(out=None):
+    def bounds(out=None, starts=None):
+        per_token = token_log_growth(k, g, beta)  # (one read of k for both)
+        m_bound = transition_log_bounds(k, g, beta, cu, out=out, per_token=per_token)
+        if late is None:
+            return m_bound, None
         v, h0, index, num_chunks = late
-        return b_start_chunks(k, v, g, beta, cu, num_chunks, h0=h0, seg_seq=index.seg_seq, first=index.first,
-                              out=out)
+        return m_bound, b_start_chunks(k, v, g, beta, cu, num_chunks, h0=h0, seg_seq=index.seg_seq,
+                                       first=index.first, out=starts, per_token=per_token)
 
     if not k.is_cuda:
-        return transition_log_bounds(k, g, beta, cu), None if late is None else late_starts(), None
+        return (*bounds(), None)
 
     main, side = torch.cuda.current_stream(k.device), side_stream(k.device, "transition bounds")
     # allocated here, on the stream that reads it, and written on the side stream (whose own temporaries stay there)
@@ -385,9 +389,7 @@ def _m_bounds_aside(k, g, beta, cu, late=None):
     starts = None if late is None else torch.empty((cu.shape[0] - 1, g.shape[2]), dtype=torch.int32, device=k.device)
     side.wait_stream(main)  # the inputs, the offsets and the allocations, in the order the main stream sees them
     with torch.cuda.stream(side):
-        transition_log_bounds(k, g, beta, cu, out=out)
-        if late is not None:
-            late_starts(out=starts)
+        bounds(out, starts)
     return out, starts, side
 
 
