@@ -47,7 +47,7 @@ only, from zero (``walk_stop_chunks``, the Hopper walk's ``early_stop``). This n
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -80,6 +80,45 @@ def token_log_growth(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> to
     return x.add_(g[0].to(torch.float32))
 
 
+def _growth_prefix(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[T + 1, Hv]`` float64: row t the sum of ``token_log_growth`` over the tokens before t (``per_token``: that
+    growth where the caller has it). A bound over tokens a..b-1 is a difference of two rows; the float64 running
+    sum's rounding (~1e-16 relative to the largest partial sum) stays far below the threshold's margin for any
+    realistic length."""
+    if per_token is None:
+        per_token = token_log_growth(k, g, beta)
+    return torch.nn.functional.pad(per_token.cumsum(0, dtype=torch.float64), (0, 0, 1, 0))
+
+
+def _per_value_head(x: torch.Tensor, Hv: int) -> torch.Tensor:
+    """A ``[T, Hqk]`` per-qk-head value as ``[T, Hv]``: value head h reads qk head ``h // (Hv // Hqk)``."""
+    T_, Hqk = x.shape
+    return x.unsqueeze(-1).expand(T_, Hqk, Hv // Hqk).reshape(T_, Hv)
+
+
+class _SegmentChunks(NamedTuple):
+    """Every chunk of every segment of offsets ``seg_cu``, flat in order: its segment ``seg_of`` and its number
+    ``c`` in the segment (0 ..), beside the segments' ``starts``, ``ends`` and chunk counts ``chunks`` (int64)."""
+
+    starts: torch.Tensor
+    ends: torch.Tensor
+    chunks: torch.Tensor
+    seg_of: torch.Tensor
+    c: torch.Tensor
+
+
+def _segment_chunks(seg_cu: torch.Tensor, num_chunks: int) -> _SegmentChunks:
+    """``_SegmentChunks`` of ``seg_cu`` by device ops; ``num_chunks`` (their total, from the host) sizes the flat
+    tensors without a read back."""
+    cu = seg_cu.to(torch.int64)
+    starts, ends = cu[:-1], cu[1:]
+    chunks = torch.div(ends - starts + 63, 64, rounding_mode="floor")
+    seg_of = torch.repeat_interleave(torch.arange(chunks.shape[0], device=cu.device), chunks, output_size=num_chunks)
+    c = torch.arange(num_chunks, device=cu.device) - (torch.cumsum(chunks, 0) - chunks).index_select(0, seg_of)
+    return _SegmentChunks(starts, ends, chunks, seg_of, c)
+
+
 def chunk_count(cu_cpu: torch.Tensor) -> int:
     """The chunks of the packed sequences (or segments) of host offsets ``cu_cpu`` in all, an empty one none: the
     ``num_chunks`` that ``b_start_chunks`` and ``walk_stop_chunks`` take, with no device value read."""
@@ -96,12 +135,7 @@ def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     give -inf or NaN, and a NaN bound is never below the threshold (nothing is skipped on it). ``out``: a float32
     ``[S, Hv]`` tensor to write them into (e.g. one allocated on the stream that will read them). ``per_token``:
     ``token_log_growth(k, g, beta)`` where the caller has it (one read of k for several bounds)."""
-    if per_token is None:
-        per_token = token_log_growth(k, g, beta)
-    # summed by differences of a float64 running sum: its rounding (~1e-16 relative to the largest partial sum)
-    # stays far below the threshold's margin for any realistic length
-    run = torch.nn.functional.pad(per_token.cumsum(0, dtype=torch.float64), (0, 0, 1, 0))  # [T + 1, Hv]
-    at = run.index_select(0, seg_cu.to(torch.int64))
+    at = _growth_prefix(k, g, beta, per_token).index_select(0, seg_cu.to(torch.int64))
     if out is None:
         return (at[1:] - at[:-1]).to(torch.float32)
     return torch.sub(at[1:], at[:-1], out=out)
@@ -124,29 +158,19 @@ def b_start_chunks(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
     too (one running log-sum-exp over the packed tokens instead of one per segment); it only adds to E. A NaN or an
     infinite bound leaves out nothing. ``out``: an int32 ``[S, Hv]`` tensor to write the counts into.
     ``per_token``: ``token_log_growth(k, g, beta)``, as ``transition_log_bounds`` takes it."""
-    if per_token is None:
-        per_token = token_log_growth(k, g, beta)
-    per_token = per_token.to(torch.float64)  # [T, Hv]
-    T_, Hv = per_token.shape
-    Hqk = k.shape[2]
-    run = torch.nn.functional.pad(per_token.cumsum(0), (0, 0, 1, 0))  # [T + 1, Hv]: the sum of l_u for u < t
-    knorm = _row_norms(k[0])  # [T, Hqk]
-    vnorm = _row_norms(v[0])  # [T, Hv]
-    inject = beta[0].to(torch.float32).abs().reshape(T_, Hqk, Hv // Hqk) * knorm.unsqueeze(-1)
-    inject = inject.reshape(T_, Hv).mul_(vnorm).to(torch.float64).log_()  # log |beta_t| |k_t| |v_t|
+    run = _growth_prefix(k, g, beta, per_token)  # [T + 1, Hv]: the sum of l_u for u < t
+    Hv = run.shape[1]
+    inject = beta[0].to(torch.float32).abs() * _per_value_head(_row_norms(k[0]), Hv)
+    inject = inject.mul_(_row_norms(v[0])).to(torch.float64).log_()  # log |beta_t| |k_t| |v_t|
     # log of sum over t' <= t of |beta||k||v| exp(-(sum of l_u for u <= t')): E(p) = exp(at[p - 1] + run[e])
     at = torch.logcumsumexp(inject.sub_(run[1:]), dim=0)
-    cu = seg_cu.to(torch.int64)
-    S = cu.shape[0] - 1
-    starts, ends = cu[:-1], cu[1:]
-    chunks = torch.div(ends - starts + 63, 64, rounding_mode="floor")  # [S]
-    # every chunk boundary of every segment, flat: its segment and its number c = 1 .. chunks
-    seg_of = torch.repeat_interleave(torch.arange(S, device=cu.device), chunks, output_size=num_chunks)
-    c = torch.arange(num_chunks, device=cu.device) - (torch.cumsum(chunks, 0) - chunks).index_select(0, seg_of) + 1
+    starts, ends, chunks, seg_of, c = _segment_chunks(seg_cu, num_chunks)
+    S = chunks.shape[0]
+    c = c + 1  # the boundary after each chunk: c = 1 .. chunks
     p = torch.minimum(starts.index_select(0, seg_of) + 64 * c, ends.index_select(0, seg_of))
     log_e = at.index_select(0, (p - 1).clamp_(min=0)) + run.index_select(0, ends).index_select(0, seg_of)
     if h0 is not None:
-        is_first = first.to(torch.int64).index_select(0, seg_seq.to(torch.int64)) == torch.arange(S, device=cu.device)
+        is_first = first.to(torch.int64).index_select(0, seg_seq.to(torch.int64)) == torch.arange(S, device=c.device)
         h0_norm = torch.linalg.vector_norm(h0.to(torch.float64), dim=(-2, -1))  # [N, Hv]
         h0_term = h0_norm.index_select(0, seg_seq.to(torch.int64)).log_() + run.index_select(0, ends) \
             - run.index_select(0, starts)  # [S, Hv]
@@ -173,29 +197,20 @@ def walk_stop_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: to
     ``[1, T, Hv]``, ``do [1, T, Hv, V]``; ``num_chunks``: the segments' chunk count in all (known on the host with
     the plan). Conservative as ``b_start_chunks``: the sum over t >= p runs over every later packed token. A NaN or an
     infinite bound keeps every chunk. ``out``: an int32 ``[S, Hv]`` tensor to write the counts into."""
-    per_token = token_log_growth(k, g, beta).to(torch.float64)  # [T, Hv]
-    T_, Hv = per_token.shape
-    Hqk = q.shape[2]
-    run = torch.nn.functional.pad(per_token.cumsum(0), (0, 0, 1, 0))  # [T + 1, Hv]: the sum of l_u for u < t
-    qnorm = _row_norms(q[0])  # [T, Hqk]
-    donorm = _row_norms(do[0])  # [T, Hv]
-    src = (abs(float(scale)) * qnorm).unsqueeze(-1).expand(T_, Hqk, Hv // Hqk).reshape(T_, Hv) * donorm
+    run = _growth_prefix(k, g, beta)  # [T + 1, Hv]: the sum of l_u for u < t
+    Hv = run.shape[1]
+    src = _per_value_head(abs(float(scale)) * _row_norms(q[0]), Hv) * _row_norms(do[0])
     src = src.to(torch.float64).log_().add_(run[1:])  # log scale |q_t| |dO_t| + sum of l_u for u <= t
     # log of the sum over t' >= t: E'(p) = exp(behind[p] - run[start])
     behind = torch.logcumsumexp(src.flip(0), dim=0).flip(0)
-    cu = seg_cu.to(torch.int64)
-    S = cu.shape[0] - 1
-    starts, ends = cu[:-1], cu[1:]
-    chunks = torch.div(ends - starts + 63, 64, rounding_mode="floor")  # [S]
-    # every chunk's first token, flat: its segment and its number c = 0 .. chunks - 1
-    seg_of = torch.repeat_interleave(torch.arange(S, device=cu.device), chunks, output_size=num_chunks)
-    c = torch.arange(num_chunks, device=cu.device) - (torch.cumsum(chunks, 0) - chunks).index_select(0, seg_of)
-    p = starts.index_select(0, seg_of) + 64 * c
+    starts, ends, chunks, seg_of, c = _segment_chunks(seg_cu, num_chunks)
+    S = chunks.shape[0]
+    p = starts.index_select(0, seg_of) + 64 * c  # each chunk's first token
     log_e = behind.index_select(0, p) - run.index_select(0, starts).index_select(0, seg_of)
     # the walk covers every chunk up to the last boundary where the bound fails (NaN fails), none where none does
     fails = ~(log_e < NEGLIGIBLE_LOG_NORM)
     where = torch.where(fails, c.unsqueeze(-1).expand(-1, Hv) + 1, torch.zeros_like(c).unsqueeze(-1).expand(-1, Hv))
-    cover = torch.zeros((S, Hv), dtype=torch.int64, device=cu.device)
+    cover = torch.zeros((S, Hv), dtype=torch.int64, device=c.device)
     cover.scatter_reduce_(0, seg_of.unsqueeze(-1).expand(-1, Hv), where, "amax")
     if out is None:
         return cover.to(torch.int32)
