@@ -60,6 +60,48 @@ def test_hopper_cp_equals_no_cp_to_1e_3_in_the_precise_mode(segment_chunks, cuda
     assert rel_rms(h1, h0) < CP_BAR
 
 
+def _replayed(fn):
+    """``fn()`` (its outputs a sequence of tensors) captured in a CUDA graph after a warm-up on a side stream, the
+    captured outputs zeroed, then the graph replayed: ``(graph, outputs)``, the graph kept for as long as they are
+    read."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    for x in outputs:
+        x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outputs
+
+
+def _training_step(opts, cuda):
+    """A training step on one set of inputs (2/4 heads, ``opts`` as ``make_inputs``'s, the host copy of the
+    offsets given): ``(names, step)``, ``step(cp)`` running the op with that ``cp`` and its backward from fixed
+    output gradients, and giving ``[o, final state] + the gradients of names`` (fresh tensors each call)."""
+    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
+    if inp.get("cu_seqlens") is not None:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
+    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
+    gen = torch.Generator(device=cuda)
+    do = torch.randn(inp["v"].shape, generator=gen.manual_seed(5), device=cuda).to(inp["v"].dtype)
+    dht = torch.randn((len(opts["seqlens"]), 4, 128, 128), generator=gen.manual_seed(6), device=cuda)
+
+    def step(cp):
+        for x in xs.values():
+            x.grad = None
+        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=cp)
+        torch.autograd.backward([o, ht], [do, dht])
+        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
+
+    return names, step
+
+
 @pytest.mark.parametrize("opts", [
     dict(seqlens=[8192]),
     dict(seqlens=[5000, 64, 3000, 1], gate="strong"),
@@ -83,18 +125,7 @@ def test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda):
             o1, h1 = run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            og, hg = run()
-        og.zero_()
-        hg.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, (og, hg) = _replayed(run)
     assert torch.equal(o1, o0) and torch.equal(h1, h0)
     assert torch.equal(og, o1) and torch.equal(hg, h1)
 
@@ -396,23 +427,7 @@ def test_backward_overlap_gives_the_same_bits_and_replays_in_a_cuda_graph(opts, 
     stream, replays to the eager bits."""
     from flashgdn.cp import backward as cp_backward
 
-    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
-    if inp.get("cu_seqlens") is not None:
-        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
-    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
-    gen = torch.Generator(device=cuda)
-    do = torch.randn(inp["v"].shape, generator=gen.manual_seed(5), device=cuda).to(inp["v"].dtype)
-    N = len(opts["seqlens"])
-    dht = torch.randn((N, 4, 128, 128), generator=gen.manual_seed(6), device=cuda)
-
-    def run(cp):
-        for x in xs.values():
-            x.grad = None
-        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=cp)
-        torch.autograd.backward([o, ht], [do, dht])
-        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
-
+    names, run = _training_step(opts, cuda)
     for cp in (4, "auto"):
         monkeypatch.setattr(cp_backward, "OVERLAP", False)
         want = run(cp)
@@ -420,18 +435,7 @@ def test_backward_overlap_gives_the_same_bits_and_replays_in_a_cuda_graph(opts, 
         got = run(cp)
         for name, x, w in zip(["o", "final state"] + names, got, want):
             assert torch.equal(x, w), (cp, name)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run("auto")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run("auto")
-    for x in captured:
-        x.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, captured = _replayed(lambda: run("auto"))
     for name, x, w in zip(["o", "final state"] + names, captured, got):
         assert torch.equal(x, w), ("graph", name)
 
@@ -628,41 +632,16 @@ def test_cp_on_float32s_range_reads_nothing_back_and_replays_in_a_cuda_graph(opt
         monkeypatch.setattr(backend if module == "backend" else backward, name, True)
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
 
-    inp = make_inputs(Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, **opts)
-    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inp.get(n) is not None]
-    xs = {n: inp[n].detach().clone().requires_grad_(True) for n in names}
-    gen = torch.Generator(device=cuda)
-    do = torch.randn(inp["v"].shape, generator=gen.manual_seed(5), device=cuda).to(inp["v"].dtype)
-    dht = torch.randn((len(opts["seqlens"]), 4, 128, 128), generator=gen.manual_seed(6), device=cuda)
-
-    def step():
-        for x in xs.values():
-            x.grad = None
-        o, ht = chunk_gated_delta_rule(**(inp | xs), output_final_state=True, backend="hopper", cp=4)
-        torch.autograd.backward([o, ht], [do, dht])
-        return [o.detach(), ht.detach()] + [xs[n].grad for n in names]
-
-    want = step()  # compiles and loads the kernels
+    names, step = _training_step(opts, cuda)
+    want = step(4)  # compiles and loads the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = step()
+        got = step(4)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for name, x, w in zip(["o", "final state"] + names, got, want):
         assert torch.equal(x, w), ("eager", name)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    for x in captured:
-        x.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, captured = _replayed(lambda: step(4))
     for name, x, w in zip(["o", "final state"] + names, captured, want):
         assert torch.equal(x, w), ("graph", name)
