@@ -121,7 +121,8 @@ def _segment_chunks(seg_cu: torch.Tensor, num_chunks: int) -> _SegmentChunks:
 
 def chunk_count(cu_cpu: torch.Tensor) -> int:
     """The chunks of the packed sequences (or segments) of host offsets ``cu_cpu`` in all, an empty one none: the
-    ``num_chunks`` that ``b_start_chunks`` and ``walk_stop_chunks`` take, with no device value read."""
+    ``num_chunks`` that ``b_start_chunks`` and ``walk_stop_chunks`` take, and the Hopper forward's exact slot count
+    (``num_chunk_slots``, at least one), with no device value read."""
     lengths = cu_cpu[1:] - cu_cpu[:-1]
     return int(torch.div(lengths + 63, 64, rounding_mode="floor").sum())
 

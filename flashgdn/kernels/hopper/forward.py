@@ -180,8 +180,9 @@ def num_chunk_slots(num_tokens: int, num_seqs: int, cu_cpu=None) -> int:
     g~ and Ag, the backward's A, chunk states and state gradients: ~100 KB a slot and value head in all) is sized by
     it, so the exact count matters where many short sequences or CP segments (63 tokens of bound each) are packed."""
     if cu_cpu is not None:
-        cu = torch.as_tensor(cu_cpu, dtype=torch.int64)
-        return max(1, int(((cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK).sum()))
+        from ...cp.bounds import chunk_count
+
+        return max(1, chunk_count(torch.as_tensor(cu_cpu, dtype=torch.int64)))
     return max(1, (num_tokens + (CHUNK - 1) * num_seqs + CHUNK - 1) // CHUNK)
 
 
