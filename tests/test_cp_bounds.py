@@ -293,3 +293,37 @@ def test_early_stop_drops_only_what_is_below_float32s_range(g_scale):
         assert (cover[:, :2] < full[:, None]).all(), cover
     else:
         assert (cover[:, :2] <= full[:, None]).all() and (cover[:, :2] < full[:, None]).any(), cover
+
+
+@pytest.mark.parametrize("T", [0, 1, 255, 256, 257, 1000, 70001])  # 70001: the blocks' totals in blocks again
+@pytest.mark.parametrize("log", [False, True])
+def test_the_blocked_token_scan_is_pytorchs_scan(T, log):
+    """``_token_scan`` (two levels along contiguous rows, for speed on the GPU) against PyTorch's one-level scan over
+    dim 0, in float64: the same values up to rounding, -inf, +inf and NaN carried to the same tokens."""
+    from flashgdn.cp.bounds import _token_scan
+
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 5, generator=gen, dtype=torch.float64) * 30
+    if T > 600:
+        x[300:700, 1] = -math.inf  # a head whose tokens leave every later sum unchanged (log) for a while
+        x[T // 2, 2] = math.nan
+        x[T - 3, 3] = math.inf
+    want = x.logcumsumexp(0) if log else x.cumsum(0)
+    got = _token_scan(x, log)
+    assert got.shape == want.shape == (T, 5) and got.dtype == torch.float64
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()])
+    scale = want[finite].abs().max() if finite.any() else torch.tensor(1.0)
+    assert ((got[finite] - want[finite]).abs() <= 1e-12 * scale).all()
+
+
+def test_bounds_over_many_blocks_need_no_host_read():
+    """The blocked scan on meta tensors: a prefix over more tokens than a block reads nothing back either."""
+    from flashgdn.cp.bounds import TOKEN_SCAN_BLOCK
+
+    T = 3 * TOKEN_SCAN_BLOCK + 5
+    k = torch.empty(1, T, 2, 16, dtype=torch.bfloat16, device="meta")
+    g = torch.empty(1, T, 4, device="meta")
+    out = transition_log_bounds(k, g, torch.empty_like(g), torch.empty(3, dtype=torch.int32, device="meta"))
+    assert out.shape == (2, 4) and out.device.type == "meta"
