@@ -146,6 +146,10 @@ set -uo pipefail
 # pending-tests: the GPU tests of the A/Bs built without a GPU to run them (v0.34a negligible-m with v0.35b late-b,
 #   v0.34b longest-first, v0.35a walk-starts with v0.35c walk-stop) and chunk_grad's dg scan test, each in a pytest run of its own
 #   (gpu-pending-*.log).
+# pending-singles: each of the five alone (late-b with negligible-m on, walk-stop with walk-starts on), side by side in
+#   one process per switch: walk-starts on the cp set's 2/4-8/16 fwd+bwd and on the bwd set, longest-first on the bwd
+#   set (--max-diff 1e-2), negligible-m and late-b on the cp set's forward, walk-stop on the cp set's fwd+bwd
+#   (single-*.json).
 # pending-ab: those five switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
 #   8/16 shapes fwd and fwd+bwd (pending-ab-cp.json), and the bwd set's fwd+bwd (pending-ab-bwd.json; --max-diff
 #   1e-2, as for longest-first alone). What each switch gave alone is for its own rounds.
@@ -156,7 +160,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|late-b|walk-stop OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -394,6 +398,27 @@ elif [ "$part" = pending-ab ]; then
   logged pending-ab-bwd 330 python3 benchmarks/switch_ab.py --switch "$switches" --set bwd --modes fwdbwd --rounds 2 \
     --max-diff 1e-2 --out "$out/pending-ab-bwd.json"
   grep "geometric\|same bits\|max_rel" "$out/pending-ab-bwd.log"
+elif [ "$part" = pending-singles ]; then
+  bk=flashgdn.kernels.hopper.backward be=flashgdn.kernels.hopper.backend
+  logged single-walk-starts-cp 90 python3 benchmarks/switch_ab.py --switch $bk:WALK_STARTS_ONLY --set cp \
+    --only-heads 2/4,4/8,8/16 --modes fwdbwd --rounds 2 --out "$out/single-walk-starts-cp.json"
+  grep "geometric\|same bits" "$out/single-walk-starts-cp.log"
+  logged single-longest-first-bwd 80 python3 benchmarks/switch_ab.py --switch $bk:FUSED_LONGEST_FIRST --set bwd \
+    --modes fwdbwd --rounds 2 --max-diff 1e-2 --out "$out/single-longest-first-bwd.json"
+  grep "geometric\|same bits" "$out/single-longest-first-bwd.log"
+  logged single-negligible-m-cp 60 python3 benchmarks/switch_ab.py --switch $be:CP_NEGLIGIBLE_M --set cp \
+    --only-heads 2/4,4/8,8/16 --modes fwd --rounds 2 --out "$out/single-negligible-m-cp.json"
+  grep "geometric\|same bits" "$out/single-negligible-m-cp.log"
+  logged single-walk-starts-bwd 80 python3 benchmarks/switch_ab.py --switch $bk:WALK_STARTS_ONLY --set bwd \
+    --modes fwdbwd --rounds 2 --out "$out/single-walk-starts-bwd.json"
+  grep "geometric\|same bits" "$out/single-walk-starts-bwd.log"
+  logged single-late-b-cp 60 env FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1 python3 benchmarks/switch_ab.py --switch $be:CP_LATE_B \
+    --set cp --only-heads 2/4,4/8,8/16 --modes fwd --rounds 2 --out "$out/single-late-b-cp.json"
+  grep "geometric\|same bits" "$out/single-late-b-cp.log"
+  logged single-walk-stop-cp 90 env FLASHGDN_HOPPER_WALK_STARTS_ONLY=1 python3 benchmarks/switch_ab.py \
+    --switch $bk:WALK_EARLY_STOP --set cp --only-heads 2/4,4/8,8/16 --modes fwdbwd --rounds 2 \
+    --out "$out/single-walk-stop-cp.json"
+  grep "geometric\|same bits" "$out/single-walk-stop-cp.log"
 elif [ "$part" = step-anchor ]; then
   logged step-anchor 420 python3 benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --sequence \
     --shape 16/32:8192 --shape 16/32:775+7417 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \
