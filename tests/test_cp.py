@@ -20,7 +20,7 @@ from helpers import assert_same_computation, make_inputs, rel_rms
 
 #: the cost model as the Hopper backend plans with it by default (paired transition pass, fused index and
 #: splice, unread transitions skipped, the backward on the forward's transitions; ``backend.cp_cost_model``)
-BACKEND_MODEL = CostModel(paired=True, fused=True, skip_unread=True, reuse_transitions=True)
+BACKEND_MODEL = CostModel(paired=True, fused=True, skip_unread=True, reuse_transitions=True, walk_starts_only=True)
 
 
 def ref_forward(q, k, v, g, beta, scale, h0, cu, output_final_state, cu_cpu=None, need_output=True):

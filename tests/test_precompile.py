@@ -280,11 +280,13 @@ def test_precompiled_fused_backward_follows_longest_first(monkeypatch):
 @pytest.mark.parametrize("precise", [False, True])
 def test_precompiled_walks_follow_walk_starts_only(precise, monkeypatch):
     """FLASHGDN_HOPPER_WALK_STARTS_ONLY adds the walk's starts-only build (CP's walk from zero) to what a training
-    step precompiles, in the mode it runs in, beside the walks with their stores; off by default."""
+    step precompiles, in the mode it runs in, beside the walks with their stores; on by default."""
     from flashgdn.kernels.hopper import backward, forward
     from flashgdn.kernels.hopper.variants import training_variants
 
+    assert backward.WALK_STARTS_ONLY is (os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "1") == "1")
     monkeypatch.setattr(forward, "PRECISE", precise)
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", False)
 
     def walks():
         return [kw for name, builder, kw in training_variants(2, 8, flags="common") if builder == "state_grad_walk"]

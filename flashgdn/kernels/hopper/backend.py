@@ -193,8 +193,9 @@ CP_CHAIN_INDEX = os.environ.get("FLASHGDN_HOPPER_CP_CHAIN_INDEX", "1") == "1"
 #: by a bound from the inputs alone (``flashgdn.cp.bounds``: the summed log decay, plus each token's log growth
 #: where beta |k|^2 leaves [0, 2], below -88), made beside stage 1 on a stream of its own. Exact: what is dropped is
 #: under float32's smallest normal number times the start state. Where every head decays (the benchmark's gates sum to
-#: ~-3.2 a chunk: ~28 chunks) the pass makes b alone on segments of 32 chunks and more. An A/B (notes v0.34a), off
-#: until measured: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1.
+#: ~-3.2 a chunk: ~28 chunks) the pass makes b alone on segments of 32 chunks and more. An A/B (notes v0.34a), off:
+#: the same bits, but 1.20x the cp set's forward on an H100, the bound's PyTorch ops on the critical path costing
+#: more than the pass saves (notes "The five measured"). FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1 turns it on.
 CP_NEGLIGIBLE_M = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M", "0") == "1"
 
 #: beside CP_NEGLIGIBLE_M, the transition pass's b items leave out a segment's first chunks where a bound from the
@@ -202,8 +203,9 @@ CP_NEGLIGIBLE_M = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M", "0") == "1"
 #: same per-token factors, plus h0's share on a sequence's first segment) puts what they owe b below e^-88, and walk
 #: the rest from zero: b is then what it was up to entries below float32's smallest normal number. With the
 #: benchmark's gates (~-3.2 a chunk) a b item walks ~30 chunks whatever the segment's length. The bound reads v too,
-#: beside stage 1 like M's. An A/B (notes v0.35b), off until measured: FLASHGDN_HOPPER_CP_LATE_B=1 (with
-#: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1).
+#: beside stage 1 like M's. An A/B (notes v0.35b), off: the same bits, 1.86x the cp set's forward over
+#: CP_NEGLIGIBLE_M's on an H100 (notes "The five measured"). FLASHGDN_HOPPER_CP_LATE_B=1 (with
+#: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1) turns it on.
 CP_LATE_B = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B", "0") == "1"
 
 

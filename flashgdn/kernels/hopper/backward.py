@@ -111,25 +111,29 @@ FIRST_STATES_APART = os.environ.get("FLASHGDN_HOPPER_FIRST_STATES_APART", "1") =
 #: sequences' own order a long one may start only after short ones have taken the SMs, and the kernel then ends a
 #: long CTA after them. Longest first (LPT scheduling) it tends to its longest CTA. The same bits. The cost model
 #: (``CostModel.fused_longest_first``) puts the fused kernel at 0.81x-0.93x of its time on seven of the bwd set's
-#: 32 shapes (uneven mixes with more CTAs than SMs) and unchanged elsewhere. An A/B (notes v0.34b), off until
-#: measured: FLASHGDN_HOPPER_FUSED_LONGEST_FIRST=1.
+#: 32 shapes (uneven mixes with more CTAs than SMs) and unchanged elsewhere. An A/B (notes v0.34b), off: on an H100
+#: fwd+bwd 0.92x-0.98x on seven uneven mixes of the bwd set, up to 4% slower on most of the rest (notes "The five
+#: measured").
+#: FLASHGDN_HOPPER_FUSED_LONGEST_FIRST=1 turns it on.
 FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0") == "1"
 
 #: context parallelism's walks from zero (``flashgdn.cp.backward``'s step 2) by the walk's ``starts_only`` build,
 #: which writes each segment's start gradient (D) alone: the other build also stores dS'^T at the end of every chunk,
 #: 32 KB a chunk and value head that the walks from zero throw away, with a TMA store waited for on the chain of
 #: each chunk, and an ``[S, Hv, V, K]`` tensor allocated for it beside the states pass. The same bits. The cost model
-#: (``CostModel.walk_starts_only``, estimated from the states pass with and without its stores, not measured) puts
-#: the walk from zero at ~0.83x of its time. An A/B (notes v0.35a), off until measured:
-#: FLASHGDN_HOPPER_WALK_STARTS_ONLY=1.
-WALK_STARTS_ONLY = os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "0") == "1"
+#: (``CostModel.walk_starts_only``, estimated from the states pass with and without its stores) put the walk from
+#: zero at ~0.83x of its time and fwd+bwd at 0.97-0.98x on split shapes; measured on an H100 (notes v0.35a,
+#: results/h100/v0.35): fwd+bwd 0.975x on the cp set's 2/4-8/16 shapes (0.968x-0.988x), 0.98x on the bwd set, the
+#: same bits on every shape. On by default; FLASHGDN_HOPPER_WALK_STARTS_ONLY=0 runs the walk with its stores.
+WALK_STARTS_ONLY = os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "1") == "1"
 
 #: beside WALK_STARTS_ONLY, each walk from zero covers only a segment's first chunks, up to where a bound from the
 #: inputs (``flashgdn.cp.bounds.walk_stop_chunks``: scale |q_t| |dO_t| of each later token carried back to the
 #: segment's start by the per-token transition bounds) puts what the later tokens owe its start gradient below
 #: e^-88: D is then what it was up to entries below float32's smallest normal number. With the benchmark's gates
 #: (~-3.2 a chunk) a walk covers ~30 chunks whatever the segment's length. The bound reads dO, on the walks' stream.
-#: An A/B (notes v0.35c), off until measured: FLASHGDN_HOPPER_WALK_EARLY_STOP=1 (with WALK_STARTS_ONLY).
+#: An A/B (notes v0.35c), off: the same bits, 1.30x the cp set's fwd+bwd on an H100, the bound's read of dO costing
+#: more than the walks save (notes "The five measured"). FLASHGDN_HOPPER_WALK_EARLY_STOP=1 turns it on.
 WALK_EARLY_STOP = os.environ.get("FLASHGDN_HOPPER_WALK_EARLY_STOP", "0") == "1"
 
 

@@ -294,7 +294,7 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{tag}]", "state_grad_walk",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, staged_stores=staged,
                         precise=precise))
-    # context parallelism's walk from zero with its start gradients alone (backward.WALK_STARTS_ONLY, an A/B;
+    # context parallelism's walk from zero with its start gradients alone (backward.WALK_STARTS_ONLY, the default;
     # training_variants adds it when on), with the default stores' flag and in the precise mode
     for precise in (False, True) if dtype == "bfloat16" else (False,):
         yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=0,staged{',precise' * precise},starts_only]", "state_grad_walk",
