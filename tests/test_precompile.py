@@ -68,8 +68,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     from the forward's) and splices (the forward's chains build from the forward's segment starts and their index
     kernel, the reverse's blocked build at both widths), and the backward's kernels as its switches
     are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
-    with their default stores (the states pass also in its build for the fused kernel, ``backward.FIRST_STATES_APART``),
-    the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes that fill the GPU) with and
+    with their default stores (the states pass also in its build for the fused kernel, ``backward.FIRST_STATES_APART``;
+    the walk in its starts-only build too, for CP's walks from zero, ``backward.WALK_STARTS_ONLY``), the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes that fill the GPU) with and
     without a final-state gradient, in the precise mode (which keeps the two kernels)
     the precise builds alone."""
     from flashgdn.kernels.hopper import backend, backward, forward
@@ -86,7 +86,9 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
                                "chunk_states[2/8,bfloat16,h0=0,staged]",
                                "chunk_states[2/8,bfloat16,h0=0,staged,first_apart]",
                                "state_grad_walk[2/8,bfloat16,dht=1,staged]",
-                               "state_grad_walk[2/8,bfloat16,dht=0,staged]", "kkt_inverse_with_A_async_5[2/8,bfloat16]",
+                               "state_grad_walk[2/8,bfloat16,dht=0,staged]",
+                               "state_grad_walk[2/8,bfloat16,dht=0,staged,starts_only]",
+                               "kkt_inverse_with_A_async_5[2/8,bfloat16]",
                                "fused_backward[2/8,bfloat16,dht=1,first_apart]",
                                "fused_backward[2/8,bfloat16,dht=0,first_apart]",
                                "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
@@ -175,7 +177,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert not [n for n in names if n.startswith("fused_backward")]
     assert [n for n in names if n.startswith(("chunk_states", "state_grad_walk"))] == [
         "chunk_states[2/8,bfloat16,h0=1,staged,precise]", "chunk_states[2/8,bfloat16,h0=0,staged,precise]",
-        "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]"]
+        "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]",
+        "state_grad_walk[2/8,bfloat16,dht=0,staged,precise,starts_only]"]
 
 
 def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
@@ -201,7 +204,7 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     assert set(lean_of_state_passes().values()) == {None}
     monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
     lean = lean_of_state_passes()
-    assert len(lean) == 9 and set(lean.values()) == {True}, lean
+    assert len(lean) == 10 and set(lean.values()) == {True}, lean  # with the walk's starts-only build
 
 
 def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
