@@ -69,8 +69,9 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     kernel, the reverse's blocked build at both widths), and the backward's kernels as its switches
     are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
     with their default stores (the states pass also in its build for the fused kernel, ``backward.FIRST_STATES_APART``;
-    the walk in its starts-only build too, for CP's walks from zero, ``backward.WALK_STARTS_ONLY``), the fused walk and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes that fill the GPU) with and
-    without a final-state gradient, in the precise mode (which keeps the two kernels)
+    the walk in its starts-only build too, for CP's walks from zero, ``backward.WALK_STARTS_ONLY``), the fused walk
+    and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes that fill the GPU) with and without a
+    final-state gradient, in the precise mode (which keeps the two kernels)
     the precise builds alone."""
     from flashgdn.kernels.hopper import backend, backward, forward
     from flashgdn.kernels.hopper.variants import serving_variants, training_variants

@@ -94,15 +94,15 @@ def _token_scan(x: torch.Tensor, log: bool) -> torch.Tensor:
     combined with the total of the blocks before it; -inf (log) or 0 pad the last block. The sums are those of the
     one-level scan up to float64 rounding, NaN and infinities carried to every later token as there."""
     T, C = x.shape
-    scan = torch.logcumsumexp if log else torch.cumsum
+    scan, nothing = (torch.logcumsumexp, -math.inf) if log else (torch.cumsum, 0.0)
     if T <= TOKEN_SCAN_BLOCK:
         return scan(x.t().contiguous(), -1).t()
     nb = -(-T // TOKEN_SCAN_BLOCK)
-    blocks = x.new_full((C, nb * TOKEN_SCAN_BLOCK), -math.inf if log else 0.0)
+    blocks = x.new_full((C, nb * TOKEN_SCAN_BLOCK), nothing)
     blocks[:, :T] = x.t()
     blocks = scan(blocks.view(C, nb, TOKEN_SCAN_BLOCK), -1)
     before = _token_scan(blocks[:, :, -1].t(), log).t()  # [C, nb]: the blocks up to each one, inclusive
-    before = torch.nn.functional.pad(before[:, :-1], (1, 0), value=-math.inf if log else 0.0).unsqueeze(-1)
+    before = torch.nn.functional.pad(before[:, :-1], (1, 0), value=nothing).unsqueeze(-1)
     blocks = torch.logaddexp(blocks, before) if log else blocks.add_(before)
     return blocks.view(C, nb * TOKEN_SCAN_BLOCK)[:, :T].t()
 

@@ -113,8 +113,7 @@ FIRST_STATES_APART = os.environ.get("FLASHGDN_HOPPER_FIRST_STATES_APART", "1") =
 #: (``CostModel.fused_longest_first``) puts the fused kernel at 0.81x-0.93x of its time on seven of the bwd set's
 #: 32 shapes (uneven mixes with more CTAs than SMs) and unchanged elsewhere. An A/B (notes v0.34b), off: on an H100
 #: fwd+bwd 0.92x-0.98x on seven uneven mixes of the bwd set, up to 4% slower on most of the rest (notes "The five
-#: measured").
-#: FLASHGDN_HOPPER_FUSED_LONGEST_FIRST=1 turns it on.
+#: measured"). FLASHGDN_HOPPER_FUSED_LONGEST_FIRST=1 turns it on.
 FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0") == "1"
 
 #: context parallelism's walks from zero (``flashgdn.cp.backward``'s step 2) by the walk's ``starts_only`` build,

@@ -64,12 +64,12 @@ def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_
     ``lean`` (an A/B, ``forward.LEAN_STATE_PASSES``): the state paths read d_j and gamma_j once per chunk into fragments
     of the thread's 16 columns, and exp(g~_last) once, instead of once per element; the same bits.
 
-    ``starts_only`` (``backward.WALK_STARTS_ONLY``, on by default): the walk that context parallelism runs on every segment
-    from a zero end gradient needs only the gradient at the segment's start (its D, ``flashgdn.cp.backward``), yet
-    the build above stores dS'^T at the end of every chunk too, 32 KB a chunk and value head that nothing reads:
-    cast, staged, sent by TMA and waited for by one thread of each state warpgroup before the chunk's first GEMM,
-    on the chain. This build has no ``ds_end`` argument and makes none of that. ``dh0`` gets the same values (the
-    stores only read the registers the walk goes on with), so the same bits.
+    ``starts_only`` (``backward.WALK_STARTS_ONLY``, on by default): the walk that context parallelism runs on every
+    segment from a zero end gradient needs only the gradient at the segment's start (its D,
+    ``flashgdn.cp.backward``), yet the build above stores dS'^T at the end of every chunk too, 32 KB a chunk and value
+    head that nothing reads: cast, staged, sent by TMA and waited for by one thread of each state warpgroup before the
+    chunk's first GEMM, on the chain. This build has no ``ds_end`` argument and makes none of that. ``dh0`` gets the
+    same values (the stores only read the registers the walk goes on with), so the same bits.
 
     ``early_stop`` (with ``starts_only``; an A/B, ``backward.WALK_EARLY_STOP``) adds a last argument ``walk_chunks
     [sequences, Hv]`` int32 (``flashgdn.cp.bounds.walk_stop_chunks``): the item walks only the first ``walk_chunks[n,
