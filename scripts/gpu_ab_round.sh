@@ -153,6 +153,10 @@ set -uo pipefail
 # pending-ab: those five switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
 #   8/16 shapes fwd and fwd+bwd (pending-ab-cp.json), and the bwd set's fwd+bwd (pending-ab-bwd.json; --max-diff
 #   1e-2, as for longest-first alone). What each switch gave alone is for its own rounds.
+# suite-rest: the GPU suite's files a default training step's change reaches (backward, compile, plan, reference: the
+#   forward's and stage 1's kernels are unchanged since their last whole run, CP's ran with walk-starts on),
+#   14 processes (gpu-suite-rest.log).
+# cp-set-fq: the cp set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (cp-set.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -160,7 +164,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -595,6 +599,13 @@ elif [ "$part" = auto-gain ]; then
     --out "$out/cp-choices-gain-fwdbwd.json" \
     --shape 8/16:4163+924+1801+1304 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75
   tail -2 "$out/cp-choices-gain-fwdbwd.log"
+elif [ "$part" = suite-rest ]; then
+  gpu_tests gpu-suite-rest 500 14 tests/test_gpu_hopper_backward.py tests/test_gpu_compile.py \
+    tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
+elif [ "$part" = cp-set-fq ]; then
+  logged cp-set 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwdbwd --time-budget 480 \
+    --no-plots --out-dir "$out" --name cp-set
+  tail -3 "$out/cp-set.log"
 elif [ "$part" = cp-set ]; then
   budget=${CP_SET_BUDGET:-170}  # seconds of shapes; the limit is 30 more
   logged cp-fwdbwd $((budget + 30)) python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd \
