@@ -153,6 +153,10 @@ set -uo pipefail
 # pending-ab: those five switches set together, both ways side by side in one process: the cp set's 2/4, 4/8 and
 #   8/16 shapes fwd and fwd+bwd (pending-ab-cp.json), and the bwd set's fwd+bwd (pending-ab-bwd.json; --max-diff
 #   1e-2, as for longest-first alone). What each switch gave alone is for its own rounds.
+# negligible-m-in-kernel: the same M items dropped by a bound stage 1 makes per chunk and the pass sums per segment
+#   (backend.CP_NEGLIGIBLE_M_IN_KERNEL, notes v0.36a): its GPU tests (gpu-negligible-m-in-kernel.log), then both ways
+#   side by side in one process on the cp set's forward at 1/4-8/16 (nmk-cp-fwd.json; 1/4, 2/8 and 4/16 compile on
+#   the machine unless the shipped cache has them) and fwd+bwd at 2/4, 4/8 and 8/16 (nmk-cp-fwdbwd.json).
 # suite-rest: the GPU suite's files a default training step's change reaches (backward, compile, plan, reference: the
 #   forward's and stage 1's kernels are unchanged since their last whole run, CP's ran with walk-starts on),
 #   14 processes (gpu-suite-rest.log).
@@ -164,7 +168,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -599,6 +603,16 @@ elif [ "$part" = auto-gain ]; then
     --out "$out/cp-choices-gain-fwdbwd.json" \
     --shape 8/16:4163+924+1801+1304 --shape 8/16:2308+9176+8884+1687+7967+73+2598+75
   tail -2 "$out/cp-choices-gain-fwdbwd.log"
+elif [ "$part" = negligible-m-in-kernel ]; then
+  gpu_tests gpu-negligible-m-in-kernel 180 6 tests/test_gpu_hopper_cp.py -k "kernels_bounds or chunk_bounds"
+  logged nmk-cp-fwd 180 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --modes fwd --rounds 2 \
+    --out "$out/nmk-cp-fwd.json"
+  grep "geometric\|same bits" "$out/nmk-cp-fwd.log"
+  logged nmk-cp-fwdbwd 200 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --only-heads 2/4,4/8,8/16 \
+    --modes fwdbwd --rounds 2 --out "$out/nmk-cp-fwdbwd.json"
+  grep "geometric\|same bits" "$out/nmk-cp-fwdbwd.log"
 elif [ "$part" = suite-rest ]; then
   gpu_tests gpu-suite-rest 500 14 tests/test_gpu_hopper_backward.py tests/test_gpu_compile.py \
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py

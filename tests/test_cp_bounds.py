@@ -327,3 +327,69 @@ def test_bounds_over_many_blocks_need_no_host_read():
     g = torch.empty(1, T, 4, device="meta")
     out = transition_log_bounds(k, g, torch.empty_like(g), torch.empty(3, dtype=torch.int32, device="meta"))
     assert out.shape == (2, 4) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("case", [
+    dict(normalised=True, beta_hi=1.0),
+    dict(normalised=False, beta_hi=1.0),           # growth on every token
+    dict(normalised=True, beta_hi=2.5, zero_gate_heads=(1,)),  # beta past 2, a head without decay
+    dict(normalised=True, beta_hi=1.0, g_scale=2.0),           # strong decay
+])
+def test_the_kernels_bound_is_above_the_bound(case):
+    """``chunk_log_bounds`` and ``segment_log_bounds``, what the Hopper stage 1 and transition pass make with
+    ``chunk_bounds``: each segment's rounded-up sum of its chunks at or above ``transition_log_bounds`` (itself a
+    bound, above), by no more than the rounding margins; idle slots and a partial last chunk included."""
+    from flashgdn.cp.bounds import (CHUNK_BOUND_ABS, CHUNK_BOUND_REL, SEGMENT_SUM_ABS, SEGMENT_SUM_REL,
+                                    chunk_log_bounds, segment_log_bounds)
+
+    T, Hqk, Hv, K = 400, 2, 4, 16
+    k, g, beta = _inputs(T, Hqk, Hv, K, seed=7, **case)
+    seg_cu = torch.tensor([0, 1, 130, 130, 400])  # one token, 129 (a partial chunk), an empty segment, 270
+    chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
+    # the slots as the chunk plan lays them out (each segment's chunks in turn), one idle slot after them
+    slots, first_slot = [], []
+    for a, n in zip(seg_cu[:-1].tolist(), chunks):
+        first_slot.append(len(slots))
+        e = int(seg_cu[len(first_slot)])
+        slots += [[a + 64 * c, min(64, e - a - 64 * c)] for c in range(n)]
+    slots.append([0, 0])
+    slots, first_slot = torch.tensor(slots, dtype=torch.int32), torch.tensor(first_slot, dtype=torch.int32)
+    cb = chunk_log_bounds(k, g, beta, slots)
+    assert cb.shape == (Hv, slots.shape[0]) and cb.dtype == torch.float32
+    assert (cb[:, -1] == CHUNK_BOUND_ABS).all()  # the idle slot
+    got = segment_log_bounds(cb, first_slot, seg_cu)
+    want = transition_log_bounds(k, g, beta, seg_cu).double()
+    assert got.shape == want.shape == (4, Hv)
+    assert (got >= want).all()
+    # the margins: a share of each chunk's magnitudes and a constant a chunk, then the segment's rounding
+    per_token = token_log_growth(k, g, beta).double()
+    for s, n in enumerate(chunks):
+        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
+        mag = (g[0, a:e].double().abs() + (per_token[a:e] - g[0, a:e].double())).sum(0)
+        slack = mag * CHUNK_BOUND_REL + n * CHUNK_BOUND_ABS + SEGMENT_SUM_ABS
+        slack = slack + (n + 64) * SEGMENT_SUM_REL * (mag + n * CHUNK_BOUND_ABS) * 1.01 + 1e-4 * (1 + mag)
+        assert (got[s] - want[s] <= slack).all(), (s, got[s] - want[s], slack)
+
+
+def test_where_the_kernels_bound_says_negligible_the_transition_is_below_float32s_range():
+    """Below NEGLIGIBLE_LOG_NORM by ``segment_log_bounds`` over ``chunk_log_bounds`` (one 2048-token segment of the
+    benchmark's decay, ~ -104): the transition made token by token in float64 is below float32's smallest normal."""
+    from flashgdn.cp.bounds import chunk_log_bounds, segment_log_bounds
+
+    k, g, beta = _inputs(2048, 1, 2, 16, seed=11)
+    slots = torch.tensor([[64 * c, 64] for c in range(32)], dtype=torch.int32)
+    got = segment_log_bounds(chunk_log_bounds(k, g, beta, slots), torch.tensor([0]), torch.tensor([0, 2048]))[0]
+    assert (got < NEGLIGIBLE_LOG_NORM).all()
+    for h in range(2):
+        assert float(_transition(k, g, beta, h, 2, 0, 2048).abs().max()) < torch.finfo(torch.float32).tiny
+
+
+def test_the_kernels_bound_never_looks_negligible_on_non_finite_inputs():
+    from flashgdn.cp.bounds import chunk_log_bounds, segment_log_bounds
+
+    k, g, beta = _inputs(128, 1, 1, 16, seed=1, g_scale=50.0)
+    g[0, 70, 0] = float("nan")
+    slots = torch.tensor([[0, 64], [64, 64]], dtype=torch.int32)
+    cb = chunk_log_bounds(k, g, beta, slots)
+    assert cb[0, 0] < NEGLIGIBLE_LOG_NORM and cb[0, 1].isnan()
+    assert not (segment_log_bounds(cb, torch.tensor([0]), torch.tensor([0, 128])) < NEGLIGIBLE_LOG_NORM).any()

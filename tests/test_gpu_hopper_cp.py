@@ -616,6 +616,110 @@ def test_negligible_transitions_replay_in_a_cuda_graph(opts, cuda, monkeypatch):
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
 
 
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),  # most heads' M negligible, one never
+    dict(seqlens=[8192], gate="mixed", normalize_qk=False),  # keys of any norm: the bound's growth terms
+    dict(seqlens=[4096, 4096], dense=True),  # the normal gates on 4-chunk segments: nothing negligible
+])
+def test_negligible_transitions_by_the_kernels_bounds_give_the_same_bits(opts, cuda, monkeypatch):
+    """``backend.CP_NEGLIGIBLE_M_IN_KERNEL``: the same M items dropped by a bound that stage 1 makes per chunk and the
+    transition pass sums per segment. The op and every gradient are the same bits with and without it (cp=4: the
+    backward's reverse splice reads the forward's M; "auto": its own plan)."""
+    from flashgdn.kernels.hopper import backend
+
+    _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_NEGLIGIBLE_M_IN_KERNEL")
+
+
+@pytest.mark.parametrize("store_inverse", [False, True])
+def test_stage1_chunk_bounds_bound_each_chunks_transition(store_inverse, cuda):
+    """``kkt_inverse``'s ``chunk_bounds``: per chunk slot and value head at least the float64 sum over the chunk's
+    tokens of ``g + log max(1, |1 - beta |k|^2|)`` (``flashgdn.cp.bounds``' per-token bound), and above it by no more
+    than the margin the kernel adds; the build's other outputs the same bits as without it."""
+    from flashgdn.cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL
+    from flashgdn.kernels.hopper.forward import hopper_stage1
+
+    inp = make_inputs([3000, 1, 64, 65, 2000], Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda,
+                      gate="mixed", normalize_qk=False, zero_gate_heads=(3,))
+    k, g, beta, cu = inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"].to(torch.int32)
+    beta = beta * 2.5  # beta |k|^2 outside [0, 2] on many tokens: growth terms
+    plain = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse)
+    got = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse, chunk_bounds=True)
+    assert torch.equal(got.gcum, plain.gcum) and torch.equal(got.Ag, plain.Ag)
+    if store_inverse:
+        assert torch.equal(got.A, plain.A)
+    # the bound in float64 from the stored keys: g + log max(1, |1 - beta |k|^2|) per token and value head
+    kk = k[0].double().square().sum(-1).repeat_interleave(2, dim=1)  # [T, Hv]: value head h reads qk head h // 2
+    growth = (1 - beta[0].double() * kk).abs().log().clamp(min=0)
+    bounds = got.bounds.long().cpu()  # [S, 2]: first token, length
+    real = torch.nonzero(bounds[:, 1] > 0).flatten().tolist()
+    want, mag, grew = [], [], []
+    for s in real:
+        t0, n = bounds[s].tolist()
+        gs, ws = g[0, t0:t0 + n].double(), growth[t0:t0 + n]
+        want.append((gs + ws).sum(0))
+        mag.append(gs.abs().sum(0) + ws.sum(0))
+        grew.append(ws.sum(0))
+    want, mag, grew = (torch.stack(x).cpu() for x in (want, mag, grew))  # [chunks, Hv]
+    have = got.chunk_bound.t().double().cpu()[real]
+    assert float(grew.max()) > 1, "no growth terms: the test's beta does not reach them"
+    assert bool((have >= want).all()), "not a bound"
+    # above the bound by the kernel's margin, give or take float32's rounding of the sums
+    assert bool((have - want - mag * CHUNK_BOUND_REL - CHUNK_BOUND_ABS <= 1e-5 * (1 + mag)).all()), \
+        "more margin than the kernel adds"
+    assert bool((have[:, 3] > 0).all()), "the g = 0 head: no decay to bound"  # its terms: growth + margin
+    # and what its PyTorch counterpart makes, to float32's rounding of the sums (the idle slots: never written)
+    from flashgdn.cp.bounds import chunk_log_bounds
+
+    model = chunk_log_bounds(k, g, beta, got.bounds).t().double().cpu()[real]
+    assert bool(((have - model).abs() <= 1e-5 * (1 + mag)).all())
+
+
+def test_negligible_transitions_by_the_kernels_bounds_are_zero_where_the_sums_say(cuda):
+    """The pass itself with stage 1's chunk bounds (``chunk_bound=``): every b the same bits as the plain pass, each M
+    zero where the segment's summed bound (rounded up as the kernel does) is below NEGLIGIBLE_LOG_NORM and the same
+    bits elsewhere; some M dropped, the g = 0 head's never."""
+    from flashgdn.cp.bounds import NEGLIGIBLE_LOG_NORM, segment_log_bounds
+    from flashgdn.cp.plan import segment_index_tensors, split_sequences
+    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+
+    inp = make_inputs([3000, 64, 2000], Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="mixed",
+                      zero_gate_heads=(3,))
+    plan = split_sequences([3000, 64, 2000], 8)
+    index = segment_index_tensors(plan, inp["cu_seqlens"])
+    seg_cu = index.seg_cu.to(torch.int32)
+    k, g, beta = inp["k"], inp["g"], inp["beta"]
+    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=True)
+    h0 = inp["initial_state"].float().contiguous()
+    args = (inp["q"], k, inp["v"], stage1, None, seg_cu)
+    plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0)
+    got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound)
+    # the segments' rounded-up sums as the pass makes them (segment_log_bounds in float64: the kernel's float32 sum
+    # may fall either side of the threshold only within its rounding)
+    edge = segment_log_bounds(stage1.chunk_bound, stage1.first_slot, seg_cu).cpu()  # [N, Hv]
+    seg = torch.arange(plan.num_segments)
+    first = plan.first[plan.seg_seq]
+    read = ((seg != first) & (seg != first + plan.count[plan.seg_seq] - 1))[:, None]
+    clear = (edge - NEGLIGIBLE_LOG_NORM).abs() > 1e-3 * (1 + edge.abs())
+    gone = (edge < NEGLIGIBLE_LOG_NORM) & read & clear
+    kept = (edge >= NEGLIGIBLE_LOG_NORM) & read & clear
+    assert gone.any() and kept.any() and not gone[:, 3].any()  # the g = 0 head never
+    m_plain, m_got = plain[:, 1::2].cpu(), got[:, 1::2].cpu()
+    assert torch.equal(plain[:, 0::2], got[:, 0::2]), "b"
+    assert torch.equal(m_got[kept], m_plain[kept]), "M at or above the threshold"
+    assert not m_got[gone].any(), "M below the threshold is stored as zero"
+    assert float(m_plain[gone].abs().max()) < torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong")])
+def test_negligible_transitions_by_the_kernels_bounds_replay_in_a_cuda_graph(opts, cuda, monkeypatch):
+    """With ``backend.CP_NEGLIGIBLE_M_IN_KERNEL`` the forward reads nothing back from the GPU and a CUDA graph of it
+    replays to the eager result bit for bit."""
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
+
+
 BOUND_SWITCHES = (("backend", "CP_NEGLIGIBLE_M"), ("backend", "CP_LATE_B"), ("backward", "WALK_STARTS_ONLY"),
                   ("backward", "WALK_EARLY_STOP"))
 

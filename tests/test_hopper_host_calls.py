@@ -315,6 +315,45 @@ def test_negligible_m_gives_the_transition_pass_its_bounds(checked_kernels, monk
                                                       p.beta.reshape(1, T, 8), seg_cu))
 
 
+def test_negligible_m_in_kernel_gives_the_pass_stage1s_chunk_bounds(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL: stage 1 is the build that writes each chunk's bound and the paired
+    pass that makes its start states takes those bounds as its last argument ([Hv, S] float32, both checked against
+    the builds' signatures); no bound is made by PyTorch ops."""
+    from flashgdn.api.validate import validate
+    from flashgdn.cp import bounds, plan_for_problem
+    from flashgdn.cp.exact import cp_problem_forward
+    from flashgdn.kernels.hopper import backend, forward
+    from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
+
+    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)  # taken over by the kernels' bounds
+
+    def no_bounds(*args, **kwargs):
+        raise AssertionError("a bound made by PyTorch ops")
+
+    monkeypatch.setattr(bounds, "transition_log_bounds", no_bounds)
+    seen = []
+    real = forward.hopper_transition_pairs
+
+    def pairs(*args, **kwargs):
+        seen.append((args[3], kwargs.get("chunk_bound"), kwargs.get("m_bound"), kwargs.get("b_start")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "hopper_transition_pairs", pairs)
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[700, 30, 300], pad=5, gate="mixed")
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
+    p = validate(**inp, output_final_state=True, cp=4)
+    plan = plan_for_problem(p, auto=True)
+    cp_problem_forward(_HopperSegmentsForward(paired=True, fused=True), p, plan, p.q, p.k)
+    assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
+                                               "chunk_forward_rso"]
+    ((stage1, chunk_bound, m_bound, b_start),) = seen
+    assert m_bound is None and b_start is None
+    assert chunk_bound is stage1.chunk_bound
+    assert chunk_bound.shape == (8, stage1.Ag.shape[0]) and chunk_bound.dtype == torch.float32
+
+
 def test_late_b_gives_the_transition_pass_its_starts(checked_kernels, monkeypatch):
     """FLASHGDN_HOPPER_CP_LATE_B (beside CP_NEGLIGIBLE_M): the paired pass gets the chunks each b item leaves out as
     its last argument ([segments, Hv] int32, checked against the late_b build's signature), the ones

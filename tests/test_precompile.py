@@ -243,6 +243,31 @@ def test_precompiled_transition_passes_follow_negligible_m(monkeypatch):
     assert not any(negligible().values())
 
 
+def test_precompiled_builds_follow_negligible_m_in_kernel(monkeypatch):
+    """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL reaches the transition passes that make their start states (their
+    ``chunk_bounds`` build) and adds stage 1's builds with the chunks' bounds (the forward's and the backward's, with
+    the options hopper_stage1 gives them), and nothing else; off by default."""
+    from flashgdn.kernels.hopper import backend, forward
+    from flashgdn.kernels.hopper.variants import training_variants
+
+    def bounded():
+        return {name: kw for name, builder, kw in training_variants(2, 8, flags="common") if kw.get("chunk_bounds")}
+
+    assert bounded() == {}
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    got = bounded()
+    passes = {n for n in got if n.startswith("chunk_forward_rs")}
+    stage1 = {n: kw for n, kw in got.items() if n.startswith("kkt_inverse")}
+    assert passes and all("_pairs_skip_" in n and got[n]["negligible_m"] for n in passes), got
+    assert not any(got[n].get("late_b") for n in passes)
+    assert set(stage1) == {"kkt_inverse_async_bounds[2/8,bfloat16]", "kkt_inverse_with_A_async_bounds[2/8,bfloat16]"}
+    for name, kw in stage1.items():
+        store = kw.get("store_inverse", False)
+        assert {k: v for k, v in kw.items() if k not in ("Hqk", "Hv", "K", "qk_dtype", "a_dtype", "chunk_bounds",
+                                                         "store_inverse")} == \
+            {"async_loads": forward.KKT_ASYNC_LOADS, **forward._kkt_build_options(4, store)}, name
+
+
 def test_precompiled_transition_passes_follow_late_b(monkeypatch):
     """FLASHGDN_HOPPER_CP_LATE_B reaches the transition passes that take the bounds (beside CP_NEGLIGIBLE_M), and
     nothing else; off by default, and nothing without CP_NEGLIGIBLE_M."""

@@ -55,6 +55,17 @@ import torch
 #: number (1.18e-38)
 NEGLIGIBLE_LOG_NORM = -88.0
 
+#: The same bound made by the kernels (``chunk_log_bounds``, ``segment_log_bounds``), each float32 sum rounded up:
+#: a chunk's by a share of the sum of its terms' magnitudes (float32's rounding of 64 of them, the cumsum's included,
+#: is below 64 x 6e-8 of it, and |k|^2 from K K^T's float32 diagonal below 128 x 6e-8) and a constant a chunk for
+#: terms near zero whose rounding is not (|1 - beta |k|^2| near 1); a segment's by ``(chunks + 64) x 2^-23`` of
+#: the sum of its chunks' magnitudes (float32's rounding of a sum in two levels of at most chunks / 32 + 32 terms) and
+#: a constant
+CHUNK_BOUND_REL = 2.0 ** -12
+CHUNK_BOUND_ABS = 2.0 ** -6
+SEGMENT_SUM_REL = 2.0 ** -23
+SEGMENT_SUM_ABS = 1.0
+
 
 def _row_norms(x: torch.Tensor) -> torch.Tensor:
     """``|x|`` over the last dimension in float32 (bf16/fp16 rows summed in float32 without a float32 copy of them;
@@ -152,6 +163,45 @@ def chunk_count(cu_cpu: torch.Tensor) -> int:
     (``num_chunk_slots``, at least one), with no device value read."""
     lengths = cu_cpu[1:] - cu_cpu[:-1]
     return int(torch.div(lengths + 63, 64, rounding_mode="floor").sum())
+
+
+def chunk_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """What the Hopper stage 1 writes with ``chunk_bounds`` (``kkt_inverse``), in PyTorch: ``[Hv, S]`` float32, per
+    chunk slot (``slots [S, 2]``: first token and length, 0 for an idle slot) and value head, the chunk's sum of
+    ``token_log_growth``'s terms rounded up by ``CHUNK_BOUND_REL`` of the sum of |g| and the growth and by
+    ``CHUNK_BOUND_ABS``. An upper bound on the log norm of the chunk's transition, as computed; an idle slot's is the
+    constant alone. The kernel sums in another order, so the two agree to float32's rounding, not bit for bit."""
+    _, T, Hqk, _ = k.shape
+    Hv = g.shape[2]
+    S = slots.shape[0]
+    kk = _per_value_head(_row_norms(k[0]).square_(), Hv)  # [T, Hv]
+    growth = (1 - beta[0].to(torch.float32) * kk).abs_().log_()
+    growth = torch.where(growth < 0, torch.zeros_like(growth), growth)  # (NaN passes)
+    gf = g[0].to(torch.float32)
+    starts, lengths = slots[:, 0].to(torch.int64), slots[:, 1].to(torch.int64)
+    rows = torch.arange(64, device=k.device)
+    tok = (starts[:, None] + rows).clamp(max=max(T - 1, 0))  # [S, 64]
+    real = (rows < lengths[:, None]).unsqueeze(-1)  # [S, 64, 1]
+    zero = torch.zeros((), dtype=torch.float32, device=k.device)
+    gc, gr = torch.where(real, gf[tok], zero), torch.where(real, growth[tok], zero)  # [S, 64, Hv]
+    decay, grown, gabs = gc.sum(1), gr.sum(1), gc.abs().sum(1)
+    return (decay + grown + (gabs + grown) * CHUNK_BOUND_REL + CHUNK_BOUND_ABS).t().reshape(Hv, S)
+
+
+def segment_log_bounds(chunk_bound: torch.Tensor, first_slot: torch.Tensor, seg_cu: torch.Tensor) -> torch.Tensor:
+    """What the Hopper transition pass compares with ``NEGLIGIBLE_LOG_NORM`` for each M item under ``chunk_bounds``
+    (``chunk_forward_rs``), in PyTorch: ``[S, Hv]`` float64, each segment's chunks of ``chunk_bound [Hv, slots]``
+    (the segment's first slot ``first_slot``, its chunks from ``seg_cu``) summed and rounded up by
+    ``SEGMENT_SUM_REL`` x (chunks + 64) of the sum of their magnitudes and ``SEGMENT_SUM_ABS``. The sum here is in
+    float64; the kernel's float32 sum may fall either side of the threshold only within that rounding."""
+    cb = chunk_bound.to(torch.float64)
+    chunks = torch.div(seg_cu[1:].to(torch.int64) - seg_cu[:-1].to(torch.int64) + 63, 64, rounding_mode="floor")
+    prefix = torch.nn.functional.pad(cb.cumsum(1), (1, 0))  # [Hv, slots + 1]
+    aprefix = torch.nn.functional.pad(cb.abs().cumsum(1), (1, 0))
+    a, b = first_slot.to(torch.int64), first_slot.to(torch.int64) + chunks
+    summed = (prefix[:, b] - prefix[:, a]).t()
+    mags = (aprefix[:, b] - aprefix[:, a]).t()
+    return summed + mags * (chunks[:, None] + 64).to(torch.float64) * SEGMENT_SUM_REL + SEGMENT_SUM_ABS
 
 
 def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -208,6 +208,15 @@ CP_NEGLIGIBLE_M = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M", "0") == "1"
 #: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M=1) turns it on.
 CP_LATE_B = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B", "0") == "1"
 
+#: CP_NEGLIGIBLE_M's M items dropped by the same bound made inside the kernels: stage 1 writes each chunk's term (the
+#: chunk's summed decay and log growth, |k|^2 read off K K^T's diagonal: ``kkt_inverse``'s ``chunk_bounds``) and
+#: each M item of the transition pass sums its segment's chunks itself (``chunk_forward_rs``'s ``chunk_bounds``).
+#: No read of k and no PyTorch op between stage 1 and the pass, where CP_NEGLIGIBLE_M's bound cost more than the
+#: pass saved. Exact in the same sense (both sums are rounded up before the comparison with -88). Takes precedence
+#: over CP_NEGLIGIBLE_M and CP_LATE_B. An A/B (notes v0.36a), off until measured:
+#: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL=1 turns it on.
+CP_NEGLIGIBLE_M_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL", "0") == "1"
+
 
 def _backward_splits(backward_plan) -> bool:
     """Whether a backward follows (``backward_plan`` not None) and its plan splits."""
@@ -343,6 +352,14 @@ class _HopperSegmentsForward:
 
         cu = seg_cu.to(torch.int32)
         bounds = None
+        in_kernel = CP_NEGLIGIBLE_M_IN_KERNEL and h0 is not None and unread is not None
+        if in_kernel:
+            if self._stage1_source is not None:
+                self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu, chunk_bounds=True)
+            else:
+                self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu, chunk_bounds=True)
+            return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0,
+                                           chunk_bound=self._stage1.chunk_bound)
         if CP_NEGLIGIBLE_M and h0 is not None and unread is not None:
             late = None
             if CP_LATE_B and seg_cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)

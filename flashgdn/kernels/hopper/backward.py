@@ -324,7 +324,7 @@ def chunk_grad_options(group: int = 1) -> dict:
                 heads_inner=CHUNK_GRAD_HEADS_INNER)
 
 
-def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False, cu_cpu=None):
+def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False, cu_cpu=None, chunk_bounds=False):
     """The forward's stages 0 and 1 (``forward.hopper_stage1``) on packed views:
     ``((q, k) packed, cu, N, Stage1)``; ``cu_cpu``: the host copy of the offsets if there is one."""
     B, T, Hqk, K = q.shape
@@ -334,7 +334,7 @@ def _plan_and_stage1(q, k, g, beta, cu_seqlens, store_inverse=False, cu_cpu=None
     qf, kf = q.reshape(1, TT, Hqk, K), k.reshape(1, TT, Hqk, K)
     return (qf, kf), cu, N, hopper_stage1(kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), cu,
                                           store_inverse=store_inverse,
-                                          cu_cpu=host_offsets(cu_seqlens, cu_cpu, B, T))
+                                          cu_cpu=host_offsets(cu_seqlens, cu_cpu, B, T), chunk_bounds=chunk_bounds)
 
 
 def _end_gradients(dht: Optional[torch.Tensor], Hv: int, K: int, V: int, device) -> torch.Tensor:
@@ -529,9 +529,14 @@ class HopperBackwardStages:
         #: (cu, P, stream) while the fused kernel's P is being made on ``stream`` (``FUSED_P_GIVEN``)
         self._scores = None
 
-    def _stage1_for(self, q, k, g, beta, cu, cu_cpu):
+    def _stage1_for(self, q, k, g, beta, cu, cu_cpu, chunk_bounds=False):
+        # (``chunk_bounds``, the backward's own transition pass under backend.CP_NEGLIGIBLE_M_IN_KERNEL: with that
+        # switch every stage 1 here is the build with the chunks' bounds, whichever pass asks first)
+        from .backend import CP_NEGLIGIBLE_M_IN_KERNEL
+
         if self._cu is not cu:
-            self._stage1 = _plan_and_stage1(q, k, g, beta, cu, store_inverse=True, cu_cpu=cu_cpu)
+            self._stage1 = _plan_and_stage1(q, k, g, beta, cu, store_inverse=True, cu_cpu=cu_cpu,
+                                            chunk_bounds=CP_NEGLIGIBLE_M_IN_KERNEL)
             self._cu = cu
         return self._stage1
 
@@ -782,7 +787,7 @@ def hopper_backward(
     forward = None
     if split:  # the paired transition pass takes the stages' stage 1 (with A) instead of running its own
         forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE,
-                                         stage1_source=lambda *a: stages._stage1_for(*a)[3])
+                                         stage1_source=lambda *a, **kw: stages._stage1_for(*a, **kw)[3])
     dq, dk, dv, dg, dbeta, dh0 = cp_backward(
         stages, forward, packed(q), packed(k), packed(v), packed(g), packed(beta),
         packed(do).contiguous(), k_major(dht), scale, k_major(initial_state), plan, cu, cu_cpu,

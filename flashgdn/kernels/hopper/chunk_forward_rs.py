@@ -33,7 +33,7 @@ with ``decayed_k`` a fourth, a_ready (gate -> state: gamma and Ag, before P and 
 import functools
 from typing import Optional
 
-from ...cp.bounds import NEGLIGIBLE_LOG_NORM
+from ...cp.bounds import NEGLIGIBLE_LOG_NORM, SEGMENT_SUM_ABS, SEGMENT_SUM_REL
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .gate_inverse import make_gate_inverse
 from .loop_parts import make_loop_parts
@@ -75,6 +75,7 @@ def build_chunk_forward_rs(
     first_apart: bool = False,
     negligible_m: bool = False,
     late_b: bool = False,
+    chunk_bounds: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -119,6 +120,14 @@ def build_chunk_forward_rs(
     of a bound on each segment's ||M||_2 (``flashgdn.cp.bounds.transition_log_bounds``): an M item whose bound is
     below ``NEGLIGIBLE_LOG_NORM`` walks no chunk and stores zero, the float32 value of an M that small (an A/B,
     ``backend.CP_NEGLIGIBLE_M``). The other items, and every item of a build without it, are unchanged.
+
+    ``chunk_bounds=True`` (with ``negligible_m``, not with ``late_b``) takes, instead of ``m_bound``, a last argument
+    ``chunk_bound [Hv, S]`` float32, stage 1's per-chunk bound (``kkt_inverse``'s ``chunk_bounds``), and makes each
+    M item's bound in the kernel: the first warp sums the segment's chunks (lane j chunks j, j + 32, ...), the CTA
+    the 32 partial sums in one order on every thread, so all take the same decision, and the sum is rounded up by
+    ``(chunks + 64) x 2^-23`` of the sum of magnitudes and one more nat before the comparison (PyTorch counterpart:
+    ``flashgdn.cp.bounds.segment_log_bounds``). No pass over k or PyTorch op is left between stage 1 and this pass
+    (an A/B, ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``).
 
     ``late_b=True`` (with ``negligible_m``) adds a last argument ``b_start [segments, Hv]`` int32
     (``flashgdn.cp.bounds.b_start_chunks``): the b item of segment n and value head h leaves out the segment's first
@@ -204,6 +213,8 @@ def build_chunk_forward_rs(
         state_shape_h0 = (n_h0, Hv, K, V)
     if negligible_m and not starts_from_h0:
         raise ValueError("negligible_m is an option of the transition pass that makes its start states (starts_from_h0)")
+    if chunk_bounds and (late_b or not negligible_m):
+        raise ValueError("chunk_bounds is a source of negligible_m's bound, without late_b")
     if late_b and not negligible_m:
         raise ValueError("late_b is built beside negligible_m (the transition pass that takes the bounds)")
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
@@ -403,7 +414,7 @@ def build_chunk_forward_rs(
 
     @T.macro
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
-                    count=None, first_states=None, shift=None, m_bound=None, b_start=None):
+                    count=None, first_states=None, shift=None, m_bound=None, b_start=None, chunk_bound=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -421,7 +432,32 @@ def build_chunk_forward_rs(
                 unread_m = T.Or(is_first, is_last) if forward_skips else is_first
                 unread = T.if_then_else(h % 2 == 0, True if skip_unread == "m_only" else is_last, unread_m)
                 n_chunks = T.if_then_else(unread, 0, n_chunks)
-                if negligible_m:  # an M below float32's range: no walk, zero stored (flashgdn.cp.bounds)
+                if negligible_m and chunk_bounds:  # the same, the bound summed here from stage 1's chunks
+                    red_s = T.alloc_shared((64,), acc)  # the first warp's partial sums, then their magnitudes
+                    lb = T.alloc_local((2,), acc)
+                    tb = T.get_thread_binding()
+                    walk_m = T.if_then_else(h % 2 == 1, n_chunks, 0)  # (0 where unread)
+                    if tb < 32:
+                        lb[0] = 0.0
+                        lb[1] = 0.0
+                        for i in T.serial(T.ceildiv(walk_m, 32)):
+                            if tb + 32 * i < walk_m:
+                                lb[0] = lb[0] + chunk_bound[h // 2, first_slot[n] + tb + 32 * i]
+                                lb[1] = lb[1] + T.abs(chunk_bound[h // 2, first_slot[n] + tb + 32 * i])
+                        red_s[tb] = lb[0]
+                        red_s[32 + tb] = lb[1]
+                    T.sync_threads()
+                    lb[0] = 0.0
+                    lb[1] = 0.0
+                    for i in T.unroll(32):
+                        lb[0] = lb[0] + red_s[i]
+                        lb[1] = lb[1] + red_s[32 + i]
+                    T.sync_threads()  # every read of red_s done: its space is the input ring's, the producer's next
+                    rounded = lb[0] + lb[1] * T.cast(walk_m + 64, acc) * T.float32(SEGMENT_SUM_REL) + T.float32(
+                        SEGMENT_SUM_ABS)
+                    m_gone = T.And(walk_m > 0, rounded < T.float32(NEGLIGIBLE_LOG_NORM))
+                    n_chunks = T.if_then_else(m_gone, 0, n_chunks)
+                elif negligible_m:  # an M below float32's range: no walk, zero stored (flashgdn.cp.bounds)
                     m_gone = T.And(h % 2 == 1, m_bound[n, h // 2] < T.float32(NEGLIGIBLE_LOG_NORM))
                     n_chunks = T.if_then_else(m_gone, 0, n_chunks)
                 if late_b:  # b from its first chunk that float32 can see on, from zero (flashgdn.cp.bounds)
@@ -565,6 +601,30 @@ def build_chunk_forward_rs(
         ):
             kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count,
                         m_bound=m_bound, b_start=b_start)
+
+    elif chunk_bounds:
+        n_cp_seqs = T.dynamic("n_cp_seqs")
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+            seg_seq: T.Tensor((num_seqs,), "int64"),
+            first: T.Tensor((n_cp_seqs,), "int64"),
+            count: T.Tensor((n_cp_seqs,), "int64"),
+            chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+        ):
+            kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count,
+                        chunk_bound=chunk_bound)
 
     elif negligible_m:
         n_cp_seqs = T.dynamic("n_cp_seqs")

@@ -266,6 +266,8 @@ class Stage1:
     gcum: torch.Tensor
     Ag: torch.Tensor
     A: Optional[torch.Tensor] = None
+    #: ``[Hv, S]`` float32, each chunk's bound on its transition's log norm (``kkt_inverse``'s ``chunk_bounds``)
+    chunk_bound: Optional[torch.Tensor] = None
 
 
 def packed_offsets(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> Tuple[torch.Tensor, int]:
@@ -403,10 +405,11 @@ def hopper_forward(
 
 
 def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
-                  store_inverse: bool = False, cu_cpu=None) -> Stage1:
+                  store_inverse: bool = False, cu_cpu=None, chunk_bounds: bool = False) -> Stage1:
     """Stages 0 and 1 on packed ``[1, T, ...]`` k, g, beta with offsets ``cu_seqlens`` (device, int32): the chunk
     plan (exactly as many slots as chunks when the host copy ``cu_cpu`` is given), then ``kkt_inverse`` (also
-    storing the ungated A, in k's dtype, with ``store_inverse``)."""
+    storing the ungated A, in k's dtype, with ``store_inverse``, and each chunk's bound on its transition's log norm
+    with ``chunk_bounds``)."""
     from .kkt_inverse import build_kkt_inverse
 
     _, TT, Hqk, K = k.shape
@@ -419,6 +422,14 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
     io = tl_dtype(k.dtype)
     args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
+    if chunk_bounds:  # (its own build: the others' cache entries stay as they are)
+        A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev) if store_inverse else None
+        chunk_bound = _output((Hv, S), torch.float32, dev)
+        extra = dict(store_inverse=True) if store_inverse else {}
+        build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, chunk_bounds=True, **extra,
+                          **_kkt_build_options(Hv // Hqk, store_inverse))(*args, *([A] if store_inverse else []),
+                                                                          chunk_bound)
+        return Stage1(bounds, first_slot, gcum, Ag, A, chunk_bound)
     if store_inverse:
         A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
         build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS,
@@ -446,7 +457,8 @@ def kkt_options() -> dict:
 def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage1: Stage1,
                             start: Optional[torch.Tensor], cu_seqlens: torch.Tensor, unread=None,
                             h0: Optional[torch.Tensor] = None, m_bound: Optional[torch.Tensor] = None,
-                            b_start: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            b_start: Optional[torch.Tensor] = None,
+                            chunk_bound: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context parallelism's transition pass with stage 1 shared (the rs loop's ``transition_pairs`` variant):
     packed ``[1, T, ...]`` inputs over segments ``cu_seqlens``; ``start [S, 2 Hv, K, V]`` float32 K-major, head
     2h the b pass of value head h and 2h + 1 its M pass (v = 0). Returns the end states, same layout.
@@ -457,7 +469,9 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     ``m_bound`` (with ``h0``): ``[S, Hv]`` float32, the log of a bound on each segment's ||M||_2
     (``flashgdn.cp.bounds.transition_log_bounds``); an M below float32's range is then stored as zero without a walk
     (the kernel's ``negligible_m``). ``b_start`` (with ``m_bound``): ``[S, Hv]`` int32, the chunks each b item leaves
-    out (``flashgdn.cp.bounds.b_start_chunks``; the kernel's ``late_b``)."""
+    out (``flashgdn.cp.bounds.b_start_chunks``; the kernel's ``late_b``). ``chunk_bound`` (with ``h0``, instead of
+    ``m_bound``): stage 1's ``[Hv, S]`` per-chunk bounds (``hopper_stage1(..., chunk_bounds=True)``), from which the
+    kernel makes each M item's bound itself (its ``chunk_bounds``)."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     _, TT, Hqk, K = k.shape
@@ -467,6 +481,13 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if (h0 is None) == (start is None) or (h0 is not None and unread is None):
         raise ValueError("hopper_transition_pairs takes start, or h0 with unread (the segment index)")
     from_h0 = {} if h0 is None else dict(starts_from_h0=True)
+    if chunk_bound is not None:
+        if m_bound is not None or b_start is not None or h0 is None:
+            raise ValueError("chunk_bound comes with h0, instead of m_bound and b_start")
+        if chunk_bound.shape != (Hv, stage1.Ag.shape[0]):
+            raise ValueError(f"chunk_bound must be [{Hv}, {stage1.Ag.shape[0]}] (value heads, chunk slots), got "
+                             f"{tuple(chunk_bound.shape)}")
+        from_h0.update(negligible_m=True, chunk_bounds=True)
     if m_bound is not None:
         from_h0["negligible_m"] = True
     if b_start is not None:
@@ -491,6 +512,8 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         if b_start.shape != (N, Hv):
             raise ValueError(f"b_start must be [{N}, {Hv}] (segments, value heads), got {tuple(b_start.shape)}")
         args += (b_start.to(torch.int32).contiguous(),)
+    if chunk_bound is not None:
+        args += (chunk_bound.to(torch.float32).contiguous(),)
     kernel(*args)
     return end
 

@@ -35,13 +35,14 @@ PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_i
 
 import functools
 
+from ...cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL
 from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
-                      diag16: bool = False, mma32: bool = False):
+                      diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -105,11 +106,22 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     the stage 0.885x ``diag16``'s time (0.917x with A stored), the op 0.977x on full and 0.986x on few-CTA
     canonical shapes (``forward/kkt-options-mma32-v0.24b.json``, ``forward/kkt-mma32-op-v0.24b.json``); the
     default (``forward.KKT_MMA32``).
+
+    ``chunk_bounds=True`` adds a last argument ``chunk_bound [Hv, S]`` float32: per chunk slot and value head an upper
+    bound on the log of the norm of the chunk's transition, ``sum_i g_i + log max(1, |1 - beta_i |k_i|^2|)`` over its
+    rows (``flashgdn.cp.bounds.token_log_growth``, summed), with |k_i|^2 read off K K^T's diagonal here. It is
+    rounded up by ``CHUNK_BOUND_REL`` of the sum of the terms' magnitudes and ``CHUNK_BOUND_ABS`` a chunk, far more
+    than float32's rounding of 64 terms and of the diagonal, so it stays a bound as computed. Context parallelism's
+    transition pass sums it over a segment's chunks (``chunk_forward_rs``'s ``chunk_bounds``) to drop an M below
+    float32's range without reading k again (an A/B, ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``). One thread per value
+    head of the group sums its 64 rows; the other outputs are those of the build without it.
     """
     if diag16 and triangle:
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
+    if chunk_bounds and Hv // Hqk > 128:
+        raise ValueError("chunk_bounds sums each value head's rows on a thread of its own: at most 128 a qk head")
     if blocks_per_sm not in (3, 4, 5, 6, 7):
         raise ValueError(f"blocks_per_sm must be 3 to 7, got {blocks_per_sm}")
     # five CTAs per SM need <= 44.6 KB of shared memory: each head's A21 is kept over the merge's second tile and
@@ -323,7 +335,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
 
     @T.macro
-    def kernel_body(k, g, beta, bounds, gcum, Ag, A_out):
+    def kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound=None):
         with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bounds[slot, 0]
@@ -350,6 +362,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 m_f = T.alloc_fragment((B, B), acc)
             x = T.alloc_local((B,), acc)
             part = T.alloc_local((2,), acc)
+            if chunk_bounds:
+                lg = T.alloc_local((3,), acc)  # decay, growth, sum of |g|
             if diag16:
                 x16_s = T.alloc_shared((4, H, H), acc)  # a warp's L21' A11'
                 fa = T.alloc_local((4,), acc)
@@ -381,6 +395,19 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 T.cumsum(g_s, gc_s, dim=1)
                 for p, i in T.Parallel(group, C):
                     gcum[hq * group + p, slot * C + i] = gc_s[p, i]
+                if chunk_bounds:
+                    T.sync_threads()  # K K^T, beta and the cumsum are other threads' writes
+                    if tx < group:
+                        lg[1] = 0.0
+                        lg[2] = 0.0
+                        for i in T.unroll(C):
+                            # log |1 - beta |k|^2|, clamped at 0 from below; NaN passes (NaN < 0 is false)
+                            lt = T.log(T.abs(1.0 - b_s[tx, i] * kk_s[i, kk_col(i, i)]))
+                            lg[1] = lg[1] + T.if_then_else(lt < 0.0, T.float32(0), lt)
+                            lg[2] = lg[2] + T.abs(g_s[tx, i])
+                        lg[0] = gc_s[tx, C - 1]
+                        chunk_bound[hq * group + tx, slot] = lg[0] + lg[1] + (lg[2] + lg[1]) * T.float32(
+                            CHUNK_BOUND_REL) + T.float32(CHUNK_BOUND_ABS)
 
                 for u in T.serial(group // pair):
                     h = hq * group + u * pair  # first value head of this pair
@@ -455,7 +482,36 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
                         gate_pair(Ag, A_out, slot, h, u, d_s, lambda p, i, j: d_s[p, 2, i, j], b_s, gc_s)
 
-    if store_inverse:
+    if store_inverse and chunk_bounds:
+
+        @T.prim_func
+        def kkt_inverse_kernel(
+            k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            bounds: T.Tensor((num_slots, 2), "int32"),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            A_out: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+        ):
+            kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound)
+
+    elif chunk_bounds:
+
+        @T.prim_func
+        def kkt_inverse_kernel(
+            k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            bounds: T.Tensor((num_slots, 2), "int32"),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+        ):
+            kernel_body(k, g, beta, bounds, gcum, Ag, Ag, chunk_bound)
+
+    elif store_inverse:
 
         @T.prim_func
         def kkt_inverse_kernel(

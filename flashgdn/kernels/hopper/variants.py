@@ -22,6 +22,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # k's tile by cp.async (forward.KKT_ASYNC_LOADS)
     yield (f"kkt_inverse_async[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True))
+    # and each chunk's bound on its transition's log norm (context parallelism's transition pass with
+    # backend.CP_NEGLIGIBLE_M_IN_KERNEL, an A/B; serving_variants adds the options when it is on)
+    yield (f"kkt_inverse_async_bounds[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, chunk_bounds=True))
     # five CTAs per SM (forward.KKT_BLOCKS_PER_SM, the default; the builds above are four per SM)
     yield (f"kkt_inverse_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5))
@@ -90,6 +94,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
                         state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
                         starts_from_h0=True, negligible_m=True))
+            # the same with the bound summed in the kernel from stage 1's chunks (backend.CP_NEGLIGIBLE_M_IN_KERNEL)
+            yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0_chunk_bounds"),
+                   "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
+                        state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
+                        starts_from_h0=True, negligible_m=True, chunk_bounds=True))
             # and b walked from its first chunk that float32 can see (backend.CP_LATE_B, an A/B beside it)
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0_negligible_late_b"),
                    "chunk_forward_rs",
@@ -171,7 +181,9 @@ def with_switches(v: Variant) -> Variant:
         kw = {**kw, **forward.lean_state_option()}
         if kw.get("skip_unread") and backend.CP_STARTS_IN_KERNEL:
             kw["starts_from_h0"] = True
-        if kw.get("starts_from_h0") and backend.CP_NEGLIGIBLE_M:
+        if kw.get("starts_from_h0") and backend.CP_NEGLIGIBLE_M_IN_KERNEL:
+            kw["negligible_m"] = kw["chunk_bounds"] = True
+        elif kw.get("starts_from_h0") and backend.CP_NEGLIGIBLE_M:
             kw["negligible_m"] = True
             if backend.CP_LATE_B:
                 kw["late_b"] = True
@@ -184,7 +196,7 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     loop for the flag combinations, and context parallelism's transition pass, which runs on twice the value
     heads (stage 1 and the rs state-only loop for ``Hqk/2Hv``), or on the paired kernel with
     FLASHGDN_HOPPER_CP_PAIRED=1. What a server precompiles; the other loops are for comparisons."""
-    from . import backend
+    from . import backend, forward
     from .forward import DEFAULT_CHUNK_LOOP, KKT_ASYNC_LOADS, KKT_BLOCKS_PER_SM
 
     kkt = ("kkt_inverse_async" if KKT_ASYNC_LOADS else "kkt_inverse") + ("_5" if KKT_BLOCKS_PER_SM == 5 else "")
@@ -197,6 +209,12 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
             if v[0].startswith(pairs):
                 yield with_switches(v)
+        if backend.CP_NEGLIGIBLE_M_IN_KERNEL and backend.CP_SKIP_UNREAD and backend.CP_STARTS_IN_KERNEL:
+            # the transition pass's stage 1, with its chunks' bounds
+            for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
+                if v[0].startswith("kkt_inverse_async_bounds["):  # as hopper_stage1 builds it
+                    yield v[0], v[1], {**v[2], "async_loads": KKT_ASYNC_LOADS,
+                                       **forward._kkt_build_options(Hv // Hqk)}
     else:
         for v in forward_variants(Hqk, 2 * Hv, K, V, dtype, "common"):
             name = v[0].split("[")[0]
@@ -245,6 +263,11 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "group_sum" and kw["group"] != Hv // Hqk and not (fused and backward.FUSED_PAIR_SUMS is True):
             continue  # the sum over the fused kernel's pairs
+        if builder == "kkt_inverse" and kw.get("chunk_bounds"):  # as hopper_stage1 builds it, under the switch
+            if backend.CP_NEGLIGIBLE_M_IN_KERNEL:
+                yield v[0], builder, {**kw, "async_loads": forward.KKT_ASYNC_LOADS,
+                                      **forward._kkt_build_options(Hv // Hqk, True)}
+            continue
         if builder == "kkt_inverse" and (kw["async_loads"] != forward.KKT_ASYNC_LOADS
                                          or kw.get("blocks_per_sm", 4) != forward.KKT_BLOCKS_PER_SM
                                          or "triangle" in kw or "diag16" in kw):  # with_switches adds them
@@ -312,6 +335,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
     for async_loads in (False, True):
         yield (f"kkt_inverse_with_A{'_async' * async_loads}[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
                dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=async_loads))
+    # and the chunks' bounds, for the backward's own transition pass (backend.CP_NEGLIGIBLE_M_IN_KERNEL, an A/B)
+    yield (f"kkt_inverse_with_A_async_bounds[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
+                chunk_bounds=True))
     yield (f"kkt_inverse_with_A_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, store_inverse=True, async_loads=True,
                 blocks_per_sm=5))
