@@ -571,13 +571,12 @@ def test_walk_starts_are_the_walks_start_gradients(precise, cuda):
     assert got.abs().amax() > 0  # a walk that ran
 
 
-def test_negligible_transitions_are_zero_where_the_bound_says_and_unchanged_elsewhere(cuda):
-    """The pass itself (``forward.hopper_transition_pairs``) with and without the bounds, on the same segments: every
-    b and every M whose bound is at or above NEGLIGIBLE_LOG_NORM the same bits; each M below it all zeros, and the
-    M the plain pass makes there below float32's smallest normal number (what the bound promises)."""
-    from flashgdn.cp.bounds import NEGLIGIBLE_LOG_NORM, transition_log_bounds
+def _transition_pass_case(cuda, chunk_bounds=False):
+    """The transition pass's inputs for the M-zero tests: three sequences (3000, 64, 2000 tokens) of mixed gates with
+    a g = 0 head (3) on 8-chunk segments, at 2/4: ``(inputs, index, seg_cu, stage1, pass arguments, h0, read)``,
+    ``read [segments, 1]`` the segments whose M the splice reads (neither first nor last in their sequence)."""
     from flashgdn.cp.plan import segment_index_tensors, split_sequences
-    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+    from flashgdn.kernels.hopper.forward import hopper_stage1
 
     inp = make_inputs([3000, 64, 2000], Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="mixed",
                       zero_gate_heads=(3,))
@@ -585,10 +584,23 @@ def test_negligible_transitions_are_zero_where_the_bound_says_and_unchanged_else
     index = segment_index_tensors(plan, inp["cu_seqlens"])
     seg_cu = index.seg_cu.to(torch.int32)
     k, g, beta = inp["k"], inp["g"], inp["beta"]
-    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu)
-    bounds = transition_log_bounds(k, g, beta, seg_cu)
+    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=chunk_bounds)
     h0 = inp["initial_state"].float().contiguous()
-    args = (inp["q"], k, inp["v"], stage1, None, seg_cu)
+    seg = torch.arange(plan.num_segments)
+    first = plan.first[plan.seg_seq]
+    read = ((seg != first) & (seg != first + plan.count[plan.seg_seq] - 1))[:, None]
+    return inp, index, seg_cu, stage1, (inp["q"], k, inp["v"], stage1, None, seg_cu), h0, read
+
+
+def test_negligible_transitions_are_zero_where_the_bound_says_and_unchanged_elsewhere(cuda):
+    """The pass itself (``forward.hopper_transition_pairs``) with and without the bounds, on the same segments: every
+    b and every M whose bound is at or above NEGLIGIBLE_LOG_NORM the same bits; each M below it all zeros, and the
+    M the plain pass makes there below float32's smallest normal number (what the bound promises)."""
+    from flashgdn.cp.bounds import NEGLIGIBLE_LOG_NORM, transition_log_bounds
+    from flashgdn.kernels.hopper.forward import hopper_transition_pairs
+
+    inp, index, seg_cu, _, args, h0, read = _transition_pass_case(cuda)
+    bounds = transition_log_bounds(inp["k"], inp["g"], inp["beta"], seg_cu)
     plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0)
     got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds)
     gone = bounds < NEGLIGIBLE_LOG_NORM  # [S, Hv]
@@ -598,10 +610,7 @@ def test_negligible_transitions_are_zero_where_the_bound_says_and_unchanged_else
     assert torch.equal(m_got[~gone], m_plain[~gone]), "M at or above the threshold"
     assert not m_got[gone].any(), "M below the threshold is stored as zero"
     # the M the splice reads (a segment neither first nor last in its sequence; the others keep their identity start)
-    seg = torch.arange(plan.num_segments)
-    first = plan.first[plan.seg_seq]
-    read = ((seg != first) & (seg != first + plan.count[plan.seg_seq] - 1)).to(cuda)
-    walked = gone & read[:, None]
+    walked = gone & read.to(cuda)
     assert walked.any()
     assert float(m_plain[walked].abs().max()) < torch.finfo(torch.float32).tiny
 
@@ -679,26 +688,14 @@ def test_negligible_transitions_by_the_kernels_bounds_are_zero_where_the_sums_sa
     zero where the segment's summed bound (rounded up as the kernel does) is below NEGLIGIBLE_LOG_NORM and the same
     bits elsewhere; some M dropped, the g = 0 head's never."""
     from flashgdn.cp.bounds import NEGLIGIBLE_LOG_NORM, segment_log_bounds
-    from flashgdn.cp.plan import segment_index_tensors, split_sequences
-    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+    from flashgdn.kernels.hopper.forward import hopper_transition_pairs
 
-    inp = make_inputs([3000, 64, 2000], Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="mixed",
-                      zero_gate_heads=(3,))
-    plan = split_sequences([3000, 64, 2000], 8)
-    index = segment_index_tensors(plan, inp["cu_seqlens"])
-    seg_cu = index.seg_cu.to(torch.int32)
-    k, g, beta = inp["k"], inp["g"], inp["beta"]
-    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=True)
-    h0 = inp["initial_state"].float().contiguous()
-    args = (inp["q"], k, inp["v"], stage1, None, seg_cu)
+    _, index, seg_cu, stage1, args, h0, read = _transition_pass_case(cuda, chunk_bounds=True)
     plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0)
     got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound)
     # the segments' rounded-up sums as the pass makes them (segment_log_bounds in float64: the kernel's float32 sum
     # may fall either side of the threshold only within its rounding)
     edge = segment_log_bounds(stage1.chunk_bound, stage1.first_slot, seg_cu).cpu()  # [N, Hv]
-    seg = torch.arange(plan.num_segments)
-    first = plan.first[plan.seg_seq]
-    read = ((seg != first) & (seg != first + plan.count[plan.seg_seq] - 1))[:, None]
     clear = (edge - NEGLIGIBLE_LOG_NORM).abs() > 1e-3 * (1 + edge.abs())
     gone = (edge < NEGLIGIBLE_LOG_NORM) & read & clear
     kept = (edge >= NEGLIGIBLE_LOG_NORM) & read & clear

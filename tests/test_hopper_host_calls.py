@@ -280,24 +280,22 @@ def test_paired_cp_forward_calls_match_the_kernels(output_final_state, fused, st
     assert (final is None) != output_final_state
 
 
-def test_negligible_m_gives_the_transition_pass_its_bounds(checked_kernels, monkeypatch):
-    """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M: the paired pass that makes its start states gets the bounds as its last
-    argument ([segments, Hv] float32, checked against the build's signature), the ones ``flashgdn.cp.bounds`` makes
-    for the segments it runs on."""
+def _cp_forward_seeing_pairs(monkeypatch, record):
+    """The Hopper CP forward (paired, fused, starts made in the kernel) on a 2/8 varlen mix with mixed gates, cp=4,
+    its calls of ``forward.hopper_transition_pairs`` passed through ``record(args, kwargs)``:
+    ``(problem, plan, records)``."""
     from flashgdn.api.validate import validate
     from flashgdn.cp import plan_for_problem
-    from flashgdn.cp.bounds import transition_log_bounds
     from flashgdn.cp.exact import cp_problem_forward
     from flashgdn.kernels.hopper import backend, forward
     from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
 
     monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
-    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     seen = []
     real = forward.hopper_transition_pairs
 
     def pairs(*args, **kwargs):
-        seen.append((args[5].clone(), kwargs.get("m_bound")))
+        seen.append(record(args, kwargs))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(forward, "hopper_transition_pairs", pairs)
@@ -306,6 +304,18 @@ def test_negligible_m_gives_the_transition_pass_its_bounds(checked_kernels, monk
     p = validate(**inp, output_final_state=True, cp=4)
     plan = plan_for_problem(p, auto=True)
     cp_problem_forward(_HopperSegmentsForward(paired=True, fused=True), p, plan, p.q, p.k)
+    return p, plan, seen
+
+
+def test_negligible_m_gives_the_transition_pass_its_bounds(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M: the paired pass that makes its start states gets the bounds as its last
+    argument ([segments, Hv] float32, checked against the build's signature), the ones ``flashgdn.cp.bounds`` makes
+    for the segments it runs on."""
+    from flashgdn.cp.bounds import transition_log_bounds
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
+    p, plan, seen = _cp_forward_seeing_pairs(monkeypatch, lambda args, kwargs: (args[5].clone(), kwargs.get("m_bound")))
     assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
                                                "chunk_forward_rso"]
     ((seg_cu, m_bound),) = seen
@@ -319,13 +329,9 @@ def test_negligible_m_in_kernel_gives_the_pass_stage1s_chunk_bounds(checked_kern
     """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL: stage 1 is the build that writes each chunk's bound and the paired
     pass that makes its start states takes those bounds as its last argument ([Hv, S] float32, both checked against
     the builds' signatures); no bound is made by PyTorch ops."""
-    from flashgdn.api.validate import validate
-    from flashgdn.cp import bounds, plan_for_problem
-    from flashgdn.cp.exact import cp_problem_forward
-    from flashgdn.kernels.hopper import backend, forward
-    from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
+    from flashgdn.cp import bounds
+    from flashgdn.kernels.hopper import backend
 
-    monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)  # taken over by the kernels' bounds
 
@@ -333,19 +339,8 @@ def test_negligible_m_in_kernel_gives_the_pass_stage1s_chunk_bounds(checked_kern
         raise AssertionError("a bound made by PyTorch ops")
 
     monkeypatch.setattr(bounds, "transition_log_bounds", no_bounds)
-    seen = []
-    real = forward.hopper_transition_pairs
-
-    def pairs(*args, **kwargs):
-        seen.append((args[3], kwargs.get("chunk_bound"), kwargs.get("m_bound"), kwargs.get("b_start")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(forward, "hopper_transition_pairs", pairs)
-    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=[700, 30, 300], pad=5, gate="mixed")
-    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].clone()
-    p = validate(**inp, output_final_state=True, cp=4)
-    plan = plan_for_problem(p, auto=True)
-    cp_problem_forward(_HopperSegmentsForward(paired=True, fused=True), p, plan, p.q, p.k)
+    _, _, seen = _cp_forward_seeing_pairs(monkeypatch, lambda args, kwargs: (
+        args[3], kwargs.get("chunk_bound"), kwargs.get("m_bound"), kwargs.get("b_start")))
     assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
                                                "chunk_forward_rso"]
     ((stage1, chunk_bound, m_bound, b_start),) = seen

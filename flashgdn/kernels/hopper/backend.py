@@ -352,25 +352,23 @@ class _HopperSegmentsForward:
 
         cu = seg_cu.to(torch.int32)
         bounds = None
+        # the bound on M from stage 1's chunks (CP_NEGLIGIBLE_M_IN_KERNEL), else by PyTorch ops beside stage 1
         in_kernel = CP_NEGLIGIBLE_M_IN_KERNEL and h0 is not None and unread is not None
-        if in_kernel:
-            if self._stage1_source is not None:
-                self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu, chunk_bounds=True)
-            else:
-                self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu, chunk_bounds=True)
-            return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0,
-                                           chunk_bound=self._stage1.chunk_bound)
-        if CP_NEGLIGIBLE_M and h0 is not None and unread is not None:
+        if CP_NEGLIGIBLE_M and not in_kernel and h0 is not None and unread is not None:
             late = None
             if CP_LATE_B and seg_cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
                 from ...cp.bounds import chunk_count
 
                 late = (v, h0, unread[0], chunk_count(seg_cu_cpu))
             bounds = _m_bounds_aside(k, g, beta, cu, late)
+        chunk_bounds = dict(chunk_bounds=True) if in_kernel else {}
         if self._stage1_source is not None:
-            self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu)
+            self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu, **chunk_bounds)
         else:
-            self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu)
+            self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu, **chunk_bounds)
+        if in_kernel:
+            return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0,
+                                           chunk_bound=self._stage1.chunk_bound)
         m_bound = b_start = None
         if bounds is not None:
             m_bound, b_start, side = bounds

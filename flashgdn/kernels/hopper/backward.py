@@ -529,9 +529,9 @@ class HopperBackwardStages:
         #: (cu, P, stream) while the fused kernel's P is being made on ``stream`` (``FUSED_P_GIVEN``)
         self._scores = None
 
-    def _stage1_for(self, q, k, g, beta, cu, cu_cpu, chunk_bounds=False):
-        # (``chunk_bounds``, the backward's own transition pass under backend.CP_NEGLIGIBLE_M_IN_KERNEL: with that
-        # switch every stage 1 here is the build with the chunks' bounds, whichever pass asks first)
+    def _stage1_for(self, q, k, g, beta, cu, cu_cpu):
+        # under backend.CP_NEGLIGIBLE_M_IN_KERNEL every stage 1 here is the build with the chunks' bounds, whichever
+        # pass asks first (the backward's own transition pass reads them)
         from .backend import CP_NEGLIGIBLE_M_IN_KERNEL
 
         if self._cu is not cu:
@@ -787,7 +787,7 @@ def hopper_backward(
     forward = None
     if split:  # the paired transition pass takes the stages' stage 1 (with A) instead of running its own
         forward = _HopperSegmentsForward(paired=CP_PAIRED and not PRECISE,
-                                         stage1_source=lambda *a, **kw: stages._stage1_for(*a, **kw)[3])
+                                         stage1_source=lambda *a, chunk_bounds=False: stages._stage1_for(*a)[3])
     dq, dk, dv, dg, dbeta, dh0 = cp_backward(
         stages, forward, packed(q), packed(k), packed(v), packed(g), packed(beta),
         packed(do).contiguous(), k_major(dht), scale, k_major(initial_state), plan, cu, cu_cpu,

@@ -422,21 +422,14 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     Ag = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
     io = tl_dtype(k.dtype)
     args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
-    if chunk_bounds:  # (its own build: the others' cache entries stay as they are)
-        A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev) if store_inverse else None
-        chunk_bound = _output((Hv, S), torch.float32, dev)
-        extra = dict(store_inverse=True) if store_inverse else {}
-        build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, chunk_bounds=True, **extra,
-                          **_kkt_build_options(Hv // Hqk, store_inverse))(*args, *([A] if store_inverse else []),
-                                                                          chunk_bound)
-        return Stage1(bounds, first_slot, gcum, Ag, A, chunk_bound)
-    if store_inverse:
-        A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev)
-        build_kkt_inverse(Hqk, Hv, K, io, io, store_inverse=True, async_loads=KKT_ASYNC_LOADS,
-                          **_kkt_build_options(Hv // Hqk, True))(*args, A)
-        return Stage1(bounds, first_slot, gcum, Ag, A)
-    build_kkt_inverse(Hqk, Hv, K, io, io, async_loads=KKT_ASYNC_LOADS, **_kkt_build_options(Hv // Hqk))(*args)
-    return Stage1(bounds, first_slot, gcum, Ag)
+    A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev) if store_inverse else None
+    chunk_bound = _output((Hv, S), torch.float32, dev) if chunk_bounds else None
+    # the optional outputs last, in the kernel's order; only the options asked for are passed
+    extra = {**({"store_inverse": True} if store_inverse else {}), **({"chunk_bounds": True} if chunk_bounds else {})}
+    build_kkt_inverse(Hqk, Hv, K, io, io, **extra, async_loads=KKT_ASYNC_LOADS,
+                      **_kkt_build_options(Hv // Hqk, store_inverse))(*args, *(x for x in (A, chunk_bound)
+                                                                              if x is not None))
+    return Stage1(bounds, first_slot, gcum, Ag, A, chunk_bound)
 
 
 def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
