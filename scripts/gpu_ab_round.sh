@@ -157,9 +157,15 @@ set -uo pipefail
 #   (backend.CP_NEGLIGIBLE_M_IN_KERNEL, notes v0.36a): its GPU tests (gpu-negligible-m-in-kernel.log), then both ways
 #   side by side in one process on the cp set's forward at 1/4-8/16 (nmk-cp-fwd.json; 1/4, 2/8 and 4/16 compile on
 #   the machine unless the shipped cache has them) and fwd+bwd at 2/4, 4/8 and 8/16 (nmk-cp-fwdbwd.json).
+# m-zero-splice: the same with the splices leaving out the products of the M the pass stored as zero (notes v0.36b):
+#   the GPU tests of the bounds and of the splice kernels (gpu-m-zero-splice.log), the forward's kernels per step
+#   both ways on three shapes (mzs-steps-{0,1}.json), then the two A/Bs of negligible-m-in-kernel (mzs-cp-*.json).
+# cp-default: the GPU tests of context parallelism (the CP file, the backward's CP tests) after a change of its defaults
+#   (gpu-cp-default.log).
 # suite-rest: the GPU suite's files a default training step's change reaches (backward, compile, plan, reference: the
 #   forward's and stage 1's kernels are unchanged since their last whole run, CP's ran with walk-starts on),
 #   14 processes (gpu-suite-rest.log).
+# cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
 # cp-set-fq: the cp set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (cp-set.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
@@ -168,7 +174,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -613,6 +619,26 @@ elif [ "$part" = negligible-m-in-kernel ]; then
     --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --only-heads 2/4,4/8,8/16 \
     --modes fwdbwd --rounds 2 --out "$out/nmk-cp-fwdbwd.json"
   grep "geometric\|same bits" "$out/nmk-cp-fwdbwd.log"
+elif [ "$part" = m-zero-splice ]; then
+  gpu_tests gpu-m-zero-splice 200 6 tests/test_gpu_hopper_cp.py \
+    -k "kernels_bounds or chunk_bounds or flagged or splice_kernel or splice_chains or fused_cp_kernels"
+  for on in 0 1; do
+    logged "mzs-steps-$on" 90 env FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL=$on python3 benchmarks/step_kernels.py \
+      --cp auto --mode fwd --shape 1/4:32768 --shape 2/8:65536 --shape 1/4:131072 --steps 10 \
+      --out "$out/mzs-steps-$on.json"
+    grep "kernels per step\|splice\|exit" "$out/mzs-steps-$on.log"
+  done
+  logged mzs-cp-fwd 180 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --modes fwd --rounds 2 \
+    --out "$out/mzs-cp-fwd.json"
+  grep "geometric\|same bits" "$out/mzs-cp-fwd.log"
+  logged mzs-cp-fwdbwd 200 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --only-heads 2/4,4/8,8/16 \
+    --modes fwdbwd --rounds 2 --out "$out/mzs-cp-fwdbwd.json"
+  grep "geometric\|same bits" "$out/mzs-cp-fwdbwd.log"
+elif [ "$part" = cp-default ]; then
+  gpu_tests gpu-cp-default 540 14 tests/test_gpu_hopper_cp.py tests/test_gpu_hopper_backward.py \
+    -k "cp or CP or split or segment"
 elif [ "$part" = suite-rest ]; then
   gpu_tests gpu-suite-rest 500 14 tests/test_gpu_hopper_backward.py tests/test_gpu_compile.py \
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
@@ -620,6 +646,10 @@ elif [ "$part" = cp-set-fq ]; then
   logged cp-set 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwdbwd --time-budget 480 \
     --no-plots --out-dir "$out" --name cp-set
   tail -3 "$out/cp-set.log"
+elif [ "$part" = cp-set-fq-fwd ]; then
+  logged cp-set-fwd 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwd --time-budget 450 \
+    --no-plots --out-dir "$out" --name cp-set-fwd
+  tail -3 "$out/cp-set-fwd.log"
 elif [ "$part" = cp-set ]; then
   budget=${CP_SET_BUDGET:-170}  # seconds of shapes; the limit is 30 more
   logged cp-fwdbwd $((budget + 30)) python3 -m flashgdn.bench --set cp --impls flashgdn --modes fwdbwd \

@@ -236,6 +236,53 @@ def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, build, 
             assert rel_rms(got_rev, want_rev) < 1e-5, width
 
 
+@pytest.mark.parametrize("build", ["plain", "blocked"])
+@pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 2), ([5000, 64, 3000, 1, 700], 3), ([192, 64, 256], 1)])
+def test_splice_kernel_leaves_out_the_products_of_flagged_m(seqlens, segment_chunks, build, cuda, monkeypatch):
+    """The splices' ``m_zero`` builds (pairs with the transition pass's flags, ``forward.set_m_zero``): where a
+    segment's M is flagged its step is its own term alone. The flagged M are zero in the pairs the build without flags
+    splices, and NaN in those the ``m_zero`` build splices (so a product made with one shows): forward, reverse at
+    every blocked width, and chains from known starts, the same values both ways."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.cp.plan import segment_index_tensors
+    from flashgdn.kernels.hopper import forward
+    from flashgdn.kernels.hopper.forward import hopper_splice, m_zero_of, set_m_zero
+
+    monkeypatch.setattr(forward, "SPLICE_BLOCKED", build == "blocked")
+    widths = (8, 16, 32) if build == "blocked" else (None,)
+    plan = split_sequences(seqlens, segment_chunks)
+    cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
+    index = segment_index_tensors(plan, cu)
+    S, N, Hv, K = plan.num_segments, len(seqlens), 4, 128
+    gen = torch.Generator(device=cuda).manual_seed(11)
+    zeroed = torch.randn((S, 2 * Hv, K, K), generator=gen, device=cuda) / K ** 0.5
+    D = torch.randn((S, Hv, K, K), generator=gen, device=cuda)
+    start = torch.randn((N, Hv, K, K), generator=gen, device=cuda)
+    flags = torch.randint(0, 2, (S, Hv), generator=gen, device=cuda, dtype=torch.int32)
+    flags[:, 1] = 1  # a head of only flagged steps, and one of none
+    flags[:, 2] = 0
+    zeroed[:, 1::2][flags.bool()] = 0.0
+    poisoned = zeroed.clone()
+    poisoned[:, 1::2][flags.bool()] = float("nan")
+    set_m_zero(poisoned, flags)
+    assert m_zero_of(poisoned) is flags and m_zero_of(zeroed) is None
+    from_known = torch.randint(0, 2, (N,), generator=gen, device=cuda)
+    from_known[0] = 1
+    for width in widths:
+        if width is not None:
+            monkeypatch.setattr(forward, "splice_options",
+                                lambda reverse, *a, w=width: dict(blocked=True, BV=w) if reverse else {})
+        for kw in (dict(), dict(D=D), dict(from_known=from_known)):
+            want = hopper_splice(zeroed, start, index.first, index.count, S, **kw)
+            got = hopper_splice(poisoned, start, index.first, index.count, S, **kw)
+            assert not want.isnan().any(), (width, list(kw))
+            assert torch.equal(got, want), (width, list(kw))
+    with pytest.raises(ValueError, match="m_zero"):
+        bad = zeroed.clone()
+        set_m_zero(bad, flags[:, :2])
+        hopper_splice(bad, start, index.first, index.count, S)
+
+
 @pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([192, 64, 256], 1)])
 def test_splice_chains_kernel_matches_the_loop(seqlens, segment_chunks, cuda):
     """The splice's ``chains`` build (the backward from the forward's segment starts): on every chain that the
@@ -452,6 +499,7 @@ def test_negligible_transitions_give_the_same_bits(opts, cuda, monkeypatch):
     backward's reverse splice reads the forward's M) are the same bits with and without it."""
     from flashgdn.kernels.hopper import backend
 
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_NEGLIGIBLE_M")
 
 
@@ -467,6 +515,7 @@ def test_late_b_gives_the_same_bits(opts, cuda, monkeypatch):
     the rounding it would have added decays with it, so the op and every gradient are the same bits."""
     from flashgdn.kernels.hopper import backend
 
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_LATE_B")
 
@@ -621,6 +670,7 @@ def test_negligible_transitions_replay_in_a_cuda_graph(opts, cuda, monkeypatch):
     from the GPU and a CUDA graph of it replays to the eager result bit for bit."""
     from flashgdn.kernels.hopper import backend
 
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
 
@@ -653,9 +703,19 @@ def test_stage1_chunk_bounds_bound_each_chunks_transition(store_inverse, cuda):
     beta = beta * 2.5  # beta |k|^2 outside [0, 2] on many tokens: growth terms
     plain = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse)
     got = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse, chunk_bounds=True)
-    assert torch.equal(got.gcum, plain.gcum) and torch.equal(got.Ag, plain.Ag)
-    if store_inverse:
-        assert torch.equal(got.A, plain.A)
+    # the other outputs where stage 1 writes them: each slot's rows of its chunk's tokens (the rows past a short
+    # chunk's end, and idle slots, are left as allocated)
+    assert torch.equal(got.bounds, plain.bounds)
+    lengths = got.bounds[:, 1].long()
+    C = got.Ag.shape[-1]
+    rows = torch.arange(got.gcum.shape[1], device=cuda)
+    written = (rows % C) < lengths[rows // C]
+    assert torch.equal(got.gcum[:, written], plain.gcum[:, written])
+    inside = (torch.arange(C, device=cuda)[None, :] < lengths[:, None])  # [S, C]
+    block = inside[:, None, :, None] & inside[:, None, None, :]  # [S, 1, C, C]
+    for name in ("Ag",) + (("A",) if store_inverse else ()):
+        a, b = getattr(got, name), getattr(plain, name)
+        assert torch.equal(a[block.expand_as(a)], b[block.expand_as(b)]), name
     # the bound in float64 from the stored keys: g + log max(1, |1 - beta |k|^2|) per token and value head
     kk = k[0].double().square().sum(-1).repeat_interleave(2, dim=1)  # [T, Hv]: value head h reads qk head h // 2
     growth = (1 - beta[0].double() * kk).abs().log().clamp(min=0)
@@ -705,6 +765,15 @@ def test_negligible_transitions_by_the_kernels_bounds_are_zero_where_the_sums_sa
     assert torch.equal(m_got[kept], m_plain[kept]), "M at or above the threshold"
     assert not m_got[gone].any(), "M below the threshold is stored as zero"
     assert float(m_plain[gone].abs().max()) < torch.finfo(torch.float32).tiny
+    # the flags the splices read: 1 exactly where the pass stored M as zero that way, never on unwalked items
+    from flashgdn.kernels.hopper.forward import m_zero_of
+
+    assert m_zero_of(plain) is None
+    flags = m_zero_of(got).cpu()
+    assert flags.shape == edge.shape and flags.dtype == torch.int32
+    assert bool((flags[gone] == 1).all()) and bool((flags[kept] == 0).all())
+    assert bool((flags[~read.expand_as(flags)] == 0).all())
+    assert not m_got[flags.bool()].any()
 
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong")])
@@ -724,11 +793,13 @@ BOUND_SWITCHES = (("backend", "CP_NEGLIGIBLE_M"), ("backend", "CP_LATE_B"), ("ba
 @pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,))])
 def test_cp_on_float32s_range_reads_nothing_back_and_replays_in_a_cuda_graph(opts, cuda, monkeypatch):
     """With every switch that leaves out what float32 cannot hold (``BOUND_SWITCHES``: M and b in the forward's
-    transition pass, the walks from zero without stores and stopped early), the forward alone and a training step
-    (forward, then backward, cp=4) read nothing back from the GPU (sync debug mode "error"), and a CUDA graph of the
-    training step replays to its eager bits: their bounds are device ops on streams of their own."""
+    transition pass by PyTorch bounds, the walks from zero without stores and stopped early), the forward alone and a
+    training step (forward, then backward, cp=4) read nothing back from the GPU (sync debug mode "error"), and a CUDA
+    graph of the training step replays to its eager bits: their bounds are device ops on streams of their own. (The
+    kernels' own bound, the default, runs in every other CP test.)"""
     from flashgdn.kernels.hopper import backend, backward
 
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (it takes precedence over the PyTorch bounds)
     for module, name in BOUND_SWITCHES:
         monkeypatch.setattr(backend if module == "backend" else backward, name, True)
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)

@@ -314,6 +314,7 @@ def test_negligible_m_gives_the_transition_pass_its_bounds(checked_kernels, monk
     from flashgdn.cp.bounds import transition_log_bounds
     from flashgdn.kernels.hopper import backend
 
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     p, plan, seen = _cp_forward_seeing_pairs(monkeypatch, lambda args, kwargs: (args[5].clone(), kwargs.get("m_bound")))
     assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
@@ -339,6 +340,10 @@ def test_negligible_m_in_kernel_gives_the_pass_stage1s_chunk_bounds(checked_kern
         raise AssertionError("a bound made by PyTorch ops")
 
     monkeypatch.setattr(bounds, "transition_log_bounds", no_bounds)
+    from flashgdn.kernels.hopper import forward
+
+    flags_seen, m_zero_of = [], forward.m_zero_of
+    monkeypatch.setattr(forward, "m_zero_of", lambda pairs: flags_seen.append(m_zero_of(pairs)) or flags_seen[-1])
     _, _, seen = _cp_forward_seeing_pairs(monkeypatch, lambda args, kwargs: (
         args[3], kwargs.get("chunk_bound"), kwargs.get("m_bound"), kwargs.get("b_start")))
     assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
@@ -347,6 +352,9 @@ def test_negligible_m_in_kernel_gives_the_pass_stage1s_chunk_bounds(checked_kern
     assert m_bound is None and b_start is None
     assert chunk_bound is stage1.chunk_bound
     assert chunk_bound.shape == (8, stage1.Ag.shape[0]) and chunk_bound.dtype == torch.float32
+    # the pass's flags of the M it stored as zero reach the splice (its m_zero build: the signature checked above)
+    ((flags,),) = [flags_seen]
+    assert flags is not None and flags.dtype == torch.int32 and flags.shape == (checked_kernels[2][1]["num_seqs"], 8)
 
 
 def test_late_b_gives_the_transition_pass_its_starts(checked_kernels, monkeypatch):
@@ -362,6 +370,7 @@ def test_late_b_gives_the_transition_pass_its_starts(checked_kernels, monkeypatc
     from flashgdn.kernels.hopper.backend import _HopperSegmentsForward
 
     monkeypatch.setattr(backend, "CP_STARTS_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     monkeypatch.setattr(backend, "CP_LATE_B", True)
     seen = []

@@ -30,17 +30,20 @@ def test_precompile_rejects_bad_heads():
 
 
 def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
-    """The default chunk loop for the flags, stage 1, and CP's kernels: by default the paired transition pass,
-    the segment index and the splice; with those switched off the transition pass on twice the value heads. None
-    of the comparison loops or the backward's kernels."""
+    """The default chunk loop for the flags, stage 1, and CP's kernels: by default the paired transition pass with
+    its stage 1 (the build with the chunks' bounds), the segment index and the splice; with those switched off the
+    transition pass on twice the value heads. None of the comparison loops or the backward's kernels."""
     from flashgdn.kernels.hopper import backend, forward
     from flashgdn.kernels.hopper.variants import serving_variants
 
     names = [v[0] for v in serving_variants(2, 8, flags="common")]
     assert names == ["chunk_plan", "kkt_inverse_async_5[2/8,bfloat16]",
                      "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                     "chunk_forward_rs_pairs_skip_forward[2/8,bfloat16,h0=1,ht=1,v_first=0]", "segment_index[int32]",
-                     "segment_index[int64]", "splice[8,forward]"]
+                     "chunk_forward_rs_pairs_skip_forward[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+                     "kkt_inverse_async_bounds[2/8,bfloat16]", "segment_index[int32]", "segment_index[int64]",
+                     "splice[8,forward]"]
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)
+    assert "kkt_inverse_async_bounds[2/8,bfloat16]" not in [v[0] for v in serving_variants(2, 8, flags="common")]
     assert len([n for n in serving_variants(2, 8, flags="all") if n[0].startswith("chunk_forward_rso[")]) == 8
     monkeypatch.setattr(backend, "CP_PAIRED", False)
     monkeypatch.setattr(backend, "CP_FUSED", False)
@@ -89,6 +92,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
                                "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged,starts_only]",
+                               "kkt_inverse_with_A_async_bounds[2/8,bfloat16]",
                                "kkt_inverse_with_A_async_5[2/8,bfloat16]",
                                "fused_backward[2/8,bfloat16,dht=1,first_apart]",
                                "fused_backward[2/8,bfloat16,dht=0,first_apart]",
@@ -235,6 +239,7 @@ def test_precompiled_transition_passes_follow_negligible_m(monkeypatch):
         return {name: kw.get("negligible_m", False) for name, builder, kw in training_variants(2, 8, flags="common")
                 if builder == "chunk_forward_rs"}
 
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     assert not any(negligible().values())
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     got = negligible()
@@ -246,15 +251,24 @@ def test_precompiled_transition_passes_follow_negligible_m(monkeypatch):
 def test_precompiled_builds_follow_negligible_m_in_kernel(monkeypatch):
     """FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL reaches the transition passes that make their start states (their
     ``chunk_bounds`` build) and adds stage 1's builds with the chunks' bounds (the forward's and the backward's, with
-    the options hopper_stage1 gives them), and nothing else; off by default."""
+    the options hopper_stage1 gives them) and the splices' ``m_zero`` builds, and nothing else; on by default."""
     from flashgdn.kernels.hopper import backend, forward
     from flashgdn.kernels.hopper.variants import training_variants
 
     def bounded():
         return {name: kw for name, builder, kw in training_variants(2, 8, flags="common") if kw.get("chunk_bounds")}
 
+    def splices():
+        return {name: kw.get("m_zero", False) for name, builder, kw in training_variants(2, 8, flags="common")
+                if builder == "splice"}
+
+    assert backend.CP_NEGLIGIBLE_M_IN_KERNEL  # the default
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)
     assert bounded() == {}
+    assert splices() and not any(splices().values())
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    assert set(splices()) == {"splice[8,forward]", "splice_chains[8,forward]", "splice_blocked8[8,reverse]",
+                              "splice_blocked16[8,reverse]"} and all(splices().values()), splices()
     got = bounded()
     passes = {n for n in got if n.startswith("chunk_forward_rs")}
     stage1 = {n: kw for n, kw in got.items() if n.startswith("kkt_inverse")}
@@ -278,6 +292,7 @@ def test_precompiled_transition_passes_follow_late_b(monkeypatch):
         return {name: kw.get("late_b", False) for name, builder, kw in training_variants(2, 8, flags="common")
                 if builder == "chunk_forward_rs"}
 
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     assert not any(late().values())
     monkeypatch.setattr(backend, "CP_LATE_B", True)
@@ -352,9 +367,11 @@ def test_stage1_variants_carry_the_switched_build_options(diag16, mma32, triangl
     monkeypatch.setattr(forward, "KKT_TRIANGLE", triangle)
     assert forward.kkt_options() == want
     options = dict(async_loads=forward.KKT_ASYNC_LOADS, **forward._kkt_build_options(4))
-    kkt = [v for v in training_variants(2, 8, flags="common") if v[1] == "kkt_inverse"]
+    # (the transition pass's stage 1 with the chunks' bounds: test_precompiled_builds_follow_negligible_m_in_kernel)
+    kkt = [v for v in training_variants(2, 8, flags="common") if v[1] == "kkt_inverse" and not v[2].get("chunk_bounds")]
     assert [v[0] for v in kkt] == ["kkt_inverse_async_5[2/8,bfloat16]", "kkt_inverse_with_A_async_5[2/8,bfloat16]"]
-    assert [v for v in serving_variants(2, 8, flags="common") if v[1] == "kkt_inverse"] == kkt[:1]
+    assert [v for v in serving_variants(2, 8, flags="common")
+            if v[1] == "kkt_inverse" and not v[2].get("chunk_bounds")] == kkt[:1]
     for v, store_inverse in zip(kkt, (False, True)):
         kw = dict(v[2])
         assert kw.pop("store_inverse", False) == store_inverse
@@ -375,7 +392,8 @@ def test_stage1_of_an_odd_group_follows_its_occupancy_switch(heads, want, monkey
     from flashgdn.kernels.hopper.variants import training_variants
 
     def blocks():
-        kkt = [v[2] for v in training_variants(*heads, flags="common") if v[1] == "kkt_inverse"]
+        kkt = [v[2] for v in training_variants(*heads, flags="common")
+               if v[1] == "kkt_inverse" and not v[2].get("chunk_bounds")]
         assert [kw.get("store_inverse", False) for kw in kkt] == [False, True]
         return tuple(kw["blocks_per_sm"] for kw in kkt)
 

@@ -213,9 +213,12 @@ CP_LATE_B = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B", "0") == "1"
 #: each M item of the transition pass sums its segment's chunks itself (``chunk_forward_rs``'s ``chunk_bounds``).
 #: No read of k and no PyTorch op between stage 1 and the pass, where CP_NEGLIGIBLE_M's bound cost more than the
 #: pass saved. Exact in the same sense (both sums are rounded up before the comparison with -88). Takes precedence
-#: over CP_NEGLIGIBLE_M and CP_LATE_B. An A/B (notes v0.36a), off until measured:
-#: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL=1 turns it on.
-CP_NEGLIGIBLE_M_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL", "0") == "1"
+#: over CP_NEGLIGIBLE_M and CP_LATE_B. The pass also flags the M it stored as zero, and the splices leave those
+#: products out (``splice.py``'s ``m_zero`` builds: a flagged step is its b, or D). On by default (notes v0.36b, an
+#: H100, the same bits both ways: the cp set's forward 0.862x of off, 0.732x-1.021x; fwd+bwd at 2/4, 4/8, 8/16
+#: 0.949x, 0.852x-1.016x; the 1-2% where no segment is long enough for its M to vanish).
+#: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL=0 turns it off.
+CP_NEGLIGIBLE_M_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL", "1") == "1"
 
 
 def _backward_splits(backward_plan) -> bool:

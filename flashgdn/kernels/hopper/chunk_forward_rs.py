@@ -127,7 +127,9 @@ def build_chunk_forward_rs(
     the 32 partial sums in one order on every thread, so all take the same decision, and the sum is rounded up by
     ``(chunks + 64) x 2^-23`` of the sum of magnitudes and one more nat before the comparison (PyTorch counterpart:
     ``flashgdn.cp.bounds.segment_log_bounds``). No pass over k or PyTorch op is left between stage 1 and this pass
-    (an A/B, ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``).
+    (an A/B, ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``). A second last argument ``m_zero [segments, Hv]`` int32 is written
+    by every M item: 1 where it stored zero that way, else 0, so the splice can leave that M's product out
+    (``splice.py``'s ``m_zero`` builds).
 
     ``late_b=True`` (with ``negligible_m``) adds a last argument ``b_start [segments, Hv]`` int32
     (``flashgdn.cp.bounds.b_start_chunks``): the b item of segment n and value head h leaves out the segment's first
@@ -414,7 +416,8 @@ def build_chunk_forward_rs(
 
     @T.macro
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
-                    count=None, first_states=None, shift=None, m_bound=None, b_start=None, chunk_bound=None):
+                    count=None, first_states=None, shift=None, m_bound=None, b_start=None, chunk_bound=None,
+                    m_zero=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -457,6 +460,8 @@ def build_chunk_forward_rs(
                         SEGMENT_SUM_ABS)
                     m_gone = T.And(walk_m > 0, rounded < T.float32(NEGLIGIBLE_LOG_NORM))
                     n_chunks = T.if_then_else(m_gone, 0, n_chunks)
+                    if tb == 0 and h % 2 == 1:  # the splice's hint: this M is stored as zero
+                        m_zero[n, h // 2] = T.if_then_else(m_gone, 1, 0)
                 elif negligible_m:  # an M below float32's range: no walk, zero stored (flashgdn.cp.bounds)
                     m_gone = T.And(h % 2 == 1, m_bound[n, h // 2] < T.float32(NEGLIGIBLE_LOG_NORM))
                     n_chunks = T.if_then_else(m_gone, 0, n_chunks)
@@ -622,9 +627,10 @@ def build_chunk_forward_rs(
             first: T.Tensor((n_cp_seqs,), "int64"),
             count: T.Tensor((n_cp_seqs,), "int64"),
             chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+            m_zero: T.Tensor((num_seqs, Hv), "int32"),
         ):
             kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count,
-                        chunk_bound=chunk_bound)
+                        chunk_bound=chunk_bound, m_zero=m_zero)
 
     elif negligible_m:
         n_cp_seqs = T.dynamic("n_cp_seqs")

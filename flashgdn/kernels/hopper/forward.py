@@ -464,7 +464,8 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     (the kernel's ``negligible_m``). ``b_start`` (with ``m_bound``): ``[S, Hv]`` int32, the chunks each b item leaves
     out (``flashgdn.cp.bounds.b_start_chunks``; the kernel's ``late_b``). ``chunk_bound`` (with ``h0``, instead of
     ``m_bound``): stage 1's ``[Hv, S]`` per-chunk bounds (``hopper_stage1(..., chunk_bounds=True)``), from which the
-    kernel makes each M item's bound itself (its ``chunk_bounds``)."""
+    kernel makes each M item's bound itself (its ``chunk_bounds``), and the pairs returned carry the flags of the M
+    it stored as zero (``m_zero_of``), which ``hopper_splice`` uses to leave their products out."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     _, TT, Hqk, K = k.shape
@@ -505,10 +506,30 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         if b_start.shape != (N, Hv):
             raise ValueError(f"b_start must be [{N}, {Hv}] (segments, value heads), got {tuple(b_start.shape)}")
         args += (b_start.to(torch.int32).contiguous(),)
+    m_zero = None
     if chunk_bound is not None:
-        args += (chunk_bound.to(torch.float32).contiguous(),)
+        m_zero = torch.empty((N, Hv), dtype=torch.int32, device=k.device)
+        args += (chunk_bound.to(torch.float32).contiguous(), m_zero)
     kernel(*args)
+    if m_zero is not None:
+        set_m_zero(end, m_zero)
     return end
+
+
+#: the attribute of a transition pass's pairs that holds its ``m_zero`` flags (``set_m_zero``)
+_M_ZERO = "_flashgdn_m_zero"
+
+
+def set_m_zero(pairs: torch.Tensor, m_zero: torch.Tensor) -> None:
+    """Attach to ``pairs`` the ``[S, Hv]`` int32 flags of the M items the transition pass stored as zero (its
+    ``chunk_bounds`` build), for the splices (``m_zero_of``). A hint only: the zeros are in ``pairs`` themselves,
+    so a copy of ``pairs`` without the flags (a clone, a cast) splices to the same values, with every product made."""
+    setattr(pairs, _M_ZERO, m_zero)
+
+
+def m_zero_of(pairs: torch.Tensor) -> Optional[torch.Tensor]:
+    """The flags ``set_m_zero`` attached to ``pairs`` (the same tensor object), else None."""
+    return getattr(pairs, _M_ZERO, None)
 
 
 def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
@@ -521,22 +542,30 @@ def hopper_splice(pairs: torch.Tensor, start: torch.Tensor, first: torch.Tensor,
     sequence's first segment and segment count (``flashgdn.cp.SegmentIndex``). ``from_known`` (forward only,
     ``[N]``): the rows are chains of segments from known starts (``flashgdn.cp.exact.starts_from_known``), and
     a chain whose entry is nonzero begins inside its sequence, so its first step is ``M start + b`` (the splice's
-    ``chains`` build). Returns ``[S, Hv, K, V]``."""
+    ``chains`` build). Where ``pairs`` carry the transition pass's flags of the M it stored as zero (``m_zero_of``),
+    the splice's ``m_zero`` build leaves those products out (a step is then its b, or D). Returns
+    ``[S, Hv, K, V]``."""
     from .splice import build_splice
 
     _, Hv, K, V = start.shape
     reverse = D is not None
     if reverse and from_known is not None:
         raise ValueError("from_known is the forward splice's (its chains from known starts), not the reverse's")
+    m_zero = m_zero_of(pairs)
+    if m_zero is not None and m_zero.shape != (pairs.shape[0], Hv):
+        raise ValueError(f"the pairs' m_zero flags must be [{pairs.shape[0]}, {Hv}], got {tuple(m_zero.shape)}")
     out = _output((num_segments, Hv, K, V), torch.float32, start.device)
     start = start.to(torch.float32).contiguous()
     num_sms = torch.cuda.get_device_properties(start.device).multi_processor_count if start.is_cuda else 132
     args = (pairs.to(torch.float32).contiguous(), D.to(torch.float32).contiguous() if reverse else start, start,
             first.to(torch.int64), count.to(torch.int64))
+    flags = {} if m_zero is None else dict(m_zero=True)
+    tail = () if m_zero is None else (m_zero.to(torch.int32).contiguous(),)
     if from_known is not None:
-        build_splice(Hv, K, V, False, chains=True)(*args, from_known.to(torch.int64), out)
+        build_splice(Hv, K, V, False, chains=True, **flags)(*args, from_known.to(torch.int64), *tail, out)
     else:
-        build_splice(Hv, K, V, reverse, **splice_options(reverse, Hv, start.shape[0], num_sms))(*args, out)
+        build_splice(Hv, K, V, reverse, **splice_options(reverse, Hv, start.shape[0], num_sms), **flags)(
+            *args, *tail, out)
     return out
 
 

@@ -38,16 +38,19 @@ from .common import TARGET, pass_configs
 
 
 @functools.lru_cache(maxsize=None)
-def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False, chains: bool = False):
+def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False, chains: bool = False,
+                 m_zero: bool = False):
     """Compile (or load) the kernel: ``blocked`` the reverse's register-blocked build (``blocked_steps``, BV in 8,
     16, 32), else the plain one (``plain_steps``, BV = 8); ``chains`` the forward's plain build with the chains'
-    ``from_known`` flags. Arguments, in order:
+    ``from_known`` flags; ``m_zero`` (any build) with the transition pass's flags of the M it stored as zero, whose
+    steps are then their own term alone (b, or D), with no load of M and no product. Arguments, in order:
 
       pairs   [S, 2 Hv, K, V]  float32: head 2h + 1 is M (V = K), head 2h the forward's b
       D       [S, Hv, K, V]    float32: the backward's D (read only when ``reverse``; any such tensor otherwise)
       start   [N, Hv, K, V]    float32: h0 (forward) or d(final state) (backward)
       first   [N] int64, count [N] int64: each sequence's first segment and its number of segments
       from_known [N] int64     (``chains`` only): nonzero where the chain's first step multiplies its M
+      m_zero  [S, Hv] int32    (``m_zero`` only): nonzero where the segment's M is zero (its step is b, or D)
       out     [S, Hv, K, V]    float32, written: every segment's start state (forward) / end gradient (backward)
     """
     import tilelang
@@ -90,16 +93,26 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             s_f[r, j] = pairs[src, 2 * h, r, c0 + j]
 
     @T.macro
-    def plain_steps(pairs, D, start, first, count, out, from_known):
+    def plain_own_term(pairs, D, s_f, h, c0, src):
+        # a step whose M is zero: its own term alone (exactly what the product adds it to: b + 0, D + 0)
+        for r, j in T.Parallel(K, BV):
+            s_f[r, j] = D[src, h, r, c0 + j] if reverse else pairs[src, 2 * h, r, c0 + j]
+
+    @T.macro
+    def plain_steps(pairs, D, start, first, count, out, from_known, zero):
         with T.Kernel(V // BV, Hv, num_seqs, threads=128) as (vb, h, n):
             m_s = T.alloc_shared((K, K + 1), acc)  # [k][r]: the factor of state row k in output row r (padded)
             s_s = T.alloc_shared((K, BV), acc)
             s_f = T.alloc_fragment((K, BV), acc)
+            # ``m_zero``: this step's flag and the next one's, loaded a step ahead (off the chain's critical path)
+            zf = T.alloc_local((2,), "int32") if m_zero else None
             f = first[n]
             c = count[n]
             c0 = vb * BV
             # the first row of the chain is the sequence's own start (forward) or end (backward)
             row0 = f + c - 1 if reverse else f
+            if m_zero:
+                zf[1] = zero[row0, h]  # the first step's segment
             for r, j in T.Parallel(K, BV):
                 s_f[r, j] = start[n, h, r, c0 + j]
             for r, j in T.Parallel(K, BV):
@@ -107,11 +120,18 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             for step in T.serial(c - 1):
                 src = f + c - 1 - step if reverse else f + step  # the segment whose transition applies
                 dst = src - 1 if reverse else src + 1
-                if chains:
+                if chains or m_zero:
                     # the last step's products still read m_s and s_s; TileLang's sync planner leaves this
-                    # barrier out once the first step can multiply too (seen in the generated code)
+                    # barrier out once the first step can multiply too (seen in the generated code), and a step
+                    # without products may come between two with them
                     T.sync_threads()
-                if reverse or step > 0:
+                if m_zero:
+                    zf[0] = zf[1]
+                    # the next step's segment (past the last step: the chain's last segment again, never used)
+                    zf[1] = zero[T.max(src - 1, f) if reverse else T.min(src + 1, f + c - 1), h]
+                if m_zero and zf[0] != 0:
+                    plain_own_term(pairs, D, s_f, h, c0, src)
+                elif reverse or step > 0:
                     plain_multiply(pairs, D, m_s, s_s, s_f, h, c0, src)
                 elif chains:
                     if from_known[n] != 0:  # a chain inside its sequence: its b was walked from zero
@@ -137,7 +157,32 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
                 m_s[buf, tx // 32 + i * (128 * GROUPS // 32), (tx % 32) * 4 + e] = m_r[i * 4 + e]
 
     @T.macro
-    def blocked_steps(pairs, D, start, first, count, out):
+    def blocked_product(m_s, s_s, part_s, acc_r, mv, sv, d_r, grp, rg, cg, oe, org, ocol, buf):
+        # d_r += (M^T E) for this thread's CW outputs: the K-groups' partial sums, then their sum in group order
+        for i in T.serial(4 * CW):
+            acc_r[i] = 0.0
+        T.sync_threads()
+        for kk in T.serial(KG):
+            kglob = grp * KG + kk
+            for e in T.vectorized(4):
+                mv[e] = m_s[buf, kglob, rg * 4 + e]
+            for j in T.vectorized(CW):
+                sv[j] = s_s[kglob % 4, kglob // 4, cg * CW + j]
+            for e in T.serial(4):
+                for j in T.serial(CW):
+                    acc_r[e * CW + j] = acc_r[e * CW + j] + mv[e] * sv[j]
+        for e in T.serial(4):
+            for j in T.vectorized(CW):
+                part_s[grp, e, rg, cg * CW + j] = acc_r[e * CW + j]
+        T.sync_threads()
+        for g in T.serial(GROUPS):
+            for j in T.vectorized(CW):
+                sv[j] = part_s[g, oe, org, ocol + j]
+            for j in T.serial(CW):
+                d_r[j] = d_r[j] + sv[j]
+
+    @T.macro
+    def blocked_steps(pairs, D, start, first, count, out, zero):
         # ``blocked``: the plain step is bound by the SM's shared-memory pipe (MIO), not by its FMAs or its loads:
         # per FMA it issues ~0.4 shared loads (a scalar of M and half a float4 of the state for each of a thread's
         # 8 outputs), and M goes to shared memory transposed by 4-way conflicted scalar stores, on one warp per
@@ -158,6 +203,7 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             mv = T.alloc_local((4,), acc)
             sv = T.alloc_local((CW,), acc)
             d_r = T.alloc_local((CW,), acc)  # the output's own term (D or b) for this thread's CW outputs
+            zf = T.alloc_local((3,), "int32") if m_zero else None  # ``m_zero``: this step's flag and the next two
             tx = T.get_thread_binding()
             grp = tx // 128
             t = tx % 128
@@ -178,7 +224,17 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
                 s_s[oe, org, ocol + j] = sv[j]
                 out[row0, h, orow, c0 + ocol + j] = sv[j]
 
-            if c - 1 > 0:
+            if m_zero:
+                # a step whose M is zero neither loads M nor multiplies (nor waits at the step's barriers: every
+                # product phase ends at a barrier of its own step, so the shared memory a later write reuses is read).
+                # The flags of this step's segment and of the next one, loaded a step ahead (zf[2] on its way)
+                zf[0] = zero[f + c - 1, h]
+                zf[1] = zero[T.max(f + c - 2, f), h]
+                if c - 1 > 0:
+                    if zf[0] == 0:
+                        load_m(pairs, m_r, tx, h, f + c - 1)
+                        store_m(m_s, m_r, tx, 0)
+            elif c - 1 > 0:
                 load_m(pairs, m_r, tx, h, f + c - 1)
                 store_m(m_s, m_r, tx, 0)
             for step in T.serial(c - 1):
@@ -187,37 +243,63 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
                 for j in T.vectorized(CW):
                     d_r[j] = D[src, h, orow, c0 + ocol + j]
                 has_next = step + 1 < c - 1
-                if has_next:
-                    load_m(pairs, m_r, tx, h, src - 1)
-                buf = step % 2
-                for i in T.serial(4 * CW):
-                    acc_r[i] = 0.0
-                T.sync_threads()
-                for kk in T.serial(KG):
-                    kglob = grp * KG + kk
-                    for e in T.vectorized(4):
-                        mv[e] = m_s[buf, kglob, rg * 4 + e]
-                    for j in T.vectorized(CW):
-                        sv[j] = s_s[kglob % 4, kglob // 4, cg * CW + j]
+                if m_zero:
+                    buf = step % 2
+                    zf[2] = zero[T.max(src - 2, f), h]
+                    next_m = T.And(has_next, zf[1] == 0)
+                    if next_m:
+                        load_m(pairs, m_r, tx, h, src - 1)
+                    if zf[0] == 0:
+                        blocked_product(m_s, s_s, part_s, acc_r, mv, sv, d_r, grp, rg, cg, oe, org, ocol, buf)
+                    if next_m:
+                        store_m(m_s, m_r, tx, 1 - buf)
+                    zf[0] = zf[1]
+                    zf[1] = zf[2]
+                else:  # (written out, not by blocked_product: the default builds keep their cache entries)
+                    if has_next:
+                        load_m(pairs, m_r, tx, h, src - 1)
+                    buf = step % 2
+                    for i in T.serial(4 * CW):
+                        acc_r[i] = 0.0
+                    T.sync_threads()
+                    for kk in T.serial(KG):
+                        kglob = grp * KG + kk
+                        for e in T.vectorized(4):
+                            mv[e] = m_s[buf, kglob, rg * 4 + e]
+                        for j in T.vectorized(CW):
+                            sv[j] = s_s[kglob % 4, kglob // 4, cg * CW + j]
+                        for e in T.serial(4):
+                            for j in T.serial(CW):
+                                acc_r[e * CW + j] = acc_r[e * CW + j] + mv[e] * sv[j]
                     for e in T.serial(4):
+                        for j in T.vectorized(CW):
+                            part_s[grp, e, rg, cg * CW + j] = acc_r[e * CW + j]
+                    T.sync_threads()
+                    for g in T.serial(GROUPS):
+                        for j in T.vectorized(CW):
+                            sv[j] = part_s[g, oe, org, ocol + j]
                         for j in T.serial(CW):
-                            acc_r[e * CW + j] = acc_r[e * CW + j] + mv[e] * sv[j]
-                for e in T.serial(4):
-                    for j in T.vectorized(CW):
-                        part_s[grp, e, rg, cg * CW + j] = acc_r[e * CW + j]
-                T.sync_threads()
-                for g in T.serial(GROUPS):
-                    for j in T.vectorized(CW):
-                        sv[j] = part_s[g, oe, org, ocol + j]
-                    for j in T.serial(CW):
-                        d_r[j] = d_r[j] + sv[j]
-                if has_next:
-                    store_m(m_s, m_r, tx, 1 - buf)
+                            d_r[j] = d_r[j] + sv[j]
+                    if has_next:
+                        store_m(m_s, m_r, tx, 1 - buf)
                 for j in T.vectorized(CW):
                     s_s[oe, org, ocol + j] = d_r[j]
                     out[dst, h, orow, c0 + ocol + j] = d_r[j]
 
-    if chains:
+    if chains and m_zero:
+        @T.prim_func
+        def splice_kernel(
+            pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
+            D: T.Tensor((num_d, Hv, K, V), acc),
+            start: T.Tensor((num_seqs, Hv, K, V), acc),
+            first: T.Tensor((num_seqs,), "int64"),
+            count: T.Tensor((num_seqs,), "int64"),
+            from_known: T.Tensor((num_seqs,), "int64"),
+            zero: T.Tensor((num_segments, Hv), "int32"),
+            out: T.Tensor((num_segments, Hv, K, V), acc),
+        ):
+            plain_steps(pairs, D, start, first, count, out, from_known, zero)
+    elif chains:
         @T.prim_func
         def splice_kernel(
             pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
@@ -228,7 +310,22 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             from_known: T.Tensor((num_seqs,), "int64"),
             out: T.Tensor((num_segments, Hv, K, V), acc),
         ):
-            plain_steps(pairs, D, start, first, count, out, from_known)
+            plain_steps(pairs, D, start, first, count, out, from_known, None)
+    elif m_zero:
+        @T.prim_func
+        def splice_kernel(
+            pairs: T.Tensor((num_segments, 2 * Hv, K, V), acc),
+            D: T.Tensor((num_d, Hv, K, V), acc),
+            start: T.Tensor((num_seqs, Hv, K, V), acc),
+            first: T.Tensor((num_seqs,), "int64"),
+            count: T.Tensor((num_seqs,), "int64"),
+            zero: T.Tensor((num_segments, Hv), "int32"),
+            out: T.Tensor((num_segments, Hv, K, V), acc),
+        ):
+            if blocked:
+                blocked_steps(pairs, D, start, first, count, out, zero)
+            else:
+                plain_steps(pairs, D, start, first, count, out, None, zero)
     else:
         @T.prim_func
         def splice_kernel(
@@ -240,8 +337,8 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
             out: T.Tensor((num_segments, Hv, K, V), acc),
         ):
             if blocked:
-                blocked_steps(pairs, D, start, first, count, out)
+                blocked_steps(pairs, D, start, first, count, out, None)
             else:
-                plain_steps(pairs, D, start, first, count, out, None)
+                plain_steps(pairs, D, start, first, count, out, None, None)
 
     return tilelang.compile(splice_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

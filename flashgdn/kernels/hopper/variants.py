@@ -120,6 +120,16 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             for bv in SPLICE_WIDTHS:
                 yield (f"splice_blocked{bv}[{Hv},reverse]", "splice",
                        dict(Hv=Hv, K=K, V=V, reverse=True, blocked=True, BV=bv))
+            # each of them with the transition pass's flags of the M it stored as zero (backend.CP_NEGLIGIBLE_M_IN_KERNEL,
+            # an A/B; with_switches adds the option to the builds above when it is on)
+            for reverse in (False, True):
+                yield (f"splice_m_zero[{Hv},{'reverse' if reverse else 'forward'}]", "splice",
+                       dict(Hv=Hv, K=K, V=V, reverse=reverse, m_zero=True))
+            yield (f"splice_chains_m_zero[{Hv},forward]", "splice",
+                   dict(Hv=Hv, K=K, V=V, reverse=False, chains=True, m_zero=True))
+            for bv in SPLICE_WIDTHS:
+                yield (f"splice_blocked{bv}_m_zero[{Hv},reverse]", "splice",
+                       dict(Hv=Hv, K=K, V=V, reverse=True, blocked=True, BV=bv, m_zero=True))
             yield (name.replace("chunk_forward", "chunk_forward_uw_state"), "chunk_forward_uw",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True,
                         store_final_state=True, state_v_first=False, with_output=False))
@@ -153,9 +163,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
 def _is_splice(v: Variant) -> bool:
     """Whether ``v`` is a splice build the operator may run as ``forward.SPLICE_BLOCKED`` is set: the plain forward
     splice; every column width of the blocked reverse splice (the width follows the number of sequences), or the
-    plain one when off. (The chains build is the backward's, under ``backend.CP_REUSE_STARTS``.)"""
+    plain one when off. (The chains build is the backward's, under ``backend.CP_REUSE_STARTS``; the ``m_zero`` builds
+    are these with ``with_switches``' option, not variants of their own.)"""
     from . import forward
 
+    if "_m_zero[" in v[0]:
+        return False
     if v[0].endswith(",forward]"):
         return v[0].startswith("splice[")
     return v[0].startswith("splice_blocked" if forward.SPLICE_BLOCKED else "splice[")
@@ -166,10 +179,14 @@ def with_switches(v: Variant) -> Variant:
     (``forward.rso_options`` for the rso loop, ``forward.lean_state_option`` for the rs loop but its decayed_k
     builds, and for the walk; ``starts_from_h0`` for the skipping transition passes under
     ``backend.CP_STARTS_IN_KERNEL``, and ``negligible_m`` for those under ``backend.CP_NEGLIGIBLE_M``, with
-    ``late_b`` under ``backend.CP_LATE_B``): what the operator then builds."""
+    ``late_b`` under ``backend.CP_LATE_B``; ``m_zero`` for the splices under ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``):
+    what the operator then builds."""
     from . import backend, forward
 
     name, builder, kw = v
+    if builder == "splice" and backend.CP_NEGLIGIBLE_M_IN_KERNEL and backend.CP_SKIP_UNREAD and \
+            backend.CP_STARTS_IN_KERNEL:  # the pairs then carry the flags of the M stored as zero
+        kw = {**kw, "m_zero": True}
     if builder == "chunk_forward_rso":
         kw = {**kw, **forward.rso_options()}
     elif builder == "kkt_inverse":
