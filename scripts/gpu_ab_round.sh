@@ -160,6 +160,9 @@ set -uo pipefail
 # m-zero-splice: the same with the splices leaving out the products of the M the pass stored as zero (notes v0.36b):
 #   the GPU tests of the bounds and of the splice kernels (gpu-m-zero-splice.log), the forward's kernels per step
 #   both ways on three shapes (mzs-steps-{0,1}.json), then the two A/Bs of negligible-m-in-kernel (mzs-cp-*.json).
+# shorter-ties: a forward with no backward after it on the shortest segment length within 3% of the model's best
+#   (backend.CP_SHORTER_TIES, notes v0.36c), both ways side by side: the cp set, the canonical set's 2/8 and 16/48
+#   shapes and the bwd set's 4/8 ones, forward (shorter-ties-{cp,canonical,bwd}.json; six shapes move).
 # cp-choices-m-zero: cp="auto"'s picks against every segment length now that vanishing M leave the pass and the
 #   splice (notes v0.36b; the cost model counts every M): the cp set's single 32768- and 131072-token sequences at
 #   every head configuration, forward (cp-choices-fwd.json), and four shapes' fwd+bwd (cp-choices-fwdbwd.json).
@@ -177,7 +180,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -639,6 +642,13 @@ elif [ "$part" = m-zero-splice ]; then
     --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --only-heads 2/4,4/8,8/16 \
     --modes fwdbwd --rounds 2 --out "$out/mzs-cp-fwdbwd.json"
   grep "geometric\|same bits" "$out/mzs-cp-fwdbwd.log"
+elif [ "$part" = shorter-ties ]; then
+  for set in cp:1/4,2/4,2/8,4/8,4/16,8/16 canonical:2/8,16/48 bwd:4/8; do
+    logged "shorter-ties-${set%%:*}" 200 python3 benchmarks/switch_ab.py \
+      --switch flashgdn.kernels.hopper.backend:CP_SHORTER_TIES --set "${set%%:*}" --only-heads "${set#*:}" \
+      --modes fwd --rounds 3 --max-diff 8e-3 --out "$out/shorter-ties-${set%%:*}.json"
+    grep "geometric\|same bits" "$out/shorter-ties-${set%%:*}.log"
+  done
 elif [ "$part" = cp-choices-m-zero ]; then
   shapes=""
   for h in 1/4 2/4 2/8 4/8 4/16 8/16; do shapes="$shapes --shape $h:32768 --shape $h:131072"; done

@@ -797,6 +797,46 @@ def test_in_between_segments_follow_the_measured_record():
     assert all(ratio < 0.99 for _, ratio in between.values()), picked
 
 
+def test_shorter_ties_take_the_shortest_length_within_the_factor(monkeypatch):
+    """``CostModel.shorter_within`` (the Hopper backend's ``CP_SHORTER_TIES``, an A/B): a forward with no backward
+    after it takes the shortest power-of-two length whose estimate is within ``SHORTER_WITHIN`` of the best; the
+    forward under autograd (no ``in_between``), a fixed length and the decision to split are unchanged. On the cp,
+    canonical and bwd sets it moves six shapes, the two cp-set ones measured (``h100/v0.36/cp-choices-quick.json``:
+    32 chunks the faster forward there)."""
+    import dataclasses
+
+    from flashgdn.bench.shapes import bwd_set, canonical_set, cp_set
+    from flashgdn.cp.plan import SHORTER_WITHIN
+    from flashgdn.kernels.hopper import backend
+
+    ties = dataclasses.replace(BACKEND_MODEL, shorter_within=SHORTER_WITHIN)
+    assert plan_segments([32768], 8, "auto", BACKEND_MODEL, qk_heads=2, in_between=True).segment_chunks == 64
+    assert plan_segments([32768], 8, "auto", ties, qk_heads=2, in_between=True).segment_chunks == 32
+    assert plan_segments([32768], 8, "auto", ties, qk_heads=2).segment_chunks == 64  # a backward follows
+    assert plan_segments([32768], 8, 64, ties, qk_heads=2, in_between=True).segment_chunks == 64
+    # within the factor, and the shortest such
+    est = {c: estimated_us([32768], 8, c, BACKEND_MODEL, 2) for c in (16, 32, 64)}
+    assert est[32] <= SHORTER_WITHIN * est[64] < est[16]
+    moved = []
+    for shape in canonical_set() + cp_set() + bwd_set():
+        args = (list(shape.seqlens), shape.h_v, "auto")
+        plain = plan_segments(*args, BACKEND_MODEL, qk_heads=shape.h_qk, in_between=True)
+        tied = plan_segments(*args, ties, qk_heads=shape.h_qk, in_between=True)
+        assert plain.split == tied.split, shape
+        if plain.segment_chunks != tied.segment_chunks:
+            assert tied.segment_chunks < plain.segment_chunks, shape
+            moved.append((shape.h_qk, shape.h_v, tuple(shape.seqlens), plain.segment_chunks, tied.segment_chunks))
+    assert sorted(set(moved)) == [(2, 8, (4096, 28672), 64, 32), (2, 8, (28672, 4096), 64, 32),
+                                  (2, 8, (32768,), 64, 32), (4, 8, (32768,), 64, 32),
+                                  (16, 48, (32768,), 256, 128)], moved
+    # the switch reaches the backend's model, and only as asked
+    assert backend.cp_cost_model().shorter_within == (SHORTER_WITHIN if backend.CP_SHORTER_TIES else 1.0)
+    monkeypatch.setattr(backend, "CP_SHORTER_TIES", True)
+    assert backend.cp_cost_model().shorter_within == SHORTER_WITHIN
+    monkeypatch.setattr(backend, "CP_SHORTER_TIES", False)
+    assert backend.cp_cost_model().shorter_within == 1.0
+
+
 def test_in_between_segments_only_without_a_backward():
     """The in-between lengths are not tried unless asked for (the backward starts from the forward's segment starts
     only when one length divides the other), nor with FLASHGDN_CP_IN_BETWEEN=0, nor for a fixed segment length."""

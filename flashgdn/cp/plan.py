@@ -66,6 +66,12 @@ AUTO_GAIN = 0.9
 #: the backward).
 FORWARD_AUTO_GAIN = float(os.environ.get("FLASHGDN_CP_FORWARD_AUTO_GAIN", "0.97"))
 
+#: ``CostModel.shorter_within`` under the Hopper backend's ``CP_SHORTER_TIES``: within 3% of the best estimate. Measured
+#: on an H100 with the benchmark's gates (``h100/v0.36/cp-choices-quick.json``), the two cp-set shapes where a shorter
+#: length is that close: 2/8 and 4/8 32768 at 32 chunks instead of 64, the forward 0.72x and 0.77x of the model's
+#: pick. Six shapes of the cp, canonical and bwd sets change (``tests/test_cp.py``)
+SHORTER_WITHIN = 1.03
+
 #: the backward splits on any predicted gain (not only ``AUTO_GAIN``'s clear one) when that puts it on the fused
 #: kernel where the whole sequences would take the walk and ``chunk_grad``: the fused kernel keeps no per-chunk state
 #: gradients (S x Hv x K x V in the io dtype, as large as the chunk states), so such a split also saves memory that
@@ -214,16 +220,24 @@ class CostModel:
     walk_starts_only: bool = False
     walk_starts_chunk_us: float = 2.6
     walk_starts_busy_chunk_us: float = 2.7
+    # a forward with no backward after it takes the shortest segment length whose estimate is within this factor of
+    # the best one (1.0: the best itself; ``SHORTER_WITHIN`` under the Hopper backend's ``CP_SHORTER_TIES``). The
+    # estimates count every transition M and splice step at full price, but where a segment's M falls below
+    # float32's range the transition pass and the splices leave it out (notes v0.36b), and more of them do, and more
+    # output CTAs run, on shorter segments
+    shorter_within: float = 1.0
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
                    skip_unread: bool = False, reuse_transitions: bool = False,
-                   fused_longest_first: bool = False, walk_starts_only: bool = False) -> "CostModel":
+                   fused_longest_first: bool = False, walk_starts_only: bool = False,
+                   shorter_within: float = 1.0) -> "CostModel":
         """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
         ``paired``/``fused``/``skip_unread``/``reuse_transitions``/``fused_longest_first``/``walk_starts_only``:
         which of CP's kernels the backend runs, and how the fused backward orders its CTAs."""
         flags = dict(paired=paired, fused=fused, skip_unread=skip_unread, reuse_transitions=reuse_transitions,
-                     fused_longest_first=fused_longest_first, walk_starts_only=walk_starts_only)
+                     fused_longest_first=fused_longest_first, walk_starts_only=walk_starts_only,
+                     shorter_within=shorter_within)
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
             return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, **flags)
         return CostModel(**flags)
@@ -480,7 +494,9 @@ def plan_segments(
     """The segments for ``cp`` ("off", "auto" or a segment length in chunks); ``seqlens`` None (lengths not
     on the host) means no split. ``heads``/``qk_heads``: value and qk heads (for the cost model). ``in_between``
     (a forward no backward follows): "auto" also tries ``IN_BETWEEN_SEGMENT_CHUNKS``, each taken only when the model
-    puts it at ``IN_BETWEEN_GAIN`` of the best of the others (or of no split) or less."""
+    puts it at ``IN_BETWEEN_GAIN`` of the best of the others (or of no split) or less, and with the model's
+    ``shorter_within`` above 1 takes the shortest power-of-two length whose estimate is within that factor of the
+    best one."""
     if seqlens is None:
         raise ValueError("planning context parallelism needs the sequence lengths on the host")
     if cp == "off":
@@ -492,11 +508,14 @@ def plan_segments(
     model = model or CostModel()
     seqs = _sequences(seqlens)  # once for every candidate
     off_us = _estimated_us(*seqs, heads, None, model, qk_heads)
-    us, best = min((_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS)
+    estimates = [(_estimated_us(*seqs, heads, s, model, qk_heads), s) for s in CANDIDATE_SEGMENT_CHUNKS]
+    us, best = min(estimates)
     # a gain beyond the model's error only: CP costs memory (the segments' states)
     gain = FORWARD_AUTO_GAIN if len(seqlens) * heads <= model.num_sms // 2 else AUTO_GAIN
     if not us < gain * off_us:
         us, best = off_us, None
+    elif in_between and model.shorter_within > 1.0:  # (the split's decision and gain stay the best estimate's)
+        best = min(s for u, s in estimates if u <= model.shorter_within * us)
     if in_between and IN_BETWEEN:
         between_us, between = min((_estimated_us(*seqs, heads, s, model, qk_heads), s)
                                   for s in IN_BETWEEN_SEGMENT_CHUNKS)

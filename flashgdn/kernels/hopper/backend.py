@@ -220,6 +220,14 @@ CP_LATE_B = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B", "0") == "1"
 #: FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL=0 turns it off.
 CP_NEGLIGIBLE_M_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_KERNEL", "1") == "1"
 
+#: a forward with no backward after it (``cp="auto"``) takes the shortest segment length the cost model puts within
+#: ``flashgdn.cp.plan.SHORTER_WITHIN`` (3%) of its best estimate: the model counts every M, and shorter segments
+#: leave more of them out where they decay below float32's range (CP_NEGLIGIBLE_M_IN_KERNEL). Measured on two shapes
+#: (2/8 and 4/8 32768: the forward 0.72x and 0.77x at 32 chunks instead of 64; notes "v0.36b measured"); an A/B
+#: (notes v0.36c), off until the cp set and the other shapes it changes are timed both ways:
+#: FLASHGDN_HOPPER_CP_SHORTER_TIES=1 turns it on.
+CP_SHORTER_TIES = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_TIES", "0") == "1"
+
 
 def _backward_splits(backward_plan) -> bool:
     """Whether a backward follows (``backward_plan`` not None) and its plan splits."""
@@ -253,8 +261,9 @@ def _training_forward_plan(plan, backward_plan):
 
 def cp_cost_model(device: Optional[torch.device] = None):
     """Context parallelism's cost model for the CP kernels this backend runs as its switches are set (the paired
-    transition pass outside the precise mode, the fused index and splice, the skipping of unread items)."""
-    from ...cp.plan import CostModel
+    transition pass outside the precise mode, the fused index and splice, the skipping of unread items; a forward's
+    shorter segments on the model's near-ties under CP_SHORTER_TIES)."""
+    from ...cp.plan import SHORTER_WITHIN, CostModel
     from .forward import PRECISE
 
     from . import backward
@@ -263,7 +272,8 @@ def cp_cost_model(device: Optional[torch.device] = None):
     return CostModel.for_device(device, paired=paired, fused=CP_FUSED, skip_unread=paired and CP_SKIP_UNREAD,
                                 reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS,
                                 fused_longest_first=backward.fused_longest_first(),
-                                walk_starts_only=backward.WALK_STARTS_ONLY)
+                                walk_starts_only=backward.WALK_STARTS_ONLY,
+                                shorter_within=SHORTER_WITHIN if CP_SHORTER_TIES else 1.0)
 
 
 class _HopperSegmentsForward:
