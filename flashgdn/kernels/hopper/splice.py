@@ -255,31 +255,11 @@ def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: b
                         store_m(m_s, m_r, tx, 1 - buf)
                     zf[0] = zf[1]
                     zf[1] = zf[2]
-                else:  # (written out, not by blocked_product: the default builds keep their cache entries)
+                else:
                     if has_next:
                         load_m(pairs, m_r, tx, h, src - 1)
                     buf = step % 2
-                    for i in T.serial(4 * CW):
-                        acc_r[i] = 0.0
-                    T.sync_threads()
-                    for kk in T.serial(KG):
-                        kglob = grp * KG + kk
-                        for e in T.vectorized(4):
-                            mv[e] = m_s[buf, kglob, rg * 4 + e]
-                        for j in T.vectorized(CW):
-                            sv[j] = s_s[kglob % 4, kglob // 4, cg * CW + j]
-                        for e in T.serial(4):
-                            for j in T.serial(CW):
-                                acc_r[e * CW + j] = acc_r[e * CW + j] + mv[e] * sv[j]
-                    for e in T.serial(4):
-                        for j in T.vectorized(CW):
-                            part_s[grp, e, rg, cg * CW + j] = acc_r[e * CW + j]
-                    T.sync_threads()
-                    for g in T.serial(GROUPS):
-                        for j in T.vectorized(CW):
-                            sv[j] = part_s[g, oe, org, ocol + j]
-                        for j in T.serial(CW):
-                            d_r[j] = d_r[j] + sv[j]
+                    blocked_product(m_s, s_s, part_s, acc_r, mv, sv, d_r, grp, rg, cg, oe, org, ocol, buf)
                     if has_next:
                         store_m(m_s, m_r, tx, 1 - buf)
                 for j in T.vectorized(CW):
