@@ -69,7 +69,8 @@ FORWARD_AUTO_GAIN = float(os.environ.get("FLASHGDN_CP_FORWARD_AUTO_GAIN", "0.97"
 #: ``CostModel.shorter_within`` under the Hopper backend's ``CP_SHORTER_TIES``: within 3% of the best estimate. Measured
 #: on an H100 with the benchmark's gates (``h100/v0.36/cp-choices-quick.json``), the two cp-set shapes where a shorter
 #: length is that close: 2/8 and 4/8 32768 at 32 chunks instead of 64, the forward 0.72x and 0.77x of the model's
-#: pick. Six shapes of the cp, canonical and bwd sets change (``tests/test_cp.py``)
+#: pick. Only where the output pass, in whole waves, gets shorter too. Five shapes of the cp, canonical and bwd sets
+#: change (``tests/test_cp.py``), all measured (``h100/v0.36/shorter-ties-*.json``: 0.71x-0.75x)
 SHORTER_WITHIN = 1.03
 
 #: the backward splits on any predicted gain (not only ``AUTO_GAIN``'s clear one) when that puts it on the fused
@@ -496,7 +497,7 @@ def plan_segments(
     (a forward no backward follows): "auto" also tries ``IN_BETWEEN_SEGMENT_CHUNKS``, each taken only when the model
     puts it at ``IN_BETWEEN_GAIN`` of the best of the others (or of no split) or less, and with the model's
     ``shorter_within`` above 1 takes the shortest power-of-two length whose estimate is within that factor of the
-    best one."""
+    best one and whose output pass, in whole waves, is shorter than the best one's."""
     if seqlens is None:
         raise ValueError("planning context parallelism needs the sequence lengths on the host")
     if cp == "off":
@@ -515,13 +516,24 @@ def plan_segments(
     if not us < gain * off_us:
         us, best = off_us, None
     elif in_between and model.shorter_within > 1.0:  # (the split's decision and gain stay the best estimate's)
-        best = min(s for u, s in estimates if u <= model.shorter_within * us)
+        # the model spreads the output pass's CTAs over the SMs as a fluid; a shorter length that adds a wave
+        # gains nothing there and pays its extra transitions (16/48 32768 at 128 chunks: 1.055x of 256's forward)
+        best_waves = _output_wave_chunks(seqs[0], heads, best, model.num_sms)
+        best = min(s for u, s in estimates if u <= model.shorter_within * us
+                   and (s == best or _output_wave_chunks(seqs[0], heads, s, model.num_sms) < best_waves))
     if in_between and IN_BETWEEN:
         between_us, between = min((_estimated_us(*seqs, heads, s, model, qk_heads), s)
                                   for s in IN_BETWEEN_SEGMENT_CHUNKS)
         if between_us <= IN_BETWEEN_GAIN * us:
             best = between
     return split_sequences(seqlens, best)
+
+
+def _output_wave_chunks(chunks: Sequence[int], heads: int, segment_chunks: int, num_sms: int) -> int:
+    """The output pass on ``segment_chunks``-long segments in whole waves of one CTA an SM: waves times the
+    longest segment's chunks."""
+    ctas = sum(-(-c // segment_chunks) for c in chunks) * heads
+    return -(-ctas // num_sms) * min(segment_chunks, max(chunks))
 
 
 def segment_chunk_counts(chunks: Sequence[int], segment_chunks: Optional[int]) -> List[int]:
