@@ -174,7 +174,8 @@ set -uo pipefail
 # suite-forward: the GPU suite's files that context parallelism's default change (v0.36b) reaches besides the CP file:
 #   the forward, stage 1, the plan and the reference, 14 processes (gpu-suite-forward.log).
 # cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
-# cp-set-fq: the cp set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (cp-set.json).
+# cp-set-fq: the cp set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (cp-set.json;
+#   with CP_SET_PART=i/n that part of the set's head configs, cp-set-part{i}.json).
 # cp-set-fq-2 FIRST_JSON: the shapes cp-set-fq's time limit left, skipping those FIRST_JSON (its cp-set.json, brought
 #   back into the tree) holds (cp-set-2.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
@@ -673,9 +674,16 @@ elif [ "$part" = suite-forward ]; then
   gpu_tests gpu-suite-forward 330 14 tests/test_gpu_hopper_forward.py tests/test_gpu_hopper_stage1.py \
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
 elif [ "$part" = cp-set-fq ]; then
-  logged cp-set 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwdbwd --time-budget 480 \
-    --no-plots --out-dir "$out" --name cp-set
-  tail -3 "$out/cp-set.log"
+  if [ -n "${CP_SET_PART:-}" ]; then  # i/n: that part of the set (the bench's --part), cp-set-part{i}.json
+    logged "cp-set-part${CP_SET_PART%/*}" 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla \
+      --modes fwdbwd --part "$CP_SET_PART" --time-budget 480 --no-plots --out-dir "$out" \
+      --name "cp-set-part${CP_SET_PART%/*}"
+    tail -3 "$out/cp-set-part${CP_SET_PART%/*}.log"
+  else
+    logged cp-set 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwdbwd --time-budget 480 \
+      --no-plots --out-dir "$out" --name cp-set
+    tail -3 "$out/cp-set.log"
+  fi
 elif [ "$part" = cp-set-fq-2 ]; then
   logged cp-set-2 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwdbwd \
     --skip-done "${CP_SET_FIRST:?set CP_SET_FIRST to the first part cp-set.json}" --time-budget 480 --no-plots --out-dir "$out" \
