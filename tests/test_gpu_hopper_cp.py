@@ -194,6 +194,19 @@ def test_transition_starts_made_in_the_kernel_give_the_same_bits(opts, cp, cuda,
         assert torch.equal(a, b)
 
 
+def _splice_problem(seqlens, segment_chunks, cuda, seed):
+    """The splice tests' shared set-up: the plan of ``seqlens`` cut into ``segment_chunks``-chunk segments, its
+    segment index on the GPU, the sizes (segments, sequences, 4 value heads, K = 128) and a seeded generator."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.cp.plan import segment_index_tensors
+
+    plan = split_sequences(seqlens, segment_chunks)
+    cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
+    index = segment_index_tensors(plan, cu)
+    gen = torch.Generator(device=cuda).manual_seed(seed)
+    return plan, index, plan.num_segments, len(seqlens), 4, 128, gen
+
+
 @pytest.mark.parametrize("build", ["plain", "blocked"])
 @pytest.mark.parametrize("seqlens,segment_chunks", [([8192], 4), ([5000, 64, 3000, 1, 700], 3), ([640] * 4, 10),
                                                     ([192, 64, 256], 1)])
@@ -201,21 +214,15 @@ def test_splice_kernel_matches_the_torch_splice(seqlens, segment_chunks, build, 
     """``splice.py`` (forward and reverse plain; the reverse register-blocked over 512 threads with M prefetched at
     every column width: ``forward.SPLICE_BLOCKED``) against the torch splices on random transitions, float32 both: equal
     up to the order of the float32 sums. Sequences of one segment (no step), two (one step), three and many."""
-    from flashgdn.cp import split_sequences
     from flashgdn.cp.backward import splice_reverse
     from flashgdn.cp.exact import _splice
-    from flashgdn.cp.plan import segment_index_tensors
     from flashgdn.kernels.hopper import forward
     from flashgdn.kernels.hopper.forward import hopper_splice
 
     monkeypatch.setattr(forward, "SPLICE_BLOCKED", build == "blocked")
     widths = (8, 16, 32) if build == "blocked" else (None,)
 
-    plan = split_sequences(seqlens, segment_chunks)
-    cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
-    index = segment_index_tensors(plan, cu)
-    S, N, Hv, K = plan.num_segments, len(seqlens), 4, 128
-    gen = torch.Generator(device=cuda).manual_seed(5)
+    plan, index, S, N, Hv, K, gen = _splice_problem(seqlens, segment_chunks, cuda, seed=5)
     pairs = torch.randn((S, 2 * Hv, K, K), generator=gen, device=cuda) / K ** 0.5  # M of norm ~1
     D = torch.randn((S, Hv, K, K), generator=gen, device=cuda)
     start = torch.randn((N, Hv, K, K), generator=gen, device=cuda)
@@ -243,18 +250,12 @@ def test_splice_kernel_leaves_out_the_products_of_flagged_m(seqlens, segment_chu
     segment's M is flagged its step is its own term alone. The flagged M are zero in the pairs the build without flags
     splices, and NaN in those the ``m_zero`` build splices (so a product made with one shows): forward, reverse at
     every blocked width, and chains from known starts, the same values both ways."""
-    from flashgdn.cp import split_sequences
-    from flashgdn.cp.plan import segment_index_tensors
     from flashgdn.kernels.hopper import forward
     from flashgdn.kernels.hopper.forward import hopper_splice, m_zero_of, set_m_zero
 
     monkeypatch.setattr(forward, "SPLICE_BLOCKED", build == "blocked")
     widths = (8, 16, 32) if build == "blocked" else (None,)
-    plan = split_sequences(seqlens, segment_chunks)
-    cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
-    index = segment_index_tensors(plan, cu)
-    S, N, Hv, K = plan.num_segments, len(seqlens), 4, 128
-    gen = torch.Generator(device=cuda).manual_seed(11)
+    plan, index, S, N, Hv, K, gen = _splice_problem(seqlens, segment_chunks, cuda, seed=11)
     zeroed = torch.randn((S, 2 * Hv, K, K), generator=gen, device=cuda) / K ** 0.5
     D = torch.randn((S, Hv, K, K), generator=gen, device=cuda)
     start = torch.randn((N, Hv, K, K), generator=gen, device=cuda)
@@ -289,15 +290,9 @@ def test_splice_chains_kernel_matches_the_loop(seqlens, segment_chunks, cuda):
     random ``from_known`` marks, the first step is ``M start + b``; elsewhere the plain forward splice's. Against the
     kernel's loop in float64 (random transitions, float32 kernel), with rows no chain writes NaN; the chains' M of
     unmarked first segments NaN too, as a skipping transition pass leaves them."""
-    from flashgdn.cp import split_sequences
-    from flashgdn.cp.plan import segment_index_tensors
     from flashgdn.kernels.hopper.forward import hopper_splice
 
-    plan = split_sequences(seqlens, segment_chunks)
-    cu = torch.tensor([0] + seqlens, device=cuda).cumsum(0)
-    index = segment_index_tensors(plan, cu)
-    S, N, Hv, K = plan.num_segments, len(seqlens), 4, 128
-    gen = torch.Generator(device=cuda).manual_seed(7)
+    plan, index, S, N, Hv, K, gen = _splice_problem(seqlens, segment_chunks, cuda, seed=7)
     pairs = torch.randn((S, 2 * Hv, K, K), generator=gen, device=cuda) / K ** 0.5
     start = torch.randn((N, Hv, K, K), generator=gen, device=cuda)
     from_known = torch.randint(0, 2, (N,), generator=gen, device=cuda)
