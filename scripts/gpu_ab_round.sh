@@ -175,7 +175,7 @@ set -uo pipefail
 #   the forward, stage 1, the plan and the reference, 14 processes (gpu-suite-forward.log).
 # cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
 # cp-set-fq: the cp set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (cp-set.json;
-#   with CP_SET_PART=i/n that part of the set's head configs, cp-set-part{i}.json).
+#   with CP_SET_PART=i/n that part of the set's head configs, cp-set-part{i}.json, within CP_SET_BUDGET seconds).
 # cp-set-fq-2 FIRST_JSON: the shapes cp-set-fq's time limit left, skipping those FIRST_JSON (its cp-set.json, brought
 #   back into the tree) holds (cp-set-2.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
@@ -675,8 +675,9 @@ elif [ "$part" = suite-forward ]; then
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
 elif [ "$part" = cp-set-fq ]; then
   if [ -n "${CP_SET_PART:-}" ]; then  # i/n: that part of the set (the bench's --part), cp-set-part{i}.json
-    logged "cp-set-part${CP_SET_PART%/*}" 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla \
-      --modes fwdbwd --part "$CP_SET_PART" --time-budget 480 --no-plots --out-dir "$out" \
+    budget=${CP_SET_BUDGET:-480}  # seconds of shapes; the limit is 50 more
+    logged "cp-set-part${CP_SET_PART%/*}" $((budget + 50)) python3 -m flashgdn.bench --set cp \
+      --impls flashgdn,flashqla --modes fwdbwd --part "$CP_SET_PART" --time-budget "$budget" --no-plots --out-dir "$out" \
       --name "cp-set-part${CP_SET_PART%/*}"
     tail -3 "$out/cp-set-part${CP_SET_PART%/*}.log"
   else
