@@ -2,7 +2,7 @@
 with other lengths, shape by shape (GPU only).
 
     python benchmarks/cp_choices.py --shape 8/32:24576+8192 --shape 2/8:8192x4 [--segments 16,32,128]
-        [--skip-unread both] [--fwdbwd] [--out F.json]
+        [--skip-unread both] [--fwdbwd] [--gate-scale 0.1] [--out F.json]
 
 For each shape: the model's pick (``plan_segments(..., "auto")``) and its predicted times, and the measured op
 (CUDA-graph replay, median) with ``cp="off"``, ``cp="auto"`` and each segment length asked for. What it answers:
@@ -11,7 +11,9 @@ whether the cost model's choice is within a few percent of the best measured one
 transition item and skipping those no splice reads (``backend.CP_SKIP_UNREAD``): fields ``ms_<cp>`` and
 ``ms_<cp>_skip``, and the model's prediction for each (a forward's: the model has no backward terms). ``on`` or
 ``off`` times one of them (the default: as the backend is set). ``--fwdbwd`` times the forward and the backward
-(``torch.autograd.grad`` of o and the final state) instead of the forward alone.
+(``torch.autograd.grad`` of o and the final state) instead of the forward alone. ``--gate-scale`` multiplies the
+log decays g (the benchmark's average about -0.05 a token): at 0.1 (about -0.005 a token) no transition M of 128 chunks or
+fewer falls below float32's range, so the transition pass and the splices walk and multiply every one of them.
 """
 import argparse
 import json
@@ -35,6 +37,8 @@ def main(argv=None):
                     help="the paired pass with or without skipping unread transition items, or both side by side")
     ap.add_argument("--fwdbwd", action="store_true",
                     help="time the forward and the backward (torch.autograd.grad of o and the final state)")
+    ap.add_argument("--gate-scale", type=float, default=1.0,
+                    help="multiply the log decays g by this (slower decay below 1: fewer transitions vanish)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from triton.testing import do_bench_cudagraph
@@ -54,13 +58,14 @@ def main(argv=None):
     for text in args.shape:
         hq, hv, seqlens = parse_shape(text)
         q, k, v, g, beta, h0, cu = make(hq, hv, seqlens)
+        g = g * args.gate_scale
         cu_cpu = cu.cpu()
         xs = [t.detach().requires_grad_(args.fwdbwd) for t in (q, k, v, g, beta)]
         if args.fwdbwd:
             gen = torch.Generator(device=q.device).manual_seed(3)
             do = torch.randn(v.shape, generator=gen, device=q.device).to(v.dtype)
             dht = torch.randn(h0.shape, generator=gen, device=q.device)
-        row = {"shape": text, "mode": "fwdbwd" if args.fwdbwd else "fwd"}
+        row = {"shape": text, "mode": "fwdbwd" if args.fwdbwd else "fwd", "gate_scale": args.gate_scale}
         for skip in modes:
             backend.CP_SKIP_UNREAD = skip
             tag = "_skip" if skip else ""

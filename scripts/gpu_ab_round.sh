@@ -171,6 +171,10 @@ set -uo pipefail
 # suite-rest: the GPU suite's files a default training step's change reaches (backward, compile, plan, reference: the
 #   forward's and stage 1's kernels are unchanged since their last whole run, CP's ran with walk-starts on),
 #   14 processes (gpu-suite-rest.log).
+# cp-choices-regimes: the forward at 16, 32 and 64 chunks where the model's pick leaves half the SMs idle in the
+#   output pass, or near it (1/4 and 2/4 65536 and 61440+4096, 2/8 32768, 4/16 8192), with the benchmark's gates
+#   (cp-choices-regimes-fast.json: the long segments' M vanish) and with g x 0.1 (cp-choices-regimes-slow.json: none
+#   vanishes), for a planner that is right under both (notes "Segment lengths under both gate regimes").
 # suite-forward: the GPU suite's files that context parallelism's default change (v0.36b) reaches besides the CP file:
 #   the forward, stage 1, the plan and the reference, 14 processes (gpu-suite-forward.log).
 # cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
@@ -185,7 +189,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-set-fq-2 OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-set-fq-2|cp-choices-regimes OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -670,6 +674,13 @@ elif [ "$part" = cp-default ]; then
 elif [ "$part" = suite-rest ]; then
   gpu_tests gpu-suite-rest 500 14 tests/test_gpu_hopper_backward.py tests/test_gpu_compile.py \
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
+elif [ "$part" = cp-choices-regimes ]; then
+  for regime in fast:1 slow:0.1; do
+    logged "cp-choices-regimes-${regime%%:*}" 150 python3 benchmarks/cp_choices.py --shape 1/4:65536 \
+      --shape 2/4:65536 --shape 1/4:61440+4096 --shape 2/8:32768 --shape 4/16:8192 --segments 16,32,64 \
+      --gate-scale "${regime#*:}" --out "$out/cp-choices-regimes-${regime%%:*}.json"
+    tail -6 "$out/cp-choices-regimes-${regime%%:*}.log"
+  done
 elif [ "$part" = suite-forward ]; then
   gpu_tests gpu-suite-forward 330 14 tests/test_gpu_hopper_forward.py tests/test_gpu_hopper_stage1.py \
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
