@@ -1,0 +1,194 @@
+"""Could stage 1's inverse make its diagonal blocks on the tensor cores? Its rounding, emulated on the CPU.
+
+    python benchmarks/inverse_numerics.py [--chunks 64] [--seed 0] [--loop-tokens 2048]
+
+Stage 1 (``flashgdn/kernels/hopper/kkt_inverse.py``, the default ``diag16`` and ``mma32`` build) inverts
+``I + L``, ``L = StrictLower(diag(beta) K K^T)``, per 64-token chunk: its four 16x16 diagonal blocks by forward
+substitution in float32 (a chain of ~120 dependent FMAs a thread, about half of the stage's instructions), then two
+levels of merges ``A21 = -A22 (L21 A11)`` as tf32 ``mma.m16n8k8`` products. A tensor-core alternative for the
+diagonal blocks: ``N = -L`` is nilpotent (``N^16 = 0`` on a 16x16 block), so
+
+    (I - N)^{-1} = I + N + ... + N^15 = (I + N)(I + N^2)(I + N^4)(I + N^8)
+
+three squarings and three products, each a 16x16x16 mma. This script emulates both with the kernel's rounding points
+(operands rounded to tf32, to three-pass tf32 (hi, lo split) or to bf16; float32 accumulation; the merges as the
+kernel makes them) and prints, against a float64 inverse of the same bf16 keys:
+  * the inverse A's relative RMS and largest element error (A's entries are at most ~1 in size);
+  * Ag = Gam ⊙ A ⊙ (1 beta^T) after its bf16 store, the tile the chunk loop multiplies by;
+  * with ``--loop-tokens``, o and the final state of the emulated chunk loop (``numerics_study.chunk_loop``) fed each
+    inverse, against a float64 loop: what DESIGN.md's bars (5e-3) see.
+
+Keys: random unit vectors (nearly orthogonal in 128 dimensions, so L is small) and keys that share a direction
+(``k = normalize(base + s * noise)``), where the doubling's powers of N grow and then cancel, which is where a
+product with short operands can lose what the substitution keeps. Nothing here runs a kernel; it says whether such a
+kernel would meet the bars before one is written.
+"""
+import argparse
+import sys
+
+import torch
+
+C, K = 64, 128
+
+
+def bf16(x):
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def tf32(x):
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(x.dtype)
+
+
+def mm(a, b, operand):
+    """One tensor-core product, float32 accumulation: ``operand`` rounds the inputs (``"3xtf32"``: a hi + lo split,
+    three products, the lo x lo term left out)."""
+    if operand == "3xtf32":
+        ah, bh = tf32(a), tf32(b)
+        al, bl = tf32(a - ah), tf32(b - bh)
+        return ah @ bh + (ah @ bl + al @ bh)
+    rnd = {"tf32": tf32, "bf16": bf16, "fp32": lambda x: x}[operand]
+    return rnd(a) @ rnd(b)
+
+
+def substitution(Lb):
+    """A 16x16 (or any) diagonal block's inverse by forward substitution in float32: column by column,
+    x_r = -sum_{j<r} L_rj x_j (the kernel's chain, one column per thread)."""
+    n = Lb.shape[0]
+    X = torch.eye(n, dtype=torch.float32)
+    for r in range(1, n):
+        X[r, :r] = -(Lb[r, :r] @ X[:r, :r])
+    return X
+
+
+def doubling(Lb, operand):
+    """The same block as (I + N)(I + N^2)(I + N^4)(I + N^8), N = -L, every product on the tensor cores."""
+    n = Lb.shape[0]
+    eye = torch.eye(n, dtype=torch.float32)
+    N = -Lb
+    X = eye + N
+    P = N
+    p = 1
+    while 2 * p < n:
+        P = mm(P, P, operand)  # N^(2p)
+        X = mm(X, eye + P, operand)
+        p *= 2
+    return X
+
+
+def blocked_inverse(L, diag):
+    """The kernel's blocked inverse of I + L (64 x 64): 16x16 diagonal blocks by ``diag`` ("substitution" or a
+    doubling's operand rounding), merged 16 -> 32 -> 64 by A21 = -A22 (L21 A11) with tf32 products."""
+    def inv(block):
+        n = block.shape[0]
+        if n == 16:
+            return substitution(block) if diag == "substitution" else doubling(block, diag)
+        h = n // 2
+        A11, A22 = inv(block[:h, :h]), inv(block[h:, h:])
+        A21 = -mm(A22, mm(block[h:, :h], A11, "tf32"), "tf32")
+        out = torch.zeros(n, n, dtype=torch.float32)
+        out[:h, :h], out[h:, h:], out[h:, :h] = A11, A22, A21
+        return out
+    return inv(L)
+
+
+def chunk_keys(kind, gen, s=None):
+    if kind == "random":
+        k = torch.randn(C, K, generator=gen, dtype=torch.float64)
+    else:
+        base = torch.randn(1, K, generator=gen, dtype=torch.float64)
+        k = base + s * torch.randn(C, K, generator=gen, dtype=torch.float64)
+    return bf16(torch.nn.functional.normalize(k, dim=-1))
+
+
+DIAGS = ("substitution", "tf32", "3xtf32", "bf16")
+
+
+def study(kind, s, chunks, beta_kind, gen):
+    errs = {d: [0.0, 0.0, 0.0] for d in DIAGS}  # A rel RMS (summed squares), A max abs, Ag rel RMS (summed)
+    ref_sq = [0.0, 0.0]
+    for _ in range(chunks):
+        k = chunk_keys(kind, gen, s)
+        beta = torch.sigmoid(torch.randn(C, generator=gen, dtype=torch.float64))
+        if beta_kind == "one":
+            beta = torch.ones(C, dtype=torch.float64)
+        g = torch.nn.functional.logsigmoid(torch.randn(C, generator=gen, dtype=torch.float64)) / 16
+        gc = g.cumsum(0)
+        Gam = (gc[:, None] - gc[None, :]).exp().tril()
+        L64 = (beta[:, None] * (k @ k.T)).tril(-1)
+        A64 = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + L64)
+        Ag64 = Gam * A64 * beta[None, :]
+        ref_sq[0] += float(A64.pow(2).sum())
+        ref_sq[1] += float(Ag64.pow(2).sum())
+        # the kernel's L: K K^T of bf16 keys in float32 (a wgmma), scaled by beta in float32
+        L32 = (beta.float()[:, None] * (k.float() @ k.float().T)).tril(-1)
+        for d in DIAGS:
+            A = blocked_inverse(L32, d).double()
+            Ag = bf16((Gam * A * beta[None, :]).float()).double()
+            errs[d][0] += float((A - A64).pow(2).sum())
+            errs[d][1] = max(errs[d][1], float((A - A64).abs().max()))
+            errs[d][2] += float((Ag - Ag64).pow(2).sum())
+    return {d: ((e[0] / ref_sq[0]) ** 0.5, e[1], (e[2] / ref_sq[1]) ** 0.5) for d, e in errs.items()}
+
+
+def loop_errors(kind, s, tokens, gen):
+    """o and the final state of the emulated rs loop, each inverse fed in, against the loop in float64."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import numerics_study as ns
+
+    T = tokens
+    if kind == "random":
+        kk = torch.randn(T, K, generator=gen, dtype=torch.float64)
+    else:
+        kk = torch.randn(1, K, generator=gen, dtype=torch.float64) + s * torch.randn(T, K, generator=gen,
+                                                                                   dtype=torch.float64)
+    k = bf16(torch.nn.functional.normalize(kk, dim=-1))
+    q = bf16(torch.nn.functional.normalize(torch.randn(T, K, generator=gen, dtype=torch.float64), dim=-1))
+    v = bf16(torch.randn(T, K, generator=gen, dtype=torch.float64))
+    g = torch.nn.functional.logsigmoid(torch.randn(T, generator=gen, dtype=torch.float64)) / 16
+    beta = torch.sigmoid(torch.randn(T, generator=gen, dtype=torch.float64))
+    S0 = torch.zeros(K, K, dtype=torch.float64)
+    o_ref, S_ref = ns.chunk_loop(q, k, v, g, beta, S0, reg=ns.exact, tile=ns.exact, out=ns.exact)
+    out = {}
+    for d in DIAGS:
+        def inverse(kc, bc, d=d):
+            n = kc.shape[0]
+            L = (bc.float()[:, None] * (kc.float() @ kc.float().T)).tril(-1)
+            if n < C:  # a partial chunk: the kernel's zero rows past the end
+                L = torch.nn.functional.pad(L, (0, C - n, 0, C - n))
+            return blocked_inverse(L, d)[:n, :n].double()
+        o, S = ns.chunk_loop(q, k, v, g, beta, S0.clone(), inverse=inverse)
+        out[d] = (ns.rel(o, o_ref), ns.rel(S, S_ref))
+    o, S = ns.chunk_loop(q, k, v, g, beta, S0.clone())
+    out["float64 inverse"] = (ns.rel(o, o_ref), ns.rel(S, S_ref))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=64, help="chunks per key distribution (default 64)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loop-tokens", type=int, default=0,
+                    help="also run the emulated chunk loop over this many tokens per distribution (0: skip)")
+    args = ap.parse_args(argv)
+    gen = torch.Generator().manual_seed(args.seed)
+    cases = [("random", None, "sigmoid"), ("shared", 1.0, "sigmoid"), ("shared", 0.3, "sigmoid"),
+             ("shared", 0.1, "sigmoid"), ("shared", 0.1, "one")]
+    print(f"{'keys':<22} {'beta':<8} {'diagonal blocks':<14} {'A rel RMS':>10} {'A max abs':>10} "
+          f"{'Ag bf16 rel RMS':>16}")
+    for kind, s, beta_kind in cases:
+        name = kind if s is None else f"{kind}, noise {s}"
+        for d, (a_rms, a_max, ag_rms) in study(kind, s, args.chunks, beta_kind, gen).items():
+            print(f"{name:<22} {beta_kind:<8} {d:<14} {a_rms:10.2e} {a_max:10.2e} {ag_rms:16.2e}")
+    if args.loop_tokens:
+        print(f"\nthe rs loop over {args.loop_tokens} tokens (bf16 operands as the kernel rounds them), "
+              "rel RMS against float64: o, final state")
+        for kind, s in (("random", None), ("shared", 0.3), ("shared", 0.1)):
+            name = kind if s is None else f"{kind}, noise {s}"
+            for d, (eo, es) in loop_errors(kind, s, args.loop_tokens, gen).items():
+                print(f"{name:<22} {d:<16} {eo:10.2e} {es:10.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Stage 1's inverse emulated (``benchmarks/inverse_numerics.py``, CPU): its blocked algebra is the inverse, and the
+study's finding holds: diagonal blocks by tensor-core doubling keep the substitution's accuracy with three-pass tf32
+operands, and lose it with plain tf32 where keys share a direction."""
+import importlib.util
+import os
+
+import torch
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "inverse_numerics.py")
+_spec = importlib.util.spec_from_file_location("inverse_numerics", _PATH)
+inum = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(inum)
+
+
+def _problem(noise, beta_one, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = inum.chunk_keys("random" if noise is None else "shared", gen, noise)
+    beta = torch.ones(inum.C, dtype=torch.float64) if beta_one else torch.sigmoid(
+        torch.randn(inum.C, generator=gen, dtype=torch.float64))
+    L = (beta[:, None] * (k @ k.T)).tril(-1)
+    return L, torch.linalg.inv(torch.eye(inum.C, dtype=torch.float64) + L)
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+def test_doubling_is_the_inverse_of_a_nilpotent_block():
+    L, _ = _problem(0.3, False)
+    block = L[:16, :16].float()
+    want = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + block.double())
+    assert _rel(inum.substitution(block), want) < 1e-6
+    assert _rel(inum.doubling(block, "fp32"), want) < 1e-6
+
+
+def test_blocked_inverse_is_the_inverse():
+    for noise in (None, 0.3):
+        L, A = _problem(noise, False)
+        for diag in ("substitution", "3xtf32"):
+            assert _rel(inum.blocked_inverse(L.float(), diag), A) < 2e-3, (noise, diag)
+
+
+def test_three_pass_tf32_keeps_the_substitutions_accuracy_and_plain_tf32_does_not():
+    L, A = _problem(0.1, True)  # keys that share a direction, beta = 1: the doubling's powers grow and cancel
+    err = {d: _rel(inum.blocked_inverse(L.float(), d), A) for d in ("substitution", "tf32", "3xtf32")}
+    assert err["3xtf32"] < 1.5 * err["substitution"], err
+    assert err["tf32"] > 10 * err["substitution"], err
