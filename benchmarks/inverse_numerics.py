@@ -21,7 +21,9 @@ kernel makes them) and prints, against a float64 inverse of the same bf16 keys:
 Keys: random unit vectors (nearly orthogonal in 128 dimensions, so L is small) and keys that share a direction
 (``k = normalize(base + s * noise)``), where the doubling's powers of N grow and then cancel, which is where a
 product with short operands can lose what the substitution keeps. Nothing here runs a kernel; it says whether such a
-kernel would meet the bars before one is written.
+kernel would meet the bars before one is written. The doubling's operands are rounded to nearest (a kernel would
+convert them, ``cvt.rna.tf32.f32``; three-pass: hi rounded, lo = x - hi exact and then read truncated, a negligible
+loss); the merges' are truncated, as the kernel's ``mma`` reads float32 bits.
 """
 import argparse
 import sys
@@ -36,8 +38,15 @@ def bf16(x):
 
 
 def tf32(x):
+    """Rounded to tf32 (``cvt.rna.tf32.f32``: to nearest, ties away)."""
     bits = x.float().contiguous().view(torch.int32)
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(x.dtype)
+
+
+def tf32_truncated(x):
+    """float32 bits read as tf32 by ``mma`` (the low 13 bits ignored): what the kernel's merges do."""
+    bits = x.float().contiguous().view(torch.int32)
+    return (bits & ~0x1FFF).view(torch.float32).to(x.dtype)
 
 
 def mm(a, b, operand):
@@ -47,7 +56,7 @@ def mm(a, b, operand):
         ah, bh = tf32(a), tf32(b)
         al, bl = tf32(a - ah), tf32(b - bh)
         return ah @ bh + (ah @ bl + al @ bh)
-    rnd = {"tf32": tf32, "bf16": bf16, "fp32": lambda x: x}[operand]
+    rnd = {"tf32": tf32, "tf32-truncated": tf32_truncated, "bf16": bf16, "fp32": lambda x: x}[operand]
     return rnd(a) @ rnd(b)
 
 
@@ -76,16 +85,21 @@ def doubling(Lb, operand):
     return X
 
 
+#: the merges' operands: float32 bits that ``mma.m16n8k8.tf32`` reads as tf32, i.e. truncated (``kkt_inverse.py``'s
+#: ``mma_tf32``)
+MERGE = "tf32-truncated"
+
+
 def blocked_inverse(L, diag):
     """The kernel's blocked inverse of I + L (64 x 64): 16x16 diagonal blocks by ``diag`` ("substitution" or a
-    doubling's operand rounding), merged 16 -> 32 -> 64 by A21 = -A22 (L21 A11) with tf32 products."""
+    doubling's operand rounding), merged 16 -> 32 -> 64 by A21 = -A22 (L21 A11) with tf32 products (``MERGE``)."""
     def inv(block):
         n = block.shape[0]
         if n == 16:
             return substitution(block) if diag == "substitution" else doubling(block, diag)
         h = n // 2
         A11, A22 = inv(block[:h, :h]), inv(block[h:, h:])
-        A21 = -mm(A22, mm(block[h:, :h], A11, "tf32"), "tf32")
+        A21 = -mm(A22, mm(block[h:, :h], A11, MERGE), MERGE)
         out = torch.zeros(n, n, dtype=torch.float32)
         out[:h, :h], out[h:, h:], out[h:, :h] = A11, A22, A21
         return out
