@@ -242,11 +242,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             (T.reinterpret(v, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), "float32")
 
     @T.macro
-    def mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, gq, tq, a_at, b_at):
-        # fc = a b for 16x16 tiles as mma16 (no skipping), each operand split into a tf32 high part and the float32
-        # rest, which the mma reads truncated: a_lo b_hi + a_hi b_lo + a_hi b_hi, the small terms first
+    def mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, fc0, gq, tq, a_at, b_at):
+        # fc[fc0 : fc0 + 8] = a b for 16x16 tiles as mma16 (no skipping), each operand split into a tf32 high part and
+        # the float32 rest, which the mma reads truncated: a_lo b_hi + a_hi b_lo + a_hi b_hi, the small terms first
         for i in T.unroll(8):
-            fc[i] = 0.0
+            fc[fc0 + i] = 0.0
         for ks in T.unroll(2):
             for i in T.unroll(4):
                 fa[i] = tf32_high(a_at(gq + 8 * (i % 2), tq + 4 * (i // 2) + 8 * ks))
@@ -256,54 +256,70 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 fb[1] = tf32_high(b_at(tq + 4 + 8 * ks, gq + 8 * nt))
                 fb_lo[0] = b_at(tq + 8 * ks, gq + 8 * nt) - fb[0]
                 fb_lo[1] = b_at(tq + 4 + 8 * ks, gq + 8 * nt) - fb[1]
-                mma_tf32(fa_lo, fb, fc, nt * 4)
-                mma_tf32(fa, fb_lo, fc, nt * 4)
-                mma_tf32(fa, fb, fc, nt * 4)
+                mma_tf32(fa_lo, fb, fc, fc0 + nt * 4)
+                mma_tf32(fa, fb_lo, fc, fc0 + nt * 4)
+                mma_tf32(fa, fb, fc, fc0 + nt * 4)
+
+    def diagonal_block(w, bi):
+        # warp w's bi-th 16x16 diagonal block with diag_mma: (head of the pair, block q, q's offset in its 32x32 block)
+        sq = (w * pair + bi) % 4
+        return (w * pair + bi) // 4, sq, (sq % 2) * H
 
     @T.macro
-    def doubling16(u, b_s, kk_s, d_s, x16_s, fa, fb, fa_lo, fb_lo, fc, tx):
-        # this warp's 16x16 diagonal blocks, one per head of the pair in turn (blocks w pair + i, i < pair: head
-        # (w pair + i) / 4, block q = (w pair + i) % 4 of it), each (I + N)(I + N^2)(I + N^4)(I + N^8) into its place
-        # in d_s, the powers of N in x16_s[warp] (free until the 16x16 merge). Every warp takes part (an odd group's
-        # four blocks one a warp), so the barriers TileLang puts between a product's reads and the writes over its
-        # operands are reached by the whole CTA
+    def doubling16(u, b_s, kk_s, d_s, fa, fb, fa_lo, fb_lo, fc, tx):
+        # this warp's 16x16 diagonal blocks (blocks w pair + i, i < pair: head (w pair + i) / 4 of the pair, block
+        # q = (w pair + i) % 4 of it), each (I + N)(I + N^2)(I + N^4)(I + N^8) into its place in d_s. The powers of N
+        # live beside it in its 32x32 block, in the quadrant off the diagonal in its columns (the lower left for an
+        # even q, which the 16x16 merge writes later; the upper right for an odd q, zero in the end), so no shared
+        # memory is added. A pair's two blocks a warp go through each product side by side (two independent mma
+        # chains, one set of barriers for both). Every warp takes part (an odd group's four blocks one a warp), so the
+        # barriers TileLang puts between a product's reads and the writes over its operands are reached by the whole
+        # CTA
         w = tx // 32
         lane = tx % 32
         gq = lane // 4
         tq = lane % 4
-        for bi in T.serial(pair):
-            sp = (w * pair + bi) // 4
-            sq = (w * pair + bi) % 4
-            hp = u * pair + sp
+        for bi in T.unroll(pair):
+            sp, sq, o = diagonal_block(w, bi)
             R = sq * H  # the block's first row (and column) in the chunk
-            o = (sq % 2) * H  # and in its 32x32 block
             for e in T.unroll(8):
                 r = (lane * 8 + e) // H
                 c = (lane * 8 + e) % H
-                n_rc = T.if_then_else(r > c, -b_s[hp, R + r] * kk_s[R + r, kk_col(R + r, R + c)], 0.0)
-                # (d_s touched before x16_s: TileLang's shared-memory plan places buffers in that order, and x16_s
-                # after d_s lets X = L21 A11 of the 32x32 merge take its place, as in the substitution's build)
+                n_rc = T.if_then_else(r > c, -b_s[u * pair + sp, R + r] * kk_s[R + r, kk_col(R + r, R + c)], 0.0)
                 d_s[sp, sq // 2, o + r, o + c] = T.if_then_else(r == c, 1.0, n_rc)
-                # the block's column strip outside it: zeros (the 32x32 block's upper right for an odd q, its lower
-                # left, which the 16x16 merge writes, for an even one)
-                d_s[sp, sq // 2, H - o + r, o + c] = 0.0
-                x16_s[w, r, c] = n_rc
+                d_s[sp, sq // 2, H - o + r, o + c] = n_rc
+        T.sync_warp()
+        for step in T.unroll(3):
+            # P = P P
+            for bi in T.unroll(pair):
+                sp, sq, o = diagonal_block(w, bi)
+                mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, 8 * bi, gq, tq,
+                                 lambda r, c: d_s[sp, sq // 2, H - o + r, o + c],
+                                 lambda r, c: d_s[sp, sq // 2, H - o + r, o + c])
             T.sync_warp()
-            for step in T.unroll(3):
-                # P = P P
-                mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, gq, tq, lambda r, c: x16_s[w, r, c],
-                                 lambda r, c: x16_s[w, r, c])
-                T.sync_warp()
+            for bi in T.unroll(pair):
+                sp, sq, o = diagonal_block(w, bi)
                 for c in T.unroll(8):
-                    x16_s[w, gq + 8 * ((c % 4) // 2), 8 * (c // 4) + 2 * tq + c % 2] = fc[c]
-                T.sync_warp()
-                # X = X (I + P)
-                mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, gq, tq, lambda r, c: d_s[sp, sq // 2, o + r, o + c],
-                                 lambda r, c: x16_s[w, r, c] + T.if_then_else(r == c, 1.0, 0.0))
-                T.sync_warp()
+                    d_s[sp, sq // 2, H - o + gq + 8 * ((c % 4) // 2), o + 8 * (c // 4) + 2 * tq + c % 2] = fc[8 * bi + c]
+            T.sync_warp()
+            # X = X (I + P)
+            for bi in T.unroll(pair):
+                sp, sq, o = diagonal_block(w, bi)
+                mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, 8 * bi, gq, tq,
+                                 lambda r, c: d_s[sp, sq // 2, o + r, o + c],
+                                 lambda r, c: d_s[sp, sq // 2, H - o + r, o + c] + T.if_then_else(r == c, 1.0, 0.0))
+            T.sync_warp()
+            for bi in T.unroll(pair):
+                sp, sq, o = diagonal_block(w, bi)
                 for c in T.unroll(8):
-                    d_s[sp, sq // 2, o + gq + 8 * ((c % 4) // 2), o + 8 * (c // 4) + 2 * tq + c % 2] = fc[c]
-                T.sync_warp()
+                    d_s[sp, sq // 2, o + gq + 8 * ((c % 4) // 2), o + 8 * (c // 4) + 2 * tq + c % 2] = fc[8 * bi + c]
+            T.sync_warp()
+        # the quadrant of the powers back to zero (an odd q's upper right stays so; an even q's lower left is the 16x16
+        # merge's to write)
+        for bi in T.unroll(pair):
+            sp, sq, o = diagonal_block(w, bi)
+            for e in T.unroll(8):
+                d_s[sp, sq // 2, H - o + (lane * 8 + e) // H, o + (lane * 8 + e) % H] = 0.0
 
     @T.macro
     def merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx):
@@ -455,6 +471,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             if diag_mma:
                 fa_lo = T.alloc_local((4,), acc)
                 fb_lo = T.alloc_local((2,), acc)
+                fc_pair = T.alloc_local((8 * pair,), acc)
 
             tx = T.get_thread_binding()
 
@@ -504,7 +521,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         # thread -> head tx / 64 of the pair, 16x16 block q, column; with an odd group (one head at
                         # a time) the upper 64 threads wait at the barriers, which stay outside the branches
                         if diag_mma:
-                            doubling16(u, b_s, kk_s, d_s, x16_s, fa, fb, fa_lo, fb_lo, fc, tx)
+                            doubling16(u, b_s, kk_s, d_s, fa, fb, fa_lo, fb_lo, fc_pair, tx)
                         elif tx < 64 * pair:
                             for r in T.unroll(H):
                                 x[r] = 0.0
