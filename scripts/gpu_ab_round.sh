@@ -184,8 +184,6 @@ set -uo pipefail
 # cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
 # cp-set-fq: the cp set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (cp-set.json;
 #   with CP_SET_PART=i/n that part of the set's head configs, cp-set-part{i}.json, within CP_SET_BUDGET seconds).
-# cp-set-fq-2 FIRST_JSON: the shapes cp-set-fq's time limit left, skipping those FIRST_JSON (its cp-set.json, brought
-#   back into the tree) holds (cp-set-2.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -193,7 +191,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-set-fq-2|cp-choices-regimes|diag-mma OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|diag-mma OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -712,11 +710,6 @@ elif [ "$part" = cp-set-fq ]; then
       --no-plots --out-dir "$out" --name cp-set
     tail -3 "$out/cp-set.log"
   fi
-elif [ "$part" = cp-set-fq-2 ]; then
-  logged cp-set-2 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwdbwd \
-    --skip-done "${CP_SET_FIRST:?set CP_SET_FIRST to the first part cp-set.json}" --time-budget 480 --no-plots --out-dir "$out" \
-    --name cp-set-2
-  tail -3 "$out/cp-set-2.log"
 elif [ "$part" = cp-set-fq-fwd ]; then
   logged cp-set-fwd 530 python3 -m flashgdn.bench --set cp --impls flashgdn,flashqla --modes fwd --time-budget 450 \
     --no-plots --out-dir "$out" --name cp-set-fwd
