@@ -843,6 +843,18 @@ def test_shorter_ties_take_the_shortest_length_within_the_factor(monkeypatch):
     assert backend.cp_cost_model().shorter_within == 1.0
 
 
+def test_output_wave_chunks_counts_whole_waves_of_the_longest_segment():
+    """``plan._output_wave_chunks``: the output pass's CTAs (segments x value heads) in whole waves of one CTA an SM,
+    times the longest segment's chunks (a sequence shorter than a segment is its own, shorter, item)."""
+    from flashgdn.cp.plan import _output_wave_chunks
+
+    assert _output_wave_chunks([512], 48, 256, 132) == 1 * 256  # 96 CTAs: one wave
+    assert _output_wave_chunks([512], 48, 128, 132) == 2 * 128  # 192 CTAs: two waves, no shorter
+    assert _output_wave_chunks([512], 8, 32, 132) == 1 * 32  # 128 CTAs: one wave of half the chunks
+    assert _output_wave_chunks([20, 10], 4, 64, 132) == 20  # both shorter than a segment
+    assert _output_wave_chunks([448, 64], 8, 64, 132) == 64  # 7 + 1 segments, 64 CTAs
+
+
 def test_in_between_segments_only_without_a_backward():
     """The in-between lengths are not tried unless asked for (the backward starts from the forward's segment starts
     only when one length divides the other), nor with FLASHGDN_CP_IN_BETWEEN=0, nor for a fixed segment length."""
