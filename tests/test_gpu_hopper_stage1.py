@@ -71,6 +71,29 @@ def stage1_outputs_of_builds(seqlens, Hv, store_inverse, builds, inp=None):
     return outs
 
 
+def oracle_errors_of_two_builds(inp, base, new):
+    """Two builds' outputs of ``stage1_outputs_of_builds`` (with A stored) on ``inp``: g~ with the same bits, new's
+    Ag and A finite, and ``(new's error, base's error)`` against the float64 oracle for Ag, then A (relative RMS over
+    the tokens of ``inp``'s sequences)."""
+    from flashgdn.kernels.hopper.forward import chunk_plan, slots_to_tokens
+
+    assert torch.equal(base[0], new[0])
+    cu = inp["cu_seqlens"]
+    n = int(cu[-1])
+    gc_ref = ref.chunk_local_cumsum(inp["g"].double(), cu)
+    A_ref = ref.kkt_inverse(inp["k"].double(), inp["beta"].double(), cu)
+    Ag_ref = ref.gated_inverse(A_ref, gc_ref, inp["beta"].double(), cu)
+    bounds, _ = chunk_plan(cu, n + 7, cu.shape[0] - 1)
+    live_bounds = bounds[bounds[:, 1] > 0]
+    errors = []
+    for got_base, got_new, want in ((base[1], new[1], Ag_ref), (base[2], new[2], A_ref)):
+        assert torch.isfinite(got_new.float()).all()
+        # [S, Hv, 64, 64] -> [S, 64 rows, Hv, 64] -> token order [n, Hv, 64]
+        tok = lambda x: slots_to_tokens(x.transpose(1, 2), live_bounds, n + 7)[:n]  # noqa: E731
+        errors.append((rel_rms(tok(got_new), want[0, :n]), rel_rms(tok(got_base), want[0, :n])))
+    return errors
+
+
 def assert_same_finite_bits(outs):
     for a, b in zip(*outs):
         assert torch.isfinite(a.float()).all()
@@ -134,26 +157,10 @@ def test_kkt_inverse_diag16_against_the_oracle(build, seqlens, Hv):
     g~ with the bits of the build without it; Ag and the stored A against the float64 oracle within 5e-3 and no more
     than 1.25x the error of the ``triangle`` build (its tf32 products round below Ag's and A's bf16 storage), for
     groups of one to four value heads, partial chunks and a padded tail."""
-    from flashgdn.kernels.hopper.forward import chunk_plan, slots_to_tokens
-
     five = dict(async_loads=True, blocks_per_sm=5)
     opts = dict(five, **{flag: True for flag in build.split("+")})
     base, new = stage1_outputs_of_builds(seqlens, Hv, True, [dict(five, triangle=True), opts])
-    assert torch.equal(base[0], new[0])
-    inp = inputs(seqlens, Hqk=2, Hv=Hv, gate="mixed")
-    cu = inp["cu_seqlens"]
-    n = int(cu[-1])
-    gc_ref = ref.chunk_local_cumsum(inp["g"].double(), cu)
-    A_ref = ref.kkt_inverse(inp["k"].double(), inp["beta"].double(), cu)
-    Ag_ref = ref.gated_inverse(A_ref, gc_ref, inp["beta"].double(), cu)
-    bounds, _ = chunk_plan(cu, n + 7, len(seqlens))
-    live_bounds = bounds[bounds[:, 1] > 0]
-    for got_base, got_new, want in ((base[1], new[1], Ag_ref), (base[2], new[2], A_ref)):
-        assert torch.isfinite(got_new.float()).all()
-        # [S, Hv, 64, 64] -> [S, 64 rows, Hv, 64] -> token order [n, Hv, 64]
-        tok = lambda x: slots_to_tokens(x.transpose(1, 2), live_bounds, n + 7)[:n]  # noqa: E731
-        err_base = rel_rms(tok(got_base), want[0, :n])
-        err_new = rel_rms(tok(got_new), want[0, :n])
+    for err_new, err_base in oracle_errors_of_two_builds(inputs(seqlens, Hqk=2, Hv=Hv, gate="mixed"), base, new):
         assert err_new < 5e-3 and err_new <= 1.25 * err_base, (err_new, err_base)
 
 
@@ -163,8 +170,6 @@ def test_kkt_inverse_diag_mma_keeps_its_accuracy_where_keys_share_a_direction(Hv
     around a common one, noise 0.1) and beta = 1, where plain tf32 products lose all of A's digits
     (``benchmarks/inverse_numerics.py``). With three passes, Ag and the stored A stay within 1.25x the substitution
     build's error against the float64 oracle (groups of one, three and four value heads)."""
-    from flashgdn.kernels.hopper.forward import chunk_plan, slots_to_tokens
-
     seqlens = [1000, 3, 130]
     inp = inputs(seqlens, Hqk=2, Hv=Hv, gate="mixed")
     k = inp["k"].float()
@@ -175,17 +180,5 @@ def test_kkt_inverse_diag_mma_keeps_its_accuracy_where_keys_share_a_direction(Hv
                beta=torch.ones_like(inp["beta"]))
     five = dict(async_loads=True, blocks_per_sm=5, diag16=True, mma32=True)
     base_out, new_out = stage1_outputs_of_builds(seqlens, Hv, True, [five, dict(five, diag_mma=True)], inp=inp)
-    assert torch.equal(base_out[0], new_out[0])
-    cu = inp["cu_seqlens"]
-    n = int(cu[-1])
-    gc_ref = ref.chunk_local_cumsum(inp["g"].double(), cu)
-    A_ref = ref.kkt_inverse(inp["k"].double(), inp["beta"].double(), cu)
-    Ag_ref = ref.gated_inverse(A_ref, gc_ref, inp["beta"].double(), cu)
-    bounds, _ = chunk_plan(cu, n + 7, len(seqlens))
-    live_bounds = bounds[bounds[:, 1] > 0]
-    for got_base, got_new, want in ((base_out[1], new_out[1], Ag_ref), (base_out[2], new_out[2], A_ref)):
-        assert torch.isfinite(got_new.float()).all()
-        tok = lambda x: slots_to_tokens(x.transpose(1, 2), live_bounds, n + 7)[:n]  # noqa: E731
-        err_base = rel_rms(tok(got_base), want[0, :n])
-        err_new = rel_rms(tok(got_new), want[0, :n])
+    for err_new, err_base in oracle_errors_of_two_builds(inp, base_out, new_out):
         assert err_new <= 1.25 * err_base, (err_new, err_base)
