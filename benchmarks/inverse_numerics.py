@@ -26,21 +26,16 @@ convert them, ``cvt.rna.tf32.f32``; three-pass: hi rounded, lo = x - hi exact an
 loss); the merges' are truncated, as the kernel's ``mma`` reads float32 bits.
 """
 import argparse
+import os
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numerics_study as ns  # noqa: E402  (the chunk loop's emulation and its rounding functions)
+from numerics_study import bf16, tf32  # noqa: E402  (tf32: to nearest, as cvt.rna.tf32.f32)
+
 C, K = 64, 128
-
-
-def bf16(x):
-    return x.to(torch.bfloat16).to(x.dtype)
-
-
-def tf32(x):
-    """Rounded to tf32 (``cvt.rna.tf32.f32``: to nearest, ties away)."""
-    bits = x.float().contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(x.dtype)
 
 
 def tf32_truncated(x):
@@ -147,9 +142,6 @@ def study(kind, s, chunks, beta_kind, gen):
 
 def loop_errors(kind, s, tokens, gen):
     """o and the final state of the emulated rs loop, each inverse fed in, against the loop in float64."""
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    import numerics_study as ns
-
     T = tokens
     if kind == "random":
         kk = torch.randn(T, K, generator=gen, dtype=torch.float64)
