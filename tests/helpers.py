@@ -1,6 +1,10 @@
-"""Helpers the test files share: the accuracy metric and random inputs (DESIGN.md §3 and §5)."""
+"""Helpers the test files share: the accuracy metric, random inputs (DESIGN.md §3 and §5), and the benchmark scripts
+as modules."""
 from __future__ import annotations
 
+import importlib.util
+import os
+from types import ModuleType
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -11,6 +15,18 @@ from flashgdn.reference.metrics import BARS_16BIT, rel_rms  # noqa: F401 (shared
 from flashgdn.reference.recurrent import recurrent_gated_delta_rule
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+#: the folder of the benchmark scripts (not a package: each test file loads the one it tests by path)
+BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` loaded as a module named ``name`` (a script there imports its siblings only if
+    ``BENCHMARKS_DIR`` is on ``sys.path``)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS_DIR, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_inputs(

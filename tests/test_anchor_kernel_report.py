@@ -1,14 +1,10 @@
 """benchmarks/anchor_kernel_report.py: FlashQLA's fused backward beside ours, compiled for sm_90a (ours on the CPU
 here; FlashQLA's needs its package, which only the GPU machine's stack has)."""
-import importlib.util
-import os
-
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "anchor_kernel_report.py")
-_spec = importlib.util.spec_from_file_location("anchor_kernel_report", _PATH)
-akr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(akr)
+from helpers import load_benchmark
+
+akr = load_benchmark("anchor_kernel_report")
 
 
 @pytest.mark.parametrize("heads", ["16", "3/4", "a/b", "0/4"])

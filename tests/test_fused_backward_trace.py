@@ -1,12 +1,8 @@
 """``benchmarks/fused_backward_trace.py`` (CPU): a trace of per-phase cycle stamps summarised as medians counted from
 the value side's start of each chunk step, with the stamps' layout and point names of the kernel's trace build."""
-import importlib.util
-import os
+from helpers import load_benchmark
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fused_backward_trace.py")
-_spec = importlib.util.spec_from_file_location("fused_backward_trace", _PATH)
-ft = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ft)
+ft = load_benchmark("fused_backward_trace")
 
 
 def test_a_trace_is_summarised_per_role_and_point():
@@ -50,10 +46,7 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     shapes and option sets (``default+`` adds names to the build the switches give for the shape's head count)."""
     from flashgdn.kernels.hopper import backward
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fused_backward_options.py")
-    spec = importlib.util.spec_from_file_location("fused_backward_options", path)
-    fo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fo)
+    fo = load_benchmark("fused_backward_options")
 
     assert ft.parse_options("default") is None
     assert ft.parse_options("none") == {}

@@ -1,15 +1,11 @@
 """Stage 1's inverse emulated (``benchmarks/inverse_numerics.py``, CPU): its blocked algebra is the inverse, and the
 study's finding holds: diagonal blocks by tensor-core doubling keep the substitution's accuracy with three-pass tf32
 operands, and lose it with plain tf32 where keys share a direction."""
-import importlib.util
-import os
-
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "inverse_numerics.py")
-_spec = importlib.util.spec_from_file_location("inverse_numerics", _PATH)
-inum = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(inum)
+from helpers import load_benchmark
+
+inum = load_benchmark("inverse_numerics")
 
 
 def _problem(noise, beta_one, seed=0):

@@ -1,13 +1,9 @@
 """benchmarks/kkt_options.py: its shape parsing on the CPU, and one small run on the GPU (same bits, exit status)."""
-import importlib.util
-import os
-
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kkt_options.py")
-_spec = importlib.util.spec_from_file_location("kkt_options", _PATH)
-kkt_options = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kkt_options)
+from helpers import load_benchmark
+
+kkt_options = load_benchmark("kkt_options")
 
 
 def test_shapes_are_parsed():

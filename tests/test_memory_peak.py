@@ -1,15 +1,12 @@
 """benchmarks/memory_peak.py: the replay of torch's allocator trace to its peak (CPU, synthetic traces), and on
 the GPU the tool itself against torch's own peak."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "memory_peak.py")
-_spec = importlib.util.spec_from_file_location("memory_peak", _PATH)
-mp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mp)
+from helpers import load_benchmark
+
+mp = load_benchmark("memory_peak")
 
 
 def _frames(*names):

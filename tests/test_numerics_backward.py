@@ -1,16 +1,12 @@
 """The backward's numerics emulation (``benchmarks/numerics_backward.py``, CPU): without rounding it is the float64
 backward (so the emulated stages, the walk's transposed forms included, are the right algebra), and with the
 kernels' bf16 rounding points its gradients stay inside the bars of DESIGN.md §3."""
-import importlib.util
-import os
-
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "numerics_backward.py")
-_spec = importlib.util.spec_from_file_location("numerics_backward", _PATH)
-nb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(nb)
+from helpers import load_benchmark
+
+nb = load_benchmark("numerics_backward")
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 

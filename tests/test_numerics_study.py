@@ -1,16 +1,12 @@
 """The chunk loop's numerics emulation (``benchmarks/numerics_study.py``, CPU): its forms of the chunk recurrence are
 the same algebra (without rounding, each is the float64 loop), and folding gamma into a bf16 K tile for W (the "gk"
 form, notes v0.33d) costs no accuracy against the rs loop's rounding points."""
-import importlib.util
-import os
-
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "numerics_study.py")
-_spec = importlib.util.spec_from_file_location("numerics_study", _PATH)
-ns = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ns)
+from helpers import load_benchmark
+
+ns = load_benchmark("numerics_study")
 
 
 def _inputs(T, gate, seed=3):

@@ -1,14 +1,11 @@
 """benchmarks/plan_timing.py: one small run on the GPU (the plan kernel against chunk_plan_torch, exit status)."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plan_timing.py")
-_spec = importlib.util.spec_from_file_location("plan_timing", _PATH)
-plan_timing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_timing)
+from helpers import load_benchmark
+
+plan_timing = load_benchmark("plan_timing")
 
 
 @pytest.mark.gpu

@@ -1,13 +1,10 @@
 """``benchmarks/power_clocks.py`` (CPU): nvidia-smi's samples parsed, and a run summarised from the samples inside
 its second half."""
-import importlib.util
-import os
 import time
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "power_clocks.py")
-_spec = importlib.util.spec_from_file_location("power_clocks", _PATH)
-pc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pc)
+from helpers import load_benchmark
+
+pc = load_benchmark("power_clocks")
 
 
 def _line(t, watts, mhz, reasons="0x0000000000000004"):

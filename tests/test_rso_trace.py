@@ -1,12 +1,8 @@
 """``benchmarks/rso_trace.py`` (CPU): the rso loop's trace summarised as medians counted from state path 0's start of
 each chunk, with the stamps' layout and point names of the kernel's trace build."""
-import importlib.util
-import os
+from helpers import load_benchmark
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "rso_trace.py")
-_spec = importlib.util.spec_from_file_location("rso_trace", _PATH)
-rt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rt)
+rt = load_benchmark("rso_trace")
 
 
 def test_a_trace_is_summarised_per_role_and_point():

@@ -1,15 +1,14 @@
 """``benchmarks/sass_opcodes.py`` (CPU): each role's executed instructions by opcode, two kernels side by side."""
-import importlib.util
 import os
 import sys
 
 import pytest
 
+from helpers import load_benchmark
+
 _DIR = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path.insert(0, _DIR)  # it imports sass_stalls and sass_wavefronts
-_spec = importlib.util.spec_from_file_location("sass_opcodes", os.path.join(_DIR, "sass_opcodes.py"))
-so = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(so)
+so = load_benchmark("sass_opcodes")
 
 HEADER = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"'
 FQ_ROLES = "24=producer,144=K side,184=A side,160=state"

@@ -1,14 +1,13 @@
 """``benchmarks/sass_stalls.py`` (CPU): a warp-specialised kernel's stall samples split by role at its
 ``USETMAXREG`` instructions, the out-of-line mbarrier retry loops given to the role that jumps to them."""
-import importlib.util
 import os
 import sys
 
+from helpers import load_benchmark
+
 _DIR = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path.insert(0, _DIR)  # it imports sass_wavefronts
-_spec = importlib.util.spec_from_file_location("sass_stalls", os.path.join(_DIR, "sass_stalls.py"))
-ss = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ss)
+ss = load_benchmark("sass_stalls")
 
 HEADER = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_wait"'
 

@@ -1,13 +1,11 @@
 """``benchmarks/sass_wavefronts.py`` (CPU): shared-memory wavefronts by opcode and the instructions with bank
 conflicts, from Nsight Compute's per-instruction CSV."""
-import importlib.util
 import lzma
 import os
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_wavefronts.py")
-_spec = importlib.util.spec_from_file_location("sass_wavefronts", _PATH)
-sw = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sw)
+from helpers import load_benchmark
+
+sw = load_benchmark("sass_wavefronts")
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
           '"L1 Wavefronts Shared","L1 Wavefronts Shared Ideal"')

@@ -1,15 +1,11 @@
 """benchmarks/splice_timing.py: its float64 check of the splice kernel is the operator's splice (the torch splices
 of ``flashgdn.cp`` on one sequence), and its build names parse or fail clearly (CPU)."""
-import importlib.util
-import os
-
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "splice_timing.py")
-_spec = importlib.util.spec_from_file_location("splice_timing", _PATH)
-st = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(st)
+from helpers import load_benchmark
+
+st = load_benchmark("splice_timing")
 
 
 @pytest.mark.parametrize("S", [1, 2, 5])

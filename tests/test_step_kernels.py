@@ -1,17 +1,14 @@
 """benchmarks/step_kernels.py: a training step's time by kernel (the aggregation on the CPU with synthetic events;
 on the GPU the tool on a small shape, whose kernels must include every stage of the Hopper forward and backward)."""
-import importlib.util
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_kernels.py")
-_spec = importlib.util.spec_from_file_location("step_kernels", _PATH)
-sk = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sk)
+from helpers import load_benchmark
+
+sk = load_benchmark("step_kernels")
 
 
 def _ev(name, us, gpu=True):

@@ -1,17 +1,13 @@
 """benchmarks/switch_ab.py: one switch timed both ways in one process (on the CPU with the reference backend, where
 only the harness is under test: the order of the sides, the records, the bit comparison, the switch restored)."""
-import importlib.util
 import json
-import os
 
 import pytest
 
 from flashgdn.kernels.hopper import backward
+from helpers import load_benchmark
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "switch_ab.py")
-_spec = importlib.util.spec_from_file_location("switch_ab", _PATH)
-sab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sab)
+sab = load_benchmark("switch_ab")
 
 ARGS = ["--switch", "flashgdn.kernels.hopper.backward:FUSED_CLUSTER_SUM", "--heads", "1/2", "--seqlens", "100+30,64",
         "--backend", "reference", "--device", "cpu"]

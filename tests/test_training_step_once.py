@@ -1,14 +1,10 @@
 """benchmarks/training_step_once.py: the process Nsight Compute profiles a training step in (on the CPU with the
 reference backend, where only the harness is under test: the calls it makes, its arguments' errors)."""
-import importlib.util
-import os
-
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "training_step_once.py")
-_spec = importlib.util.spec_from_file_location("training_step_once", _PATH)
-tso = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tso)
+from helpers import load_benchmark
+
+tso = load_benchmark("training_step_once")
 
 
 def test_it_runs_the_warm_up_and_the_calls_forward_and_backward(capsys, monkeypatch):
