@@ -209,6 +209,19 @@ gpu_tests() {
   local name=$1 limit=$2 workers=$3; shift 3
   logged "$name" "$limit" python3 -m pytest -m gpu -q -rfEx -n "$workers" "$@"; quiet "$out/$name.log"
 }
+# backend.CP_NEGLIGIBLE_M_IN_KERNEL both ways side by side: the cp set's forward, and fwd+bwd at 2/4, 4/8 and 8/16
+# (PREFIX-cp-fwd.json, PREFIX-cp-fwdbwd.json): negligible_m_in_kernel_ab PREFIX
+negligible_m_in_kernel_ab() {
+  local prefix=$1
+  logged "$prefix-cp-fwd" 180 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --modes fwd --rounds 2 \
+    --out "$out/$prefix-cp-fwd.json"
+  grep "geometric\|same bits" "$out/$prefix-cp-fwd.log"
+  logged "$prefix-cp-fwdbwd" 200 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --only-heads 2/4,4/8,8/16 \
+    --modes fwdbwd --rounds 2 --out "$out/$prefix-cp-fwdbwd.json"
+  grep "geometric\|same bits" "$out/$prefix-cp-fwdbwd.log"
+}
 # the fused backward alone, one option set a process in the order given (a build's time can depend on the build timed
 # beside it, notes v0.30b): kernel_sets PREFIX "SHAPES" SET... (PREFIX-1.json, PREFIX-2.json, ...)
 kernel_sets() {
@@ -628,14 +641,7 @@ elif [ "$part" = auto-gain ]; then
   tail -2 "$out/cp-choices-gain-fwdbwd.log"
 elif [ "$part" = negligible-m-in-kernel ]; then
   gpu_tests gpu-negligible-m-in-kernel 180 6 tests/test_gpu_hopper_cp.py -k "kernels_bounds or chunk_bounds"
-  logged nmk-cp-fwd 180 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --modes fwd --rounds 2 \
-    --out "$out/nmk-cp-fwd.json"
-  grep "geometric\|same bits" "$out/nmk-cp-fwd.log"
-  logged nmk-cp-fwdbwd 200 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --only-heads 2/4,4/8,8/16 \
-    --modes fwdbwd --rounds 2 --out "$out/nmk-cp-fwdbwd.json"
-  grep "geometric\|same bits" "$out/nmk-cp-fwdbwd.log"
+  negligible_m_in_kernel_ab nmk
 elif [ "$part" = m-zero-splice ]; then
   gpu_tests gpu-m-zero-splice 200 6 tests/test_gpu_hopper_cp.py \
     -k "kernels_bounds or chunk_bounds or flagged or splice_kernel or splice_chains or fused_cp_kernels"
@@ -645,14 +651,7 @@ elif [ "$part" = m-zero-splice ]; then
       --out "$out/mzs-steps-$on.json"
     grep "kernels per step\|splice\|exit" "$out/mzs-steps-$on.log"
   done
-  logged mzs-cp-fwd 180 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --modes fwd --rounds 2 \
-    --out "$out/mzs-cp-fwd.json"
-  grep "geometric\|same bits" "$out/mzs-cp-fwd.log"
-  logged mzs-cp-fwdbwd 200 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.backend:CP_NEGLIGIBLE_M_IN_KERNEL --set cp --only-heads 2/4,4/8,8/16 \
-    --modes fwdbwd --rounds 2 --out "$out/mzs-cp-fwdbwd.json"
-  grep "geometric\|same bits" "$out/mzs-cp-fwdbwd.log"
+  negligible_m_in_kernel_ab mzs
 elif [ "$part" = shorter-ties ]; then
   for set in cp:1/4,2/4,2/8,4/8,4/16,8/16 canonical:2/8,16/48 bwd:4/8; do
     logged "shorter-ties-${set%%:*}" 200 python3 benchmarks/switch_ab.py \
