@@ -179,6 +179,9 @@ set -uo pipefail
 #   notes "Stage 1's diagonal blocks on the tensor cores?"): its GPU tests (gpu-diag-mma.log), stage 1 alone against
 #   the default build on full shapes of every group size (diag-mma-stage{,A}.json, with A stored too), then the
 #   forward both ways on the canonical set's full shapes (diag-mma-ab.json; other bits: --max-diff 8e-3).
+# shorter-wide (v0.36e, backend.CP_SHORTER_WIDE, notes "v0.36e"): the eleven shapes it moves (and 2/8 32768, moved by
+#   v0.36c already: no change) both ways with the benchmark's gates (shorter-wide-ab.json); then the seven moved shapes
+#   not timed by cp-choices-regimes at their two lengths, gates x 1 and x 0.1 (shorter-wide-{fast,slow}.json).
 # suite-forward: the GPU suite's files that context parallelism's default change (v0.36b) reaches besides the CP file:
 #   the forward, stage 1, the plan and the reference, 14 processes (gpu-suite-forward.log).
 # cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
@@ -191,7 +194,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|diag-mma OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|diag-mma|shorter-wide OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -697,6 +700,21 @@ elif [ "$part" = diag-mma ]; then
 elif [ "$part" = suite-forward ]; then
   gpu_tests gpu-suite-forward 330 14 tests/test_gpu_hopper_forward.py tests/test_gpu_hopper_stage1.py \
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
+elif [ "$part" = shorter-wide ]; then
+  moved="1/4:61440+4096 1/4:65536 2/4:61440+4096 2/4:65536 4/16:8192 4/16:61440+4096 4/16:122880+8192 8/16:8192"
+  moved="$moved 8/16:61440+4096 8/16:122880+8192 16/16:8192 2/8:32768"
+  shapes=""
+  for s in $moved; do shapes="$shapes --shape $s"; done
+  # shellcheck disable=SC2086  # the shapes are words
+  logged shorter-wide-ab 240 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_SHORTER_WIDE \
+    $shapes --modes fwd --rounds 3 --max-diff 8e-3 --out "$out/shorter-wide-ab.json"
+  grep "geometric\|same bits" "$out/shorter-wide-ab.log"
+  for scale in fast:1 slow:0.1; do
+    logged "shorter-wide-${scale%%:*}" 200 python3 benchmarks/cp_choices.py --shape 2/4:61440+4096 --shape 4/16:61440+4096 \
+      --shape 8/16:61440+4096 --shape 4/16:122880+8192 --shape 8/16:122880+8192 --shape 8/16:8192 --shape 16/16:8192 \
+      --segments 16,32,64,128,256 --gate-scale "${scale#*:}" --out "$out/shorter-wide-${scale%%:*}.json"
+    tail -2 "$out/shorter-wide-${scale%%:*}.log"
+  done
 elif [ "$part" = cp-set-fq ]; then
   if [ -n "${CP_SET_PART:-}" ]; then  # i/n: that part of the set (the bench's --part), cp-set-part{i}.json
     budget=${CP_SET_BUDGET:-480}  # seconds of shapes; the limit is 50 more

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flashgdn.bench.shapes import parse_seqlens
 from flashgdn.cp import (CostModel, cp_forward, cp_problem_forward, estimated_us, parse_cp, plan_segments,
                          splice_segments, split_sequences)
-from flashgdn.cp.plan import SHORTER_WITHIN, dense_cu_seqlens, segment_index_tensors
+from flashgdn.cp.plan import SHORTER_WITHIN, SHORTER_WITHIN_WIDE, dense_cu_seqlens, segment_index_tensors
 from flashgdn.reference.chunked import chunk_gated_delta_rule_reference
 from helpers import assert_same_computation, make_inputs, rel_rms
 
@@ -840,6 +840,62 @@ def test_shorter_ties_take_the_shortest_length_within_the_factor(monkeypatch):
     monkeypatch.setattr(backend, "CP_SHORTER_TIES", True)
     assert backend.cp_cost_model().shorter_within == SHORTER_WITHIN
     monkeypatch.setattr(backend, "CP_SHORTER_TIES", False)
+    assert backend.cp_cost_model().shorter_within == 1.0
+
+
+def test_shorter_wide_moves_the_shapes_measured_in_both_gate_regimes(monkeypatch):
+    """``SHORTER_WITHIN_WIDE`` (the Hopper backend's ``CP_SHORTER_WIDE``, an A/B): the same rule as
+    ``SHORTER_WITHIN``'s with 12% instead of 3%. Beyond the narrow rule's picks it moves eleven shapes of the cp,
+    canonical and bwd sets, each to half its length (two of them at 256 chunks; the wave test keeps the others at
+    twice the shortest length), and a backward after the forward still keeps the plain pick. What the rule rests on:
+    the model's ratio of the half length to the longer one is above the measured one in the regime where no M
+    vanishes (``h100/v0.36/cp-choices-regimes-slow.json``) on every shape measured there."""
+    import dataclasses
+
+    from flashgdn.bench.shapes import bwd_set, canonical_set, cp_set, parse_shape
+    from flashgdn.kernels.hopper import backend
+
+    wide = dataclasses.replace(BACKEND_MODEL, shorter_within=SHORTER_WITHIN_WIDE)
+    moved = []
+    for shape in canonical_set() + cp_set() + bwd_set():
+        args = (list(shape.seqlens), shape.h_v, "auto")
+        narrow = plan_segments(*args, BACKEND_MODEL, qk_heads=shape.h_qk, in_between=True)
+        widened = plan_segments(*args, wide, qk_heads=shape.h_qk, in_between=True)
+        assert narrow.split == widened.split, shape
+        assert (plan_segments(*args, wide, qk_heads=shape.h_qk).segment_chunks
+                == plan_segments(*args, BACKEND_MODEL, qk_heads=shape.h_qk).segment_chunks), shape
+        if narrow.segment_chunks != widened.segment_chunks:
+            assert widened.segment_chunks * 2 == narrow.segment_chunks, shape
+            moved.append((shape.h_qk, shape.h_v, tuple(shape.seqlens), narrow.segment_chunks))
+    assert sorted(set(moved)) == [
+        (1, 4, (61440, 4096), 64), (1, 4, (65536,), 64), (2, 4, (61440, 4096), 64), (2, 4, (65536,), 64),
+        (4, 16, (8192,), 32), (4, 16, (61440, 4096), 128), (4, 16, (122880, 8192), 256),
+        (8, 16, (8192,), 32), (8, 16, (61440, 4096), 128), (8, 16, (122880, 8192), 256),
+        (16, 16, (8192,), 32)], moved
+    # the measured slow-regime ratios (half length over the longer one) against the model's
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h100", "v0.36",
+                        "cp-choices-regimes-slow.json")
+    with open(path) as fh:
+        rows = json.load(fh)["rows"]
+    assert len(rows) == 5
+    for row in rows:
+        shape = parse_shape(row["shape"])
+        hq, hv, seqlens = shape.h_qk, shape.h_v, list(shape.seqlens)
+        assert row["gate_scale"] == 0.1
+        long = row["auto_pick_skip"]  # the model's pick there (the narrow rule's as well)
+        short = long // 2
+        measured = row[f"ms_{short}_skip"] / row[f"ms_{long}_skip"]
+        model = (estimated_us(seqlens, hv, short, BACKEND_MODEL, hq)
+                 / estimated_us(seqlens, hv, long, BACKEND_MODEL, hq))
+        assert measured < 1.06 and model - measured > 0.05, (row["shape"], measured, model)
+    # the switch reaches the backend's model, and only with CP_SHORTER_TIES
+    monkeypatch.setattr(backend, "CP_SHORTER_TIES", True)
+    monkeypatch.setattr(backend, "CP_SHORTER_WIDE", True)
+    assert backend.cp_cost_model().shorter_within == SHORTER_WITHIN_WIDE
+    monkeypatch.setattr(backend, "CP_SHORTER_WIDE", False)
+    assert backend.cp_cost_model().shorter_within == SHORTER_WITHIN
+    monkeypatch.setattr(backend, "CP_SHORTER_TIES", False)
+    monkeypatch.setattr(backend, "CP_SHORTER_WIDE", True)
     assert backend.cp_cost_model().shorter_within == 1.0
 
 

@@ -73,6 +73,15 @@ FORWARD_AUTO_GAIN = float(os.environ.get("FLASHGDN_CP_FORWARD_AUTO_GAIN", "0.97"
 #: change (``tests/test_cp.py``), all measured (``h100/v0.36/shorter-ties-*.json``: 0.71x-0.75x)
 SHORTER_WITHIN = 1.03
 
+#: ``CostModel.shorter_within`` under the Hopper backend's ``CP_SHORTER_WIDE`` as well (an A/B, off): within 12%. Where
+#: no transition M vanishes (the gates x 0.1, ``h100/v0.36/cp-choices-regimes-slow.json``) the model puts a length
+#: half the best one's at 1.02x-1.12x of it, and the forward measured 0.93x-1.05x of it (1/4 and 2/4 65536,
+#: 1/4 61440+4096, 2/8 32768 at 32 chunks against 64; 4/16 8192 at 16 against 32): the model overcharges the
+#: shorter length by 6-11% of the longer one's time in the regime that favours long segments, while with the
+#: benchmark's gates (``cp-choices-regimes-fast.json``) the same moves measured 0.74x-1.0x. Eleven shapes of the cp,
+#: canonical and bwd sets move beyond ``SHORTER_WITHIN``'s (``tests/test_cp.py``)
+SHORTER_WITHIN_WIDE = 1.12
+
 #: the backward splits on any predicted gain (not only ``AUTO_GAIN``'s clear one) when that puts it on the fused
 #: kernel where the whole sequences would take the walk and ``chunk_grad``: the fused kernel keeps no per-chunk state
 #: gradients (S x Hv x K x V in the io dtype, as large as the chunk states), so such a split also saves memory that

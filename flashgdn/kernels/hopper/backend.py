@@ -228,6 +228,11 @@ CP_NEGLIGIBLE_M_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_K
 #: FLASHGDN_HOPPER_CP_SHORTER_TIES=0 turns it off.
 CP_SHORTER_TIES = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_TIES", "1") == "1"
 
+#: with CP_SHORTER_TIES, the shortest length within ``flashgdn.cp.plan.SHORTER_WITHIN_WIDE`` (12%) of the best estimate
+#: instead of 3%: where no M vanishes the model overcharges a half-length segment by about that much (notes v0.36e).
+#: An A/B, off. FLASHGDN_HOPPER_CP_SHORTER_WIDE=1 turns it on.
+CP_SHORTER_WIDE = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_WIDE", "0") == "1"
+
 
 def _backward_splits(backward_plan) -> bool:
     """Whether a backward follows (``backward_plan`` not None) and its plan splits."""
@@ -262,8 +267,8 @@ def _training_forward_plan(plan, backward_plan):
 def cp_cost_model(device: Optional[torch.device] = None):
     """Context parallelism's cost model for the CP kernels this backend runs as its switches are set (the paired
     transition pass outside the precise mode, the fused index and splice, the skipping of unread items; a forward's
-    shorter segments on the model's near-ties under CP_SHORTER_TIES)."""
-    from ...cp.plan import SHORTER_WITHIN, CostModel
+    shorter segments on the model's near-ties under CP_SHORTER_TIES, wider ones under CP_SHORTER_WIDE)."""
+    from ...cp.plan import SHORTER_WITHIN, SHORTER_WITHIN_WIDE, CostModel
     from .forward import PRECISE
 
     from . import backward
@@ -273,7 +278,14 @@ def cp_cost_model(device: Optional[torch.device] = None):
                                 reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS,
                                 fused_longest_first=backward.fused_longest_first(),
                                 walk_starts_only=backward.WALK_STARTS_ONLY,
-                                shorter_within=SHORTER_WITHIN if CP_SHORTER_TIES else 1.0)
+                                shorter_within=_shorter_within(SHORTER_WITHIN, SHORTER_WITHIN_WIDE))
+
+
+def _shorter_within(narrow: float, wide: float) -> float:
+    """The cost model's ``shorter_within`` as CP_SHORTER_TIES and CP_SHORTER_WIDE are set."""
+    if not CP_SHORTER_TIES:
+        return 1.0
+    return wide if CP_SHORTER_WIDE else narrow
 
 
 class _HopperSegmentsForward:
