@@ -175,10 +175,6 @@ set -uo pipefail
 #   output pass, or near it (1/4 and 2/4 65536 and 61440+4096, 2/8 32768, 4/16 8192), with the benchmark's gates
 #   (cp-choices-regimes-fast.json: the long segments' M vanish) and with g x 0.1 (cp-choices-regimes-slow.json: none
 #   vanishes), for a planner that is right under both (notes "Segment lengths under both gate regimes").
-# diag-mma: stage 1's 16x16 diagonal blocks by three-pass tf32 doubling (kkt_inverse's diag_mma, forward.KKT_DIAG_MMA,
-#   notes "Stage 1's diagonal blocks on the tensor cores?"): its GPU tests (gpu-diag-mma.log), stage 1 alone against
-#   the default build on full shapes of every group size (diag-mma-stage{,A}.json, with A stored too), then the
-#   forward both ways on the canonical set's full shapes (diag-mma-ab.json; other bits: --max-diff 8e-3).
 # shorter-wide (v0.36e, backend.CP_SHORTER_WIDE, notes "v0.36e"): the eleven shapes it moves (and 2/8 32768, moved by
 #   v0.36c already: no change) both ways with the benchmark's gates (shorter-wide-ab.json); then the seven moved shapes
 #   not timed by cp-choices-regimes at their two lengths, gates x 1 and x 0.1 (shorter-wide-{fast,slow}.json).
@@ -194,7 +190,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|diag-mma|shorter-wide OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -685,18 +681,6 @@ elif [ "$part" = cp-choices-regimes ]; then
       --gate-scale "${regime#*:}" --out "$out/cp-choices-regimes-${regime%%:*}.json"
     tail -6 "$out/cp-choices-regimes-${regime%%:*}.log"
   done
-elif [ "$part" = diag-mma ]; then
-  gpu_tests gpu-diag-mma 200 8 tests/test_gpu_hopper_stage1.py -k "diag16_against or diag_mma"
-  shapes="32/32:4096x8,16/16:8192x4,16/32:4096x8,8/32:8192x4,16/64:4096x8,8/24:8192x4"
-  for f in "" A; do
-    logged "diag-mma-stage$f" 120 python3 benchmarks/kkt_options.py --shapes "$shapes" --base diag16+mma32 \
-      ${f:+--store-inverse} --options diag16+mma32,diag16+mma32+diag_mma --rounds 5 --max-diff 5e-3 \
-      --out "$out/diag-mma-stage$f.json"
-    grep "geometric\|exit" "$out/diag-mma-stage$f.log"
-  done
-  logged diag-mma-ab 300 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:KKT_DIAG_MMA \
-    --set canonical --ctas full --modes fwd --rounds 2 --max-diff 8e-3 --out "$out/diag-mma-ab.json"
-  tail -4 "$out/diag-mma-ab.log"
 elif [ "$part" = suite-forward ]; then
   gpu_tests gpu-suite-forward 330 14 tests/test_gpu_hopper_forward.py tests/test_gpu_hopper_stage1.py \
     tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py

@@ -92,12 +92,6 @@ KKT_DIAG16 = os.environ.get("FLASHGDN_HOPPER_KKT_DIAG16", "1") == "1"
 #: ``forward/kkt-mma32-op-v0.24b.json``). The default; FLASHGDN_HOPPER_KKT_MMA32=0 for diag16 alone.
 KKT_MMA32 = os.environ.get("FLASHGDN_HOPPER_KKT_MMA32", "1") == "1"
 
-#: With KKT_DIAG16 and KKT_MMA32, the 16x16 diagonal blocks by tensor-core doubling instead of substitution
-#: (``kkt_inverse``'s ``diag_mma``: (I + N)(I + N^2)(I + N^4)(I + N^8), each product three-pass tf32, which keeps the
-#: substitution's accuracy where plain tf32 loses it: ``benchmarks/inverse_numerics.py``). An A/B, not yet run on a
-#: GPU (notes "Stage 1's diagonal blocks on the tensor cores?"): FLASHGDN_HOPPER_KKT_DIAG_MMA=1 turns it on.
-KKT_DIAG_MMA = os.environ.get("FLASHGDN_HOPPER_KKT_DIAG_MMA", "0") == "1"
-
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -446,12 +440,10 @@ def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
 
 
 def kkt_options() -> dict:
-    """Stage 1's build options that the host's switches add (``diag16`` with ``mma32`` by default, and ``diag_mma``
-    with KKT_DIAG_MMA on; ``diag16`` alone with KKT_MMA32 off, else ``triangle``)."""
+    """Stage 1's build options that the host's switches add (``diag16`` with ``mma32`` by default, ``diag16`` alone
+    with KKT_MMA32 off, else ``triangle``)."""
     if KKT_DIAG16:
-        if KKT_MMA32:
-            return dict(diag16=True, mma32=True, diag_mma=True) if KKT_DIAG_MMA else dict(diag16=True, mma32=True)
-        return dict(diag16=True)
+        return dict(diag16=True, mma32=True) if KKT_MMA32 else dict(diag16=True)
     return dict(triangle=True) if KKT_TRIANGLE else {}
 
 

@@ -42,8 +42,7 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
-                      diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
-                      diag_mma: bool = False):
+                      diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -108,17 +107,6 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     canonical shapes (``forward/kkt-options-mma32-v0.24b.json``, ``forward/kkt-mma32-op-v0.24b.json``); the
     default (``forward.KKT_MMA32``).
 
-    ``diag_mma=True`` (with ``diag16`` and ``mma32``; an A/B, not yet timed) makes the 16x16 diagonal blocks on the
-    tensor cores instead of by substitution: with N = -StrictLower(diag(beta) K K^T) on a block (nilpotent, N^16 = 0),
-    ``(I - N)^{-1} = (I + N)(I + N^2)(I + N^4)(I + N^8)``, three squarings and three products, each a 16x16x16 product
-    of four ``mma.m16n8k8`` per pass, by one warp per block (a pair's eight blocks two a warp in turn, an odd group's
-    four one a warp), the chain six products long
-    where the substitution's is ~120 dependent FMAs. Each product is three-pass tf32 (operands split into a
-    tf32-rounded high part and the float32 rest, hi lo + lo hi + hi hi): with tf32 alone the powers of N, which grow
-    where keys share a direction and cancel back to A's entries of ~1, lose up to all of A's digits (beta = 1:
-    ``benchmarks/inverse_numerics.py``, notes "Stage 1's diagonal blocks on the tensor cores?"); three passes keep
-    the substitution's accuracy there. Other rounding, so other bits than ``diag16``'s.
-
     ``chunk_bounds=True`` adds a last argument ``chunk_bound [Hv, S]`` float32: per chunk slot and value head an upper
     bound on the log of the norm of the chunk's transition, ``sum_i g_i + log max(1, |1 - beta_i |k_i|^2|)`` over its
     rows (``flashgdn.cp.bounds.token_log_growth``, summed), with |k_i|^2 read off K K^T's diagonal here. It is
@@ -128,8 +116,6 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     float32's range without reading k again (an A/B, ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``). One thread per value
     head of the group sums its 64 rows; the other outputs are those of the build without it.
     """
-    if diag_mma and not (diag16 and mma32):
-        raise ValueError("diag_mma makes diag16's blocks by mma.m16n8k8 beside mma32's merges: it needs both")
     if diag16 and triangle:
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
     if mma32 and not diag16:
@@ -235,91 +221,6 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     fb[0] = b_at(tq + 8 * ks, gq + 8 * nt)
                     fb[1] = b_at(tq + 4 + 8 * ks, gq + 8 * nt)
                     mma_tf32(fa, fb, fc, nt * 4)
-
-    def tf32_high(v):
-        # v rounded to tf32, to nearest (ties away, as cvt.rna.tf32.f32): the high part of a three-pass operand
-        return T.reinterpret(
-            (T.reinterpret(v, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), "float32")
-
-    @T.macro
-    def mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, fc0, gq, tq, a_at, b_at):
-        # fc[fc0 : fc0 + 8] = a b for 16x16 tiles as mma16 (no skipping), each operand split into a tf32 high part and
-        # the float32 rest, which the mma reads truncated: a_lo b_hi + a_hi b_lo + a_hi b_hi, the small terms first
-        for i in T.unroll(8):
-            fc[fc0 + i] = 0.0
-        for ks in T.unroll(2):
-            for i in T.unroll(4):
-                fa[i] = tf32_high(a_at(gq + 8 * (i % 2), tq + 4 * (i // 2) + 8 * ks))
-                fa_lo[i] = a_at(gq + 8 * (i % 2), tq + 4 * (i // 2) + 8 * ks) - fa[i]
-            for nt in T.unroll(2):
-                fb[0] = tf32_high(b_at(tq + 8 * ks, gq + 8 * nt))
-                fb[1] = tf32_high(b_at(tq + 4 + 8 * ks, gq + 8 * nt))
-                fb_lo[0] = b_at(tq + 8 * ks, gq + 8 * nt) - fb[0]
-                fb_lo[1] = b_at(tq + 4 + 8 * ks, gq + 8 * nt) - fb[1]
-                mma_tf32(fa_lo, fb, fc, fc0 + nt * 4)
-                mma_tf32(fa, fb_lo, fc, fc0 + nt * 4)
-                mma_tf32(fa, fb, fc, fc0 + nt * 4)
-
-    def diagonal_block(w, bi):
-        # warp w's bi-th 16x16 diagonal block with diag_mma: (head of the pair, block q, q's offset in its 32x32 block)
-        sq = (w * pair + bi) % 4
-        return (w * pair + bi) // 4, sq, (sq % 2) * H
-
-    @T.macro
-    def doubling16(u, b_s, kk_s, d_s, fa, fb, fa_lo, fb_lo, fc, tx):
-        # this warp's 16x16 diagonal blocks (blocks w pair + i, i < pair: head (w pair + i) / 4 of the pair, block
-        # q = (w pair + i) % 4 of it), each (I + N)(I + N^2)(I + N^4)(I + N^8) into its place in d_s. The powers of N
-        # live beside it in its 32x32 block, in the quadrant off the diagonal in its columns (the lower left for an
-        # even q, which the 16x16 merge writes later; the upper right for an odd q, zero in the end), so no shared
-        # memory is added. A pair's two blocks a warp go through each product side by side (two independent mma
-        # chains, one set of barriers for both). Every warp takes part (an odd group's four blocks one a warp), so the
-        # barriers TileLang puts between a product's reads and the writes over its operands are reached by the whole
-        # CTA
-        w = tx // 32
-        lane = tx % 32
-        gq = lane // 4
-        tq = lane % 4
-        for bi in T.unroll(pair):
-            sp, sq, o = diagonal_block(w, bi)
-            R = sq * H  # the block's first row (and column) in the chunk
-            for e in T.unroll(8):
-                r = (lane * 8 + e) // H
-                c = (lane * 8 + e) % H
-                n_rc = T.if_then_else(r > c, -b_s[u * pair + sp, R + r] * kk_s[R + r, kk_col(R + r, R + c)], 0.0)
-                d_s[sp, sq // 2, o + r, o + c] = T.if_then_else(r == c, 1.0, n_rc)
-                d_s[sp, sq // 2, H - o + r, o + c] = n_rc
-        T.sync_warp()
-        for step in T.unroll(3):
-            # P = P P
-            for bi in T.unroll(pair):
-                sp, sq, o = diagonal_block(w, bi)
-                mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, 8 * bi, gq, tq,
-                                 lambda r, c: d_s[sp, sq // 2, H - o + r, o + c],
-                                 lambda r, c: d_s[sp, sq // 2, H - o + r, o + c])
-            T.sync_warp()
-            for bi in T.unroll(pair):
-                sp, sq, o = diagonal_block(w, bi)
-                for c in T.unroll(8):
-                    d_s[sp, sq // 2, H - o + gq + 8 * ((c % 4) // 2), o + 8 * (c // 4) + 2 * tq + c % 2] = fc[8 * bi + c]
-            T.sync_warp()
-            # X = X (I + P)
-            for bi in T.unroll(pair):
-                sp, sq, o = diagonal_block(w, bi)
-                mma16_three_pass(fa, fb, fa_lo, fb_lo, fc, 8 * bi, gq, tq,
-                                 lambda r, c: d_s[sp, sq // 2, o + r, o + c],
-                                 lambda r, c: d_s[sp, sq // 2, H - o + r, o + c] + T.if_then_else(r == c, 1.0, 0.0))
-            T.sync_warp()
-            for bi in T.unroll(pair):
-                sp, sq, o = diagonal_block(w, bi)
-                for c in T.unroll(8):
-                    d_s[sp, sq // 2, o + gq + 8 * ((c % 4) // 2), o + 8 * (c // 4) + 2 * tq + c % 2] = fc[8 * bi + c]
-            T.sync_warp()
-        # the quadrant of the powers back to zero (an odd q's upper right stays so; an even q's lower left is the 16x16
-        # merge's to write)
-        for bi in T.unroll(pair):
-            sp, sq, o = diagonal_block(w, bi)
-            for e in T.unroll(8):
-                d_s[sp, sq // 2, H - o + (lane * 8 + e) // H, o + (lane * 8 + e) % H] = 0.0
 
     @T.macro
     def merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx):
@@ -464,14 +365,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             if chunk_bounds:
                 lg = T.alloc_local((3,), acc)  # decay, growth, sum of |g|
             if diag16:
-                x16_s = T.alloc_shared((4, H, H), acc)  # a warp's L21' A11' (with diag_mma first its powers of N)
+                x16_s = T.alloc_shared((4, H, H), acc)  # a warp's L21' A11'
                 fa = T.alloc_local((4,), acc)
                 fb = T.alloc_local((2,), acc)
                 fc = T.alloc_local((8,), acc)
-            if diag_mma:
-                fa_lo = T.alloc_local((4,), acc)
-                fb_lo = T.alloc_local((2,), acc)
-                fc_pair = T.alloc_local((8 * pair,), acc)
 
             tx = T.get_thread_binding()
 
@@ -520,9 +417,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     if diag16:
                         # thread -> head tx / 64 of the pair, 16x16 block q, column; with an odd group (one head at
                         # a time) the upper 64 threads wait at the barriers, which stay outside the branches
-                        if diag_mma:
-                            doubling16(u, b_s, kk_s, d_s, fa, fb, fa_lo, fb_lo, fc_pair, tx)
-                        elif tx < 64 * pair:
+                        if tx < 64 * pair:
                             for r in T.unroll(H):
                                 x[r] = 0.0
                             sp = tx // 64

@@ -41,10 +41,6 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     yield (f"kkt_inverse_async_5_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True,
                 mma32=True))
-    # and the 16x16 diagonal blocks by three-pass tf32 mma (forward.KKT_DIAG_MMA, an A/B)
-    yield (f"kkt_inverse_async_5_diag16_mma32_diag_mma[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
-           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5, diag16=True,
-                mma32=True, diag_mma=True))
     # an odd group's build at more CTAs per SM (forward.KKT_ODD_GROUP_BLOCKS, the default), where it has one
     from .forward import ODD_GROUP_BLOCKS_PER_SM
 
