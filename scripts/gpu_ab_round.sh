@@ -177,7 +177,7 @@ set -uo pipefail
 #   vanishes), for a planner that is right under both (notes "Segment lengths under both gate regimes").
 # shorter-wide (v0.36e, backend.CP_SHORTER_WIDE, notes "v0.36e"): the eleven shapes it moves (and 2/8 32768, moved by
 #   v0.36c already: no change) both ways with the benchmark's gates (shorter-wide-ab.json); then the seven moved shapes
-#   not timed by cp-choices-regimes at their two lengths, gates x 1 and x 0.1 (shorter-wide-{fast,slow}.json).
+#   not timed by cp-choices-regimes at every power-of-two length, gates x 0.1 then x 1 (shorter-wide-{slow,fast}.json).
 # suite-forward: the GPU suite's files that context parallelism's default change (v0.36b) reaches besides the CP file:
 #   the forward, stage 1, the plan and the reference, 14 processes (gpu-suite-forward.log).
 # cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
@@ -690,14 +690,14 @@ elif [ "$part" = shorter-wide ]; then
   shapes=""
   for s in $moved; do shapes="$shapes --shape $s"; done
   # shellcheck disable=SC2086  # the shapes are words
-  logged shorter-wide-ab 240 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_SHORTER_WIDE \
+  logged shorter-wide-ab 150 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_SHORTER_WIDE \
     $shapes --modes fwd --rounds 3 --max-diff 8e-3 --out "$out/shorter-wide-ab.json"
   grep "geometric\|same bits" "$out/shorter-wide-ab.log"
-  for scale in fast:1 slow:0.1; do
-    logged "shorter-wide-${scale%%:*}" 200 python3 benchmarks/cp_choices.py --shape 2/4:61440+4096 --shape 4/16:61440+4096 \
+  for scale in slow:0.1 fast:1; do  # the regime the switch risks first
+    logged "shorter-wide-${scale%%:*}" 120 python3 benchmarks/cp_choices.py --shape 2/4:61440+4096 --shape 4/16:61440+4096 \
       --shape 8/16:61440+4096 --shape 4/16:122880+8192 --shape 8/16:122880+8192 --shape 8/16:8192 --shape 16/16:8192 \
       --segments 16,32,64,128,256 --gate-scale "${scale#*:}" --out "$out/shorter-wide-${scale%%:*}.json"
-    tail -2 "$out/shorter-wide-${scale%%:*}.log"
+    cut -c1-400 "$out/shorter-wide-${scale%%:*}.log"
   done
 elif [ "$part" = cp-set-fq ]; then
   if [ -n "${CP_SET_PART:-}" ]; then  # i/n: that part of the set (the bench's --part), cp-set-part{i}.json
