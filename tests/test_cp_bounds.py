@@ -393,3 +393,105 @@ def test_the_kernels_bound_never_looks_negligible_on_non_finite_inputs():
     cb = chunk_log_bounds(k, g, beta, slots)
     assert cb[0, 0] < NEGLIGIBLE_LOG_NORM and cb[0, 1].isnan()
     assert not (segment_log_bounds(cb, torch.tensor([0]), torch.tensor([0, 128])) < NEGLIGIBLE_LOG_NORM).any()
+
+
+def _slots_of(seg_cu):
+    """The chunk slots as the chunk plan lays them out (each segment's chunks in turn) and each segment's first."""
+    slots, first_slot = [], []
+    for s, a in enumerate(seg_cu[:-1].tolist()):
+        e = int(seg_cu[s + 1])
+        first_slot.append(len(slots))
+        slots += [[a + 64 * c, min(64, e - a - 64 * c)] for c in range((e - a + 63) // 64)]
+    return torch.tensor(slots, dtype=torch.int32), torch.tensor(first_slot, dtype=torch.int32)
+
+
+def _chunkwise_b_starts(k, v, g, beta, h0, seg_cu, seg_seq, first):
+    from flashgdn.cp.bounds import chunk_log_bounds, chunk_log_injects, segment_b_starts
+
+    slots, first_slot = _slots_of(seg_cu)
+    h0_log_norm = None if h0 is None else torch.linalg.vector_norm(h0, dim=(-2, -1)).log()
+    return segment_b_starts(chunk_log_bounds(k, g, beta, slots), chunk_log_injects(k, v, g, beta, slots),
+                            first_slot, seg_cu, h0_log_norm, seg_seq, first)
+
+
+def test_chunk_log_injects_bound_each_chunks_injection_from_above():
+    """``chunk_log_injects``: per chunk and value head at or above the log of sum |beta||k||v| carried to the
+    chunk's end by the per-token bounds, made in float64 token by token, and above it by no more than its margin;
+    an idle slot gives -inf."""
+    from flashgdn.cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL, chunk_log_injects
+
+    k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case(seed=5)
+    slots, _ = _slots_of(seg_cu)
+    slots = torch.cat([slots, torch.zeros(1, 2, dtype=torch.int32)])
+    got = chunk_log_injects(k, v, g, beta, slots)
+    assert got.shape == (4, slots.shape[0]) and got.dtype == torch.float32
+    assert torch.isneginf(got[:, -1]).all()
+    lu = token_log_growth(k, g, beta).double()
+    inj = (beta[0].double().abs() * k[0].double().norm(dim=-1).repeat_interleave(2, dim=1)
+           * v[0].double().norm(dim=-1)).log()
+    for j, (a, n) in enumerate(slots[:-1].tolist()):
+        after = lu[a:a + n].sum(0) - lu[a:a + n].cumsum(0)
+        want = (inj[a:a + n] + after).logsumexp(0)
+        mag = (g[0, a:a + n].double().abs() + lu[a:a + n] - g[0, a:a + n].double()).sum(0)
+        slack = mag * CHUNK_BOUND_REL + CHUNK_BOUND_ABS
+        assert (got[:, j].double() >= want - 1e-5).all() and (got[:, j].double() - want <= slack + 1e-4).all(), j
+
+
+@pytest.mark.parametrize("g_scale,h0_scale", [(1.0, 0.0), (1.0, 1.0), (0.6, 1e30), (0.6, 1.0)])
+def test_chunkwise_late_b_drops_only_what_is_below_float32s_range(g_scale, h0_scale):
+    """``segment_b_starts`` over ``chunk_log_bounds`` and ``chunk_log_injects`` (the per-chunk form a kernel can
+    make): the tokens before the chunk where b's walk starts owe b less than e^-88 in every entry, made token by
+    token in float64; heads without decay or with keys that grow the state keep every chunk; and it leaves out what
+    the token-by-token ``b_start_chunks`` does, up to one chunk either way (its own margins against the other's sum
+    over earlier segments)."""
+    from flashgdn.cp.bounds import b_start_chunks
+
+    k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case(g_scale=g_scale, h0_scale=h0_scale)
+    starts = _chunkwise_b_starts(k, v, g, beta, h0, seg_cu, seg_seq, first)
+    chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
+    assert starts.shape == (5, 4) and starts.dtype == torch.int32
+    for s in range(5):
+        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
+        for h in range(4):
+            c = int(starts[s, h])
+            assert 0 <= c <= chunks[s]
+            if h >= 2:
+                assert c == 0
+                continue
+            if c == 0:
+                continue
+            S0 = h0[int(seg_seq[s]), h] if s in (0, 3) else torch.zeros(8, 8, dtype=torch.float64)
+            p = min(a + 64 * c, e)
+            dropped = _walk(k, v, g, beta, h, 2, p, e, _walk(k, v, g, beta, h, 2, a, p, S0), inject=False)
+            assert dropped.abs().max() < math.exp(NEGLIGIBLE_LOG_NORM), (s, h, c)
+    token_wise = b_start_chunks(k, v, g, beta, seg_cu, sum(chunks), h0=h0, seg_seq=seg_seq, first=first)
+    assert (starts - token_wise).abs().max() <= 1, (starts, token_wise)
+    if g_scale == 1.0:
+        assert (starts[:, :2] > 0).all(), starts
+
+
+def test_chunkwise_late_b_leaves_most_of_a_long_segment_under_the_benchmarks_gates():
+    """What the per-chunk form would save: one 256-chunk segment (16384 tokens, normalised keys of 128, beta in
+    (0, 1), the benchmark's gates of about -0.05 a token) leaves out all but the last ~30 chunks of b's walk on every
+    head, as the token-by-token bound does; the same segment without decay keeps them all."""
+    from flashgdn.cp.bounds import b_start_chunks
+
+    T, Hqk, Hv, K = 16384, 1, 2, 128
+    gen = torch.Generator().manual_seed(4)
+    k = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, T, Hv, K, generator=gen).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen)) / 16
+    beta = torch.rand(1, T, Hv, generator=gen)
+    seg_cu, seg_seq, first = torch.tensor([0, T]), torch.tensor([0]), torch.tensor([0])
+    starts = _chunkwise_b_starts(k, v, g, beta, None, seg_cu, seg_seq, first)
+    token_wise = b_start_chunks(k, v, g, beta, seg_cu, 256)
+    assert (starts >= 256 - 40).all() and (starts < 256).all(), starts
+    assert (starts - token_wise).abs().max() <= 1, (starts, token_wise)
+    assert (_chunkwise_b_starts(k, v, g * 0, beta, None, seg_cu, seg_seq, first) == 0).all()
+
+
+def test_chunkwise_late_b_leaves_nothing_out_on_non_finite_inputs():
+    k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case()
+    g[0, 300, 0] = float("nan")  # in the second segment of the first sequence
+    starts = _chunkwise_b_starts(k, v, g, beta, h0, seg_cu, seg_seq, first)
+    assert starts[1, 0] == 0 and starts[1, 1] > 0 and starts[0, 0] > 0

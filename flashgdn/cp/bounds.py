@@ -204,6 +204,87 @@ def segment_log_bounds(chunk_bound: torch.Tensor, first_slot: torch.Tensor, seg_
     return summed + mags * (chunks[:, None] + 64).to(torch.float64) * SEGMENT_SUM_REL + SEGMENT_SUM_ABS
 
 
+def chunk_log_injects(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """What the chunk-wise late b needs of each chunk besides ``chunk_log_bounds``, in PyTorch: ``[Hv, S]`` float32,
+    per chunk slot (``slots [S, 2]``: first token and length, 0 for an idle slot) and value head, the log of
+
+        J_c = sum over the chunk's tokens t of |beta_t| |k_t| |v_t| exp(sum over t < u <= the chunk's last token of l_u)
+
+    (``l_u`` the per-token log bound of ``token_log_growth``): what the chunk's tokens inject into a state walked from
+    zero at its start, carried to its end. Each term's exponent is rounded up as ``chunk_log_bounds`` rounds the
+    chunk's sum (by ``CHUNK_BOUND_REL`` of the chunk's sum of |g| and the growth, and ``CHUNK_BOUND_ABS``), so the
+    float32 sums of a kernel that makes it (stage 1, which has |k|^2, beta and the gates of each chunk, reading v's
+    rows beside them) stay above the exact value. An idle slot, or a chunk whose tokens inject nothing, gives -inf.
+
+    With ``chunk_log_bounds`` it gives a segment's bound E(p) of the module docstring chunk by chunk:
+    ``log E(p) <= logsumexp over chunks c < p of (J_c + sum over the chunks after c of the chunk bounds)``, which
+    ``segment_b_starts`` evaluates."""
+    _, T, Hqk, _ = k.shape
+    Hv = g.shape[2]
+    kk = _per_value_head(_row_norms(k[0]), Hv)  # |k| [T, Hv]
+    growth = (1 - beta[0].to(torch.float32) * kk.square()).abs_().log_()
+    growth = torch.where(growth < 0, torch.zeros_like(growth), growth)  # (NaN passes)
+    gf = g[0].to(torch.float32)
+    inject = (beta[0].to(torch.float32).abs() * kk * _row_norms(v[0])).log_()  # [T, Hv]
+    starts, lengths = slots[:, 0].to(torch.int64), slots[:, 1].to(torch.int64)
+    rows = torch.arange(64, device=k.device)
+    tok = (starts[:, None] + rows).clamp(max=max(T - 1, 0))  # [S, 64]
+    real = (rows < lengths[:, None]).unsqueeze(-1)  # [S, 64, 1]
+    zero = torch.zeros((), dtype=torch.float32, device=k.device)
+    lu = torch.where(real, gf[tok] + growth[tok], zero)  # [S, 64, Hv]
+    mag = torch.where(real, gf[tok].abs() + growth[tok], zero).sum(1, keepdim=True)
+    # the sum over the rows after t: the chunk's total less the inclusive prefix
+    after = lu.sum(1, keepdim=True) - lu.cumsum(1)
+    terms = torch.where(real, inject[tok] + after, torch.full_like(after, -math.inf))
+    out = terms.logsumexp(1) + (mag[:, 0] * CHUNK_BOUND_REL + CHUNK_BOUND_ABS)  # [S, Hv]
+    return out.t().reshape(Hv, slots.shape[0])
+
+
+def segment_b_starts(chunk_bound: torch.Tensor, chunk_inject: torch.Tensor, first_slot: torch.Tensor,
+                     seg_cu: torch.Tensor, h0_log_norm: Optional[torch.Tensor] = None,
+                     seg_seq: Optional[torch.Tensor] = None, first: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What a transition pass that makes each b item's start from stage 1's per-chunk terms would leave out, in
+    PyTorch (float64): ``[S, Hv]`` int32, for every segment (its first chunk slot ``first_slot``, its tokens from
+    ``seg_cu``) and value head, the most chunks p from the segment's start such that
+
+        logsumexp over its chunks c < p of (chunk_inject[c] + sum of chunk_bound over its chunks after c)
+
+    (with ``log |h0|_F`` plus the sum of all its chunk bounds beside them on a sequence's first segment, from
+    ``h0_log_norm [N, Hv]``, ``seg_seq`` and ``first``), rounded up by ``SEGMENT_SUM_REL`` x (chunks + 64) of the sum
+    of the chunk bounds' magnitudes and ``SEGMENT_SUM_ABS``, is below ``NEGLIGIBLE_LOG_NORM``: what
+    ``b_start_chunks`` bounds token by token, here by ``chunk_log_bounds`` and ``chunk_log_injects`` over the
+    segment's own chunks only. A NaN anywhere in a segment's terms leaves out nothing there. Reads the longest
+    segment's chunk count on the host (a reference, not the call path)."""
+    cb = chunk_bound.to(torch.float64)
+    ci = chunk_inject.to(torch.float64)
+    Hv = cb.shape[0]
+    seg_cu = seg_cu.to(torch.int64)
+    chunks = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")
+    S = chunks.shape[0]
+    width = int(chunks.max()) if S else 0
+    c = torch.arange(width, device=cb.device)
+    real = c[None, :] < chunks[:, None]  # [S, width]
+    slot = (first_slot.to(torch.int64)[:, None] + c[None, :]).clamp(max=max(cb.shape[1] - 1, 0))
+    L = torch.where(real[..., None], cb[:, slot].permute(1, 2, 0), torch.zeros((), dtype=torch.float64))
+    J = torch.where(real[..., None], ci[:, slot].permute(1, 2, 0), torch.full((), -math.inf, dtype=torch.float64))
+    total = L.sum(1, keepdim=True)  # [S, 1, Hv]
+    margin = L.abs().sum(1, keepdim=True) * (chunks[:, None, None] + 64).to(torch.float64) * SEGMENT_SUM_REL \
+        + SEGMENT_SUM_ABS
+    after = total - L.cumsum(1)  # the chunk bounds after each chunk
+    log_e = torch.logcumsumexp(J + after, 1)  # [S, width, Hv]: E at the boundary after each chunk
+    if h0_log_norm is not None:
+        is_first = first.to(torch.int64).index_select(0, seg_seq.to(torch.int64)) == torch.arange(S, device=c.device)
+        h0_term = h0_log_norm.to(torch.float64).index_select(0, seg_seq.to(torch.int64)) + total[:, 0]  # [S, Hv]
+        h0_term = torch.where(is_first[:, None], h0_term, torch.full_like(h0_term, -math.inf))
+        log_e = torch.logaddexp(log_e, h0_term[:, None, :])
+    below = (log_e + margin < NEGLIGIBLE_LOG_NORM) & real[..., None]
+    # the leading run of boundaries below the threshold (E grows with p, but a NaN breaks the run)
+    run = torch.cumprod(below.to(torch.int64), 1).sum(1)
+    bad = ~(torch.isfinite(L).all(1) & ~torch.isnan(J).any(1))
+    return torch.where(bad, torch.zeros_like(run), run).to(torch.int32)
+
+
 def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           seg_cu: torch.Tensor, out: Optional[torch.Tensor] = None,
                           per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
