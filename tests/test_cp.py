@@ -846,8 +846,8 @@ def test_shorter_ties_take_the_shortest_length_within_the_factor(monkeypatch):
 def test_shorter_wide_moves_the_shapes_measured_in_both_gate_regimes(monkeypatch):
     """``SHORTER_WITHIN_WIDE`` (the Hopper backend's ``CP_SHORTER_WIDE``, an A/B): the same rule as
     ``SHORTER_WITHIN``'s with 12% instead of 3%. Beyond the narrow rule's picks it moves eleven shapes of the cp,
-    canonical and bwd sets, each to half its length (two of them at 256 chunks; the wave test keeps the others at
-    twice the shortest length), and a backward after the forward still keeps the plain pick. What the rule rests on:
+    canonical and bwd sets, each to half its length, and a forward with a backward after it keeps the plain pick.
+    What the rule rests on:
     the model's ratio of the half length to the longer one is above the measured one in the regime where no M
     vanishes (``h100/v0.36/cp-choices-regimes-slow.json``) on every shape measured there."""
     import dataclasses
