@@ -812,3 +812,96 @@ def test_cp_on_float32s_range_reads_nothing_back_and_replays_in_a_cuda_graph(opt
     graph, captured = _replayed(lambda: step(4))
     for name, x, w in zip(["o", "final state"] + names, captured, want):
         assert torch.equal(x, w), ("graph", name)
+
+
+@pytest.mark.parametrize("store_inverse", [False, True])
+def test_stage1_chunk_injects_match_their_counterpart(store_inverse, cuda):
+    """``kkt_inverse``'s ``chunk_injects`` (``hopper_stage1(..., inject_v=v)``): per chunk slot and value head what
+    ``flashgdn.cp.bounds.chunk_log_injects`` makes, to float32's rounding of the sums (-inf where it is -inf: the g = 0
+    head injects like any other, a zero value row injects nothing); the build's other outputs the same bits as with
+    ``chunk_bounds`` alone."""
+    from flashgdn.cp.bounds import chunk_log_injects
+    from flashgdn.kernels.hopper.forward import hopper_stage1
+
+    inp = make_inputs([3000, 1, 64, 65, 2000], Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda,
+                      gate="mixed", normalize_qk=False, zero_gate_heads=(3,))
+    k, v, g, beta, cu = inp["k"], inp["v"].clone(), inp["g"], inp["beta"] * 2.5, inp["cu_seqlens"].to(torch.int32)
+    v[0, 100:164, 1] = 0  # a whole chunk of value head 1 without values (the second chunk of the first sequence)
+    plain = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse, chunk_bounds=True)
+    got = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse, chunk_bounds=True, inject_v=v)
+    assert torch.equal(got.bounds, plain.bounds)
+    lengths = got.bounds[:, 1].long()
+    C = got.Ag.shape[-1]
+    rows = torch.arange(got.gcum.shape[1], device=cuda)
+    written = (rows % C) < lengths[rows // C]
+    assert torch.equal(got.gcum[:, written], plain.gcum[:, written])
+    inside = (torch.arange(C, device=cuda)[None, :] < lengths[:, None])
+    block = inside[:, None, :, None] & inside[:, None, None, :]
+    for name in ("Ag",) + (("A",) if store_inverse else ()):
+        a, b = getattr(got, name), getattr(plain, name)
+        assert torch.equal(a[block.expand_as(a)], b[block.expand_as(b)]), name
+    real = lengths > 0
+    assert torch.equal(got.chunk_bound[:, real], plain.chunk_bound[:, real])
+    have = got.chunk_inject[:, real].double().cpu()
+    want = chunk_log_injects(k, v, g, beta, got.bounds).double().cpu()[:, real.cpu()]
+    assert torch.isneginf(want).any(), "the zero value rows: nothing injected"
+    assert torch.equal(torch.isneginf(have), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    assert bool(((have[finite] - want[finite]).abs() <= 1e-4 * (1 + want[finite].abs())).all())
+
+
+def test_late_b_in_kernel_items_walk_to_the_same_ends(cuda):
+    """The pass itself with stage 1's chunk bounds, without and with its injections (``chunk_inject=``, the kernel's
+    ``chunk_late_b``): every M and every b a splice reads the same bits, where by ``segment_b_starts`` b items of the
+    decaying heads leave out chunks (the g = 0 head none)."""
+    from flashgdn.cp.bounds import segment_b_starts
+    from flashgdn.cp.plan import segment_index_tensors, split_sequences
+    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+
+    seqlens = [3000, 64, 2000]
+    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
+                      zero_gate_heads=(3,))
+    plan = split_sequences(seqlens, 8)
+    index = segment_index_tensors(plan, inp["cu_seqlens"])
+    seg_cu = index.seg_cu.to(torch.int32)
+    k, v, g, beta = inp["k"], inp["v"], inp["g"], inp["beta"]
+    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=True, inject_v=v)
+    h0 = inp["initial_state"].float().contiguous()
+    h0_log_norm = torch.linalg.vector_norm(h0, dim=(-2, -1)).log()
+    starts = segment_b_starts(stage1.chunk_bound, stage1.chunk_inject, stage1.first_slot, seg_cu, h0_log_norm,
+                              index.seg_seq, index.first).cpu()
+    args = (inp["q"], k, v, stage1, None, seg_cu)
+    plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound)
+    got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound,
+                                  chunk_inject=stage1.chunk_inject, h0_log_norm=h0_log_norm)
+    seg = torch.arange(plan.num_segments)
+    last = seg == plan.first[plan.seg_seq] + plan.count[plan.seg_seq] - 1
+    assert (starts[~last, :3] > 0).any() and not starts[:, 3].any()
+    assert torch.equal(plain[:, 1::2], got[:, 1::2]), "M"
+    assert torch.equal(plain[~last.to(cuda)][:, 0::2], got[~last.to(cuda)][:, 0::2]), "b of the segments a splice reads"
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),  # most b items start late, one head never
+    dict(seqlens=[8192], gate="mixed", normalize_qk=False),  # keys of any norm: the bound's growth terms
+    dict(seqlens=[4096, 4096], dense=True),  # the normal gates on 4-chunk segments: no b starts late
+])
+def test_late_b_in_kernel_gives_the_same_bits(opts, cuda, monkeypatch):
+    """``backend.CP_LATE_B_IN_KERNEL``: the forward's transition pass starts each b where stage 1's per-chunk terms
+    say the earlier tokens owe it less than float32's smallest normal number; the op and every gradient the same bits
+    with and without it, as for ``CP_LATE_B``."""
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_LATE_B_IN_KERNEL")
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong")])
+def test_late_b_in_kernel_replays_in_a_cuda_graph(opts, cuda, monkeypatch):
+    """With ``backend.CP_LATE_B_IN_KERNEL`` (its one host op the initial states' norms) the forward reads nothing back
+    from the GPU and a CUDA graph of it replays to the eager result bit for bit."""
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_LATE_B_IN_KERNEL", True)
+    test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)

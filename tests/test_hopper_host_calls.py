@@ -357,6 +357,24 @@ def test_negligible_m_in_kernel_gives_the_pass_stage1s_chunk_bounds(checked_kern
     assert flags is not None and flags.dtype == torch.int32 and flags.shape == (checked_kernels[2][1]["num_seqs"], 8)
 
 
+def test_late_b_in_kernel_gives_the_pass_stage1s_injections(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL (with CP_NEGLIGIBLE_M_IN_KERNEL): stage 1 is the build that reads v and
+    writes each chunk's injection, and the paired pass takes them with the initial states' log norms as its last two
+    arguments ([Hv, S] and [sequences, Hv] float32, both checked against the builds' signatures)."""
+    from flashgdn.kernels.hopper import backend
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_LATE_B_IN_KERNEL", True)
+    _, _, seen = _cp_forward_seeing_pairs(monkeypatch, lambda args, kwargs: (
+        args[3], kwargs.get("chunk_bound"), kwargs.get("chunk_inject"), kwargs.get("h0_log_norm"), kwargs.get("h0")))
+    assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
+                                               "chunk_forward_rso"]
+    ((stage1, chunk_bound, chunk_inject, h0_log_norm, h0),) = seen
+    assert chunk_bound is stage1.chunk_bound and chunk_inject is stage1.chunk_inject
+    assert chunk_inject.shape == (8, stage1.Ag.shape[0]) and chunk_inject.dtype == torch.float32
+    assert torch.equal(h0_log_norm, torch.linalg.vector_norm(h0.float(), dim=(-2, -1)).log())
+
+
 def test_late_b_gives_the_transition_pass_its_starts(checked_kernels, monkeypatch):
     """FLASHGDN_HOPPER_CP_LATE_B (beside CP_NEGLIGIBLE_M): the paired pass gets the chunks each b item leaves out as
     its last argument ([segments, Hv] int32, checked against the late_b build's signature), the ones

@@ -254,7 +254,8 @@ def segment_b_starts(chunk_bound: torch.Tensor, chunk_inject: torch.Tensor, firs
     ``h0_log_norm [N, Hv]``, ``seg_seq`` and ``first``), rounded up by ``SEGMENT_SUM_REL`` x (chunks + 64) of the sum
     of the chunk bounds' magnitudes and ``SEGMENT_SUM_ABS``, is below ``NEGLIGIBLE_LOG_NORM``: what
     ``b_start_chunks`` bounds token by token, here by ``chunk_log_bounds`` and ``chunk_log_injects`` over the
-    segment's own chunks only. A NaN anywhere in a segment's terms leaves out nothing there. Reads the longest
+    segment's own chunks only. A NaN injection stops the count at its chunk; a chunk bound that is not finite leaves
+    out nothing in its segment. Reads the longest
     segment's chunk count on the host (a reference, not the call path)."""
     cb = chunk_bound.to(torch.float64)
     ci = chunk_inject.to(torch.float64)
@@ -279,9 +280,10 @@ def segment_b_starts(chunk_bound: torch.Tensor, chunk_inject: torch.Tensor, firs
         h0_term = torch.where(is_first[:, None], h0_term, torch.full_like(h0_term, -math.inf))
         log_e = torch.logaddexp(log_e, h0_term[:, None, :])
     below = (log_e + margin < NEGLIGIBLE_LOG_NORM) & real[..., None]
-    # the leading run of boundaries below the threshold (E grows with p, but a NaN breaks the run)
+    # the leading run of boundaries below the threshold (E grows with p; a NaN term breaks the run there, a chunk
+    # bound that is not finite makes the segment's sum and margin so and leaves out nothing)
     run = torch.cumprod(below.to(torch.int64), 1).sum(1)
-    bad = ~(torch.isfinite(L).all(1) & ~torch.isnan(J).any(1))
+    bad = ~torch.isfinite(L).all(1)
     return torch.where(bad, torch.zeros_like(run), run).to(torch.int32)
 
 

@@ -228,6 +228,14 @@ CP_NEGLIGIBLE_M_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_NEGLIGIBLE_M_IN_K
 #: FLASHGDN_HOPPER_CP_SHORTER_TIES=0 turns it off.
 CP_SHORTER_TIES = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_TIES", "1") == "1"
 
+#: with CP_NEGLIGIBLE_M_IN_KERNEL, the forward's transition pass starts each b late as CP_LATE_B does, from a count
+#: the b item makes itself out of stage 1's per-chunk terms: the chunk bounds, and what each chunk's tokens inject,
+#: which stage 1 makes reading v (``kkt_inverse``'s ``chunk_injects``, ``chunk_forward_rs``'s ``chunk_late_b``;
+#: ``flashgdn.cp.bounds.segment_b_starts``). The same exactness as CP_LATE_B (what is left out owes b less than
+#: float32's smallest normal number) without its PyTorch pass over k and v (notes v0.36f). An A/B, off:
+#: FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL=1 turns it on.
+CP_LATE_B_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL", "0") == "1"
+
 #: with CP_SHORTER_TIES, the shortest length within ``flashgdn.cp.plan.SHORTER_WITHIN_WIDE`` (12%) of the best estimate
 #: instead of 3%: where no M vanishes the model overcharges a half-length segment by about that much (notes v0.36e).
 #: An A/B, off. FLASHGDN_HOPPER_CP_SHORTER_WIDE=1 turns it on.
@@ -387,10 +395,18 @@ class _HopperSegmentsForward:
                 late = (v, h0, unread[0], chunk_count(seg_cu_cpu))
             bounds = _m_bounds_aside(k, g, beta, cu, late)
         chunk_bounds = dict(chunk_bounds=True) if in_kernel else {}
+        # b's late start from stage 1's terms: the forward's own stage 1 (not the backward's shared one)
+        late_in_kernel = in_kernel and CP_LATE_B_IN_KERNEL and self._stage1_source is None
         if self._stage1_source is not None:
             self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu, **chunk_bounds)
         else:
-            self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu, **chunk_bounds)
+            self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu, **chunk_bounds,
+                                         **(dict(inject_v=v) if late_in_kernel else {}))
+        if late_in_kernel:
+            h0_log_norm = torch.linalg.vector_norm(h0.to(torch.float32), dim=(-2, -1)).log()
+            return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0,
+                                           chunk_bound=self._stage1.chunk_bound,
+                                           chunk_inject=self._stage1.chunk_inject, h0_log_norm=h0_log_norm)
         if in_kernel:
             return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0,
                                            chunk_bound=self._stage1.chunk_bound)

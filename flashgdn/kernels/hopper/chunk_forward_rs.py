@@ -76,6 +76,7 @@ def build_chunk_forward_rs(
     negligible_m: bool = False,
     late_b: bool = False,
     chunk_bounds: bool = False,
+    chunk_late_b: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -136,6 +137,15 @@ def build_chunk_forward_rs(
     ``b_start[n, h]`` chunks and walks the rest from zero (from h0 only where it leaves out none), the tokens left out
     owing b less than float32's smallest normal number (an A/B, ``backend.CP_LATE_B``). Its chunks are those of the
     build without it from that chunk on: the same tiles, slots and arithmetic.
+
+    ``chunk_late_b=True`` (with ``chunk_bounds``, not with ``late_b``) starts b late as ``late_b`` does, from a count
+    made here instead of read: two more last arguments, stage 1's ``chunk_inject [Hv, S]`` (``kkt_inverse``'s
+    ``chunk_injects``) and ``h0_log_norm [sequences, Hv]`` float32 (log of each initial state's Frobenius norm, -inf
+    for none). A b item sums its segment's chunk bounds as an M item does (the same rounding margin), then one thread
+    walks its chunks in order keeping the running log-sum-exp of ``chunk_inject - (the chunk bounds so far)``, with
+    the h0 term on a sequence's first segment, and counts the chunks while that bound on what they owe b, plus the
+    margin, stays below ``NEGLIGIBLE_LOG_NORM`` (PyTorch counterpart: ``flashgdn.cp.bounds.segment_b_starts``). No
+    pass over v or PyTorch op sits between stage 1 and this pass (an A/B, notes v0.36f).
 
     ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
     writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
@@ -217,6 +227,8 @@ def build_chunk_forward_rs(
         raise ValueError("negligible_m is an option of the transition pass that makes its start states (starts_from_h0)")
     if chunk_bounds and (late_b or not negligible_m):
         raise ValueError("chunk_bounds is a source of negligible_m's bound, without late_b")
+    if chunk_late_b and (late_b or not chunk_bounds):
+        raise ValueError("chunk_late_b makes late_b's count from chunk_bounds' terms: with chunk_bounds, not late_b")
     if late_b and not negligible_m:
         raise ValueError("late_b is built beside negligible_m (the transition pass that takes the bounds)")
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
@@ -417,7 +429,7 @@ def build_chunk_forward_rs(
     @T.macro
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
                     count=None, first_states=None, shift=None, m_bound=None, b_start=None, chunk_bound=None,
-                    m_zero=None):
+                    m_zero=None, chunk_inject=None, h0_log_norm=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -439,7 +451,10 @@ def build_chunk_forward_rs(
                     red_s = T.alloc_shared((64,), acc)  # the first warp's partial sums, then their magnitudes
                     lb = T.alloc_local((2,), acc)
                     tb = T.get_thread_binding()
-                    walk_m = T.if_then_else(h % 2 == 1, n_chunks, 0)  # (0 where unread)
+                    if chunk_late_b:  # b items sum their chunks as well (for their start)
+                        walk_m = n_chunks  # (0 where unread)
+                    else:
+                        walk_m = T.if_then_else(h % 2 == 1, n_chunks, 0)  # (0 where unread)
                     if tb < 32:
                         lb[0] = 0.0
                         lb[1] = 0.0
@@ -459,14 +474,57 @@ def build_chunk_forward_rs(
                     rounded = lb[0] + lb[1] * T.cast(walk_m + 64, acc) * T.float32(SEGMENT_SUM_REL) + T.float32(
                         SEGMENT_SUM_ABS)
                     m_gone = T.And(walk_m > 0, rounded < T.float32(NEGLIGIBLE_LOG_NORM))
+                    if chunk_late_b:
+                        m_gone = T.And(h % 2 == 1, m_gone)
+                        # b: the chunks from the start while what they owe b stays below the threshold
+                        # (flashgdn.cp.bounds.segment_b_starts); one thread, the count shared through red_s
+                        # prefix of the bounds, max, sum of exps, the bound, a term, the h0 term, the margin
+                        lj = T.alloc_local((7,), acc)
+                        nb = T.alloc_local((2,), "int32")  # the count, still counting
+                        if tb == 0:
+                            lj[0] = 0.0
+                            lj[1] = -T.infinity(acc)
+                            lj[2] = 0.0
+                            nb[0] = 0
+                            nb[1] = T.if_then_else(h % 2 == 0, 1, 0)
+                            # the h0 term (a sequence's first segment): log |h0| + the segment's bound
+                            lj[5] = T.if_then_else(is_first, h0_log_norm[seq, h // 2] + lb[0], -T.infinity(acc))
+                            lj[6] = rounded - lb[0]  # the margin (NaN where a chunk bound is not finite: no count)
+                            for c in T.serial(walk_m):
+                                if nb[1] == 1:
+                                    lj[0] = lj[0] + chunk_bound[h // 2, first_slot[n] + c]
+                                    lj[4] = chunk_inject[h // 2, first_slot[n] + c] - lj[0]
+                                    # running log-sum-exp (a NaN term makes it and every later bound NaN: it stops)
+                                    lj[3] = T.if_then_else(T.isnan(lj[4]), lj[4],
+                                                           T.if_then_else(lj[4] > lj[1], lj[4], lj[1]))
+                                    lj[2] = T.if_then_else(lj[1] > -T.infinity(acc), lj[2] * T.exp(lj[1] - lj[3]),
+                                                           T.float32(0)) + T.if_then_else(
+                                        lj[4] > -T.infinity(acc), T.exp(lj[4] - lj[3]), T.float32(0))
+                                    lj[1] = lj[3]
+                                    # the bound on what chunks 0..c owe b: lb[0] + lse, beside the h0 term
+                                    lj[3] = lb[0] + lj[1] + T.log(lj[2])
+                                    lj[3] = T.if_then_else(lj[1] == -T.infinity(acc), lj[1], lj[3])
+                                    lj[3] = T.if_then_else(
+                                        lj[5] == -T.infinity(acc), lj[3], T.if_then_else(
+                                            lj[5] > lj[3], lj[5] + T.log(1.0 + T.exp(lj[3] - lj[5])),
+                                            lj[3] + T.log(1.0 + T.exp(lj[5] - lj[3]))))
+                                    if lj[3] + lj[6] < T.float32(NEGLIGIBLE_LOG_NORM):
+                                        nb[0] = c + 1
+                                    else:
+                                        nb[1] = 0
+                            red_s[0] = T.cast(nb[0], acc)
+                        T.sync_threads()
+                        b_skip = T.if_then_else(h % 2 == 0, T.cast(red_s[0], "int32"), 0)
+                        T.sync_threads()  # red_s's space is the input ring's
                     n_chunks = T.if_then_else(m_gone, 0, n_chunks)
                     if tb == 0 and h % 2 == 1:  # the splice's hint: this M is stored as zero
                         m_zero[n, h // 2] = T.if_then_else(m_gone, 1, 0)
                 elif negligible_m:  # an M below float32's range: no walk, zero stored (flashgdn.cp.bounds)
                     m_gone = T.And(h % 2 == 1, m_bound[n, h // 2] < T.float32(NEGLIGIBLE_LOG_NORM))
                     n_chunks = T.if_then_else(m_gone, 0, n_chunks)
-                if late_b:  # b from its first chunk that float32 can see on, from zero (flashgdn.cp.bounds)
-                    b_skip = T.if_then_else(h % 2 == 0, b_start[n, h // 2], 0)
+                if late_b or chunk_late_b:  # b from its first chunk that float32 can see on, from zero
+                    if late_b:  # (flashgdn.cp.bounds.b_start_chunks)
+                        b_skip = T.if_then_else(h % 2 == 0, b_start[n, h // 2], 0)
                     bos = bos + b_skip * C
                     n_chunks = T.max(n_chunks - b_skip, 0)
                     is_first = T.And(is_first, b_skip == 0)
@@ -558,7 +616,7 @@ def build_chunk_forward_rs(
             else:
                 # ---------------- producer
                 T.set_max_nreg(producer_regs, 0)
-                if late_b:  # its slots from the first chunk it walks
+                if late_b or chunk_late_b:  # its slots from the first chunk it walks
                     producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s,
                              gc_s, full, empty, g, beta, g_s, b_s, slot_shift=b_skip)
                 else:
@@ -606,6 +664,33 @@ def build_chunk_forward_rs(
         ):
             kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count,
                         m_bound=m_bound, b_start=b_start)
+
+    elif chunk_late_b:
+        n_cp_seqs = T.dynamic("n_cp_seqs")
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), io_dtype),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            first_slot: T.Tensor((num_seqs,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+            seg_seq: T.Tensor((num_seqs,), "int64"),
+            first: T.Tensor((n_cp_seqs,), "int64"),
+            count: T.Tensor((n_cp_seqs,), "int64"),
+            chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+            m_zero: T.Tensor((num_seqs, Hv), "int32"),
+            chunk_inject: T.Tensor((Hv, num_slots), "float32"),
+            h0_log_norm: T.Tensor((n_cp_seqs, Hv), "float32"),
+        ):
+            kernel_body(q, k, v, gcum, Ag, None, None, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq, first, count,
+                        chunk_bound=chunk_bound, m_zero=m_zero, chunk_inject=chunk_inject, h0_log_norm=h0_log_norm)
 
     elif chunk_bounds:
         n_cp_seqs = T.dynamic("n_cp_seqs")

@@ -268,6 +268,8 @@ class Stage1:
     A: Optional[torch.Tensor] = None
     #: ``[Hv, S]`` float32, each chunk's bound on its transition's log norm (``kkt_inverse``'s ``chunk_bounds``)
     chunk_bound: Optional[torch.Tensor] = None
+    #: ``[Hv, S]`` float32, the log of what each chunk's tokens inject, carried to its end (``chunk_injects``)
+    chunk_inject: Optional[torch.Tensor] = None
 
 
 def packed_offsets(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> Tuple[torch.Tensor, int]:
@@ -405,11 +407,13 @@ def hopper_forward(
 
 
 def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
-                  store_inverse: bool = False, cu_cpu=None, chunk_bounds: bool = False) -> Stage1:
+                  store_inverse: bool = False, cu_cpu=None, chunk_bounds: bool = False,
+                  inject_v: Optional[torch.Tensor] = None) -> Stage1:
     """Stages 0 and 1 on packed ``[1, T, ...]`` k, g, beta with offsets ``cu_seqlens`` (device, int32): the chunk
     plan (exactly as many slots as chunks when the host copy ``cu_cpu`` is given), then ``kkt_inverse`` (also
     storing the ungated A, in k's dtype, with ``store_inverse``, and each chunk's bound on its transition's log norm
-    with ``chunk_bounds``)."""
+    with ``chunk_bounds``; with ``inject_v``, the values ``[1, T, Hv, V]`` as well, what each chunk's tokens inject,
+    the kernel's ``chunk_injects``)."""
     from .kkt_inverse import build_kkt_inverse
 
     _, TT, Hqk, K = k.shape
@@ -424,12 +428,22 @@ def hopper_stage1(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqle
     args = [k, g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(), bounds, gcum, Ag]
     A = _output((S, Hv, CHUNK, CHUNK), k.dtype, dev) if store_inverse else None
     chunk_bound = _output((Hv, S), torch.float32, dev) if chunk_bounds else None
+    chunk_inject = None
     # the optional outputs last, in the kernel's order; only the options asked for are passed
     extra = {**({"store_inverse": True} if store_inverse else {}), **({"chunk_bounds": True} if chunk_bounds else {})}
+    if inject_v is not None:
+        if not chunk_bounds:
+            raise ValueError("inject_v comes with chunk_bounds (the kernel's chunk_injects needs it)")
+        if inject_v.shape[:3] != (1, TT, Hv) or inject_v.shape[3] != K or inject_v.dtype != k.dtype:
+            raise ValueError(f"inject_v must be [1, {TT}, {Hv}, {K}] {k.dtype}, got {tuple(inject_v.shape)} "
+                             f"{inject_v.dtype}")
+        chunk_inject = _output((Hv, S), torch.float32, dev)
+        extra["chunk_injects"] = True
+        args.insert(3, inject_v.contiguous())
     build_kkt_inverse(Hqk, Hv, K, io, io, **extra, async_loads=KKT_ASYNC_LOADS,
-                      **_kkt_build_options(Hv // Hqk, store_inverse))(*args, *(x for x in (A, chunk_bound)
+                      **_kkt_build_options(Hv // Hqk, store_inverse))(*args, *(x for x in (A, chunk_bound, chunk_inject)
                                                                               if x is not None))
-    return Stage1(bounds, first_slot, gcum, Ag, A, chunk_bound)
+    return Stage1(bounds, first_slot, gcum, Ag, A, chunk_bound, chunk_inject)
 
 
 def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
@@ -451,7 +465,9 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                             start: Optional[torch.Tensor], cu_seqlens: torch.Tensor, unread=None,
                             h0: Optional[torch.Tensor] = None, m_bound: Optional[torch.Tensor] = None,
                             b_start: Optional[torch.Tensor] = None,
-                            chunk_bound: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            chunk_bound: Optional[torch.Tensor] = None,
+                            chunk_inject: Optional[torch.Tensor] = None,
+                            h0_log_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context parallelism's transition pass with stage 1 shared (the rs loop's ``transition_pairs`` variant):
     packed ``[1, T, ...]`` inputs over segments ``cu_seqlens``; ``start [S, 2 Hv, K, V]`` float32 K-major, head
     2h the b pass of value head h and 2h + 1 its M pass (v = 0). Returns the end states, same layout.
@@ -465,7 +481,10 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     out (``flashgdn.cp.bounds.b_start_chunks``; the kernel's ``late_b``). ``chunk_bound`` (with ``h0``, instead of
     ``m_bound``): stage 1's ``[Hv, S]`` per-chunk bounds (``hopper_stage1(..., chunk_bounds=True)``), from which the
     kernel makes each M item's bound itself (its ``chunk_bounds``), and the pairs returned carry the flags of the M
-    it stored as zero (``m_zero_of``), which ``hopper_splice`` uses to leave their products out."""
+    it stored as zero (``m_zero_of``), which ``hopper_splice`` uses to leave their products out. ``chunk_inject``
+    (with ``chunk_bound``): stage 1's ``[Hv, S]`` injections (``hopper_stage1(..., inject_v=v)``), with
+    ``h0_log_norm [sequences, Hv]`` float32 (log of each initial state's Frobenius norm): each b item then makes its
+    late start itself (the kernel's ``chunk_late_b``; PyTorch counterpart ``flashgdn.cp.bounds.segment_b_starts``)."""
     from .chunk_forward_rs import build_chunk_forward_rs
 
     _, TT, Hqk, K = k.shape
@@ -482,6 +501,17 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
             raise ValueError(f"chunk_bound must be [{Hv}, {stage1.Ag.shape[0]}] (value heads, chunk slots), got "
                              f"{tuple(chunk_bound.shape)}")
         from_h0.update(negligible_m=True, chunk_bounds=True)
+    if (chunk_inject is None) != (h0_log_norm is None) or chunk_inject is not None and chunk_bound is None:
+        raise ValueError("chunk_inject and h0_log_norm come together, with chunk_bound")
+    if chunk_inject is not None:
+        if chunk_inject.shape != (Hv, stage1.Ag.shape[0]):
+            raise ValueError(f"chunk_inject must be [{Hv}, {stage1.Ag.shape[0]}] (value heads, chunk slots), got "
+                             f"{tuple(chunk_inject.shape)}")
+        n_seqs = unread[0].first.shape[0]
+        if h0_log_norm.shape != (n_seqs, Hv):
+            raise ValueError(f"h0_log_norm must be [{n_seqs}, {Hv}] (sequences, value heads), got "
+                             f"{tuple(h0_log_norm.shape)}")
+        from_h0["chunk_late_b"] = True
     if m_bound is not None:
         from_h0["negligible_m"] = True
     if b_start is not None:
@@ -510,6 +540,8 @@ def hopper_transition_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if chunk_bound is not None:
         m_zero = torch.empty((N, Hv), dtype=torch.int32, device=k.device)
         args += (chunk_bound.to(torch.float32).contiguous(), m_zero)
+    if chunk_inject is not None:
+        args += (chunk_inject.to(torch.float32).contiguous(), h0_log_norm.to(torch.float32).contiguous())
     kernel(*args)
     if m_zero is not None:
         set_m_zero(end, m_zero)

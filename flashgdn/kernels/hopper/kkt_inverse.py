@@ -42,7 +42,8 @@ from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
 @functools.lru_cache(maxsize=None)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
-                      diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False):
+                      diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
+                      chunk_injects: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -115,11 +116,24 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     transition pass sums it over a segment's chunks (``chunk_forward_rs``'s ``chunk_bounds``) to drop an M below
     float32's range without reading k again (an A/B, ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``). One thread per value
     head of the group sums its 64 rows; the other outputs are those of the build without it.
+
+    ``chunk_injects=True`` (with ``chunk_bounds``) takes v ``[1, T, Hv, V]`` (qk dtype, V = K) after k's other
+    inputs, before ``bounds``, and adds a last argument ``chunk_inject [Hv, S]`` float32: per chunk slot and value
+    head the log of what the chunk's tokens inject into a state walked from zero at its start, carried to its end,
+    ``log sum_t |beta_t| |k_t| |v_t| exp(sum over the rows u after t of g_u + log max(1, |1 - beta_u |k_u|^2|))``
+    (PyTorch counterpart: ``flashgdn.cp.bounds.chunk_log_injects``), rounded up as ``chunk_bound`` is; -inf where
+    nothing is injected. With ``chunk_bound`` it bounds, chunk by chunk, what a segment's early tokens owe its b
+    (``flashgdn.cp.bounds.segment_b_starts``), so that the transition pass can start b late without a pass over v
+    (notes v0.36f; an A/B). Each value head's v rows are staged in a tile whose space the inverse's blocks take
+    afterwards and their norms taken by two threads a row; the suffix sums of the rows' log factors come from a
+    cumsum; one thread per value head sums the 64 terms' exponentials.
     """
     if diag16 and triangle:
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
+    if chunk_injects and not chunk_bounds:
+        raise ValueError("chunk_injects is written beside chunk_bounds (the b start needs both): it needs it")
     if chunk_bounds and Hv // Hqk > 128:
         raise ValueError("chunk_bounds sums each value head's rows on a thread of its own: at most 128 a qk head")
     if blocks_per_sm not in (3, 4, 5, 6, 7):
@@ -335,7 +349,53 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
 
     @T.macro
-    def kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound=None):
+    def chunk_inject_terms(v, slot, t0, n_rows, hq, v_s, kk_s, g_s, b_s, vn_s, vh_s, lu_s, lc_s, lj, lg,
+                           chunk_inject, tx):
+        # per value head of the group: its v rows staged in shared memory (space the inverse's tiles take after),
+        # |v_t|^2 by two threads a row (each half a row, in a rotated order so that a warp's 16 rows fall on
+        # different banks)
+        for p in T.serial(group):
+            T.sync_threads()  # the tile's earlier reads are done
+            for i, j in T.Parallel(C, K):
+                v_s[i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, hq * group + p, j], T.cast(0, qk_dtype))
+            T.sync_threads()
+            lj[2] = 0.0
+            for jj in T.serial(K // 2):
+                lj[1] = T.cast(v_s[tx // 2, (tx % 2) * (K // 2) + (jj + tx // 2) % (K // 2)], acc)
+                lj[2] = lj[2] + lj[1] * lj[1]
+            if tx % 2 == 0:
+                vn_s[p, tx // 2] = lj[2]
+            else:
+                vh_s[p, tx // 2] = lj[2]
+        T.sync_threads()
+        # per row and head: log |beta| |k| |v| (-inf where nothing is injected or past the rows), and the row's log
+        # factor g + growth whose suffix over the later rows carries it to the chunk's end
+        for p, i in T.Parallel(group, C):
+            lu_s[p, i] = g_s[p, i] + T.max(T.log(T.abs(1.0 - b_s[p, i] * kk_s[i, kk_col(i, i)])), T.float32(0))
+            vn_s[p, i] = T.if_then_else(
+                i < n_rows, T.log(T.abs(b_s[p, i])) + 0.5 * T.log(kk_s[i, kk_col(i, i)] * (vn_s[p, i] + vh_s[p, i])),
+                -T.infinity(acc))
+        T.sync_threads()
+        T.cumsum(lu_s, lc_s, dim=1)
+        T.sync_threads()
+        if tx < group:
+            # the terms' log-sum-exp: the largest first, then the sum of exponentials below it; a NaN term passes
+            lj[0] = -T.infinity(acc)
+            for i in T.serial(C):
+                lj[2] = vn_s[tx, i] + (lc_s[tx, C - 1] - lc_s[tx, i])
+                lj[0] = T.if_then_else(T.isnan(lj[2]), lj[2], T.if_then_else(lj[2] > lj[0], lj[2], lj[0]))
+            lj[1] = 0.0
+            for i in T.serial(C):
+                lj[2] = vn_s[tx, i] + (lc_s[tx, C - 1] - lc_s[tx, i])
+                lj[1] = lj[1] + T.if_then_else(lj[2] > -T.infinity(acc), T.exp(lj[2] - lj[0]), T.float32(0))
+            # rounded up as the chunk's bound is (lg: this head's sums of growth and |g|, made just before)
+            chunk_inject[hq * group + tx, slot] = T.if_then_else(
+                lj[0] > -T.infinity(acc),
+                lj[0] + T.log(lj[1]) + (lg[2] + lg[1]) * T.float32(CHUNK_BOUND_REL) + T.float32(CHUNK_BOUND_ABS),
+                lj[0])
+
+    @T.macro
+    def kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound=None, v=None, chunk_inject=None):
         with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bounds[slot, 0]
@@ -364,6 +424,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             part = T.alloc_local((2,), acc)
             if chunk_bounds:
                 lg = T.alloc_local((3,), acc)  # decay, growth, sum of |g|
+            if chunk_injects:
+                v_s = T.alloc_shared((C, K), qk_dtype)  # a value head's v rows (its lifetime ends before d_s's)
+                vn_s = T.alloc_shared((group, C), acc)  # |v_t|^2 by halves, then log |beta_t| |k_t| |v_t|
+                vh_s = T.alloc_shared((group, C), acc)
+                lu_s = T.alloc_shared((group, C), acc)  # per row: g + growth, then their inclusive cumsum
+                lc_s = T.alloc_shared((group, C), acc)
+                lj = T.alloc_local((3,), acc)  # running max, sum of exponentials, a term
             if diag16:
                 x16_s = T.alloc_shared((4, H, H), acc)  # a warp's L21' A11'
                 fa = T.alloc_local((4,), acc)
@@ -408,6 +475,9 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         lg[0] = gc_s[tx, C - 1]
                         chunk_bound[hq * group + tx, slot] = lg[0] + lg[1] + (lg[2] + lg[1]) * T.float32(
                             CHUNK_BOUND_REL) + T.float32(CHUNK_BOUND_ABS)
+                    if chunk_injects:
+                        chunk_inject_terms(v, slot, t0, n_rows, hq, v_s, kk_s, g_s, b_s, vn_s, vh_s, lu_s, lc_s, lj,
+                                           lg, chunk_inject, tx)
 
                 for u in T.serial(group // pair):
                     h = hq * group + u * pair  # first value head of this pair
@@ -482,7 +552,40 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
                         gate_pair(Ag, A_out, slot, h, u, d_s, lambda p, i, j: d_s[p, 2, i, j], b_s, gc_s)
 
-    if store_inverse and chunk_bounds:
+    if store_inverse and chunk_injects:
+
+        @T.prim_func
+        def kkt_inverse_kernel(
+            k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            v: T.Tensor((1, num_tokens, Hv, K), qk_dtype),
+            bounds: T.Tensor((num_slots, 2), "int32"),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            A_out: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+            chunk_inject: T.Tensor((Hv, num_slots), "float32"),
+        ):
+            kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound, v, chunk_inject)
+
+    elif chunk_injects:
+
+        @T.prim_func
+        def kkt_inverse_kernel(
+            k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            v: T.Tensor((1, num_tokens, Hv, K), qk_dtype),
+            bounds: T.Tensor((num_slots, 2), "int32"),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+            chunk_inject: T.Tensor((Hv, num_slots), "float32"),
+        ):
+            kernel_body(k, g, beta, bounds, gcum, Ag, Ag, chunk_bound, v, chunk_inject)
+
+    elif store_inverse and chunk_bounds:
 
         @T.prim_func
         def kkt_inverse_kernel(

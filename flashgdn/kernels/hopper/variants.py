@@ -26,6 +26,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # backend.CP_NEGLIGIBLE_M_IN_KERNEL, an A/B; serving_variants adds the options when it is on)
     yield (f"kkt_inverse_async_bounds[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, chunk_bounds=True))
+    # and what each chunk's tokens inject, carried to its end (backend.CP_LATE_B_IN_KERNEL, an A/B)
+    yield (f"kkt_inverse_async_bounds_injects[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, chunk_bounds=True,
+                chunk_injects=True))
     # five CTAs per SM (forward.KKT_BLOCKS_PER_SM, the default; the builds above are four per SM)
     yield (f"kkt_inverse_async_5[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=5))
@@ -100,6 +104,12 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
                         state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
                         starts_from_h0=True, negligible_m=True, chunk_bounds=True))
+            # and b started late from stage 1's per-chunk terms (backend.CP_LATE_B_IN_KERNEL, an A/B)
+            yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0_chunk_late_b"),
+                   "chunk_forward_rs",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
+                        state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
+                        starts_from_h0=True, negligible_m=True, chunk_bounds=True, chunk_late_b=True))
             # and b walked from its first chunk that float32 can see (backend.CP_LATE_B, an A/B beside it)
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0_negligible_late_b"),
                    "chunk_forward_rs",
@@ -179,7 +189,8 @@ def with_switches(v: Variant) -> Variant:
     (``forward.rso_options`` for the rso loop, ``forward.lean_state_option`` for the rs loop but its decayed_k
     builds, and for the walk; ``starts_from_h0`` for the skipping transition passes under
     ``backend.CP_STARTS_IN_KERNEL``, and ``negligible_m`` for those under ``backend.CP_NEGLIGIBLE_M``, with
-    ``late_b`` under ``backend.CP_LATE_B``; ``m_zero`` for the splices under ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``):
+    ``late_b`` under ``backend.CP_LATE_B``, or ``chunk_bounds`` under ``backend.CP_NEGLIGIBLE_M_IN_KERNEL`` with the
+    forward's ``chunk_late_b`` under ``backend.CP_LATE_B_IN_KERNEL``; ``m_zero`` for the splices under ``backend.CP_NEGLIGIBLE_M_IN_KERNEL``):
     what the operator then builds."""
     from . import backend, forward
 
@@ -200,6 +211,8 @@ def with_switches(v: Variant) -> Variant:
             kw["starts_from_h0"] = True
         if kw.get("starts_from_h0") and backend.CP_NEGLIGIBLE_M_IN_KERNEL:
             kw["negligible_m"] = kw["chunk_bounds"] = True
+            if backend.CP_LATE_B_IN_KERNEL and kw.get("skip_unread") == "forward":  # (the forward's own pass)
+                kw["chunk_late_b"] = True
         elif kw.get("starts_from_h0") and backend.CP_NEGLIGIBLE_M:
             kw["negligible_m"] = True
             if backend.CP_LATE_B:
@@ -227,9 +240,10 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
             if v[0].startswith(pairs):
                 yield with_switches(v)
         if backend.CP_NEGLIGIBLE_M_IN_KERNEL and backend.CP_SKIP_UNREAD and backend.CP_STARTS_IN_KERNEL:
-            # the transition pass's stage 1, with its chunks' bounds
+            # the transition pass's stage 1, with its chunks' bounds (and their injections: CP_LATE_B_IN_KERNEL)
+            stage1 = "kkt_inverse_async_bounds_injects[" if backend.CP_LATE_B_IN_KERNEL else "kkt_inverse_async_bounds["
             for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
-                if v[0].startswith("kkt_inverse_async_bounds["):  # as hopper_stage1 builds it
+                if v[0].startswith(stage1):  # as hopper_stage1 builds it
                     yield v[0], v[1], {**v[2], "async_loads": KKT_ASYNC_LOADS,
                                        **forward._kkt_build_options(Hv // Hqk)}
     else:
@@ -251,9 +265,14 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
 
     yield from serving_variants(Hqk, Hv, K, V, dtype, flags)
     if backend.CP_PAIRED and backend.CP_SKIP_UNREAD:  # the backward's transitions skip fewer items (or every b)
-        yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
-                    if v[0].startswith("chunk_forward_rs_pairs_skip_backward[")
-                    or (backend.CP_REUSE_STARTS and v[0].startswith("chunk_forward_rs_pairs_skip_m_only[")))
+        for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
+            if v[0].startswith("chunk_forward_rs_pairs_skip_backward[") or (
+                    backend.CP_REUSE_STARTS and v[0].startswith("chunk_forward_rs_pairs_skip_m_only[")):
+                v = with_switches(v)
+                yield v
+                if v[2].get("chunk_bounds") and backend.CP_LATE_B_IN_KERNEL and "skip_backward" in v[0]:
+                    # the forward's own pass for a backward (its b started late), beside the backward's
+                    yield v[0].replace("skip_backward", "skip_backward_late_b"), v[1], {**v[2], "chunk_late_b": True}
     if backend.CP_FUSED:  # the backward's CP splices the state gradients the other way
         yield from (with_switches(v) for v in forward_variants(Hqk, Hv, K, V, dtype, "common")
                     if (_is_splice(v) and v[0].endswith(",reverse]"))
