@@ -491,7 +491,14 @@ def test_chunkwise_late_b_leaves_most_of_a_long_segment_under_the_benchmarks_gat
 
 
 def test_chunkwise_late_b_leaves_nothing_out_on_non_finite_inputs():
+    """A gate that is not finite makes its segment's chunk bounds so: that segment's b leaves out nothing. A NaN
+    value makes its chunk's injection NaN: the count stops before that chunk (the kernel's rule), whose NaN the
+    walk then takes in."""
     k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case()
+    clean = _chunkwise_b_starts(k, v, g, beta, h0, seg_cu, seg_seq, first)
     g[0, 300, 0] = float("nan")  # in the second segment of the first sequence
     starts = _chunkwise_b_starts(k, v, g, beta, h0, seg_cu, seg_seq, first)
     assert starts[1, 0] == 0 and starts[1, 1] > 0 and starts[0, 0] > 0
+    v[0, 256 + 64 + 5, 1] = float("nan")  # the second chunk of the same segment, value head 1
+    assert clean[1, 1] >= 2
+    assert _chunkwise_b_starts(k, v, g, beta, h0, seg_cu, seg_seq, first)[1, 1] == 1
