@@ -34,6 +34,12 @@ the spectral one). Where E(p) is below e^-88 at a chunk boundary p, b walked fro
 from the segment's start by less than float32's smallest normal number in every entry: the walk may start there
 (``b_start_chunks``, the Hopper transition pass's ``late_b``). This needs |v| per token, a read of v.
 
+The same bound factors over chunks: with J_c what chunk c's tokens inject, carried to the chunk's end, and L_c the
+chunk's sum of ``l_u``, E(p) is at most the log-sum-exp over chunks c < p of J_c plus the L of the segment's chunks
+after c. Hopper's stage 1 makes both per chunk (``chunk_log_bounds``, ``chunk_log_injects``: it has k, g and beta
+of the chunk, and reads its v rows for J), and each b item of the transition pass counts its own start from them
+(``segment_b_starts``, the pass's ``chunk_late_b``), with no pass over the inputs between the two kernels.
+
 The backward's walk of a segment from a zero end gradient (context parallelism's D, the state gradient at the
 segment's start) is the mirror image. Token t's output ``o_t = scale S_t^T q_t`` adds ``scale q_t dO_t^T`` to the
 state gradient after it, which reaches the segment's start a through the transposed transitions of tokens a..t. So
