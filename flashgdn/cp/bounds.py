@@ -171,25 +171,32 @@ def chunk_count(cu_cpu: torch.Tensor) -> int:
     return int(torch.div(lengths + 63, 64, rounding_mode="floor").sum())
 
 
+def _chunk_rows(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor):
+    """The per-row terms the chunk-wise bounds sum, gathered by chunk slot (``slots [S, 2]``: first token and length):
+    ``(|k| [T, Hv], token [S, 64], real rows [S, 64, 1], g [S, 64, Hv], growth [S, 64, Hv])`` in float32, the growth
+    ``log max(1, |1 - beta |k|^2|)`` (NaN passes) and both zero on the rows past a slot's length."""
+    _, T, _, _ = k.shape
+    Hv = g.shape[2]
+    k_norm = _per_value_head(_row_norms(k[0]), Hv)
+    growth = (1 - beta[0].to(torch.float32) * k_norm.square()).abs_().log_()
+    growth = torch.where(growth < 0, torch.zeros_like(growth), growth)  # (NaN passes)
+    starts, lengths = slots[:, 0].to(torch.int64), slots[:, 1].to(torch.int64)
+    rows = torch.arange(64, device=k.device)
+    tok = (starts[:, None] + rows).clamp(max=max(T - 1, 0))  # [S, 64]
+    real = (rows < lengths[:, None]).unsqueeze(-1)  # [S, 64, 1]
+    zero = torch.zeros((), dtype=torch.float32, device=k.device)
+    return k_norm, tok, real, torch.where(real, g[0].to(torch.float32)[tok], zero), torch.where(real, growth[tok], zero)
+
+
 def chunk_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """What the Hopper stage 1 writes with ``chunk_bounds`` (``kkt_inverse``), in PyTorch: ``[Hv, S]`` float32, per
     chunk slot (``slots [S, 2]``: first token and length, 0 for an idle slot) and value head, the chunk's sum of
     ``token_log_growth``'s terms rounded up by ``CHUNK_BOUND_REL`` of the sum of |g| and the growth and by
     ``CHUNK_BOUND_ABS``. An upper bound on the log norm of the chunk's transition, as computed; an idle slot's is the
     constant alone. The kernel sums in another order, so the two agree to float32's rounding, not bit for bit."""
-    _, T, Hqk, _ = k.shape
     Hv = g.shape[2]
     S = slots.shape[0]
-    kk = _per_value_head(_row_norms(k[0]).square_(), Hv)  # [T, Hv]
-    growth = (1 - beta[0].to(torch.float32) * kk).abs_().log_()
-    growth = torch.where(growth < 0, torch.zeros_like(growth), growth)  # (NaN passes)
-    gf = g[0].to(torch.float32)
-    starts, lengths = slots[:, 0].to(torch.int64), slots[:, 1].to(torch.int64)
-    rows = torch.arange(64, device=k.device)
-    tok = (starts[:, None] + rows).clamp(max=max(T - 1, 0))  # [S, 64]
-    real = (rows < lengths[:, None]).unsqueeze(-1)  # [S, 64, 1]
-    zero = torch.zeros((), dtype=torch.float32, device=k.device)
-    gc, gr = torch.where(real, gf[tok], zero), torch.where(real, growth[tok], zero)  # [S, 64, Hv]
+    _, _, _, gc, gr = _chunk_rows(k, g, beta, slots)
     decay, grown, gabs = gc.sum(1), gr.sum(1), gc.abs().sum(1)
     return (decay + grown + (gabs + grown) * CHUNK_BOUND_REL + CHUNK_BOUND_ABS).t().reshape(Hv, S)
 
@@ -226,20 +233,11 @@ def chunk_log_injects(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     With ``chunk_log_bounds`` it gives a segment's bound E(p) of the module docstring chunk by chunk:
     ``log E(p) <= logsumexp over chunks c < p of (J_c + sum over the chunks after c of the chunk bounds)``, which
     ``segment_b_starts`` evaluates."""
-    _, T, Hqk, _ = k.shape
+    k_norm, tok, real, gc, gr = _chunk_rows(k, g, beta, slots)
     Hv = g.shape[2]
-    kk = _per_value_head(_row_norms(k[0]), Hv)  # |k| [T, Hv]
-    growth = (1 - beta[0].to(torch.float32) * kk.square()).abs_().log_()
-    growth = torch.where(growth < 0, torch.zeros_like(growth), growth)  # (NaN passes)
-    gf = g[0].to(torch.float32)
-    inject = (beta[0].to(torch.float32).abs() * kk * _row_norms(v[0])).log_()  # [T, Hv]
-    starts, lengths = slots[:, 0].to(torch.int64), slots[:, 1].to(torch.int64)
-    rows = torch.arange(64, device=k.device)
-    tok = (starts[:, None] + rows).clamp(max=max(T - 1, 0))  # [S, 64]
-    real = (rows < lengths[:, None]).unsqueeze(-1)  # [S, 64, 1]
-    zero = torch.zeros((), dtype=torch.float32, device=k.device)
-    lu = torch.where(real, gf[tok] + growth[tok], zero)  # [S, 64, Hv]
-    mag = torch.where(real, gf[tok].abs() + growth[tok], zero).sum(1, keepdim=True)
+    inject = (beta[0].to(torch.float32).abs() * k_norm * _row_norms(v[0])).log_()  # [T, Hv]
+    lu = gc + gr  # [S, 64, Hv]: each row's g + growth (zero past the chunk's length)
+    mag = (gc.abs() + gr).sum(1, keepdim=True)
     # the sum over the rows after t: the chunk's total less the inclusive prefix
     after = lu.sum(1, keepdim=True) - lu.cumsum(1)
     terms = torch.where(real, inject[tok] + after, torch.full_like(after, -math.inf))
