@@ -402,14 +402,12 @@ class _HopperSegmentsForward:
         else:
             self._stage1 = hopper_stage1(k, g, beta, cu, cu_cpu=seg_cu_cpu, **chunk_bounds,
                                          **(dict(inject_v=v) if late_in_kernel else {}))
-        if late_in_kernel:
-            h0_log_norm = torch.linalg.vector_norm(h0.to(torch.float32), dim=(-2, -1)).log()
-            return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0,
-                                           chunk_bound=self._stage1.chunk_bound,
-                                           chunk_inject=self._stage1.chunk_inject, h0_log_norm=h0_log_norm)
         if in_kernel:
+            late = {} if not late_in_kernel else dict(
+                chunk_inject=self._stage1.chunk_inject,
+                h0_log_norm=torch.linalg.vector_norm(h0.to(torch.float32), dim=(-2, -1)).log())
             return hopper_transition_pairs(q, k, v, self._stage1, start, cu, unread=unread, h0=h0,
-                                           chunk_bound=self._stage1.chunk_bound)
+                                           chunk_bound=self._stage1.chunk_bound, **late)
         m_bound = b_start = None
         if bounds is not None:
             m_bound, b_start, side = bounds
