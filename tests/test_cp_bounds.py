@@ -179,6 +179,27 @@ def _late_b_case(seed=11, g_scale=1.0, h0_scale=1.0):
     return k, v, g, beta, h0, seg_cu, seg_seq, first
 
 
+def _assert_late_starts_leave_out_only_negligible(starts, k, v, g, beta, h0, seg_cu, seg_seq):
+    """For every segment and head of ``_late_b_case``, the chunks ``starts`` leaves out of b's walk: within the
+    segment, none on value heads 2 and 3 (no decay, or keys that grow the state), and where some are, the state they
+    leave behind (from zero, or from h0 on a sequence's first segment, made token by token in float64) carried to the
+    segment's end by the transitions alone below e^-88 in every entry."""
+    for s in range(5):
+        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
+        for h in range(4):
+            c = int(starts[s, h])
+            assert 0 <= c <= (e - a + 63) // 64
+            if h >= 2:
+                assert c == 0, "no decay, or keys that grow the state: the whole history is kept"
+                continue
+            if c == 0:  # the walk from the segment's start state: nothing left out
+                continue
+            S0 = h0[int(seg_seq[s]), h] if s in (0, 3) else torch.zeros(8, 8, dtype=torch.float64)
+            p = min(a + 64 * c, e)
+            dropped = _walk(k, v, g, beta, h, 2, p, e, _walk(k, v, g, beta, h, 2, a, p, S0), inject=False)
+            assert dropped.abs().max() < math.exp(NEGLIGIBLE_LOG_NORM), (s, h, c)
+
+
 @pytest.mark.parametrize("g_scale,h0_scale", [(1.0, 0.0), (1.0, 1.0), (0.6, 1e30)])
 def test_late_b_drops_only_what_is_below_float32s_range(g_scale, h0_scale):
     """``b_start_chunks``: for every segment and head, the tokens before the chunk where b's walk starts owe b (from
@@ -193,21 +214,7 @@ def test_late_b_drops_only_what_is_below_float32s_range(g_scale, h0_scale):
     starts = b_start_chunks(k, v, g, beta, seg_cu, sum(chunks), h0=h0, seg_seq=seg_seq, first=first)
     assert starts.shape == (5, 4) and starts.dtype == torch.int32
     assert chunk_count(seg_cu) == sum(chunks) == 19 and chunk_count(torch.tensor([0, 0, 1, 66])) == 3
-    K, V = 8, 8
-    for s in range(5):
-        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
-        for h in range(4):
-            c = int(starts[s, h])
-            assert 0 <= c <= chunks[s]
-            if h >= 2:
-                assert c == 0, "no decay, or keys that grow the state: the whole history is kept"
-                continue
-            if c == 0:  # the walk from the segment's start state: nothing left out
-                continue
-            S0 = h0[int(seg_seq[s]), h] if s in (0, 3) else torch.zeros(K, V, dtype=torch.float64)
-            p = min(a + 64 * c, e)
-            dropped = _walk(k, v, g, beta, h, 2, p, e, _walk(k, v, g, beta, h, 2, a, p, S0), inject=False)
-            assert dropped.abs().max() < math.exp(NEGLIGIBLE_LOG_NORM), (s, h, c)
+    _assert_late_starts_leave_out_only_negligible(starts, k, v, g, beta, h0, seg_cu, seg_seq)
     if g_scale == 1.0:  # ~-50 a chunk: every segment starts late on the decaying heads, whatever h0
         assert (starts[:, :2] > 0).all(), starts
     else:  # ~-30 a chunk: the first segments keep more of their start with an h0 of 1e30
@@ -450,20 +457,7 @@ def test_chunkwise_late_b_drops_only_what_is_below_float32s_range(g_scale, h0_sc
     starts = _chunkwise_b_starts(k, v, g, beta, h0, seg_cu, seg_seq, first)
     chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
     assert starts.shape == (5, 4) and starts.dtype == torch.int32
-    for s in range(5):
-        a, e = int(seg_cu[s]), int(seg_cu[s + 1])
-        for h in range(4):
-            c = int(starts[s, h])
-            assert 0 <= c <= chunks[s]
-            if h >= 2:
-                assert c == 0
-                continue
-            if c == 0:
-                continue
-            S0 = h0[int(seg_seq[s]), h] if s in (0, 3) else torch.zeros(8, 8, dtype=torch.float64)
-            p = min(a + 64 * c, e)
-            dropped = _walk(k, v, g, beta, h, 2, p, e, _walk(k, v, g, beta, h, 2, a, p, S0), inject=False)
-            assert dropped.abs().max() < math.exp(NEGLIGIBLE_LOG_NORM), (s, h, c)
+    _assert_late_starts_leave_out_only_negligible(starts, k, v, g, beta, h0, seg_cu, seg_seq)
     token_wise = b_start_chunks(k, v, g, beta, seg_cu, sum(chunks), h0=h0, seg_seq=seg_seq, first=first)
     assert (starts - token_wise).abs().max() <= 1, (starts, token_wise)
     if g_scale == 1.0:
