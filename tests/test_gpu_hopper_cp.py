@@ -1,3 +1,50 @@
+def _late_b_pass_case(cuda, injects=False):
+    """The transition pass's inputs for the late-b tests: three sequences (3000, 64, 2000 tokens) of strong gates
+    with a g = 0 head (3) on 8-chunk segments, at 2/4, stage 1 with its chunk bounds and injections where
+    ``injects``: ``(inputs, index, seg_cu, stage1, pass arguments, h0, last)``, ``last [segments]`` (on the GPU) the
+    segments last in their sequence, whose b no splice reads."""
+    from flashgdn.cp.plan import segment_index_tensors, split_sequences
+    from flashgdn.kernels.hopper.forward import hopper_stage1
+
+    seqlens = [3000, 64, 2000]
+    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
+                      zero_gate_heads=(3,))
+    plan = split_sequences(seqlens, 8)
+    index = segment_index_tensors(plan, inp["cu_seqlens"])
+    seg_cu = index.seg_cu.to(torch.int32)
+    late = dict(chunk_bounds=True, inject_v=inp["v"]) if injects else {}
+    stage1 = hopper_stage1(inp["k"], inp["g"], inp["beta"], seg_cu, cu_cpu=plan.seg_cu, **late)
+    h0 = inp["initial_state"].float().contiguous()
+    seg = torch.arange(plan.num_segments)
+    last = (seg == plan.first[plan.seg_seq] + plan.count[plan.seg_seq] - 1).to(cuda)
+    return inp, index, seg_cu, stage1, (inp["q"], inp["k"], inp["v"], stage1, None, seg_cu), h0, last
+
+
+def _assert_late_b_walks_to_the_same_ends(plain, got, starts, last):
+    """Some b items of the decaying heads leave chunks out (``starts``), the g = 0 head's none; every M and every b
+    a splice reads the same bits with and without it."""
+    assert (starts[~last, :3] > 0).any() and not starts[:, 3].any()
+    assert torch.equal(plain[:, 1::2], got[:, 1::2]), "M"
+    assert torch.equal(plain[~last][:, 0::2], got[~last][:, 0::2]), "b of the segments a splice reads"
+
+
+def test_late_b_items_walk_from_their_start_chunk_to_the_same_ends(cuda):
+    """The pass itself (``forward.hopper_transition_pairs``) with the bounds, without and with ``b_start``, on the
+    same segments: every M and every b a splice reads the same bits, where b items of the decaying heads leave out
+    chunks (the g = 0 head none)."""
+    from flashgdn.cp.bounds import b_start_chunks, chunk_count, transition_log_bounds
+    from flashgdn.kernels.hopper.forward import hopper_transition_pairs
+
+    inp, index, seg_cu, _, args, h0, last = _late_b_pass_case(cuda)
+    k, v, g, beta = inp["k"], inp["v"], inp["g"], inp["beta"]
+    bounds = transition_log_bounds(k, g, beta, seg_cu)
+    starts = b_start_chunks(k, v, g, beta, seg_cu, chunk_count(seg_cu.cpu()), h0=h0, seg_seq=index.seg_seq,
+                            first=index.first)
+    plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds)
+    got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds, b_start=starts)
+    _assert_late_b_walks_to_the_same_ends(plain, got, starts, last)
+
+
 """Exact context parallelism with the Hopper kernels (GPU), for strong decay, g = 0 heads and unnormalised keys.
 
 Two bars. The machinery is checked at 1e-2: with bf16 tensor-core operands the runs with and without segments
@@ -855,30 +902,16 @@ def test_late_b_in_kernel_items_walk_to_the_same_ends(cuda):
     ``chunk_late_b``): every M and every b a splice reads the same bits, where by ``segment_b_starts`` b items of the
     decaying heads leave out chunks (the g = 0 head none)."""
     from flashgdn.cp.bounds import segment_b_starts
-    from flashgdn.cp.plan import segment_index_tensors, split_sequences
-    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+    from flashgdn.kernels.hopper.forward import hopper_transition_pairs
 
-    seqlens = [3000, 64, 2000]
-    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
-                      zero_gate_heads=(3,))
-    plan = split_sequences(seqlens, 8)
-    index = segment_index_tensors(plan, inp["cu_seqlens"])
-    seg_cu = index.seg_cu.to(torch.int32)
-    k, v, g, beta = inp["k"], inp["v"], inp["g"], inp["beta"]
-    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=True, inject_v=v)
-    h0 = inp["initial_state"].float().contiguous()
+    inp, index, seg_cu, stage1, args, h0, last = _late_b_pass_case(cuda, injects=True)
     h0_log_norm = torch.linalg.vector_norm(h0, dim=(-2, -1)).log()
     starts = segment_b_starts(stage1.chunk_bound, stage1.chunk_inject, stage1.first_slot, seg_cu, h0_log_norm,
-                              index.seg_seq, index.first).cpu()
-    args = (inp["q"], k, v, stage1, None, seg_cu)
+                              index.seg_seq, index.first)
     plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound)
     got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound,
                                   chunk_inject=stage1.chunk_inject, h0_log_norm=h0_log_norm)
-    seg = torch.arange(plan.num_segments)
-    last = seg == plan.first[plan.seg_seq] + plan.count[plan.seg_seq] - 1
-    assert (starts[~last, :3] > 0).any() and not starts[:, 3].any()
-    assert torch.equal(plain[:, 1::2], got[:, 1::2]), "M"
-    assert torch.equal(plain[~last.to(cuda)][:, 0::2], got[~last.to(cuda)][:, 0::2]), "b of the segments a splice reads"
+    _assert_late_b_walks_to_the_same_ends(plain, got, starts, last)
 
 
 @pytest.mark.parametrize("opts", [
