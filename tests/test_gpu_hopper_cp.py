@@ -731,6 +731,23 @@ def test_negligible_transitions_by_the_kernels_bounds_give_the_same_bits(opts, c
     _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_NEGLIGIBLE_M_IN_KERNEL")
 
 
+def _assert_stage1_writes_the_same(got, plain, store_inverse):
+    """Two stage 1 builds' outputs (``hopper_stage1``) the same bits where stage 1 writes them: the chunk slots, and
+    each slot's rows of its chunk's tokens in g~, Ag and A (the rows past a short chunk's end, and idle slots, are
+    left as allocated)."""
+    assert torch.equal(got.bounds, plain.bounds)
+    lengths = got.bounds[:, 1].long()
+    C = got.Ag.shape[-1]
+    rows = torch.arange(got.gcum.shape[1], device=lengths.device)
+    written = (rows % C) < lengths[rows // C]
+    assert torch.equal(got.gcum[:, written], plain.gcum[:, written])
+    inside = (torch.arange(C, device=lengths.device)[None, :] < lengths[:, None])  # [S, C]
+    block = inside[:, None, :, None] & inside[:, None, None, :]  # [S, 1, C, C]
+    for name in ("Ag",) + (("A",) if store_inverse else ()):
+        a, b = getattr(got, name), getattr(plain, name)
+        assert torch.equal(a[block.expand_as(a)], b[block.expand_as(b)]), name
+
+
 @pytest.mark.parametrize("store_inverse", [False, True])
 def test_stage1_chunk_bounds_bound_each_chunks_transition(store_inverse, cuda):
     """``kkt_inverse``'s ``chunk_bounds``: per chunk slot and value head at least the float64 sum over the chunk's
@@ -745,19 +762,7 @@ def test_stage1_chunk_bounds_bound_each_chunks_transition(store_inverse, cuda):
     beta = beta * 2.5  # beta |k|^2 outside [0, 2] on many tokens: growth terms
     plain = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse)
     got = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse, chunk_bounds=True)
-    # the other outputs where stage 1 writes them: each slot's rows of its chunk's tokens (the rows past a short
-    # chunk's end, and idle slots, are left as allocated)
-    assert torch.equal(got.bounds, plain.bounds)
-    lengths = got.bounds[:, 1].long()
-    C = got.Ag.shape[-1]
-    rows = torch.arange(got.gcum.shape[1], device=cuda)
-    written = (rows % C) < lengths[rows // C]
-    assert torch.equal(got.gcum[:, written], plain.gcum[:, written])
-    inside = (torch.arange(C, device=cuda)[None, :] < lengths[:, None])  # [S, C]
-    block = inside[:, None, :, None] & inside[:, None, None, :]  # [S, 1, C, C]
-    for name in ("Ag",) + (("A",) if store_inverse else ()):
-        a, b = getattr(got, name), getattr(plain, name)
-        assert torch.equal(a[block.expand_as(a)], b[block.expand_as(b)]), name
+    _assert_stage1_writes_the_same(got, plain, store_inverse)
     # the bound in float64 from the stored keys: g + log max(1, |1 - beta |k|^2|) per token and value head
     kk = k[0].double().square().sum(-1).repeat_interleave(2, dim=1)  # [T, Hv]: value head h reads qk head h // 2
     growth = (1 - beta[0].double() * kk).abs().log().clamp(min=0)
@@ -876,18 +881,8 @@ def test_stage1_chunk_injects_match_their_counterpart(store_inverse, cuda):
     v[0, 64:128, 1] = 0  # a whole chunk of value head 1 without values (the second chunk of the first sequence)
     plain = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse, chunk_bounds=True)
     got = hopper_stage1(k, g, beta, cu, store_inverse=store_inverse, chunk_bounds=True, inject_v=v)
-    assert torch.equal(got.bounds, plain.bounds)
-    lengths = got.bounds[:, 1].long()
-    C = got.Ag.shape[-1]
-    rows = torch.arange(got.gcum.shape[1], device=cuda)
-    written = (rows % C) < lengths[rows // C]
-    assert torch.equal(got.gcum[:, written], plain.gcum[:, written])
-    inside = (torch.arange(C, device=cuda)[None, :] < lengths[:, None])
-    block = inside[:, None, :, None] & inside[:, None, None, :]
-    for name in ("Ag",) + (("A",) if store_inverse else ()):
-        a, b = getattr(got, name), getattr(plain, name)
-        assert torch.equal(a[block.expand_as(a)], b[block.expand_as(b)]), name
-    real = lengths > 0
+    _assert_stage1_writes_the_same(got, plain, store_inverse)
+    real = got.bounds[:, 1] > 0
     assert torch.equal(got.chunk_bound[:, real], plain.chunk_bound[:, real])
     have = got.chunk_inject[:, real].double().cpu()
     want = chunk_log_injects(k, v, g, beta, got.bounds).double().cpu()[:, real.cpu()]
