@@ -175,7 +175,8 @@ set -uo pipefail
 #   output pass, or near it (1/4 and 2/4 65536 and 61440+4096, 2/8 32768, 4/16 8192), with the benchmark's gates
 #   (cp-choices-regimes-fast.json: the long segments' M vanish) and with g x 0.1 (cp-choices-regimes-slow.json: none
 #   vanishes), for a planner that is right under both (notes "Segment lengths under both gate regimes").
-# shorter-wide (v0.36e, backend.CP_SHORTER_WIDE, notes "v0.36e"): the eleven shapes it moves (and 2/8 32768, moved by
+# shorter-wide (v0.36e, backend.CP_SHORTER_WIDE, notes "v0.36e"; measured with its first rule, 12% everywhere): the eleven
+#   shapes that rule moved (and 2/8 32768, moved by
 #   v0.36c already: no change) both ways with the benchmark's gates (shorter-wide-ab.json); then the seven moved shapes
 #   not timed by cp-choices-regimes at every power-of-two length, gates x 0.1 then x 1 (shorter-wide-{slow,fast}.json).
 # late-b-in-kernel (v0.36f, backend.CP_LATE_B_IN_KERNEL): its GPU tests (gpu-late-b-in-kernel.log), the cp set's

@@ -73,14 +73,20 @@ FORWARD_AUTO_GAIN = float(os.environ.get("FLASHGDN_CP_FORWARD_AUTO_GAIN", "0.97"
 #: change (``tests/test_cp.py``), all measured (``h100/v0.36/shorter-ties-*.json``: 0.71x-0.75x)
 SHORTER_WITHIN = 1.03
 
-#: ``CostModel.shorter_within`` under the Hopper backend's ``CP_SHORTER_WIDE`` as well (an A/B, off): within 12%. Where
-#: no transition M vanishes (the gates x 0.1, ``h100/v0.36/cp-choices-regimes-slow.json``) the model puts a length
-#: half the best one's at 1.02x-1.12x of it, and the forward measured 0.93x-1.05x of it (1/4 and 2/4 65536,
-#: 1/4 61440+4096, 2/8 32768 at 32 chunks against 64; 4/16 8192 at 16 against 32): the model overcharges the
-#: shorter length by 6-11% of the longer one's time in the regime that favours long segments, while with the
-#: benchmark's gates (``cp-choices-regimes-fast.json``) the same moves measured 0.74x-1.0x. Eleven shapes of the cp,
-#: canonical and bwd sets move beyond ``SHORTER_WITHIN``'s (``tests/test_cp.py``)
+#: ``CostModel.shorter_within_wide`` under the Hopper backend's ``CP_SHORTER_WIDE``: within 12%, where the best
+#: length's output pass leaves at least half the SMs idle and the shorter length is ``SHORTER_WIDE_MIN_CHUNKS`` or
+#: more. Where no transition M vanishes (the gates x 0.1, ``h100/v0.36/cp-choices-regimes-slow.json``) the model puts
+#: a length half the best one's at 1.02x-1.12x of it, and the forward measured 0.93x-1.05x of it: the model overcharges
+#: the shorter length by 6-11% of the longer one's time in the regime that favours long segments. Applied everywhere
+#: (notes v0.36e, ``h100/v0.36/shorter-wide-ab.json``, benchmark gates) it moved eleven shapes, and gained only where
+#: the half length filled SMs the longer one left idle and was long enough for M to vanish (1/4 and 2/4 65536 and
+#: 61440+4096 at 32 chunks: 0.73x-0.78x); the others measured 0.996x-1.084x (16/16 8192 at 16 chunks 1.084x, where the
+#: model's 1.08 was right: no M vanishes in 16 chunks). The two conditions keep those four (notes v0.36g)
 SHORTER_WITHIN_WIDE = 1.12
+
+#: the shortest length ``SHORTER_WITHIN_WIDE`` may pick: under the benchmark's gates a transition M falls below
+#: float32's range after ~30 chunks (notes v0.34a), which the model does not see; in 16 chunks none does
+SHORTER_WIDE_MIN_CHUNKS = 32
 
 #: the backward splits on any predicted gain (not only ``AUTO_GAIN``'s clear one) when that puts it on the fused
 #: kernel where the whole sequences would take the walk and ``chunk_grad``: the fused kernel keeps no per-chunk state
@@ -236,18 +242,21 @@ class CostModel:
     # float32's range the transition pass and the splices leave it out (notes v0.36b), and more of them do, and more
     # output CTAs run, on shorter segments
     shorter_within: float = 1.0
+    # the same, wider (``SHORTER_WITHIN_WIDE`` under the Hopper backend's ``CP_SHORTER_WIDE``), for a shorter length of
+    # ``SHORTER_WIDE_MIN_CHUNKS`` or more where the best length's output pass leaves half the SMs idle (1.0: none)
+    shorter_within_wide: float = 1.0
 
     @staticmethod
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
                    skip_unread: bool = False, reuse_transitions: bool = False,
                    fused_longest_first: bool = False, walk_starts_only: bool = False,
-                   shorter_within: float = 1.0) -> "CostModel":
+                   shorter_within: float = 1.0, shorter_within_wide: float = 1.0) -> "CostModel":
         """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
         ``paired``/``fused``/``skip_unread``/``reuse_transitions``/``fused_longest_first``/``walk_starts_only``:
         which of CP's kernels the backend runs, and how the fused backward orders its CTAs."""
         flags = dict(paired=paired, fused=fused, skip_unread=skip_unread, reuse_transitions=reuse_transitions,
                      fused_longest_first=fused_longest_first, walk_starts_only=walk_starts_only,
-                     shorter_within=shorter_within)
+                     shorter_within=shorter_within, shorter_within_wide=shorter_within_wide)
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
             return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, **flags)
         return CostModel(**flags)
@@ -524,11 +533,18 @@ def plan_segments(
     gain = FORWARD_AUTO_GAIN if len(seqlens) * heads <= model.num_sms // 2 else AUTO_GAIN
     if not us < gain * off_us:
         us, best = off_us, None
-    elif in_between and model.shorter_within > 1.0:  # (the split's decision and gain stay the best estimate's)
-        # the model spreads the output pass's CTAs over the SMs as a fluid; a shorter length that adds a wave
-        # gains nothing there and pays its extra transitions (16/48 32768 at 128 chunks: 1.055x of 256's forward)
+    elif in_between and max(model.shorter_within, model.shorter_within_wide) > 1.0:
+        # (the split's decision and gain stay the best estimate's) the model spreads the output pass's CTAs over the
+        # SMs as a fluid; a shorter length that adds a wave gains nothing there and pays its extra transitions (16/48
+        # 32768 at 128 chunks: 1.055x of 256's forward)
         best_waves = _output_wave_chunks(seqs[0], heads, best, model.num_sms)
-        best = min(s for u, s in estimates if u <= model.shorter_within * us
+        half_idle = _output_ctas(seqs[0], heads, best) <= model.num_sms // 2
+
+        def within(s: int) -> float:
+            wide = half_idle and s >= SHORTER_WIDE_MIN_CHUNKS
+            return max(model.shorter_within, model.shorter_within_wide) if wide else model.shorter_within
+
+        best = min(s for u, s in estimates if u <= within(s) * us
                    and (s == best or _output_wave_chunks(seqs[0], heads, s, model.num_sms) < best_waves))
     if in_between and IN_BETWEEN:
         between_us, between = min((_estimated_us(*seqs, heads, s, model, qk_heads), s)
@@ -538,10 +554,15 @@ def plan_segments(
     return split_sequences(seqlens, best)
 
 
+def _output_ctas(chunks: Sequence[int], heads: int, segment_chunks: int) -> int:
+    """The output pass's CTAs on ``segment_chunks``-long segments: segments x value heads."""
+    return sum(-(-c // segment_chunks) for c in chunks) * heads
+
+
 def _output_wave_chunks(chunks: Sequence[int], heads: int, segment_chunks: int, num_sms: int) -> int:
     """The output pass on ``segment_chunks``-long segments in whole waves of one CTA an SM: waves times the
     longest segment's chunks."""
-    ctas = sum(-(-c // segment_chunks) for c in chunks) * heads
+    ctas = _output_ctas(chunks, heads, segment_chunks)
     return -(-ctas // num_sms) * min(segment_chunks, max(chunks))
 
 

@@ -237,9 +237,12 @@ CP_SHORTER_TIES = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_TIES", "1") == "1"
 CP_LATE_B_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL", "0") == "1"
 
 #: with CP_SHORTER_TIES, the shortest length within ``flashgdn.cp.plan.SHORTER_WITHIN_WIDE`` (12%) of the best estimate
-#: instead of 3%: where no M vanishes the model overcharges a half-length segment by about that much (notes v0.36e).
-#: An A/B, off. FLASHGDN_HOPPER_CP_SHORTER_WIDE=1 turns it on.
-CP_SHORTER_WIDE = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_WIDE", "0") == "1"
+#: instead of 3%, where the best length's output pass leaves half the SMs idle and the shorter one is 32 chunks or more
+#: (``SHORTER_WIDE_MIN_CHUNKS``): there the model overcharges a half-length segment by about that much. On by default
+#: (notes v0.36g, an H100, the same bits both ways: the four shapes of the cp, canonical and bwd sets it moves
+#: 0.733x-0.783x of off with the benchmark's gates, 1.02x-1.05x with them x 0.1, where no M vanishes).
+#: FLASHGDN_HOPPER_CP_SHORTER_WIDE=0 turns it off.
+CP_SHORTER_WIDE = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_WIDE", "1") == "1"
 
 
 def _backward_splits(backward_plan) -> bool:
@@ -286,14 +289,8 @@ def cp_cost_model(device: Optional[torch.device] = None):
                                 reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS,
                                 fused_longest_first=backward.fused_longest_first(),
                                 walk_starts_only=backward.WALK_STARTS_ONLY,
-                                shorter_within=_shorter_within(SHORTER_WITHIN, SHORTER_WITHIN_WIDE))
-
-
-def _shorter_within(narrow: float, wide: float) -> float:
-    """The cost model's ``shorter_within`` as CP_SHORTER_TIES and CP_SHORTER_WIDE are set."""
-    if not CP_SHORTER_TIES:
-        return 1.0
-    return wide if CP_SHORTER_WIDE else narrow
+                                shorter_within=SHORTER_WITHIN if CP_SHORTER_TIES else 1.0,
+                                shorter_within_wide=SHORTER_WITHIN_WIDE if CP_SHORTER_TIES and CP_SHORTER_WIDE else 1.0)
 
 
 class _HopperSegmentsForward:
