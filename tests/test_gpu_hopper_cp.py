@@ -545,6 +545,53 @@ def test_negligible_transitions_give_the_same_bits(opts, cuda, monkeypatch):
     _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_NEGLIGIBLE_M")
 
 
+@pytest.mark.parametrize("segment_chunks", [8, 48])
+def test_late_b_in_kernel_items_leave_out_the_chunks_the_bound_names(segment_chunks, cuda):
+    """That the pass's own count (``chunk_late_b``) does leave chunks out, which the same bits alone cannot show: with
+    stage 1's Ag made NaN in every chunk that ``segment_b_starts`` leaves out of a b item, but the last one it leaves
+    out (the count is made in float32 in another order: one chunk of slack), every b a splice reads is still the
+    same bits as the plain pass's on clean inputs; without the count the NaN reaches them. 48-chunk segments take the
+    count over two rounds of 32 chunks, with their prefix carried."""
+    import dataclasses
+
+    from flashgdn.cp.bounds import segment_b_starts
+    from flashgdn.cp.plan import segment_index_tensors, split_sequences
+    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+
+    seqlens = [9000, 64, 5000] if segment_chunks == 48 else [3000, 64, 2000]
+    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
+                      zero_gate_heads=(3,))
+    plan = split_sequences(seqlens, segment_chunks)
+    index = segment_index_tensors(plan, inp["cu_seqlens"])
+    seg_cu = index.seg_cu.to(torch.int32)
+    stage1 = hopper_stage1(inp["k"], inp["g"], inp["beta"], seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=True,
+                           inject_v=inp["v"])
+    h0 = inp["initial_state"].float().contiguous()
+    seg = torch.arange(plan.num_segments)
+    last = (seg == plan.first[plan.seg_seq] + plan.count[plan.seg_seq] - 1).to(cuda)
+    h0_log_norm = torch.linalg.vector_norm(h0, dim=(-2, -1)).log()
+    starts = segment_b_starts(stage1.chunk_bound, stage1.chunk_inject, stage1.first_slot, seg_cu, h0_log_norm,
+                              index.seg_seq, index.first)
+    assert int(starts[~last, :3].max()) >= 2 and not starts[:, 3].any()
+    if segment_chunks == 48:
+        assert int(starts[~last, :3].max()) > 33, "a count past the first round"
+    poisoned = stage1.Ag.clone()
+    for n in range(plan.num_segments):
+        for h in range(4):
+            skip = int(starts[n, h]) - 1
+            if skip > 0:
+                first = int(stage1.first_slot[n])
+                poisoned[first:first + skip, h] = float("nan")
+    common = (inp["q"], inp["k"], inp["v"])
+    kw = dict(unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound)
+    plain = hopper_transition_pairs(*common, stage1, None, seg_cu, **kw)
+    late = dict(chunk_inject=stage1.chunk_inject, h0_log_norm=h0_log_norm)
+    got = hopper_transition_pairs(*common, dataclasses.replace(stage1, Ag=poisoned), None, seg_cu, **kw, **late)
+    assert torch.equal(plain[~last][:, 0::2], got[~last][:, 0::2]), "b of the segments a splice reads"
+    walked = hopper_transition_pairs(*common, dataclasses.replace(stage1, Ag=poisoned), None, seg_cu, **kw)
+    assert torch.isnan(walked[~last][:, 0::2]).any(), "the poison is read where b walks from its segment's start"
+
+
 @pytest.mark.parametrize("opts", [
     dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),  # most b items start late, one head never
     dict(seqlens=[8192], gate="mixed", normalize_qk=False),  # keys of any norm: the bound's growth terms

@@ -141,11 +141,12 @@ def build_chunk_forward_rs(
     ``chunk_late_b=True`` (with ``chunk_bounds``, not with ``late_b``) starts b late as ``late_b`` does, from a count
     made here instead of read: two more last arguments, stage 1's ``chunk_inject [Hv, S]`` (``kkt_inverse``'s
     ``chunk_injects``) and ``h0_log_norm [sequences, Hv]`` float32 (log of each initial state's Frobenius norm, -inf
-    for none). A b item sums its segment's chunk bounds as an M item does (the same rounding margin), then one thread
-    walks its chunks in order keeping the running log-sum-exp of ``chunk_inject - (the chunk bounds so far)``, with
-    the h0 term on a sequence's first segment, and counts the chunks while that bound on what they owe b, plus the
-    margin, stays below ``NEGLIGIBLE_LOG_NORM`` (PyTorch counterpart: ``flashgdn.cp.bounds.segment_b_starts``). No
-    pass over v or PyTorch op sits between stage 1 and this pass (an A/B, notes v0.36f).
+    for none). A b item sums its segment's chunk bounds as an M item does (the same rounding margin), then its first
+    warp takes its chunks 32 at a time, a lane each: the running log-sum-exp of ``chunk_inject - (the chunk bounds
+    so far)`` by shuffle scans (with the h0 term on a sequence's first segment), and the count of leading chunks while
+    that bound on what they owe b, plus the margin, stays below ``NEGLIGIBLE_LOG_NORM`` (PyTorch counterpart:
+    ``flashgdn.cp.bounds.segment_b_starts``). No pass over v or PyTorch op sits between stage 1 and this pass (an A/B,
+    notes v0.36f, v0.36h).
 
     ``decayed_k=True`` (not with ``precise``) moves the decay of the state update from Vn to K: the gate warpgroup
     writes Kd = diag(exp(g~_last - g~)) K (bf16) one chunk ahead, beside P, so that Vn^T is converted once and is
@@ -477,42 +478,78 @@ def build_chunk_forward_rs(
                     if chunk_late_b:
                         m_gone = T.And(h % 2 == 1, m_gone)
                         # b: the chunks from the start while what they owe b stays below the threshold
-                        # (flashgdn.cp.bounds.segment_b_starts); one thread, the count shared through red_s
-                        # prefix of the bounds, max, sum of exps, the bound, a term, the h0 term, the margin
-                        lj = T.alloc_local((7,), acc)
-                        nb = T.alloc_local((2,), "int32")  # the count, still counting
-                        if tb == 0:
+                        # (flashgdn.cp.bounds.segment_b_starts), by the first warp 32 chunks a round: a lane's chunk
+                        # c, the bounds' prefix sum P_c by a scan, the running log-sum-exp of J_c - P_c by a scan
+                        # of (max, sum of exponentials), the first chunk whose bound fails; the count shared
+                        # through red_s. lj: the carried prefix, max and sum; this lane's P and max; a NaN flag (a
+                        # NaN term fails its chunk and every later one); the h0 term; the margin; this lane's sum;
+                        # two of a neighbour's
+                        lj = T.alloc_local((11,), acc)
+                        nb = T.alloc_local((3,), "int32")  # the count, still counting, the round's first failure
+                        if tb < 32:
                             lj[0] = 0.0
                             lj[1] = -T.infinity(acc)
                             lj[2] = 0.0
                             nb[0] = 0
                             nb[1] = T.if_then_else(h % 2 == 0, 1, 0)
                             # the h0 term (a sequence's first segment): log |h0| + the segment's bound
-                            lj[5] = T.if_then_else(is_first, h0_log_norm[seq, h // 2] + lb[0], -T.infinity(acc))
-                            lj[6] = rounded - lb[0]  # the margin (NaN where a chunk bound is not finite: no count)
-                            for c in T.serial(walk_m):
-                                if nb[1] == 1:
-                                    lj[0] = lj[0] + chunk_bound[h // 2, first_slot[n] + c]
-                                    lj[4] = chunk_inject[h // 2, first_slot[n] + c] - lj[0]
-                                    # running log-sum-exp (a NaN term makes it and every later bound NaN: it stops)
-                                    lj[3] = T.if_then_else(T.isnan(lj[4]), lj[4],
-                                                           T.if_then_else(lj[4] > lj[1], lj[4], lj[1]))
-                                    lj[2] = T.if_then_else(lj[1] > -T.infinity(acc), lj[2] * T.exp(lj[1] - lj[3]),
-                                                           T.float32(0)) + T.if_then_else(
-                                        lj[4] > -T.infinity(acc), T.exp(lj[4] - lj[3]), T.float32(0))
-                                    lj[1] = lj[3]
+                            lj[6] = T.if_then_else(is_first, h0_log_norm[seq, h // 2] + lb[0], -T.infinity(acc))
+                            lj[7] = rounded - lb[0]  # the margin (NaN where a chunk bound is not finite: no count)
+                            for r in T.serial(T.ceildiv(walk_m, 32)):
+                                if nb[1] == 1:  # (the same on every lane)
+                                    c = 32 * r + tb
+                                    lj[3] = T.if_then_else(c < walk_m, chunk_bound[h // 2, first_slot[n] + c],
+                                                           T.float32(0))
+                                    lj[8] = T.if_then_else(c < walk_m, chunk_inject[h // 2, first_slot[n] + c],
+                                                           -T.infinity(acc))
+                                    for d in T.unroll(5):  # inclusive prefix sum of the bounds over the lanes
+                                        lj[9] = T.shfl_up(lj[3], 1 << d)
+                                        if tb >= (1 << d):
+                                            lj[3] = lj[3] + lj[9]
+                                    lj[3] = lj[3] + lj[0]
+                                    lj[8] = lj[8] - lj[3]  # this chunk's term J_c - P_c
+                                    lj[5] = T.if_then_else(T.isnan(lj[8]), T.float32(1), T.float32(0))
+                                    lj[4] = T.if_then_else(lj[5] > 0, -T.infinity(acc), lj[8])
+                                    lj[8] = T.if_then_else(lj[4] > -T.infinity(acc), T.float32(1), T.float32(0))
+                                    for d in T.unroll(5):  # inclusive (max, sum) scan, and the NaN flag's
+                                        lj[9] = T.shfl_up(lj[5], 1 << d)
+                                        if tb >= (1 << d):
+                                            lj[5] = T.max(lj[5], lj[9])
+                                        lj[9] = T.shfl_up(lj[4], 1 << d)
+                                        lj[10] = T.shfl_up(lj[8], 1 << d)
+                                        if T.And(tb >= (1 << d), lj[9] > -T.infinity(acc)):
+                                            lj[8] = T.if_then_else(
+                                                lj[9] > lj[4], lj[10] + lj[8] * T.exp(lj[4] - lj[9]),
+                                                lj[8] + lj[10] * T.exp(lj[9] - lj[4]))
+                                            lj[4] = T.max(lj[4], lj[9])
+                                    # with the rounds before (max lj[1], sum lj[2])
+                                    if lj[1] > -T.infinity(acc):
+                                        lj[8] = T.if_then_else(
+                                            lj[1] > lj[4], lj[2] + lj[8] * T.exp(lj[4] - lj[1]),
+                                            lj[8] + lj[2] * T.exp(lj[1] - lj[4]))
+                                        lj[4] = T.max(lj[4], lj[1])
                                     # the bound on what chunks 0..c owe b: lb[0] + lse, beside the h0 term
-                                    lj[3] = lb[0] + lj[1] + T.log(lj[2])
-                                    lj[3] = T.if_then_else(lj[1] == -T.infinity(acc), lj[1], lj[3])
-                                    lj[3] = T.if_then_else(
-                                        lj[5] == -T.infinity(acc), lj[3], T.if_then_else(
-                                            lj[5] > lj[3], lj[5] + T.log(1.0 + T.exp(lj[3] - lj[5])),
-                                            lj[3] + T.log(1.0 + T.exp(lj[5] - lj[3]))))
-                                    if lj[3] + lj[6] < T.float32(NEGLIGIBLE_LOG_NORM):
-                                        nb[0] = c + 1
-                                    else:
+                                    lj[9] = T.if_then_else(lj[4] == -T.infinity(acc), lj[4],
+                                                           lb[0] + lj[4] + T.log(lj[8]))
+                                    lj[9] = T.if_then_else(
+                                        lj[6] == -T.infinity(acc), lj[9], T.if_then_else(
+                                            lj[6] > lj[9], lj[6] + T.log(1.0 + T.exp(lj[9] - lj[6])),
+                                            lj[9] + T.log(1.0 + T.exp(lj[6] - lj[9]))))
+                                    # the round's first chunk that fails (past the segment: none)
+                                    nb[2] = T.warp_reduce_min(T.if_then_else(
+                                        T.And(c < walk_m, T.Or(lj[5] > 0, T.Not(lj[9] + lj[7] < T.float32(
+                                            NEGLIGIBLE_LOG_NORM)))), c, 1 << 30))
+                                    if nb[2] < (1 << 30):
+                                        nb[0] = nb[2]
                                         nb[1] = 0
-                            red_s[0] = T.cast(nb[0], acc)
+                                    else:
+                                        nb[0] = T.min(32 * r + 32, walk_m)
+                                        # carried to the next round: the last lane's prefix and (max, sum)
+                                        lj[0] = T.shfl_sync(lj[3], 31)
+                                        lj[1] = T.shfl_sync(lj[4], 31)
+                                        lj[2] = T.shfl_sync(lj[8], 31)
+                            if tb == 0:
+                                red_s[0] = T.cast(nb[0], acc)
                         T.sync_threads()
                         b_skip = T.if_then_else(h % 2 == 0, T.cast(red_s[0], "int32"), 0)
                         T.sync_threads()  # red_s's space is the input ring's

@@ -124,9 +124,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     (PyTorch counterpart: ``flashgdn.cp.bounds.chunk_log_injects``), rounded up as ``chunk_bound`` is; -inf where
     nothing is injected. With ``chunk_bound`` it bounds, chunk by chunk, what a segment's early tokens owe its b
     (``flashgdn.cp.bounds.segment_b_starts``), so that the transition pass can start b late without a pass over v
-    (notes v0.36f; an A/B). Each value head's v rows are staged in a tile whose space the inverse's blocks take
-    afterwards and their norms taken by two threads a row; the suffix sums of the rows' log factors come from a
-    cumsum; one thread per value head sums the 64 terms' exponentials.
+    (notes v0.36f, v0.36h; an A/B). Each row's |v_t|^2 is taken by two threads straight from global memory into
+    registers (a staged tile would have to outlive the loop over the group's heads, which the shared-memory merge
+    does not see: v0.36f's bug); the suffix sums of the rows' log factors come from a cumsum; one warp per value head
+    makes the log-sum-exp of its 64 terms by shuffles.
     """
     if diag16 and triangle:
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
@@ -349,20 +350,20 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 A_out[slot, h + p, i, B + j] = T.cast(0, a_dtype)
 
     @T.macro
-    def chunk_inject_terms(v, slot, t0, n_rows, hq, v_s, kk_s, g_s, b_s, vn_s, vh_s, lu_s, lc_s, lj, lg,
+    def chunk_inject_terms(v, slot, t0, n_rows, hq, kk_s, g_s, b_s, vn_s, vh_s, lu_s, lc_s, mg_s, lj, vr,
                            chunk_inject, tx):
-        # per value head of the group: its v rows staged in shared memory (space the inverse's tiles take after),
-        # |v_t|^2 by two threads a row (each half a row, in a rotated order so that a warp's 16 rows fall on
-        # different banks)
+        # |v_t|^2 per row and value head of the group, from global memory into registers: two threads a row, each
+        # half a row in 16-byte vectors (no staged tile: one shared with the loop over heads would need to outlive
+        # an iteration, which the shared-memory merge does not see)
         for p in T.serial(group):
-            T.sync_threads()  # the tile's earlier reads are done
-            for i, j in T.Parallel(C, K):
-                v_s[i, j] = T.if_then_else(i < n_rows, v[0, t0 + i, hq * group + p, j], T.cast(0, qk_dtype))
-            T.sync_threads()
             lj[2] = 0.0
-            for jj in T.serial(K // 2):
-                lj[1] = T.cast(v_s[tx // 2, (tx % 2) * (K // 2) + (jj + tx // 2) % (K // 2)], acc)
-                lj[2] = lj[2] + lj[1] * lj[1]
+            if tx // 2 < n_rows:
+                for c in T.unroll(K // 16):
+                    for e in T.vectorized(8):
+                        vr[e] = v[0, t0 + tx // 2, hq * group + p, (tx % 2) * (K // 2) + 8 * c + e]
+                    for e in T.unroll(8):
+                        lj[1] = T.cast(vr[e], acc)
+                        lj[2] = lj[2] + lj[1] * lj[1]
             if tx % 2 == 0:
                 vn_s[p, tx // 2] = lj[2]
             else:
@@ -378,21 +379,25 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         T.sync_threads()
         T.cumsum(lu_s, lc_s, dim=1)
         T.sync_threads()
-        if tx < group:
-            # the terms' log-sum-exp: the largest first, then the sum of exponentials below it; a NaN term passes
-            lj[0] = -T.infinity(acc)
-            for i in T.serial(C):
-                lj[2] = vn_s[tx, i] + (lc_s[tx, C - 1] - lc_s[tx, i])
-                lj[0] = T.if_then_else(T.isnan(lj[2]), lj[2], T.if_then_else(lj[2] > lj[0], lj[2], lj[0]))
-            lj[1] = 0.0
-            for i in T.serial(C):
-                lj[2] = vn_s[tx, i] + (lc_s[tx, C - 1] - lc_s[tx, i])
-                lj[1] = lj[1] + T.if_then_else(lj[2] > -T.infinity(acc), T.exp(lj[2] - lj[0]), T.float32(0))
-            # rounded up as the chunk's bound is (lg: this head's sums of growth and |g|, made just before)
-            chunk_inject[hq * group + tx, slot] = T.if_then_else(
-                lj[0] > -T.infinity(acc),
-                lj[0] + T.log(lj[1]) + (lg[2] + lg[1]) * T.float32(CHUNK_BOUND_REL) + T.float32(CHUNK_BOUND_ABS),
-                lj[0])
+        # the 64 terms' log-sum-exp by a warp a head, two terms a lane: the largest, then the sum of exponentials
+        # below it; a NaN term makes it NaN
+        for w in T.serial(T.ceildiv(group, 4)):
+            if w * 4 + tx // 32 < group:  # (a whole warp's branch: the shuffles below need every lane)
+                p = w * 4 + tx // 32
+                lane = tx % 32
+                lj[0] = vn_s[p, lane] + (lc_s[p, C - 1] - lc_s[p, lane])
+                lj[1] = vn_s[p, lane + 32] + (lc_s[p, C - 1] - lc_s[p, lane + 32])
+                lj[2] = T.warp_reduce_max(T.if_then_else(T.Or(T.isnan(lj[0]), T.isnan(lj[1])), T.float32(1),
+                                                         T.float32(0)))
+                lj[3] = T.warp_reduce_max(T.max(lj[0], lj[1]))
+                lj[4] = T.warp_reduce_sum(
+                    T.if_then_else(lj[0] > -T.infinity(acc), T.exp(lj[0] - lj[3]), T.float32(0))
+                    + T.if_then_else(lj[1] > -T.infinity(acc), T.exp(lj[1] - lj[3]), T.float32(0)))
+                if lane == 0:
+                    # rounded up as the chunk's bound is (mg_s: this head's margin, made with it)
+                    chunk_inject[hq * group + p, slot] = T.if_then_else(
+                        lj[2] > 0, T.float32(float("nan")), T.if_then_else(
+                            lj[3] > -T.infinity(acc), lj[3] + T.log(lj[4]) + mg_s[p], lj[3]))
 
     @T.macro
     def kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound=None, v=None, chunk_inject=None):
@@ -425,12 +430,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             if chunk_bounds:
                 lg = T.alloc_local((3,), acc)  # decay, growth, sum of |g|
             if chunk_injects:
-                v_s = T.alloc_shared((C, K), qk_dtype)  # a value head's v rows (its lifetime ends before d_s's)
                 vn_s = T.alloc_shared((group, C), acc)  # |v_t|^2 by halves, then log |beta_t| |k_t| |v_t|
                 vh_s = T.alloc_shared((group, C), acc)
                 lu_s = T.alloc_shared((group, C), acc)  # per row: g + growth, then their inclusive cumsum
                 lc_s = T.alloc_shared((group, C), acc)
-                lj = T.alloc_local((3,), acc)  # running max, sum of exponentials, a term
+                mg_s = T.alloc_shared((group,), acc)  # per head: the chunk bound's rounding margin
+                lj = T.alloc_local((5,), acc)  # a lane's two terms, then the NaN flag, the max, the sum
+                vr = T.alloc_local((8,), qk_dtype)  # 8 values of a v row
             if diag16:
                 x16_s = T.alloc_shared((4, H, H), acc)  # a warp's L21' A11'
                 fa = T.alloc_local((4,), acc)
@@ -475,9 +481,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         lg[0] = gc_s[tx, C - 1]
                         chunk_bound[hq * group + tx, slot] = lg[0] + lg[1] + (lg[2] + lg[1]) * T.float32(
                             CHUNK_BOUND_REL) + T.float32(CHUNK_BOUND_ABS)
+                        if chunk_injects:
+                            mg_s[tx] = (lg[2] + lg[1]) * T.float32(CHUNK_BOUND_REL) + T.float32(CHUNK_BOUND_ABS)
                     if chunk_injects:
-                        chunk_inject_terms(v, slot, t0, n_rows, hq, v_s, kk_s, g_s, b_s, vn_s, vh_s, lu_s, lc_s, lj,
-                                           lg, chunk_inject, tx)
+                        chunk_inject_terms(v, slot, t0, n_rows, hq, kk_s, g_s, b_s, vn_s, vh_s, lu_s, lc_s, mg_s, lj,
+                                           vr, chunk_inject, tx)
 
                 for u in T.serial(group // pair):
                     h = hq * group + u * pair  # first value head of this pair
