@@ -964,19 +964,23 @@ def test_late_b_in_kernel_items_walk_to_the_same_ends(cuda):
 def test_late_b_in_kernel_gives_the_same_bits(opts, cuda, monkeypatch):
     """``backend.CP_LATE_B_IN_KERNEL``: the forward's transition pass starts each b where stage 1's per-chunk terms
     say the earlier tokens owe it less than float32's smallest normal number; the op and every gradient the same bits
-    with and without it, as for ``CP_LATE_B``."""
+    with and without it, as for ``CP_LATE_B``. These segments are a few chunks long: CP_LATE_B_MIN_CHUNKS at 0 (every
+    length) so that they take it."""
     from flashgdn.kernels.hopper import backend
 
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_LATE_B_MIN_CHUNKS", 0)
     _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_LATE_B_IN_KERNEL")
 
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong")])
 def test_late_b_in_kernel_replays_in_a_cuda_graph(opts, cuda, monkeypatch):
     """With ``backend.CP_LATE_B_IN_KERNEL`` (its one host op the initial states' norms) the forward reads nothing back
-    from the GPU and a CUDA graph of it replays to the eager result bit for bit."""
+    from the GPU and a CUDA graph of it replays to the eager result bit for bit (CP_LATE_B_MIN_CHUNKS at 0: these
+    segments are a few chunks long)."""
     from flashgdn.kernels.hopper import backend
 
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
     monkeypatch.setattr(backend, "CP_LATE_B_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_LATE_B_MIN_CHUNKS", 0)
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)

@@ -357,22 +357,47 @@ def test_negligible_m_in_kernel_gives_the_pass_stage1s_chunk_bounds(checked_kern
     assert flags is not None and flags.dtype == torch.int32 and flags.shape == (checked_kernels[2][1]["num_seqs"], 8)
 
 
-def test_late_b_in_kernel_gives_the_pass_stage1s_injections(checked_kernels, monkeypatch):
+@pytest.mark.parametrize("min_chunks", [0, 128])
+def test_late_b_in_kernel_gives_the_pass_stage1s_injections(min_chunks, checked_kernels, monkeypatch):
     """FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL (with CP_NEGLIGIBLE_M_IN_KERNEL): stage 1 is the build that reads v and
     writes each chunk's injection, and the paired pass takes them with the initial states' log norms as its last two
-    arguments ([Hv, S] and [sequences, Hv] float32, both checked against the builds' signatures)."""
+    arguments ([Hv, S] and [sequences, Hv] float32, both checked against the builds' signatures). Segments shorter
+    than CP_LATE_B_MIN_CHUNKS (these are a few chunks) take the builds without them."""
     from flashgdn.kernels.hopper import backend
 
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
     monkeypatch.setattr(backend, "CP_LATE_B_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_LATE_B_MIN_CHUNKS", min_chunks)
     _, _, seen = _cp_forward_seeing_pairs(monkeypatch, lambda args, kwargs: (
         args[3], kwargs.get("chunk_bound"), kwargs.get("chunk_inject"), kwargs.get("h0_log_norm"), kwargs.get("h0")))
     assert [c[0] for c in checked_kernels] == ["segment_index", "kkt_inverse", "chunk_forward_rs", "splice",
                                                "chunk_forward_rso"]
     ((stage1, chunk_bound, chunk_inject, h0_log_norm, h0),) = seen
-    assert chunk_bound is stage1.chunk_bound and chunk_inject is stage1.chunk_inject
+    assert chunk_bound is stage1.chunk_bound is not None
+    if min_chunks:
+        assert chunk_inject is None and h0_log_norm is None and stage1.chunk_inject is None
+        return
+    assert chunk_inject is stage1.chunk_inject
     assert chunk_inject.shape == (8, stage1.Ag.shape[0]) and chunk_inject.dtype == torch.float32
     assert torch.equal(h0_log_norm, torch.linalg.vector_norm(h0.float(), dim=(-2, -1)).log())
+
+
+def test_late_b_in_kernel_takes_segments_of_its_shortest_length_on():
+    """``backend._late_b_in_kernel``: from the host's offsets, the longest segment CP_LATE_B_MIN_CHUNKS chunks or
+    more (its last chunk may be partial); none without the offsets, every length at 0, none with the switch off."""
+    from flashgdn.kernels.hopper import backend
+
+    assert backend.CP_LATE_B_MIN_CHUNKS == 128
+    short = torch.tensor([0, 127 * 64, 2 * 127 * 64])
+    long = torch.tensor([0, 100, 127 * 64 + 101])  # a 127-chunk segment and one token
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "CP_LATE_B_IN_KERNEL", True)
+        assert not backend._late_b_in_kernel(short) and backend._late_b_in_kernel(long)
+        assert not backend._late_b_in_kernel(None) and not backend._late_b_in_kernel(torch.tensor([0]))
+        mp.setattr(backend, "CP_LATE_B_MIN_CHUNKS", 0)
+        assert backend._late_b_in_kernel(short) and backend._late_b_in_kernel(None)
+        mp.setattr(backend, "CP_LATE_B_IN_KERNEL", False)
+        assert not backend._late_b_in_kernel(long)
 
 
 def test_late_b_gives_the_transition_pass_its_starts(checked_kernels, monkeypatch):

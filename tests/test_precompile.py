@@ -304,8 +304,8 @@ def test_precompiled_transition_passes_follow_late_b(monkeypatch):
 
 def test_precompiled_builds_follow_late_b_in_kernel(monkeypatch):
     """FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL (with CP_NEGLIGIBLE_M_IN_KERNEL) reaches the forward's transition pass
-    (``chunk_late_b``) and its stage 1 (``chunk_injects``), as the host builds them, and nothing else; off by
-    default."""
+    (``chunk_late_b``) and its stage 1 (``chunk_injects``), as the host builds them, and nothing else; on by default,
+    with CP_LATE_B_MIN_CHUNKS, whose shorter segments take the builds without it (both are precompiled)."""
     from flashgdn.kernels.hopper import backend
     from flashgdn.kernels.hopper.variants import serving_variants, training_variants
 
@@ -313,19 +313,31 @@ def test_precompiled_builds_follow_late_b_in_kernel(monkeypatch):
         return {name for name, builder, kw in variants if kw.get("chunk_late_b") or kw.get("chunk_injects")}
 
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    assert backend.CP_LATE_B_IN_KERNEL and backend.CP_LATE_B_MIN_CHUNKS == 128  # the defaults
+    monkeypatch.setattr(backend, "CP_LATE_B_IN_KERNEL", False)
     assert not flagged(training_variants(2, 8, flags="common"))
+    plain = {name: kw for name, builder, kw in serving_variants(2, 8, flags="common")}
     monkeypatch.setattr(backend, "CP_LATE_B_IN_KERNEL", True)
+    monkeypatch.setattr(backend, "CP_LATE_B_MIN_CHUNKS", 0)
     got = {name: kw for name, builder, kw in serving_variants(2, 8, flags="common")
            if kw.get("chunk_late_b") or kw.get("chunk_injects")}
     passes = {n for n in got if n.startswith("chunk_forward_rs")}
     assert passes and all("_pairs_skip_forward" in n and got[n]["chunk_bounds"] for n in passes), got
     assert set(got) - passes == {"kkt_inverse_async_bounds_injects[2/8,bfloat16]"}, got
+    assert "kkt_inverse_async_bounds[2/8,bfloat16]" not in {n for n, b, kw in serving_variants(2, 8, flags="common")}
     # a training step: the forward's pass for a backward (skipping its items) with b started late too, beside the
     # backward's own build of it (its stage 1 shared with the gradients) without
     trained = {name: kw for name, builder, kw in training_variants(2, 8, flags="common")}
     late = {n for n, kw in trained.items() if kw.get("chunk_late_b") or kw.get("chunk_injects")}
     assert late - set(got) == {n for n in late if "_skip_backward_late_b" in n} != set(), late
     assert any("_pairs_skip_backward" in n and "late_b" not in n and trained[n].get("chunk_bounds") for n in trained)
+    # with a shortest length: the builds with it and, for shorter segments, the builds without it as well
+    monkeypatch.setattr(backend, "CP_LATE_B_MIN_CHUNKS", 128)
+    both = {name: kw for name, builder, kw in serving_variants(2, 8, flags="common")}
+    assert set(got) <= set(both)
+    without = [{k: v for k, v in kw.items() if not (k == "chunk_late_b" and v is False)}
+               for n, kw in both.items() if n not in got]
+    assert sorted(map(repr, without)) == sorted(map(repr, plain.values())), (without, plain)
 
 
 def test_precompiled_fused_backward_follows_longest_first(monkeypatch):

@@ -232,9 +232,30 @@ CP_SHORTER_TIES = os.environ.get("FLASHGDN_HOPPER_CP_SHORTER_TIES", "1") == "1"
 #: the b item makes itself out of stage 1's per-chunk terms: the chunk bounds, and what each chunk's tokens inject,
 #: which stage 1 makes reading v (``kkt_inverse``'s ``chunk_injects``, ``chunk_forward_rs``'s ``chunk_late_b``;
 #: ``flashgdn.cp.bounds.segment_b_starts``). The same exactness as CP_LATE_B (what is left out owes b less than
-#: float32's smallest normal number) without its PyTorch pass over k and v (notes v0.36f). An A/B, off:
-#: FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL=1 turns it on.
-CP_LATE_B_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL", "0") == "1"
+#: float32's smallest normal number) without its PyTorch pass over k and v. Only where the plan's longest segment is
+#: CP_LATE_B_MIN_CHUNKS or more: stage 1's read of v (as many bytes as the rest of its traffic at Hqk = Hv / 4) costs
+#: more than b's shorter walks save on shorter segments. On by default (notes v0.36h, an H200, the same bits both
+#: ways: the cp set's forward at 256-chunk segments 0.885x-0.913x of off, at 128 0.925x-0.966x, at 64 1.014x-1.078x,
+#: at 16 and 32 1.115x-1.209x). FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL=0 turns it off.
+CP_LATE_B_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL", "1") == "1"
+
+#: the shortest segment length (chunks) at which CP_LATE_B_IN_KERNEL applies; FLASHGDN_HOPPER_CP_LATE_B_MIN_CHUNKS
+#: sets it (0: every length, for A/Bs)
+CP_LATE_B_MIN_CHUNKS = int(os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_MIN_CHUNKS", "128"))
+
+
+def _late_b_in_kernel(seg_cu_cpu) -> bool:
+    """Whether the forward's transition pass on segments ``seg_cu_cpu`` (the host's offsets, or None) starts b late
+    from stage 1's terms: CP_LATE_B_IN_KERNEL, and the longest segment CP_LATE_B_MIN_CHUNKS chunks or more (known
+    from the host's offsets only: without them, no)."""
+    if not CP_LATE_B_IN_KERNEL:
+        return False
+    if CP_LATE_B_MIN_CHUNKS <= 0:
+        return True
+    if seg_cu_cpu is None or seg_cu_cpu.numel() < 2:
+        return False
+    return int((seg_cu_cpu[1:] - seg_cu_cpu[:-1]).max()) > (CP_LATE_B_MIN_CHUNKS - 1) * 64
+
 
 #: with CP_SHORTER_TIES, the shortest length within ``flashgdn.cp.plan.SHORTER_WITHIN_WIDE`` (12%) of the best estimate
 #: instead of 3%, where the best length's output pass leaves half the SMs idle and the shorter one is 32 chunks or more
@@ -393,7 +414,7 @@ class _HopperSegmentsForward:
             bounds = _m_bounds_aside(k, g, beta, cu, late)
         chunk_bounds = dict(chunk_bounds=True) if in_kernel else {}
         # b's late start from stage 1's terms: the forward's own stage 1 (not the backward's shared one)
-        late_in_kernel = in_kernel and CP_LATE_B_IN_KERNEL and self._stage1_source is None
+        late_in_kernel = in_kernel and self._stage1_source is None and _late_b_in_kernel(seg_cu_cpu)
         if self._stage1_source is not None:
             self._stage1 = self._stage1_source(q, k, g, beta, seg_cu, seg_cu_cpu, **chunk_bounds)
         else:

@@ -234,16 +234,23 @@ def serving_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     for v in forward_variants(Hqk, Hv, K, V, dtype, flags):
         if v[0].split("[")[0] in wanted:
             yield with_switches(v)
+    # under CP_LATE_B_IN_KERNEL with a shortest length, segments shorter than it take the builds without it
+    both_late = backend.CP_LATE_B_IN_KERNEL and backend.CP_LATE_B_MIN_CHUNKS > 0
     if backend.CP_PAIRED:
         pairs = "chunk_forward_rs_pairs_skip_forward[" if backend.CP_SKIP_UNREAD else "chunk_forward_rs_pairs["
         for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
             if v[0].startswith(pairs):
-                yield with_switches(v)
+                v = with_switches(v)
+                yield v
+                if both_late and v[2].get("chunk_late_b"):
+                    yield v[0].replace("_skip_forward", "_skip_forward_early_b"), v[1], {**v[2], "chunk_late_b": False}
         if backend.CP_NEGLIGIBLE_M_IN_KERNEL and backend.CP_SKIP_UNREAD and backend.CP_STARTS_IN_KERNEL:
             # the transition pass's stage 1, with its chunks' bounds (and their injections: CP_LATE_B_IN_KERNEL)
-            stage1 = "kkt_inverse_async_bounds_injects[" if backend.CP_LATE_B_IN_KERNEL else "kkt_inverse_async_bounds["
+            stage1 = {"kkt_inverse_async_bounds_injects["} if backend.CP_LATE_B_IN_KERNEL else set()
+            if both_late or not backend.CP_LATE_B_IN_KERNEL:
+                stage1.add("kkt_inverse_async_bounds[")
             for v in forward_variants(Hqk, Hv, K, V, dtype, "common"):
-                if v[0].startswith(stage1):  # as hopper_stage1 builds it
+                if v[0].split("[")[0] + "[" in stage1:  # as hopper_stage1 builds it
                     yield v[0], v[1], {**v[2], "async_loads": KKT_ASYNC_LOADS,
                                        **forward._kkt_build_options(Hv // Hqk)}
     else:
