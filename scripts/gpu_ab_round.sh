@@ -179,6 +179,8 @@ set -uo pipefail
 #   shapes that rule moved (and 2/8 32768, moved by
 #   v0.36c already: no change) both ways with the benchmark's gates (shorter-wide-ab.json); then the seven moved shapes
 #   not timed by cp-choices-regimes at every power-of-two length, gates x 0.1 then x 1 (shorter-wide-{slow,fast}.json).
+# late-b-gate (v0.36h's defaults): the CP GPU test file (gpu-late-b-gate.log), then CP_LATE_B_IN_KERNEL both ways on
+#   two shapes past CP_LATE_B_MIN_CHUNKS and two before it (late-b-gate-ab.json).
 # late-b-in-kernel (v0.36f, backend.CP_LATE_B_IN_KERNEL): its GPU tests (gpu-late-b-in-kernel.log), the cp set's
 #   forward both ways (late-b-in-kernel-cp.json: the same bits, no --max-diff), fwd+bwd both ways at 2/8, 4/16 and
 #   8/16 (late-b-in-kernel-cp-fwdbwd.json).
@@ -194,7 +196,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -703,6 +705,14 @@ elif [ "$part" = shorter-wide ]; then
       --segments 16,32,64,128,256 --gate-scale "${scale#*:}" --out "$out/shorter-wide-${scale%%:*}.json"
     cut -c1-400 "$out/shorter-wide-${scale%%:*}.log"
   done
+elif [ "$part" = late-b-gate ]; then
+  # the GPU tests of CP with the defaults (late b in kernel from 128-chunk segments on), then the switch both ways on
+  # two shapes past the gate and two before it (the latter: the same plans and kernels both ways)
+  gpu_tests gpu-late-b-gate 300 8 tests/test_gpu_hopper_cp.py
+  logged late-b-gate-ab 120 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backend:CP_LATE_B_IN_KERNEL \
+    --shape 8/16:131072 --shape 2/8:131072 --shape 2/8:65536 --shape 1/4:65536 --modes fwd --rounds 3 \
+    --out "$out/late-b-gate-ab.json"
+  grep "geometric\|same bits\|on/off" "$out/late-b-gate-ab.log"
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
   logged late-b-in-kernel-cp 240 python3 benchmarks/switch_ab.py \
