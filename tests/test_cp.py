@@ -874,7 +874,8 @@ def test_shorter_wide_moves_the_shapes_measured_in_both_gate_regimes(monkeypatch
             assert widened.segment_chunks * 2 == narrow.segment_chunks, shape
             assert widened.segment_chunks >= SHORTER_WIDE_MIN_CHUNKS, shape
             moved.append(key)
-        if plan_segments(*args, everywhere, qk_heads=shape.h_qk, in_between=True).segment_chunks != narrow.segment_chunks:
+        anywhere = plan_segments(*args, everywhere, qk_heads=shape.h_qk, in_between=True)
+        if anywhere.segment_chunks != narrow.segment_chunks:
             everywhere_moved.append(key)
     assert sorted(set(moved)) == [
         (1, 4, (61440, 4096), 64), (1, 4, (65536,), 64), (2, 4, (61440, 4096), 64), (2, 4, (65536,), 64)], moved

@@ -26,7 +26,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     # backend.CP_NEGLIGIBLE_M_IN_KERNEL, an A/B; serving_variants adds the options when it is on)
     yield (f"kkt_inverse_async_bounds[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, chunk_bounds=True))
-    # and what each chunk's tokens inject, carried to its end (backend.CP_LATE_B_IN_KERNEL, an A/B)
+    # and what each chunk's tokens inject, carried to its end (CP_LATE_B_IN_KERNEL, long segments)
     yield (f"kkt_inverse_async_bounds_injects[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, chunk_bounds=True,
                 chunk_injects=True))
@@ -104,7 +104,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
                         state_v_first=False, with_output=False, transition_pairs=True, skip_unread="forward",
                         starts_from_h0=True, negligible_m=True, chunk_bounds=True))
-            # and b started late from stage 1's per-chunk terms (backend.CP_LATE_B_IN_KERNEL, an A/B)
+            # and b started late from stage 1's per-chunk terms (CP_LATE_B_IN_KERNEL, long segments)
             yield (name.replace("chunk_forward", "chunk_forward_rs_pairs_skip_forward_h0_chunk_late_b"),
                    "chunk_forward_rs",
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=True, store_final_state=True,
