@@ -264,14 +264,9 @@ def _walk_back(q, k, g, beta, do, scale, h, group, t0, t1, dS, sources=True):
     return dS
 
 
-@pytest.mark.parametrize("g_scale", [1.0, 0.6])
-def test_early_stop_drops_only_what_is_below_float32s_range(g_scale):
-    """``walk_stop_chunks``: for every segment and head, the tokens past the chunks its walk from zero covers owe the
-    start gradient less than e^-88 in every entry, made token by token in float64: their walk from zero, carried back
-    to the segment's start by the transposed transitions alone. Strong decay stops the walk early on every segment;
-    heads without decay, or with keys that grow the state, walk every chunk."""
-    from flashgdn.cp.bounds import walk_stop_chunks
-
+def _walk_case(g_scale=1.0):
+    """``_late_b_case`` (seed 13) with queries (normalised on qk head 0) and output gradients beside it:
+    ``(q, k, g, beta, do, seg_cu, chunks)``, ``chunks`` each segment's chunk count."""
     k, v, g, beta, h0, seg_cu, seg_seq, first = _late_b_case(seed=13, g_scale=g_scale)
     gen = torch.Generator().manual_seed(14)
     q = torch.randn(k.shape, generator=gen)
@@ -279,9 +274,15 @@ def test_early_stop_drops_only_what_is_below_float32s_range(g_scale):
     q = q.to(torch.bfloat16)
     do = torch.randn(v.shape, generator=gen).to(torch.bfloat16)
     chunks = [(int(b) - int(a) + 63) // 64 for a, b in zip(seg_cu[:-1], seg_cu[1:])]
-    cover = walk_stop_chunks(q, k, g, beta, do, 0.3, seg_cu, sum(chunks))
-    assert cover.shape == (5, 4) and cover.dtype == torch.int32
-    for s in range(5):
+    return q, k, g, beta, do, seg_cu, chunks
+
+
+def _assert_early_stops_leave_out_only_negligible(cover, q, k, g, beta, do, scale, seg_cu, chunks):
+    """For every segment and head, the tokens past the chunks its walk from zero covers (``cover [S, Hv]``) owe the
+    start gradient less than e^-88 in every entry, made token by token in float64: their walk from zero, carried back
+    to the segment's start by the transposed transitions alone; heads 2 and 3 (no decay, keys that grow the state)
+    walk every chunk."""
+    for s in range(len(chunks)):
         a, e = int(seg_cu[s]), int(seg_cu[s + 1])
         for h in range(4):
             c = int(cover[s, h])
@@ -292,14 +293,107 @@ def test_early_stop_drops_only_what_is_below_float32s_range(g_scale):
             p = min(a + 64 * c, e)
             if p == e:
                 continue
-            tail = _walk_back(q, k, g, beta, do, 0.3, h, 2, p, e, torch.zeros(8, 8, dtype=torch.float64))
-            dropped = _walk_back(q, k, g, beta, do, 0.3, h, 2, a, p, tail, sources=False)
+            tail = _walk_back(q, k, g, beta, do, scale, h, 2, p, e, torch.zeros(8, 8, dtype=torch.float64))
+            dropped = _walk_back(q, k, g, beta, do, scale, h, 2, a, p, tail, sources=False)
             assert dropped.abs().max() < math.exp(NEGLIGIBLE_LOG_NORM), (s, h, c)
+
+
+@pytest.mark.parametrize("g_scale", [1.0, 0.6])
+def test_early_stop_drops_only_what_is_below_float32s_range(g_scale):
+    """``walk_stop_chunks``: what the walks from zero leave out owes the start gradients less than e^-88
+    (``_assert_early_stops_leave_out_only_negligible``). Strong decay stops the walk early on every segment."""
+    from flashgdn.cp.bounds import walk_stop_chunks
+
+    q, k, g, beta, do, seg_cu, chunks = _walk_case(g_scale)
+    cover = walk_stop_chunks(q, k, g, beta, do, 0.3, seg_cu, sum(chunks))
+    assert cover.shape == (5, 4) and cover.dtype == torch.int32
+    _assert_early_stops_leave_out_only_negligible(cover, q, k, g, beta, do, 0.3, seg_cu, chunks)
     full = torch.tensor(chunks)
     if g_scale == 1.0:  # ~-50 a chunk: every segment of 3-4 chunks stops early on the decaying heads
         assert (cover[:, :2] < full[:, None]).all(), cover
     else:
         assert (cover[:, :2] <= full[:, None]).all() and (cover[:, :2] < full[:, None]).any(), cover
+
+
+def _chunkwise_walk_stops(q, k, g, beta, do, scale, seg_cu):
+    from flashgdn.cp.bounds import chunk_log_bounds, chunk_log_emits, segment_walk_stops
+
+    slots, first_slot = _slots_of(seg_cu)
+    return segment_walk_stops(chunk_log_bounds(k, g, beta, slots), chunk_log_emits(q, k, g, beta, do, scale, slots),
+                              first_slot, seg_cu)
+
+
+def test_chunk_log_emits_bound_each_chunks_emission_from_above():
+    """``chunk_log_emits``: per chunk and value head at or above the log of sum scale |q||dO| carried back to the
+    chunk's start by the per-token bounds, made in float64 token by token, and above it by no more than its margin;
+    an idle slot gives -inf."""
+    from flashgdn.cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL, chunk_log_emits
+
+    q, k, g, beta, do, seg_cu, _ = _walk_case()
+    slots, _ = _slots_of(seg_cu)
+    slots = torch.cat([slots, torch.zeros(1, 2, dtype=torch.int32)])
+    got = chunk_log_emits(q, k, g, beta, do, -0.3, slots)  # (the scale's magnitude)
+    assert got.shape == (4, slots.shape[0]) and got.dtype == torch.float32
+    assert torch.isneginf(got[:, -1]).all()
+    lu = token_log_growth(k, g, beta).double()
+    emit = (0.3 * q[0].double().norm(dim=-1).repeat_interleave(2, dim=1) * do[0].double().norm(dim=-1)).log()
+    for j, (a, n) in enumerate(slots[:-1].tolist()):
+        want = (emit[a:a + n] + lu[a:a + n].cumsum(0)).logsumexp(0)
+        mag = (g[0, a:a + n].double().abs() + lu[a:a + n] - g[0, a:a + n].double()).sum(0)
+        slack = mag * CHUNK_BOUND_REL + CHUNK_BOUND_ABS
+        assert (got[:, j].double() >= want - 1e-5).all() and (got[:, j].double() - want <= slack + 1e-4).all(), j
+
+
+@pytest.mark.parametrize("g_scale", [1.0, 0.6])
+def test_chunkwise_early_stop_drops_only_what_is_below_float32s_range(g_scale):
+    """``segment_walk_stops`` over ``chunk_log_bounds`` and ``chunk_log_emits`` (the per-chunk form a kernel can make):
+    what the walks from zero leave out owes the start gradients less than e^-88
+    (``_assert_early_stops_leave_out_only_negligible``), and they cover what the token-by-token ``walk_stop_chunks``
+    does up to one chunk either way (its own margins against the other's sum over later segments)."""
+    from flashgdn.cp.bounds import walk_stop_chunks
+
+    q, k, g, beta, do, seg_cu, chunks = _walk_case(g_scale)
+    cover = _chunkwise_walk_stops(q, k, g, beta, do, 0.3, seg_cu)
+    assert cover.shape == (5, 4) and cover.dtype == torch.int32
+    _assert_early_stops_leave_out_only_negligible(cover, q, k, g, beta, do, 0.3, seg_cu, chunks)
+    token_wise = walk_stop_chunks(q, k, g, beta, do, 0.3, seg_cu, sum(chunks))
+    assert (cover - token_wise).abs().max() <= 1, (cover, token_wise)
+    if g_scale == 1.0:
+        assert (cover[:, :2] < torch.tensor(chunks)[:, None]).all(), cover
+
+
+def test_chunkwise_early_stop_covers_little_of_a_long_segment_under_the_benchmarks_gates():
+    """What the per-chunk form would save: one 256-chunk segment (16384 tokens, normalised queries and keys of 128,
+    beta in (0, 1), the benchmark's gates of about -0.05 a token) walks only its first ~30 chunks from zero on every
+    head, as the token-by-token bound has it; the same segment without decay walks them all."""
+    from flashgdn.cp.bounds import walk_stop_chunks
+
+    T, Hqk, Hv, K = 16384, 1, 2, 128
+    gen = torch.Generator().manual_seed(4)
+    q = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen), dim=-1).to(torch.bfloat16)
+    do = torch.randn(1, T, Hv, K, generator=gen).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen)) / 16
+    beta = torch.rand(1, T, Hv, generator=gen)
+    seg_cu = torch.tensor([0, T])
+    cover = _chunkwise_walk_stops(q, k, g, beta, do, K ** -0.5, seg_cu)
+    token_wise = walk_stop_chunks(q, k, g, beta, do, K ** -0.5, seg_cu, 256)
+    assert (cover <= 40).all() and (cover > 0).all(), cover
+    assert (cover - token_wise).abs().max() <= 1, (cover, token_wise)
+    assert (_chunkwise_walk_stops(q, k, g * 0, beta, do, K ** -0.5, seg_cu) == 256).all()
+
+
+def test_chunkwise_early_stop_keeps_everything_on_non_finite_inputs():
+    """A gate that is not finite makes its segment's chunk bounds so: that segment's walk covers every chunk. A NaN
+    output gradient makes its chunk's emission NaN: the walk covers that chunk and every one before it."""
+    q, k, g, beta, do, seg_cu, chunks = _walk_case()
+    clean = _chunkwise_walk_stops(q, k, g, beta, do, 0.3, seg_cu)
+    assert clean[1, 0] < chunks[1] and clean[1, 1] < 3
+    g[0, 300, 0] = float("nan")  # in the second segment (256-511) of the first sequence
+    cover = _chunkwise_walk_stops(q, k, g, beta, do, 0.3, seg_cu)
+    assert cover[1, 0] == chunks[1] and torch.equal(cover[0], clean[0])
+    do[0, 256 + 3 * 64 + 5, 1] = float("nan")  # the fourth chunk of the same segment, value head 1
+    assert _chunkwise_walk_stops(q, k, g, beta, do, 0.3, seg_cu)[1, 1] == 4
 
 
 @pytest.mark.parametrize("T", [0, 1, 255, 256, 257, 1000, 70001])  # 70001: the blocks' totals in blocks again

@@ -291,6 +291,68 @@ def segment_b_starts(chunk_bound: torch.Tensor, chunk_inject: torch.Tensor, firs
     return torch.where(bad, torch.zeros_like(run), run).to(torch.int32)
 
 
+def chunk_log_emits(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor,
+                    scale: float, slots: torch.Tensor) -> torch.Tensor:
+    """The mirror image of ``chunk_log_injects`` for the backward's walks from zero, in PyTorch: ``[Hv, S]`` float32,
+    per chunk slot (``slots [S, 2]``: first token and length, 0 for an idle slot) and value head, the log of
+
+        J'_c = sum over the chunk's tokens t of scale |q_t| |dO_t| exp(sum over the chunk's first token <= u <= t of l_u)
+
+    (``l_u`` the per-token log bound of ``token_log_growth``): what the chunk's outputs add to a state gradient, carried
+    back to the chunk's start by its own transposed transitions. Each term's exponent is rounded up as
+    ``chunk_log_bounds`` rounds the chunk's sum, so that the float32 sums of a kernel that makes it (a stage 1 that
+    reads q's and dO's rows beside the chunk's gates and |k|^2) stay above the exact value. An idle slot, or a chunk
+    whose outputs add nothing, gives -inf.
+
+    With ``chunk_log_bounds`` it gives a segment's bound E'(p) of the module docstring chunk by chunk:
+    ``log E'(p) <= logsumexp over chunks c >= p of (J'_c + sum over the chunks before c of the chunk bounds)``, which
+    ``segment_walk_stops`` evaluates. Not yet made by a kernel (notes v0.36i)."""
+    _, tok, real, gc, gr = _chunk_rows(k, g, beta, slots)
+    Hv = g.shape[2]
+    emit = (_per_value_head(abs(float(scale)) * _row_norms(q[0]), Hv) * _row_norms(do[0])).log_()  # [T, Hv]
+    lu = gc + gr  # [S, 64, Hv]: each row's g + growth (zero past the chunk's length)
+    mag = (gc.abs() + gr).sum(1, keepdim=True)
+    terms = torch.where(real, emit[tok] + lu.cumsum(1), torch.full_like(lu, -math.inf))
+    out = terms.logsumexp(1) + (mag[:, 0] * CHUNK_BOUND_REL + CHUNK_BOUND_ABS)  # [S, Hv]
+    return out.t().reshape(Hv, slots.shape[0])
+
+
+def segment_walk_stops(chunk_bound: torch.Tensor, chunk_emit: torch.Tensor, first_slot: torch.Tensor,
+                       seg_cu: torch.Tensor) -> torch.Tensor:
+    """What a walk from zero that makes its stop from stage 1's per-chunk terms would cover, in PyTorch (float64):
+    ``[S, Hv]`` int32, for every segment (its first chunk slot ``first_slot``, its tokens from ``seg_cu``) and value
+    head, the fewest chunks c from the segment's start such that
+
+        logsumexp over its chunks c' >= c of (chunk_emit[c'] + sum of chunk_bound over its chunks before c')
+
+    rounded up by ``SEGMENT_SUM_REL`` x (chunks + 64) of the sum of the chunk bounds' magnitudes and
+    ``SEGMENT_SUM_ABS``, is below ``NEGLIGIBLE_LOG_NORM``, and at every later boundary too: what ``walk_stop_chunks``
+    bounds token by token, here over the segment's own chunks only. A NaN term fails its boundary and every earlier
+    one; a chunk bound that is not finite keeps every chunk of its segment. Reads the longest segment's chunk count
+    on the host (a reference, not the call path)."""
+    cb = chunk_bound.to(torch.float64)
+    ce = chunk_emit.to(torch.float64)
+    seg_cu = seg_cu.to(torch.int64)
+    chunks = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")
+    S = chunks.shape[0]
+    width = int(chunks.max()) if S else 0
+    c = torch.arange(width, device=cb.device)
+    real = c[None, :] < chunks[:, None]  # [S, width]
+    slot = (first_slot.to(torch.int64)[:, None] + c[None, :]).clamp(max=max(cb.shape[1] - 1, 0))
+    L = torch.where(real[..., None], cb[:, slot].permute(1, 2, 0), torch.zeros((), dtype=torch.float64))
+    J = torch.where(real[..., None], ce[:, slot].permute(1, 2, 0), torch.full((), -math.inf, dtype=torch.float64))
+    margin = L.abs().sum(1, keepdim=True) * (chunks[:, None, None] + 64).to(torch.float64) * SEGMENT_SUM_REL \
+        + SEGMENT_SUM_ABS
+    before = L.cumsum(1) - L  # the chunk bounds before each chunk
+    # E' at the boundary before each chunk: a suffix log-sum-exp (a NaN term makes every earlier boundary NaN)
+    log_e = torch.logcumsumexp((J + before).flip(1), 1).flip(1)
+    fails = ~(log_e + margin < NEGLIGIBLE_LOG_NORM) & real[..., None]
+    # the walk covers every chunk up to the last boundary that fails
+    cover = torch.where(fails, c[None, :, None] + 1, torch.zeros((), dtype=torch.int64)).amax(1)
+    bad = ~torch.isfinite(L).all(1)
+    return torch.where(bad, chunks[:, None].expand_as(cover), cover).to(torch.int32)
+
+
 def transition_log_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           seg_cu: torch.Tensor, out: Optional[torch.Tensor] = None,
                           per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
