@@ -31,8 +31,10 @@ def test_precompile_rejects_bad_heads():
 
 def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     """The default chunk loop for the flags, stage 1, and CP's kernels: by default the paired transition pass with
-    its stage 1 (the build with the chunks' bounds), the segment index and the splice; with those switched off the
-    transition pass on twice the value heads. None of the comparison loops or the backward's kernels."""
+    its stage 1 (the build with the chunks' bounds), each in its build with b started late from stage 1's terms and,
+    for segments shorter than ``backend.CP_LATE_B_MIN_CHUNKS``, without; the segment index and the splice. With those
+    switched off the transition pass on twice the value heads. None of the comparison loops or the backward's
+    kernels."""
     from flashgdn.kernels.hopper import backend, forward
     from flashgdn.kernels.hopper.variants import serving_variants
 
@@ -40,8 +42,9 @@ def test_serving_kernels_are_what_the_default_operator_uses(monkeypatch):
     assert names == ["chunk_plan", "kkt_inverse_async_5[2/8,bfloat16]",
                      "chunk_forward_rso[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                      "chunk_forward_rs_pairs_skip_forward[2/8,bfloat16,h0=1,ht=1,v_first=0]",
-                     "kkt_inverse_async_bounds[2/8,bfloat16]", "segment_index[int32]", "segment_index[int64]",
-                     "splice[8,forward]"]
+                     "chunk_forward_rs_pairs_skip_forward_early_b[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+                     "kkt_inverse_async_bounds[2/8,bfloat16]", "kkt_inverse_async_bounds_injects[2/8,bfloat16]",
+                     "segment_index[int32]", "segment_index[int64]", "splice[8,forward]"]
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)
     assert "kkt_inverse_async_bounds[2/8,bfloat16]" not in [v[0] for v in serving_variants(2, 8, flags="common")]
     assert len([n for n in serving_variants(2, 8, flags="all") if n[0].startswith("chunk_forward_rso[")]) == 8
@@ -82,6 +85,7 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     serving = [v[0] for v in serving_variants(2, 8, flags="common")]
     names = [v[0] for v in training_variants(2, 8, flags="common")]
     assert names == serving + ["chunk_forward_rs_pairs_skip_backward[2/8,bfloat16,h0=1,ht=1,v_first=0]",
+                               "chunk_forward_rs_pairs_skip_backward_late_b[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                                "chunk_forward_rs_pairs_skip_m_only[2/8,bfloat16,h0=1,ht=1,v_first=0]",
                                "chain_index", "splice_chains[8,forward]", "splice_blocked8[8,reverse]",
                                "splice_blocked16[8,reverse]",
@@ -209,7 +213,8 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     assert set(lean_of_state_passes().values()) == {None}
     monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
     lean = lean_of_state_passes()
-    assert len(lean) == 10 and set(lean.values()) == {True}, lean  # with the walk's starts-only build
+    # with the walk's starts-only build, and the forward's passes with and without b started late from stage 1's terms
+    assert len(lean) == 12 and set(lean.values()) == {True}, lean
 
 
 def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
@@ -274,11 +279,12 @@ def test_precompiled_builds_follow_negligible_m_in_kernel(monkeypatch):
     stage1 = {n: kw for n, kw in got.items() if n.startswith("kkt_inverse")}
     assert passes and all("_pairs_skip_" in n and got[n]["negligible_m"] for n in passes), got
     assert not any(got[n].get("late_b") for n in passes)
-    assert set(stage1) == {"kkt_inverse_async_bounds[2/8,bfloat16]", "kkt_inverse_with_A_async_bounds[2/8,bfloat16]"}
+    assert set(stage1) == {"kkt_inverse_async_bounds[2/8,bfloat16]", "kkt_inverse_with_A_async_bounds[2/8,bfloat16]",
+                           "kkt_inverse_async_bounds_injects[2/8,bfloat16]"}  # (the last: CP_LATE_B_IN_KERNEL's)
     for name, kw in stage1.items():
         store = kw.get("store_inverse", False)
         assert {k: v for k, v in kw.items() if k not in ("Hqk", "Hv", "K", "qk_dtype", "a_dtype", "chunk_bounds",
-                                                         "store_inverse")} == \
+                                                         "store_inverse", "chunk_injects")} == \
             {"async_loads": forward.KKT_ASYNC_LOADS, **forward._kkt_build_options(4, store)}, name
 
 
