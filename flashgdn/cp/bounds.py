@@ -245,6 +245,29 @@ def chunk_log_injects(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     return out.t().reshape(Hv, slots.shape[0])
 
 
+def _segment_chunk_terms(chunk_bound: torch.Tensor, chunk_term: torch.Tensor, first_slot: torch.Tensor,
+                         seg_cu: torch.Tensor):
+    """The per-chunk terms of every segment side by side, in float64, for the per-chunk b start and walk stop:
+    ``(chunks [S], c [width], real [S, width], L [S, width, Hv], J [S, width, Hv], margin [S, 1, Hv])``, with L the
+    segment's chunk bounds (0 past its chunks), J its chunks of ``chunk_term`` (-inf past them) and margin the segment
+    sum's rounding (``SEGMENT_SUM_REL`` x (chunks + 64) of the sum of the bounds' magnitudes, and ``SEGMENT_SUM_ABS``).
+    Reads the longest segment's chunk count on the host."""
+    cb = chunk_bound.to(torch.float64)
+    ct = chunk_term.to(torch.float64)
+    seg_cu = seg_cu.to(torch.int64)
+    chunks = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")
+    S = chunks.shape[0]
+    width = int(chunks.max()) if S else 0
+    c = torch.arange(width, device=cb.device)
+    real = c[None, :] < chunks[:, None]  # [S, width]
+    slot = (first_slot.to(torch.int64)[:, None] + c[None, :]).clamp(max=max(cb.shape[1] - 1, 0))
+    L = torch.where(real[..., None], cb[:, slot].permute(1, 2, 0), torch.zeros((), dtype=torch.float64))
+    J = torch.where(real[..., None], ct[:, slot].permute(1, 2, 0), torch.full((), -math.inf, dtype=torch.float64))
+    margin = L.abs().sum(1, keepdim=True) * (chunks[:, None, None] + 64).to(torch.float64) * SEGMENT_SUM_REL \
+        + SEGMENT_SUM_ABS
+    return chunks, c, real, L, J, margin
+
+
 def segment_b_starts(chunk_bound: torch.Tensor, chunk_inject: torch.Tensor, first_slot: torch.Tensor,
                      seg_cu: torch.Tensor, h0_log_norm: Optional[torch.Tensor] = None,
                      seg_seq: Optional[torch.Tensor] = None, first: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -261,21 +284,9 @@ def segment_b_starts(chunk_bound: torch.Tensor, chunk_inject: torch.Tensor, firs
     segment's own chunks only. A NaN injection stops the count at its chunk; a chunk bound that is not finite leaves
     out nothing in its segment. Reads the longest
     segment's chunk count on the host (a reference, not the call path)."""
-    cb = chunk_bound.to(torch.float64)
-    ci = chunk_inject.to(torch.float64)
-    Hv = cb.shape[0]
-    seg_cu = seg_cu.to(torch.int64)
-    chunks = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")
+    chunks, c, real, L, J, margin = _segment_chunk_terms(chunk_bound, chunk_inject, first_slot, seg_cu)
     S = chunks.shape[0]
-    width = int(chunks.max()) if S else 0
-    c = torch.arange(width, device=cb.device)
-    real = c[None, :] < chunks[:, None]  # [S, width]
-    slot = (first_slot.to(torch.int64)[:, None] + c[None, :]).clamp(max=max(cb.shape[1] - 1, 0))
-    L = torch.where(real[..., None], cb[:, slot].permute(1, 2, 0), torch.zeros((), dtype=torch.float64))
-    J = torch.where(real[..., None], ci[:, slot].permute(1, 2, 0), torch.full((), -math.inf, dtype=torch.float64))
     total = L.sum(1, keepdim=True)  # [S, 1, Hv]
-    margin = L.abs().sum(1, keepdim=True) * (chunks[:, None, None] + 64).to(torch.float64) * SEGMENT_SUM_REL \
-        + SEGMENT_SUM_ABS
     after = total - L.cumsum(1)  # the chunk bounds after each chunk
     log_e = torch.logcumsumexp(J + after, 1)  # [S, width, Hv]: E at the boundary after each chunk
     if h0_log_norm is not None:
@@ -330,19 +341,7 @@ def segment_walk_stops(chunk_bound: torch.Tensor, chunk_emit: torch.Tensor, firs
     bounds token by token, here over the segment's own chunks only. A NaN term fails its boundary and every earlier
     one; a chunk bound that is not finite keeps every chunk of its segment. Reads the longest segment's chunk count
     on the host (a reference, not the call path)."""
-    cb = chunk_bound.to(torch.float64)
-    ce = chunk_emit.to(torch.float64)
-    seg_cu = seg_cu.to(torch.int64)
-    chunks = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")
-    S = chunks.shape[0]
-    width = int(chunks.max()) if S else 0
-    c = torch.arange(width, device=cb.device)
-    real = c[None, :] < chunks[:, None]  # [S, width]
-    slot = (first_slot.to(torch.int64)[:, None] + c[None, :]).clamp(max=max(cb.shape[1] - 1, 0))
-    L = torch.where(real[..., None], cb[:, slot].permute(1, 2, 0), torch.zeros((), dtype=torch.float64))
-    J = torch.where(real[..., None], ce[:, slot].permute(1, 2, 0), torch.full((), -math.inf, dtype=torch.float64))
-    margin = L.abs().sum(1, keepdim=True) * (chunks[:, None, None] + 64).to(torch.float64) * SEGMENT_SUM_REL \
-        + SEGMENT_SUM_ABS
+    chunks, c, real, L, J, margin = _segment_chunk_terms(chunk_bound, chunk_emit, first_slot, seg_cu)
     before = L.cumsum(1) - L  # the chunk bounds before each chunk
     # E' at the boundary before each chunk: a suffix log-sum-exp (a NaN term makes every earlier boundary NaN)
     log_e = torch.logcumsumexp((J + before).flip(1), 1).flip(1)
