@@ -1,15 +1,15 @@
-def _late_b_pass_case(cuda, injects=False):
-    """The transition pass's inputs for the late-b tests: three sequences (3000, 64, 2000 tokens) of strong gates
-    with a g = 0 head (3) on 8-chunk segments, at 2/4, stage 1 with its chunk bounds and injections where
-    ``injects``: ``(inputs, index, seg_cu, stage1, pass arguments, h0, last)``, ``last [segments]`` (on the GPU) the
-    segments last in their sequence, whose b no splice reads."""
+def _late_b_pass_case(cuda, injects=False, seqlens=(3000, 64, 2000), segment_chunks=8):
+    """The transition pass's inputs for the late-b tests: sequences of ``seqlens`` tokens (three by default) of strong
+    gates with a g = 0 head (3) on ``segment_chunks``-chunk segments, at 2/4, stage 1 with its chunk bounds and
+    injections where ``injects``: ``(inputs, index, seg_cu, stage1, pass arguments, h0, last)``, ``last [segments]``
+    (on the GPU) the segments last in their sequence, whose b no splice reads."""
     from flashgdn.cp.plan import segment_index_tensors, split_sequences
     from flashgdn.kernels.hopper.forward import hopper_stage1
 
-    seqlens = [3000, 64, 2000]
+    seqlens = list(seqlens)
     inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
                       zero_gate_heads=(3,))
-    plan = split_sequences(seqlens, 8)
+    plan = split_sequences(seqlens, segment_chunks)
     index = segment_index_tensors(plan, inp["cu_seqlens"])
     seg_cu = index.seg_cu.to(torch.int32)
     late = dict(chunk_bounds=True, inject_v=inp["v"]) if injects else {}
@@ -555,20 +555,10 @@ def test_late_b_in_kernel_items_leave_out_the_chunks_the_bound_names(segment_chu
     import dataclasses
 
     from flashgdn.cp.bounds import segment_b_starts
-    from flashgdn.cp.plan import segment_index_tensors, split_sequences
-    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+    from flashgdn.kernels.hopper.forward import hopper_transition_pairs
 
-    seqlens = [9000, 64, 5000] if segment_chunks == 48 else [3000, 64, 2000]
-    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
-                      zero_gate_heads=(3,))
-    plan = split_sequences(seqlens, segment_chunks)
-    index = segment_index_tensors(plan, inp["cu_seqlens"])
-    seg_cu = index.seg_cu.to(torch.int32)
-    stage1 = hopper_stage1(inp["k"], inp["g"], inp["beta"], seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=True,
-                           inject_v=inp["v"])
-    h0 = inp["initial_state"].float().contiguous()
-    seg = torch.arange(plan.num_segments)
-    last = (seg == plan.first[plan.seg_seq] + plan.count[plan.seg_seq] - 1).to(cuda)
+    seqlens = (9000, 64, 5000) if segment_chunks == 48 else (3000, 64, 2000)
+    inp, index, seg_cu, stage1, _, h0, last = _late_b_pass_case(cuda, True, seqlens, segment_chunks)
     h0_log_norm = torch.linalg.vector_norm(h0, dim=(-2, -1)).log()
     starts = segment_b_starts(stage1.chunk_bound, stage1.chunk_inject, stage1.first_slot, seg_cu, h0_log_norm,
                               index.seg_seq, index.first)
@@ -576,7 +566,7 @@ def test_late_b_in_kernel_items_leave_out_the_chunks_the_bound_names(segment_chu
     if segment_chunks == 48:
         assert int(starts[~last, :3].max()) > 33, "a count past the first round"
     poisoned = stage1.Ag.clone()
-    for n in range(plan.num_segments):
+    for n in range(starts.shape[0]):
         for h in range(4):
             skip = int(starts[n, h]) - 1
             if skip > 0:
@@ -607,36 +597,6 @@ def test_late_b_gives_the_same_bits(opts, cuda, monkeypatch):
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", False)  # (the kernels' own bound takes precedence)
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M", True)
     _same_bits_both_ways(opts, cuda, monkeypatch, backend, "CP_LATE_B")
-
-
-def test_late_b_items_walk_from_their_start_chunk_to_the_same_ends(cuda):
-    """The pass itself (``forward.hopper_transition_pairs``) with the bounds, without and with ``b_start``, on the
-    same segments: every M and every b a splice reads the same bits, where b items of the decaying heads leave out
-    chunks (the g = 0 head none)."""
-    from flashgdn.cp.bounds import b_start_chunks, transition_log_bounds
-    from flashgdn.cp.plan import segment_index_tensors, split_sequences
-    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
-
-    seqlens = [3000, 64, 2000]
-    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
-                      zero_gate_heads=(3,))
-    plan = split_sequences(seqlens, 8)
-    index = segment_index_tensors(plan, inp["cu_seqlens"])
-    seg_cu = index.seg_cu.to(torch.int32)
-    k, v, g, beta = inp["k"], inp["v"], inp["g"], inp["beta"]
-    stage1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=plan.seg_cu)
-    bounds = transition_log_bounds(k, g, beta, seg_cu)
-    h0 = inp["initial_state"].float().contiguous()
-    chunks = sum((n + 63) // 64 for n in (plan.seg_cu[1:] - plan.seg_cu[:-1]).tolist())
-    starts = b_start_chunks(k, v, g, beta, seg_cu, chunks, h0=h0, seg_seq=index.seg_seq, first=index.first)
-    args = (inp["q"], k, v, stage1, None, seg_cu)
-    plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds)
-    got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, m_bound=bounds, b_start=starts)
-    seg = torch.arange(plan.num_segments)
-    last = (seg == plan.first[plan.seg_seq] + plan.count[plan.seg_seq] - 1).to(cuda)
-    assert (starts[~last, :3] > 0).any() and not starts[:, 3].any()
-    assert torch.equal(plain[:, 1::2], got[:, 1::2]), "M"
-    assert torch.equal(plain[~last][:, 0::2], got[~last][:, 0::2]), "b of the segments a splice reads"
 
 
 @pytest.mark.parametrize("opts", [
