@@ -944,3 +944,127 @@ def test_late_b_in_kernel_replays_in_a_cuda_graph(opts, cuda, monkeypatch):
     monkeypatch.setattr(backend, "CP_LATE_B_IN_KERNEL", True)
     monkeypatch.setattr(backend, "CP_LATE_B_MIN_CHUNKS", 0)
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
+
+
+def _emits_case(cuda):
+    """Inputs for the emission pass's tests: five sequences (1 to 3000 tokens) at 2/4, mixed gates, keys of any norm,
+    a g = 0 head (3), and a whole chunk of dO zero for value head 1 (the first sequence's second chunk): ``(q, k, g,
+    beta, do, cu)``."""
+    inp = make_inputs([3000, 1, 64, 65, 2000], Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda,
+                      gate="mixed", normalize_qk=False, zero_gate_heads=(3,))
+    do = torch.randn(inp["v"].shape, generator=torch.Generator(device=cuda).manual_seed(7), device=cuda)
+    do = do.to(torch.bfloat16)
+    do[0, 64:128, 1] = 0
+    return inp["q"], inp["k"], inp["g"], inp["beta"] * 2.5, do, inp["cu_seqlens"].to(torch.int32)
+
+
+def test_chunk_emits_match_their_counterpart(cuda):
+    """``chunk_emits.py`` (``backward.hopper_chunk_emits``): per chunk slot and value head what
+    ``flashgdn.cp.bounds.chunk_log_emits`` makes, to float32's rounding of the sums; -inf exactly where it is -inf (a
+    chunk whose dO is zero emits nothing, the g = 0 head emits like any other)."""
+    from flashgdn.cp.bounds import chunk_log_emits
+    from flashgdn.kernels.hopper.backward import hopper_chunk_emits
+    from flashgdn.kernels.hopper.forward import hopper_stage1
+
+    q, k, g, beta, do, cu = _emits_case(cuda)
+    st1 = hopper_stage1(k, g, beta, cu, cu_cpu=cu.cpu(), chunk_bounds=True)
+    have32 = hopper_chunk_emits(q, k, g, beta, do, 0.3, st1.bounds).cpu()
+    have = have32.double()
+    want = chunk_log_emits(q, k, g, beta, do, 0.3, st1.bounds).double().cpu()
+    assert have.shape == want.shape == (4, st1.bounds.shape[0])
+    assert torch.isneginf(want).any(), "the zero dO chunk: nothing emitted"
+    assert torch.equal(torch.isneginf(have), torch.isneginf(want))
+    assert not torch.isnan(have).any()
+    finite = torch.isfinite(want)
+    assert bool(((have[finite] - want[finite]).abs() <= 1e-4 * (1 + want[finite].abs())).all())
+    # a NaN gate makes its chunk's term NaN (a walk then keeps every chunk before it)
+    g_nan = g.clone()
+    g_nan[0, 70, 2] = float("nan")
+    bad = hopper_chunk_emits(q, k, g_nan, beta, do, 0.3, st1.bounds).cpu()
+    nan = torch.zeros_like(bad, dtype=torch.bool)
+    nan[2, 1] = True
+    assert torch.equal(torch.isnan(bad), nan)
+    assert torch.equal(bad[~nan], have32[~nan])
+
+
+def _walk_stop_case(cuda, segment_chunks=8):
+    """Strong gates with a g = 0 head (3) over three sequences cut into ``segment_chunks``-chunk segments, at 2/4,
+    stage 1 with its chunk bounds on the segments: ``(q, k, g, beta, do, seg_cu, seg_cu_cpu, stage1)``."""
+    from flashgdn.cp.plan import segment_index_tensors, split_sequences
+    from flashgdn.kernels.hopper.forward import hopper_stage1
+
+    seqlens = [3000, 64, 2000]
+    inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
+                      zero_gate_heads=(3,))
+    plan = split_sequences(seqlens, segment_chunks)
+    seg_cu = segment_index_tensors(plan, inp["cu_seqlens"]).seg_cu.to(torch.int32)
+    do = torch.randn(inp["v"].shape, generator=torch.Generator(device=cuda).manual_seed(8), device=cuda)
+    do = do.to(torch.bfloat16)
+    stage1 = hopper_stage1(inp["k"], inp["g"], inp["beta"], seg_cu, cu_cpu=plan.seg_cu, chunk_bounds=True)
+    return inp["q"], inp["k"], inp["g"], inp["beta"], do, seg_cu, plan.seg_cu, stage1
+
+
+def test_walks_stopped_by_the_emission_pass_give_the_same_start_gradients(cuda):
+    """The walks' stops from the kernels' terms (``hopper_chunk_emits`` and stage 1's chunk bounds through
+    ``segment_walk_stops`` with the host's width, as ``backward.WALK_STOP_IN_KERNEL`` makes them): within one chunk of
+    those from ``chunk_log_emits``, short of the segment's end for the decaying heads (the g = 0 head's never), and the
+    walk stopped there gives every start gradient the same bits as the walk over whole segments."""
+    from flashgdn.cp.bounds import chunk_log_emits, segment_walk_stops
+    from flashgdn.kernels.hopper.backward import hopper_chunk_emits, hopper_walk_starts, longest_chunks
+
+    q, k, g, beta, do, seg_cu, seg_cu_cpu, st1 = _walk_stop_case(cuda)
+    emit = hopper_chunk_emits(q, k, g, beta, do, 0.3, st1.bounds)
+    got = segment_walk_stops(st1.chunk_bound, emit, st1.first_slot, seg_cu, width=longest_chunks(seg_cu_cpu))
+    want = segment_walk_stops(st1.chunk_bound, chunk_log_emits(q, k, g, beta, do, 0.3, st1.bounds), st1.first_slot,
+                              seg_cu)
+    assert got.dtype == torch.int32 and got.shape == want.shape == (seg_cu.shape[0] - 1, 4)
+    assert int((got.long() - want.long()).abs().max()) <= 1
+    full = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")[:, None].to(got.device)
+    assert (got[:, :3] < full).any() and (got[:, 3:] == full).all()
+    plain = hopper_walk_starts(q, k, g, beta, do, 0.3, seg_cu)
+    stopped = hopper_walk_starts(q, k, g, beta, do, 0.3, seg_cu, walk_chunks=got)
+    assert torch.equal(stopped, plain)
+    assert plain.abs().amax() > 0
+
+
+@pytest.mark.parametrize("opts", [
+    dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,)),  # most walks stop early, one head never
+    dict(seqlens=[8192], gate="mixed", normalize_qk=False),  # keys of any norm: the bound's growth terms
+    dict(seqlens=[4096, 4096], dense=True),  # the normal gates on 4-chunk segments: no walk stops early
+])
+def test_walks_stopped_by_the_emission_pass_give_the_same_bits(opts, cuda, monkeypatch):
+    """``backward.WALK_STOP_IN_KERNEL`` (beside WALK_STARTS_ONLY and the kernels' chunk bounds): each walk from zero
+    stops where the emission pass's and stage 1's terms say the later tokens owe its start gradient less than
+    float32's smallest normal number; the op and every gradient the same bits with and without it.
+    WALK_STOP_MIN_CHUNKS at 0: these segments are a few chunks long."""
+    from flashgdn.kernels.hopper import backend, backward
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
+    monkeypatch.setattr(backward, "WALK_STOP_MIN_CHUNKS", 0)
+    _same_bits_both_ways(opts, cuda, monkeypatch, backward, "WALK_STOP_IN_KERNEL")
+
+
+@pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,))])
+def test_walks_stopped_by_the_emission_pass_read_nothing_back_and_replay_in_a_cuda_graph(opts, cuda, monkeypatch):
+    """With ``backward.WALK_STOP_IN_KERNEL`` (the width of its sums from the host's offsets) a training step (cp=4)
+    reads nothing back from the GPU, and a CUDA graph of it replays to its eager bits."""
+    from flashgdn.kernels.hopper import backend, backward
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
+    monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", True)
+    monkeypatch.setattr(backward, "WALK_STOP_MIN_CHUNKS", 0)
+    names, step = _training_step(opts, cuda)
+    want = step(4)  # compiles and loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, x, w in zip(["o", "final state"] + names, got, want):
+        assert torch.equal(x, w), ("eager", name)
+    graph, captured = _replayed(lambda: step(4))
+    for name, x, w in zip(["o", "final state"] + names, captured, want):
+        assert torch.equal(x, w), ("graph", name)

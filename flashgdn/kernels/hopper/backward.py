@@ -135,6 +135,37 @@ WALK_STARTS_ONLY = os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "1") == "1
 #: more than the walks save (notes "The five measured"). FLASHGDN_HOPPER_WALK_EARLY_STOP=1 turns it on.
 WALK_EARLY_STOP = os.environ.get("FLASHGDN_HOPPER_WALK_EARLY_STOP", "0") == "1"
 
+#: WALK_EARLY_STOP's stop made from per-chunk terms instead of a PyTorch pass over the tokens: ``chunk_emits.py``
+#: bounds what each chunk's outputs add to a state gradient (reading q, k and dO), and
+#: ``flashgdn.cp.bounds.segment_walk_stops`` sums those with stage 1's chunk bounds (``chunk_bounds``) over each
+#: segment's chunks, a few ops on ``[segments, chunks, Hv]`` with the longest segment's length from the host. All of it
+#: on the walks' stream, beside the chunk states pass; the walk is the same ``early_stop`` build, so D is what it was
+#: up to entries below float32's smallest normal number. Only where the longest segment has WALK_STOP_MIN_CHUNKS
+#: chunks or more (known from the host's offsets): the emission pass reads dO, as many bytes as the walk's own read,
+#: and a walk over a short segment has little to leave out. An A/B (notes v0.36j), off:
+#: FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL=1 turns it on.
+WALK_STOP_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL", "0") == "1"
+
+#: the shortest longest segment (chunks) at which WALK_STOP_IN_KERNEL applies; FLASHGDN_HOPPER_WALK_STOP_MIN_CHUNKS
+#: sets it (0: every split plan)
+WALK_STOP_MIN_CHUNKS = int(os.environ.get("FLASHGDN_HOPPER_WALK_STOP_MIN_CHUNKS", "128"))
+
+
+def walk_stop_in_kernel(seg_cu_cpu) -> bool:
+    """Whether the walks from zero over the segments of host offsets ``seg_cu_cpu`` stop where stage 1's and the
+    emission pass's terms say (WALK_STOP_IN_KERNEL, and the longest segment WALK_STOP_MIN_CHUNKS chunks or more);
+    never without the host's offsets."""
+    if not WALK_STOP_IN_KERNEL or seg_cu_cpu is None or seg_cu_cpu.shape[0] < 2:
+        return False
+    return longest_chunks(seg_cu_cpu) >= max(WALK_STOP_MIN_CHUNKS, 1)
+
+
+def longest_chunks(cu_cpu) -> int:
+    """The chunks of the longest sequence (or segment) of host offsets ``cu_cpu``."""
+    if cu_cpu.shape[0] < 2:
+        return 0
+    return int((cu_cpu[1:] - cu_cpu[:-1]).max() + CHUNK - 1) // CHUNK
+
 
 def fused_longest_first() -> bool:
     """Whether the fused kernel the backward builds takes its rows longest first: FUSED_LONGEST_FIRST, where its
@@ -479,6 +510,26 @@ def hopper_walk_starts(
     return dh0
 
 
+def hopper_chunk_emits(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor,
+                       scale: float, bounds: torch.Tensor) -> torch.Tensor:
+    """``chunk_emits.py`` on packed ``[1, T, ...]`` inputs (q and k as the kernels read them, normalised where the op
+    normalises) and stage 1's chunk slots ``bounds [S, 2]``: ``[Hv, S]`` float32, per chunk slot and value head the log
+    of a bound on what its outputs add to a state gradient (PyTorch counterpart ``flashgdn.cp.bounds.chunk_log_emits``)."""
+    from .chunk_emits import build_chunk_emits
+
+    _, TT, Hqk, K = q.shape
+    Hv, V = do.shape[2], do.shape[3]
+    if k.shape != q.shape or g.shape != (1, TT, Hv) or beta.shape != (1, TT, Hv) or do.shape[:2] != (1, TT):
+        raise ValueError(f"hopper_chunk_emits takes q and k [1, T, Hqk, K], g and beta [1, T, Hv] and do [1, T, Hv, V]; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}, {tuple(beta.shape)}, "
+                         f"{tuple(do.shape)}")
+    emit = _output((Hv, bounds.shape[0]), torch.float32, q.device)
+    build_chunk_emits(Hqk, Hv, K, V, tl_dtype(q.dtype))(
+        q.contiguous(), k.contiguous(), g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(),
+        do.to(q.dtype).contiguous(), bounds, float(scale), emit)
+    return emit
+
+
 def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    cu_seqlens: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1 with the ungated inverse stored too (``kkt_inverse(..., store_inverse=True)``), for the per-chunk
@@ -631,10 +682,18 @@ class HopperBackwardStages:
             return self.state_gradients(q, k, g, beta, do, None, scale, cu, cu_cpu)[1]
         stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
         walk_chunks = None
-        if WALK_EARLY_STOP and cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
+        (qf, kf), offsets, _, st1 = stage1
+        if st1.chunk_bound is not None and walk_stop_in_kernel(cu_cpu):
+            from ...cp.bounds import segment_walk_stops
+
+            TT, Hv, V = qf.shape[1], g.shape[-1], do.shape[-1]
+            emit = hopper_chunk_emits(qf, kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv),
+                                      do.reshape(1, TT, Hv, V), scale, st1.bounds)
+            walk_chunks = segment_walk_stops(st1.chunk_bound, emit, st1.first_slot, offsets,
+                                             width=longest_chunks(cu_cpu))
+        elif WALK_EARLY_STOP and cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
             from ...cp.bounds import chunk_count, walk_stop_chunks
 
-            (qf, kf), offsets, _, _ = stage1
             TT, Hv = qf.shape[1], g.shape[-1]
             walk_chunks = walk_stop_chunks(qf, kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv),
                                            do.reshape(1, TT, Hv, do.shape[-1]), scale, offsets, chunk_count(cu_cpu))

@@ -320,7 +320,10 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "state_grad_walk" and kw.get("starts_only") and not backward.WALK_STARTS_ONLY:
             continue
-        if builder == "state_grad_walk" and kw.get("early_stop") and not backward.WALK_EARLY_STOP:
+        if builder == "state_grad_walk" and kw.get("early_stop") and not (
+                backward.WALK_EARLY_STOP or backward.WALK_STOP_IN_KERNEL):
+            continue
+        if builder == "chunk_emits" and not (backward.WALK_STOP_IN_KERNEL and backward.WALK_STARTS_ONLY):
             continue
         # the states pass for the fused kernel, beside the plain one for the two kernels ("auto" may take either)
         if kw.get("first_apart") and not (fused and backward.FIRST_STATES_APART):
@@ -371,6 +374,9 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=False, staged_stores=True,
                     precise=precise, starts_only=True, early_stop=True))
+    # the emission pass from which the walks from zero take their stops (backward.WALK_STOP_IN_KERNEL, an A/B;
+    # training_variants adds it when on)
+    yield (f"chunk_emits[{Hqk}/{Hv},{dtype}]", "chunk_emits", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype))
     # the walk with its column factors in registers (forward.LEAN_STATE_PASSES, an A/B)
     yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged,lean]", "state_grad_walk",
            dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True, precise=False,
@@ -541,6 +547,10 @@ def build(builder: str, kwargs: dict):
         from .gated_scores import build_gated_scores
 
         return build_gated_scores(**kwargs)
+    if builder == "chunk_emits":
+        from .chunk_emits import build_chunk_emits
+
+        return build_chunk_emits(**kwargs)
     if builder == "group_sum":
         from .group_sum import build_group_sum
 
