@@ -722,7 +722,7 @@ elif [ "$part" = walk-stop-kernel ]; then
   logged walk-stop-kernel-ab 420 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:WALK_STOP_IN_KERNEL \
     --shape 4/16:131072 --shape 8/16:131072 --shape 4/16:65536 --shape 8/16:65536 --shape 2/8:131072 \
     --shape 4/8:131072 --shape 8/16:122880+8192 --shape 4/16:65536x2 --shape 2/8:32768 --shape 4/16:8192 \
-    --modes fwdbwd --rounds 3 --out "$out/walk-stop-kernel-ab.json"
+    --modes fwdbwd --rounds 2 --out "$out/walk-stop-kernel-ab.json"
   grep "geometric\|same bits\|on/off" "$out/walk-stop-kernel-ab.log"
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
