@@ -263,8 +263,13 @@ def _segment_chunk_terms(chunk_bound: torch.Tensor, chunk_term: torch.Tensor, fi
     c = torch.arange(width, device=cb.device)
     real = c[None, :] < chunks[:, None]  # [S, width]
     slot = (first_slot.to(torch.int64)[:, None] + c[None, :]).clamp(max=max(cb.shape[1] - 1, 0))
-    L = torch.where(real[..., None], cb[:, slot].permute(1, 2, 0), torch.zeros((), dtype=torch.float64))
-    J = torch.where(real[..., None], ct[:, slot].permute(1, 2, 0), torch.full((), -math.inf, dtype=torch.float64))
+    # (gathers by index_select and python scalars in the selects: a host tensor there would be copied to the device,
+    # which waits for it on the Hopper backward's path)
+    def gathered(x):
+        return x.index_select(1, slot.reshape(-1)).reshape(x.shape[0], S, width).permute(1, 2, 0)
+
+    L = torch.where(real[..., None], gathered(cb), 0.0)
+    J = torch.where(real[..., None], gathered(ct), -math.inf)
     margin = L.abs().sum(1, keepdim=True) * (chunks[:, None, None] + 64).to(torch.float64) * SEGMENT_SUM_REL \
         + SEGMENT_SUM_ABS
     return chunks, c, real, L, J, margin
@@ -350,7 +355,7 @@ def segment_walk_stops(chunk_bound: torch.Tensor, chunk_emit: torch.Tensor, firs
     log_e = torch.logcumsumexp((J + before).flip(1), 1).flip(1)
     fails = ~(log_e + margin < NEGLIGIBLE_LOG_NORM) & real[..., None]
     # the walk covers every chunk up to the last boundary that fails
-    cover = torch.where(fails, c[None, :, None] + 1, torch.zeros((), dtype=torch.int64)).amax(1)
+    cover = torch.where(fails, c[None, :, None] + 1, 0).amax(1)
     bad = ~torch.isfinite(L).all(1)
     return torch.where(bad, chunks[:, None].expand_as(cover), cover).to(torch.int32)
 
