@@ -185,6 +185,9 @@ set -uo pipefail
 #   (gpu-walk-stop-kernel.log),
 #   then the switch both ways on the fwd+bwd of eight shapes whose backward segments reach WALK_STOP_MIN_CHUNKS and
 #   two whose do not (walk-stop-kernel-ab.json; the latter the same plans and kernels both ways).
+# walk-covers (v0.36k: the walks' covers by a kernel, the pass's loads unrolled; the counts' NaN-safe comparison):
+#   the CP GPU test file with the defaults (gpu-walk-covers.log: the transition pass's count changed), then
+#   WALK_STOP_IN_KERNEL both ways as in walk-stop-kernel (walk-covers-ab.json).
 # late-b-in-kernel (v0.36f, backend.CP_LATE_B_IN_KERNEL): its GPU tests (gpu-late-b-in-kernel.log), the cp set's
 #   forward both ways (late-b-in-kernel-cp.json: the same bits, no --max-diff), fwd+bwd both ways at 2/8, 4/16 and
 #   8/16 (late-b-in-kernel-cp-fwdbwd.json).
@@ -200,7 +203,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -724,6 +727,13 @@ elif [ "$part" = walk-stop-kernel ]; then
     --shape 4/8:131072 --shape 8/16:122880+8192 --shape 4/16:65536x2 --shape 2/8:32768 --shape 4/16:8192 \
     --modes fwdbwd --rounds 2 --out "$out/walk-stop-kernel-ab.json"
   grep "geometric\|same bits\|on/off" "$out/walk-stop-kernel-ab.log"
+elif [ "$part" = walk-covers ]; then
+  gpu_tests gpu-walk-covers 300 8 tests/test_gpu_hopper_cp.py
+  logged walk-covers-ab 420 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:WALK_STOP_IN_KERNEL \
+    --shape 4/16:131072 --shape 8/16:131072 --shape 4/16:65536 --shape 8/16:65536 --shape 2/8:131072 \
+    --shape 4/8:131072 --shape 8/16:122880+8192 --shape 4/16:65536x2 --shape 2/8:32768 --shape 4/16:8192 \
+    --modes fwdbwd --rounds 2 --out "$out/walk-covers-ab.json"
+  grep "geometric\|same bits\|on/off" "$out/walk-covers-ab.log"
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
   logged late-b-in-kernel-cp 240 python3 benchmarks/switch_ab.py \

@@ -1,4 +1,4 @@
-def _late_b_pass_case(cuda, injects=False, seqlens=(3000, 64, 2000), segment_chunks=8):
+def _late_b_pass_case(cuda, injects=False, seqlens=(3000, 64, 2000), segment_chunks=8, poison_gate=None):
     """The transition pass's inputs for the late-b tests: sequences of ``seqlens`` tokens (three by default) of strong
     gates with a g = 0 head (3) on ``segment_chunks``-chunk segments, at 2/4, stage 1 with its chunk bounds and
     injections where ``injects``: ``(inputs, index, seg_cu, stage1, pass arguments, h0, last)``, ``last [segments]``
@@ -9,6 +9,9 @@ def _late_b_pass_case(cuda, injects=False, seqlens=(3000, 64, 2000), segment_chu
     seqlens = list(seqlens)
     inp = make_inputs(seqlens, Hqk=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device=cuda, gate="strong",
                       zero_gate_heads=(3,))
+    if poison_gate is not None:  # (token, head): a gate of +inf there
+        inp["g"] = inp["g"].clone()
+        inp["g"][0, poison_gate[0], poison_gate[1]] = float("inf")
     plan = split_sequences(seqlens, segment_chunks)
     index = segment_index_tensors(plan, inp["cu_seqlens"])
     seg_cu = index.seg_cu.to(torch.int32)
@@ -1005,16 +1008,16 @@ def _walk_stop_case(cuda, segment_chunks=8):
 
 
 def test_walks_stopped_by_the_emission_pass_give_the_same_start_gradients(cuda):
-    """The walks' stops from the kernels' terms (``hopper_chunk_emits`` and stage 1's chunk bounds through
-    ``segment_walk_stops`` with the host's width, as ``backward.WALK_STOP_IN_KERNEL`` makes them): within one chunk of
-    those from ``chunk_log_emits``, short of the segment's end for the decaying heads (the g = 0 head's never), and the
-    walk stopped there gives every start gradient the same bits as the walk over whole segments."""
+    """The walks' covers from the kernels (``hopper_chunk_emits``, then ``hopper_walk_covers`` with stage 1's chunk
+    bounds): within one chunk of ``segment_walk_stops`` on ``chunk_log_emits``, short of the segment's end for the
+    decaying heads, never for the g = 0 head. The walk stopped there gives every start gradient the same bits as the
+    walk over whole segments, also where dO is NaN in the chunks past those covers: it reads none of them."""
     from flashgdn.cp.bounds import chunk_log_emits, segment_walk_stops
-    from flashgdn.kernels.hopper.backward import hopper_chunk_emits, hopper_walk_starts, longest_chunks
+    from flashgdn.kernels.hopper.backward import hopper_chunk_emits, hopper_walk_covers, hopper_walk_starts
 
     q, k, g, beta, do, seg_cu, seg_cu_cpu, st1 = _walk_stop_case(cuda)
     emit = hopper_chunk_emits(q, k, g, beta, do, 0.3, st1.bounds)
-    got = segment_walk_stops(st1.chunk_bound, emit, st1.first_slot, seg_cu, width=longest_chunks(seg_cu_cpu))
+    got = hopper_walk_covers(st1.chunk_bound, emit, seg_cu, st1.first_slot)
     want = segment_walk_stops(st1.chunk_bound, chunk_log_emits(q, k, g, beta, do, 0.3, st1.bounds), st1.first_slot,
                               seg_cu)
     assert got.dtype == torch.int32 and got.shape == want.shape == (seg_cu.shape[0] - 1, 4)
@@ -1022,9 +1025,49 @@ def test_walks_stopped_by_the_emission_pass_give_the_same_start_gradients(cuda):
     full = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")[:, None].to(got.device)
     assert (got[:, :3] < full).any() and (got[:, 3:] == full).all()
     plain = hopper_walk_starts(q, k, g, beta, do, 0.3, seg_cu)
-    stopped = hopper_walk_starts(q, k, g, beta, do, 0.3, seg_cu, walk_chunks=got)
-    assert torch.equal(stopped, plain)
     assert plain.abs().amax() > 0
+    assert torch.equal(hopper_walk_starts(q, k, g, beta, do, 0.3, seg_cu, walk_chunks=got), plain)
+    poisoned = do.clone()
+    starts, cover = seg_cu_cpu.tolist(), got.cpu().tolist()
+    for s_, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        for h in range(4):
+            poisoned[0, min(b, a + 64 * cover[s_][h]):b, h] = float("nan")
+    assert torch.isnan(poisoned).any()
+    assert torch.equal(hopper_walk_starts(q, k, g, beta, poisoned, 0.3, seg_cu, walk_chunks=got), plain)
+
+
+def test_walk_and_pass_counts_keep_every_chunk_where_a_chunk_bound_is_not_finite(cuda):
+    """A gate of +inf (or -inf) in a late chunk makes that chunk's bound infinite (or NaN) and the counts' sums NaN
+    or infinite: the walks' covers (``hopper_walk_covers``) and the transition pass's b start (``chunk_late_b``) then
+    leave out nothing in that segment, as ``segment_walk_stops`` and ``segment_b_starts`` say, and the walk and the
+    pass give the same values (NaN where NaN) as without a count."""
+    from flashgdn.cp.bounds import segment_b_starts
+    from flashgdn.kernels.hopper.backward import hopper_chunk_emits, hopper_walk_covers, hopper_walk_starts
+    from flashgdn.kernels.hopper.forward import hopper_stage1, hopper_transition_pairs
+
+    for bad in (float("inf"), -float("inf")):
+        q, k, g, beta, do, seg_cu, seg_cu_cpu, _ = _walk_stop_case(cuda)
+        g = g.clone()
+        g[0, 64 * 6 + 5, 0] = bad  # the first segment's seventh chunk, head 0
+        st1 = hopper_stage1(k, g, beta, seg_cu, cu_cpu=seg_cu_cpu, chunk_bounds=True)
+        assert not torch.isfinite(st1.chunk_bound[0, 6])
+        covers = hopper_walk_covers(st1.chunk_bound, hopper_chunk_emits(q, k, g, beta, do, 0.3, st1.bounds), seg_cu,
+                                    st1.first_slot)
+        assert covers[0, 0] == 8, (bad, covers[0])  # every chunk of the first segment, head 0
+        plain = hopper_walk_starts(q, k, g, beta, do, 0.3, seg_cu)
+        got = hopper_walk_starts(q, k, g, beta, do, 0.3, seg_cu, walk_chunks=covers)
+        torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+
+    inp, index, seg_cu, stage1, args, h0, last = _late_b_pass_case(cuda, injects=True, poison_gate=(64 * 5 + 3, 0))
+    assert not torch.isfinite(stage1.chunk_bound[0]).all()
+    h0_log_norm = torch.linalg.vector_norm(h0, dim=(-2, -1)).log()
+    starts = segment_b_starts(stage1.chunk_bound, stage1.chunk_inject, stage1.first_slot, seg_cu, h0_log_norm,
+                              index.seg_seq, index.first)
+    assert starts[0, 0] == 0  # the poisoned segment's head 0 leaves out nothing
+    plain = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound)
+    got = hopper_transition_pairs(*args, unread=(index, "forward"), h0=h0, chunk_bound=stage1.chunk_bound,
+                                  chunk_inject=stage1.chunk_inject, h0_log_norm=h0_log_norm)
+    torch.testing.assert_close(got[~last][:, 0::2], plain[~last][:, 0::2], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("opts", [

@@ -110,9 +110,10 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
     name, builder, kwargs = variant
     kernel = build(builder, kwargs)
     src = kernel.get_kernel_source()
-    if builder not in ("chunk_plan", "segment_index", "chain_index", "splice", "group_sum", "chunk_emits"):
-        # no GEMM in these (index arithmetic; the splice: float32 FMAs; the group sum: additions; the emission pass:
-        # row norms and shuffles)
+    if builder not in ("chunk_plan", "segment_index", "chain_index", "splice", "group_sum", "chunk_emits",
+                       "walk_covers"):
+        # no GEMM in these (index arithmetic; the splice: float32 FMAs; the group sum: additions; the emission pass
+        # and the walks' covers: row norms and shuffles)
         assert "wgmma" in src, f"{name}: no wgmma in the generated source (tensor cores not used)"
     res = resource_usage(kernel)
     with capsys.disabled():

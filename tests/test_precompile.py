@@ -394,8 +394,8 @@ def test_precompiled_walks_follow_walk_starts_only(precise, monkeypatch):
 
 
 def test_walk_stop_in_kernel_adds_the_emission_pass_and_the_stopped_walk(monkeypatch):
-    """FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL adds to a training step's builds the emission pass (``chunk_emits``) and the
-    walk stopped early, nothing else; off by default (an A/B)."""
+    """FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL adds to a training step's builds the emission pass (``chunk_emits``), the
+    count of the walks' chunks (``walk_covers``) and the walk stopped early, nothing else; off by default (an A/B)."""
     from flashgdn.kernels.hopper import backward
     from flashgdn.kernels.hopper.variants import training_variants
 
@@ -404,12 +404,12 @@ def test_walk_stop_in_kernel_adds_the_emission_pass_and_the_stopped_walk(monkeyp
     monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
     monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", False)
     plain = [v[0] for v in training_variants(4, 16, flags="common")]
-    assert not any(n.startswith("chunk_emits[") or n.endswith(",early_stop]") for n in plain)
+    assert not any(n.startswith(("chunk_emits[", "walk_covers[")) or n.endswith("_stop]") for n in plain)
     monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", True)
     got = [v[0] for v in training_variants(4, 16, flags="common")]
     added = [n for n in got if n not in plain]
     assert added == ["state_grad_walk[4/16,bfloat16,dht=0,staged,starts_only,early_stop]",
-                     "chunk_emits[4/16,bfloat16]"], added
+                     "chunk_emits[4/16,bfloat16]", "walk_covers[16]"], added
 
 
 @pytest.mark.parametrize("diag16, mma32, triangle, want", [

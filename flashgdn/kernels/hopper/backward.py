@@ -136,15 +136,16 @@ WALK_STARTS_ONLY = os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "1") == "1
 WALK_EARLY_STOP = os.environ.get("FLASHGDN_HOPPER_WALK_EARLY_STOP", "0") == "1"
 
 #: WALK_EARLY_STOP's stop made from per-chunk terms instead of a PyTorch pass over the tokens: ``chunk_emits.py``
-#: bounds what each chunk's outputs add to a state gradient (reading q, k and dO), and
-#: ``flashgdn.cp.bounds.segment_walk_stops`` sums those with stage 1's chunk bounds (``chunk_bounds``) over each
-#: segment's chunks, a few ops on ``[segments, chunks, Hv]`` with the longest segment's length from the host. All of it
-#: on the walks' stream, beside the chunk states pass; the walk is the same ``early_stop`` build, so D is what it was
-#: up to entries below float32's smallest normal number. Only where the longest segment has WALK_STOP_MIN_CHUNKS
+#: bounds what each chunk's outputs add to a state gradient (reading q, k and dO), and its ``walk_covers`` kernel sums
+#: those with stage 1's chunk bounds (``chunk_bounds``) over each segment's chunks, a warp an item (PyTorch
+#: counterpart ``flashgdn.cp.bounds.segment_walk_stops``; v0.36j made the count by PyTorch ops, v0.36k by that
+#: kernel). All of it on the walks' stream, beside the chunk states pass; the walk is the ``early_stop`` build, so D
+#: is what it was up to entries below float32's smallest normal number. Only where the longest segment has WALK_STOP_MIN_CHUNKS
 #: chunks or more (known from the host's offsets): the emission pass reads dO, as many bytes as the walk's own read,
-#: and a walk over a short segment has little to leave out. An A/B (notes v0.36j), off: exact (the same bits on every
-#: shape measured), but on an H100 fwd+bwd 0.984x-1.056x on eight shapes past the gate, the pass and the ops costing
-#: what the walks save ("v0.36j measured"). FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL=1 turns it on.
+#: and a walk over a short segment has little to leave out. An A/B (notes v0.36j, v0.36k), off: v0.36j was exact (the
+#: same bits on every shape measured), but on an H100 fwd+bwd 0.984x-1.056x on eight shapes past the gate, the pass
+#: and the PyTorch ops costing what the walks save ("v0.36j measured"); v0.36k (the count in the walk, the pass's
+#: loads all in flight) is not measured yet. FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL=1 turns it on.
 WALK_STOP_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL", "0") == "1"
 
 #: the shortest longest segment (chunks) at which WALK_STOP_IN_KERNEL applies; FLASHGDN_HOPPER_WALK_STOP_MIN_CHUNKS
@@ -491,7 +492,7 @@ def hopper_walk_starts(
     """The walk from a zero end gradient, its start gradients alone (the walk's ``starts_only`` build): ``[N, Hv,
     K, V]`` float32 K-major, what ``hopper_state_gradients(..., dht=None)[1]`` gives, without the per-chunk
     gradients. Inputs as ``hopper_state_gradients``'s. ``walk_chunks`` ``[N, Hv]`` int32: the chunks each item walks,
-    from its start (``flashgdn.cp.bounds.walk_stop_chunks``; the walk's ``early_stop``)."""
+    from its start (``flashgdn.cp.bounds.walk_stop_chunks`` or ``hopper_walk_covers``; the walk's ``early_stop``)."""
     from .state_grad_walk import build_state_grad_walk
 
     B, T, Hqk, K = q.shape
@@ -529,6 +530,27 @@ def hopper_chunk_emits(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
         q.contiguous(), k.contiguous(), g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous(),
         do.to(q.dtype).contiguous(), bounds, float(scale), emit)
     return emit
+
+
+def hopper_walk_covers(chunk_bound: torch.Tensor, chunk_emit: torch.Tensor, cu_seqlens: torch.Tensor,
+                       first_slot: torch.Tensor) -> torch.Tensor:
+    """``chunk_emits.py``'s ``build_walk_covers``: ``[N, Hv]`` int32, the chunks each walk from zero over the sequences
+    (segments) of ``cu_seqlens`` covers from its start, from stage 1's ``chunk_bound`` and ``hopper_chunk_emits``'s
+    ``chunk_emit`` (both ``[Hv, S]`` float32) and stage 1's ``first_slot`` (PyTorch counterpart
+    ``flashgdn.cp.bounds.segment_walk_stops``): what ``hopper_walk_starts`` takes as ``walk_chunks``."""
+    from .chunk_emits import build_walk_covers
+
+    Hv, S = chunk_bound.shape
+    N = cu_seqlens.shape[0] - 1
+    if chunk_emit.shape != (Hv, S) or chunk_bound.dtype != torch.float32 or chunk_emit.dtype != torch.float32:
+        raise ValueError(f"chunk_bound and chunk_emit must both be [Hv, S] float32, got {tuple(chunk_bound.shape)} "
+                         f"{chunk_bound.dtype} and {tuple(chunk_emit.shape)} {chunk_emit.dtype}")
+    if first_slot.shape != (N,):
+        raise ValueError(f"first_slot must be [{N}] (one per sequence of cu_seqlens), got {tuple(first_slot.shape)}")
+    covers = _output((N, Hv), torch.int32, chunk_bound.device)
+    build_walk_covers(Hv)(chunk_bound.contiguous(), chunk_emit.contiguous(), cu_seqlens.to(torch.int32),
+                          first_slot.to(torch.int32), covers)
+    return covers
 
 
 def hopper_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -685,13 +707,10 @@ class HopperBackwardStages:
         walk_chunks = None
         (qf, kf), offsets, _, st1 = stage1
         if st1.chunk_bound is not None and walk_stop_in_kernel(cu_cpu):
-            from ...cp.bounds import segment_walk_stops
-
             TT, Hv, V = qf.shape[1], g.shape[-1], do.shape[-1]
             emit = hopper_chunk_emits(qf, kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv),
                                       do.reshape(1, TT, Hv, V), scale, st1.bounds)
-            walk_chunks = segment_walk_stops(st1.chunk_bound, emit, st1.first_slot, offsets,
-                                             width=longest_chunks(cu_cpu))
+            walk_chunks = hopper_walk_covers(st1.chunk_bound, emit, offsets, st1.first_slot)
         elif WALK_EARLY_STOP and cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
             from ...cp.bounds import chunk_count, walk_stop_chunks
 

@@ -22,11 +22,15 @@ before it); an idle slot (no rows) and a zero scale give -inf. A separate pass r
 is on the path of everything after it, while this runs on the walks' stream beside the chunk states pass, and only
 where segments are long enough to gain (``backward.WALK_STOP_IN_KERNEL``).
 
-PyTorch counterpart: ``flashgdn.cp.bounds.chunk_log_emits`` (same terms; float32 sums in another order).
+``build_walk_covers`` then makes each walk's cover from these and stage 1's chunk bounds, one warp per (segment,
+value head): the count the walk's ``early_stop`` build takes.
+
+PyTorch counterparts: ``flashgdn.cp.bounds.chunk_log_emits`` (same terms; float32 sums in another order) and
+``segment_walk_stops`` (float64 there; the margin covers float32's sums here).
 """
 import functools
 
-from ...cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL
+from ...cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL, NEGLIGIBLE_LOG_NORM, SEGMENT_SUM_ABS, SEGMENT_SUM_REL
 from .common import CHUNK, TARGET, pass_configs
 
 
@@ -93,7 +97,7 @@ def build_chunk_emits(Hqk: int, Hv: int, K: int, V: int, io_dtype: str):
                 lj[1] = 0.0
             qn_s[part, row] = lj[0]
             kn_s[part, row] = lj[1]
-            for p in T.serial(group):
+            for p in T.unroll(group):  # (unrolled: every head's loads in flight at once)
                 if row < n_rows:
                     half_row_squares(do, t0 + row, hq * group + p, V, part, xr, lj, 2)
                 else:
@@ -139,3 +143,108 @@ def build_chunk_emits(Hqk: int, Hv: int, K: int, V: int, io_dtype: str):
                                 lj[3]))
 
     return tilelang.compile(chunk_emits_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
+
+
+@functools.lru_cache(maxsize=None)
+def build_walk_covers(Hv: int):
+    """The kernel ``(chunk_bound [Hv, S], chunk_emit [Hv, S] float32, cu_seqlens [N + 1] int32, first_slot [N] int32,
+    walk_chunks [N, Hv] int32 (out))``: per segment (sequence of ``cu_seqlens``) and value head the chunks its walk
+    from zero covers, from its start, as ``flashgdn.cp.bounds.segment_walk_stops`` makes them.
+
+    One warp per item. It sums the item's chunk bounds (their total, and with their magnitudes the margin
+    ``SEGMENT_SUM_REL`` x (chunks + 64) x sum |bound| + ``SEGMENT_SUM_ABS``), then goes over its chunks from the last,
+    32 a round: shuffle scans over the lanes give the bounds from each chunk c to the end (so the bounds before c) and
+    the running log-sum-exp, as (max, sum of exponentials), of ``chunk_emit[c] + the bounds before c``, which bounds
+    what the chunks from c on owe the walk's start gradient. The first chunk from the end whose bound with the margin
+    is not below ``NEGLIGIBLE_LOG_NORM`` is the last one walked (cover = its number + 1; none: 0). A NaN term fails its
+    chunk and so every earlier one; a chunk bound that is not finite makes the margin (or the terms) NaN or infinite,
+    and every chunk is walked."""
+    import tilelang
+    import tilelang.language as T
+
+    C = CHUNK
+    num_slots = T.dynamic("num_slots")
+    num_seqs = T.dynamic("num_seqs")
+    acc = "float32"
+
+    @T.prim_func
+    def walk_covers_kernel(
+        chunk_bound: T.Tensor((Hv, num_slots), "float32"),
+        chunk_emit: T.Tensor((Hv, num_slots), "float32"),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        first_slot: T.Tensor((num_seqs,), "int32"),
+        walk_chunks: T.Tensor((num_seqs, Hv), "int32"),
+    ):
+        with T.Kernel(Hv, num_seqs, threads=32) as (h, n):
+            # lj: the total, the magnitudes, the margin; carried: the suffix sum, (max, sum), the NaN flag; this
+            # lane's suffix sum, a neighbour's value, this lane's term (then max), NaN flag, sum, and a neighbour's sum
+            lj = T.alloc_local((13,), acc)
+            nb = T.alloc_local((3,), "int32")  # the cover, still counting, the round's first failure
+            lane = T.get_thread_binding()
+            fs = first_slot[n]
+            n_chunks = T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
+            lj[0] = 0.0
+            lj[1] = 0.0
+            for i in T.serial(T.ceildiv(n_chunks, 32)):
+                if lane + 32 * i < n_chunks:
+                    lj[0] = lj[0] + chunk_bound[h, fs + lane + 32 * i]
+                    lj[1] = lj[1] + T.abs(chunk_bound[h, fs + lane + 32 * i])
+            lj[0] = T.warp_reduce_sum(lj[0])
+            lj[1] = T.warp_reduce_sum(lj[1])
+            lj[2] = lj[1] * T.cast(n_chunks + 64, acc) * T.float32(SEGMENT_SUM_REL) + T.float32(SEGMENT_SUM_ABS)
+            lj[3] = 0.0
+            lj[4] = -T.infinity(acc)
+            lj[5] = 0.0
+            lj[6] = 0.0
+            nb[0] = 0
+            nb[1] = 1
+            for r in T.serial(T.ceildiv(n_chunks, 32)):
+                if nb[1] == 1:  # (the same on every lane)
+                    c = n_chunks - 1 - (32 * r + lane)  # this lane's chunk, from the last
+                    lj[7] = T.if_then_else(c >= 0, chunk_bound[h, fs + c], T.float32(0))
+                    lj[9] = T.if_then_else(c >= 0, chunk_emit[h, fs + c], -T.infinity(acc))
+                    for d in T.unroll(5):  # the bounds from chunk c to the end: an inclusive scan over the lanes
+                        lj[8] = T.shfl_up(lj[7], 1 << d)
+                        if lane >= (1 << d):
+                            lj[7] = lj[7] + lj[8]
+                    lj[7] = lj[7] + lj[3]
+                    lj[9] = lj[9] + (lj[0] - lj[7])  # J_c + the bounds before c
+                    lj[10] = T.if_then_else(T.isnan(lj[9]), T.float32(1), T.float32(0))
+                    lj[9] = T.if_then_else(lj[10] > 0, -T.infinity(acc), lj[9])
+                    lj[11] = T.if_then_else(lj[9] > -T.infinity(acc), T.float32(1), T.float32(0))
+                    for d in T.unroll(5):  # inclusive (max, sum) scan, and the NaN flag's
+                        lj[8] = T.shfl_up(lj[10], 1 << d)
+                        if lane >= (1 << d):
+                            lj[10] = T.max(lj[10], lj[8])
+                        lj[8] = T.shfl_up(lj[9], 1 << d)
+                        lj[12] = T.shfl_up(lj[11], 1 << d)
+                        if T.And(lane >= (1 << d), lj[8] > -T.infinity(acc)):
+                            lj[11] = T.if_then_else(
+                                lj[8] > lj[9], lj[12] + lj[11] * T.exp(lj[9] - lj[8]),
+                                lj[11] + lj[12] * T.exp(lj[8] - lj[9]))
+                            lj[9] = T.max(lj[9], lj[8])
+                    # with the rounds before
+                    lj[10] = T.max(lj[10], lj[6])
+                    if lj[4] > -T.infinity(acc):
+                        lj[11] = T.if_then_else(
+                            lj[4] > lj[9], lj[5] + lj[11] * T.exp(lj[9] - lj[4]),
+                            lj[11] + lj[5] * T.exp(lj[4] - lj[9]))
+                        lj[9] = T.max(lj[9], lj[4])
+                    # what the chunks from c on owe the start gradient, with the margin; a NaN fails ("not below"
+                    # spelled out: TileLang rewrites Not(a < b) to b <= a, which a NaN passes)
+                    lj[12] = T.if_then_else(lj[9] == -T.infinity(acc), lj[9], lj[9] + T.log(lj[11])) + lj[2]
+                    nb[2] = T.warp_reduce_min(T.if_then_else(
+                        T.And(c >= 0, T.Or(T.Or(lj[10] > 0, T.isnan(lj[12])),
+                                           lj[12] >= T.float32(NEGLIGIBLE_LOG_NORM))), 32 * r + lane, 1 << 30))
+                    if nb[2] < (1 << 30):
+                        nb[0] = n_chunks - nb[2]  # through the failing chunk
+                        nb[1] = 0
+                    else:  # carried to the next round: the last lane's
+                        lj[3] = T.shfl_sync(lj[7], 31)
+                        lj[4] = T.shfl_sync(lj[9], 31)
+                        lj[5] = T.shfl_sync(lj[11], 31)
+                        lj[6] = T.shfl_sync(lj[10], 31)
+            if lane == 0:
+                walk_chunks[n, h] = nb[0]
+
+    return tilelang.compile(walk_covers_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())

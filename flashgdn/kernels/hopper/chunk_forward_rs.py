@@ -536,9 +536,13 @@ def build_chunk_forward_rs(
                                             lj[6] > lj[9], lj[6] + T.log(1.0 + T.exp(lj[9] - lj[6])),
                                             lj[9] + T.log(1.0 + T.exp(lj[6] - lj[9]))))
                                     # the round's first chunk that fails (past the segment: none)
+                                    # (a NaN fails: "not below" is spelled out, as TileLang rewrites Not(a < b)
+                                    # to b <= a, which a NaN passes: a chunk bound that is not finite makes the
+                                    # margin NaN, and must leave out nothing)
+                                    lj[9] = lj[9] + lj[7]
                                     nb[2] = T.warp_reduce_min(T.if_then_else(
-                                        T.And(c < walk_m, T.Or(lj[5] > 0, T.Not(lj[9] + lj[7] < T.float32(
-                                            NEGLIGIBLE_LOG_NORM)))), c, 1 << 30))
+                                        T.And(c < walk_m, T.Or(T.Or(lj[5] > 0, T.isnan(lj[9])),
+                                                               lj[9] >= T.float32(NEGLIGIBLE_LOG_NORM))), c, 1 << 30))
                                     if nb[2] < (1 << 30):
                                         nb[0] = nb[2]
                                         nb[1] = 0

@@ -323,7 +323,8 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         if builder == "state_grad_walk" and kw.get("early_stop") and not (
                 backward.WALK_EARLY_STOP or backward.WALK_STOP_IN_KERNEL):
             continue
-        if builder == "chunk_emits" and not (backward.WALK_STOP_IN_KERNEL and backward.WALK_STARTS_ONLY):
+        if builder in ("chunk_emits", "walk_covers") and not (
+                backward.WALK_STOP_IN_KERNEL and backward.WALK_STARTS_ONLY):
             continue
         # the states pass for the fused kernel, beside the plain one for the two kernels ("auto" may take either)
         if kw.get("first_apart") and not (fused and backward.FIRST_STATES_APART):
@@ -374,9 +375,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                "state_grad_walk",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=False, staged_stores=True,
                     precise=precise, starts_only=True, early_stop=True))
-    # the emission pass from which the walks from zero take their stops (backward.WALK_STOP_IN_KERNEL, an A/B;
-    # training_variants adds it when on)
+    # the emission pass from which the walks from zero take their stops, and the count of their chunks from its and
+    # stage 1's terms (backward.WALK_STOP_IN_KERNEL, an A/B; training_variants adds them when on)
     yield (f"chunk_emits[{Hqk}/{Hv},{dtype}]", "chunk_emits", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype))
+    yield (f"walk_covers[{Hv}]", "walk_covers", dict(Hv=Hv))
     # the walk with its column factors in registers (forward.LEAN_STATE_PASSES, an A/B)
     yield (f"state_grad_walk[{Hqk}/{Hv},{dtype},dht=1,staged,lean]", "state_grad_walk",
            dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, staged_stores=True, precise=False,
@@ -551,6 +553,10 @@ def build(builder: str, kwargs: dict):
         from .chunk_emits import build_chunk_emits
 
         return build_chunk_emits(**kwargs)
+    if builder == "walk_covers":
+        from .chunk_emits import build_walk_covers
+
+        return build_walk_covers(**kwargs)
     if builder == "group_sum":
         from .group_sum import build_group_sum
 
