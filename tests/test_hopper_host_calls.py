@@ -95,11 +95,12 @@ def _chunks(seqlens):
 @pytest.fixture
 def checked_kernels(monkeypatch):
     """Every kernel builder the host code uses, returning SignatureCheck stand-ins; yields the call log."""
-    from flashgdn.kernels.hopper import (chunk_forward_rs, chunk_forward_rso, chunk_grad, fused_backward, group_sum,
-                                         kkt_inverse, segment_index, splice, state_grad_walk)
+    from flashgdn.kernels.hopper import (chunk_emits, chunk_forward_rs, chunk_forward_rso, chunk_grad, fused_backward,
+                                         group_sum, kkt_inverse, segment_index, splice, state_grad_walk)
 
     calls = []
-    for module, attr in ((kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
+    for module, attr in ((chunk_emits, "build_chunk_emits"), (chunk_emits, "build_walk_covers"),
+                         (kkt_inverse, "build_kkt_inverse"), (chunk_forward_rs, "build_chunk_forward_rs"),
                          (chunk_forward_rso, "build_chunk_forward_rso"), (state_grad_walk, "build_state_grad_walk"),
                          (chunk_grad, "build_chunk_grad"), (fused_backward, "build_fused_backward"),
                          (splice, "build_splice"), (segment_index, "build_segment_index"),
@@ -525,6 +526,61 @@ def test_walks_from_zero_stop_where_the_bound_says(checked_kernels, monkeypatch)
     want = walk_stop_chunks(qf, kf, g, beta, dof, 0.1, seg_cu, chunks)
     assert torch.equal(walk_chunks, want)
     assert (want < torch.tensor([-(-int(n) // 64) for n in (plan.seg_cu[1:] - plan.seg_cu[:-1])])[:, None]).any()
+
+
+def test_walks_from_zero_stop_where_the_emission_pass_says(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL (beside WALK_STARTS_ONLY and the kernels' chunk bounds; its gate at 0): on
+    the walks' path the emission pass, then the covers, then the walk's ``early_stop`` build, each called as its
+    signature asks (the covers' output the walk's last argument); the PyTorch bound (WALK_EARLY_STOP) is not made.
+    With the gate above the segments' length, none of the three."""
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backend, backward, state_grad_walk
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
+    monkeypatch.setattr(backward, "WALK_EARLY_STOP", False)
+    monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", True)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    from flashgdn.cp import bounds
+
+    def not_made(*args, **kwargs):
+        raise AssertionError("the PyTorch bound over dO (WALK_EARLY_STOP's) is made")
+
+    monkeypatch.setattr(bounds, "walk_stop_chunks", not_made)
+    monkeypatch.setattr(bounds, "segment_walk_stops", not_made)
+    walks = []
+    checked = state_grad_walk.build_state_grad_walk
+
+    def recording(*args, **kwargs):
+        kernel = checked(*args, **kwargs)
+
+        def call(*cargs):
+            walks.append((kwargs, cargs))
+            return kernel(*cargs)
+        return call
+
+    monkeypatch.setattr(state_grad_walk, "build_state_grad_walk", recording)
+    seqlens = [700, 30, 300]
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, gate="strong")
+    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    plan = split_sequences(seqlens, 4)
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    for min_chunks, on in ((0, True), (5, False)):
+        walks.clear()
+        del checked_kernels[:]
+        monkeypatch.setattr(backward, "WALK_STOP_MIN_CHUNKS", min_chunks)
+        hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone())
+        names = [name for name, _ in checked_kernels]
+        ((kwargs, args),) = walks
+        assert kwargs["starts_only"] and kwargs.get("early_stop", False) is on
+        if not on:
+            assert "chunk_emits" not in names and "walk_covers" not in names
+            continue
+        assert names.index("chunk_emits") < names.index("walk_covers") < names.index("state_grad_walk")
+        covers = [sizes for name, sizes in checked_kernels if name == "walk_covers"][0]
+        assert covers["num_seqs"] == plan.num_segments
+        assert args[-1].shape == (plan.num_segments, 8) and args[-1].dtype == torch.int32
 
 
 @pytest.mark.parametrize("precise", [False, True])
