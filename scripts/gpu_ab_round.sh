@@ -188,6 +188,8 @@ set -uo pipefail
 # walk-covers (v0.36k: the walks' covers by a kernel, the pass's loads unrolled; the counts' NaN-safe comparison):
 #   the CP GPU test file with the defaults (gpu-walk-covers.log: the transition pass's count changed), then
 #   WALK_STOP_IN_KERNEL both ways as in walk-stop-kernel (walk-covers-ab.json).
+# walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 13 shapes whose backward it splits
+#   (walks-beside-ab.json; tests/test_cp.py's WALKS_BESIDE_STATES_MOVES).
 # late-b-in-kernel (v0.36f, backend.CP_LATE_B_IN_KERNEL): its GPU tests (gpu-late-b-in-kernel.log), the cp set's
 #   forward both ways (late-b-in-kernel-cp.json: the same bits, no --max-diff), fwd+bwd both ways at 2/8, 4/16 and
 #   8/16 (late-b-in-kernel-cp-fwdbwd.json).
@@ -203,7 +205,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -734,6 +736,14 @@ elif [ "$part" = walk-covers ]; then
     --shape 4/8:131072 --shape 8/16:122880+8192 --shape 4/16:65536x2 --shape 2/8:32768 --shape 4/16:8192 \
     --modes fwdbwd --rounds 2 --out "$out/walk-covers-ab.json"
   grep "geometric\|same bits\|on/off" "$out/walk-covers-ab.log"
+elif [ "$part" = walks-beside ]; then
+  logged walks-beside-ab 420 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.backend:CP_WALKS_BESIDE_STATES --shape 2/8:2048x4 --shape 8/32:2048 \
+    --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:1047+7059+11918+12744 --shape 16/32:2048 \
+    --shape 16/48:2048+6144 --shape 16/48:6144+2048 --shape 16/64:2048+6144 --shape 16/64:6144+2048 \
+    --shape 16/64:8192+24576 --shape 16/64:12288+4096 --shape 16/64:24576+8192 --shape 32/32:2048 \
+    --modes fwdbwd --rounds 2 --max-diff 8e-3 --out "$out/walks-beside-ab.json"
+  grep "geometric\|same bits\|on/off" "$out/walks-beside-ab.log"
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
   logged late-b-in-kernel-cp 240 python3 benchmarks/switch_ab.py \

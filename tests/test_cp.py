@@ -1222,3 +1222,43 @@ def test_select_segments_takes_rows_the_host_knows_without_a_gather(rows, path, 
     asked.clear()
     monkeypatch.setattr(exact, "HOST_ROWS", False)
     assert torch.equal(select_segments(x, torch.tensor(rows, dtype=torch.int64), device_rows), got) and asked
+
+
+WALKS_BESIDE_STATES_MOVES = [
+    (2, 8, (2048, 2048, 2048, 2048), 16), (8, 32, (2048,), 16),
+    (16, 32, (949, 465, 545, 137, 799, 3437, 468, 1392), 32), (16, 32, (1047, 7059, 11918, 12744), 128),
+    (16, 32, (2048,), 16), (16, 48, (2048, 6144), 64), (16, 48, (6144, 2048), 64), (16, 64, (2048, 6144), 64),
+    (16, 64, (6144, 2048), 64), (16, 64, (8192, 24576), 256), (16, 64, (12288, 4096), 128),
+    (16, 64, (24576, 8192), 256), (32, 32, (2048,), 16)]
+
+
+def test_walks_beside_states_moves_the_backwards_it_names(monkeypatch):
+    """``CostModel.walks_beside_states`` (the Hopper backend's ``CP_WALKS_BESIDE_STATES``, with the CP backward's
+    OVERLAP): the backward's plan costs the walks from zero and the chunk states pass as the longer of the two. On the
+    cp, canonical and bwd sets it moves the backward of exactly the shapes round ``walks-beside`` measures, each from no
+    split to the length named, and no forward; off by default."""
+    import dataclasses
+
+    from flashgdn.bench.shapes import bwd_set, canonical_set, cp_set
+    from flashgdn.cp import backward as cp_backward
+    from flashgdn.cp.plan import plan_backward
+    from flashgdn.kernels.hopper import backend
+
+    assert backend.CP_WALKS_BESIDE_STATES is (os.environ.get("FLASHGDN_HOPPER_CP_WALKS_BESIDE_STATES", "0") == "1")
+    monkeypatch.setattr(backend, "CP_WALKS_BESIDE_STATES", False)
+    plain = backend.cp_cost_model()
+    assert not plain.walks_beside_states
+    monkeypatch.setattr(backend, "CP_WALKS_BESIDE_STATES", True)
+    assert backend.cp_cost_model().walks_beside_states is cp_backward.OVERLAP
+    beside = dataclasses.replace(plain, walks_beside_states=True)
+    moved = set()
+    for shape in canonical_set() + cp_set() + bwd_set():
+        args = (list(shape.seqlens), shape.h_v, "auto")
+        forward = plan_segments(*args, plain, qk_heads=shape.h_qk)
+        assert plan_segments(*args, beside, qk_heads=shape.h_qk).segment_chunks == forward.segment_chunks
+        a = plan_backward(*args, plain, forward_chunks=forward.segment_chunks)
+        b = plan_backward(*args, beside, forward_chunks=forward.segment_chunks)
+        if (a.plan and a.plan.segment_chunks) != (b.plan and b.plan.segment_chunks):
+            assert a.plan is None and b.plan is not None, shape
+            moved.add((shape.h_qk, shape.h_v, tuple(shape.seqlens), b.plan.segment_chunks))
+    assert sorted(moved) == WALKS_BESIDE_STATES_MOVES, sorted(moved)

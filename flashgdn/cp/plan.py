@@ -234,6 +234,10 @@ class CostModel:
     # shorter (~70% of the stores' share there: the walk's store sits at a chunk's start, before the wait for its
     # inputs) and its busy chunk 0.8 us (its 32 KB a chunk and value head of HBM writes gone)
     walk_starts_only: bool = False
+    # the walks from zero and the chunk states pass side by side on two streams (``flashgdn.cp.backward.OVERLAP``),
+    # taken as the longer of the two instead of their sum (an A/B, the Hopper backend's CP_WALKS_BESIDE_STATES: what
+    # each costs the other is not modelled; notes v0.36l)
+    walks_beside_states: bool = False
     walk_starts_chunk_us: float = 2.6
     walk_starts_busy_chunk_us: float = 2.7
     # a forward with no backward after it takes the shortest segment length whose estimate is within this factor of
@@ -250,13 +254,16 @@ class CostModel:
     def for_device(device: Optional[torch.device] = None, paired: bool = False, fused: bool = False,
                    skip_unread: bool = False, reuse_transitions: bool = False,
                    fused_longest_first: bool = False, walk_starts_only: bool = False,
-                   shorter_within: float = 1.0, shorter_within_wide: float = 1.0) -> "CostModel":
+                   shorter_within: float = 1.0, shorter_within_wide: float = 1.0,
+                   walks_beside_states: bool = False) -> "CostModel":
         """The model for a CUDA device (its SM count; stage times measured on the H200), or the default;
-        ``paired``/``fused``/``skip_unread``/``reuse_transitions``/``fused_longest_first``/``walk_starts_only``:
-        which of CP's kernels the backend runs, and how the fused backward orders its CTAs."""
+        ``paired``/``fused``/``skip_unread``/``reuse_transitions``/``fused_longest_first``/``walk_starts_only``/
+        ``walks_beside_states``: which of CP's kernels the backend runs, how the fused backward orders its CTAs and
+        whether the backward's walks from zero run beside the chunk states pass."""
         flags = dict(paired=paired, fused=fused, skip_unread=skip_unread, reuse_transitions=reuse_transitions,
                      fused_longest_first=fused_longest_first, walk_starts_only=walk_starts_only,
-                     shorter_within=shorter_within, shorter_within_wide=shorter_within_wide)
+                     shorter_within=shorter_within, shorter_within_wide=shorter_within_wide,
+                     walks_beside_states=walks_beside_states)
         if device is not None and device.type == "cuda" and torch.cuda.is_available():
             return CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count, **flags)
         return CostModel(**flags)
@@ -609,8 +616,8 @@ def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Op
     segs = segment_chunk_counts(chunks, segment_chunks)
     fused, two = model.backward_gradients_us(segs, heads)
     use_fused = fused_allowed and fused < two
-    us = (fused if use_fused else two) + model.makespan_us(segs, heads, model.states_item_us, model.states_chunk_us,
-                                                            model.states_busy_chunk_us)
+    states = model.makespan_us(segs, heads, model.states_item_us, model.states_chunk_us, model.states_busy_chunk_us)
+    us = (fused if use_fused else two) + states
     if len(segs) == len(chunks):
         return us, use_fused
     pieces = [-(-c // segment_chunks) for c in chunks]
@@ -634,6 +641,8 @@ def _backward_estimated_us(chunks: Sequence[int], heads: int, segment_chunks: Op
                + steps * (model.reverse_splice_step_fixed_us + heads * model.reverse_splice_step_head_us))
     walk_from_zero = model.makespan_us(segs, heads, model.walk_item_us, model.walk_from_zero_chunk_us,
                                        model.walk_from_zero_busy_chunk_us)
+    if model.walks_beside_states:  # only the longer of the two passes on the critical path
+        walk_from_zero = max(0.0, walk_from_zero - states)
     return us + transitions + splices + walk_from_zero + model.backward_cp_driver_us, use_fused
 
 

@@ -244,6 +244,14 @@ CP_LATE_B_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_IN_KERNEL", "1")
 CP_LATE_B_MIN_CHUNKS = int(os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_MIN_CHUNKS", "128"))
 
 
+#: the backward's plan (``flashgdn.cp.plan_backward``) costs the walks from zero and the chunk states pass, which
+#: ``flashgdn.cp.backward`` runs side by side on two streams (its OVERLAP), as the longer of the two instead of their
+#: sum (``CostModel.walks_beside_states``). It moves the backward of 13 of the cp, bwd and canonical sets' shapes, none
+#: in the cp set, each from no split to a split (single 2048-token sequences at 8/32-32/32, uneven mixes at 16/32-16/64;
+#: ``tests/test_cp.py`` pins them). An A/B (notes v0.36l), off: FLASHGDN_HOPPER_CP_WALKS_BESIDE_STATES=1 turns it on.
+CP_WALKS_BESIDE_STATES = os.environ.get("FLASHGDN_HOPPER_CP_WALKS_BESIDE_STATES", "0") == "1"
+
+
 def _late_b_in_kernel(seg_cu_cpu) -> bool:
     """Whether the forward's transition pass on segments ``seg_cu_cpu`` (the host's offsets, or None) starts b late
     from stage 1's terms: CP_LATE_B_IN_KERNEL, and the longest segment CP_LATE_B_MIN_CHUNKS chunks or more (known
@@ -305,8 +313,11 @@ def cp_cost_model(device: Optional[torch.device] = None):
 
     from . import backward
 
+    from ...cp.backward import OVERLAP
+
     paired = CP_PAIRED and not PRECISE
     return CostModel.for_device(device, paired=paired, fused=CP_FUSED, skip_unread=paired and CP_SKIP_UNREAD,
+                                walks_beside_states=CP_WALKS_BESIDE_STATES and OVERLAP,
                                 reuse_transitions=CP_REUSE_STARTS and CP_REUSE_TRANSITIONS,
                                 fused_longest_first=backward.fused_longest_first(),
                                 walk_starts_only=backward.WALK_STARTS_ONLY,
