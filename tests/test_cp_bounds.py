@@ -362,22 +362,6 @@ def test_chunkwise_early_stop_drops_only_what_is_below_float32s_range(g_scale):
         assert (cover[:, :2] < torch.tensor(chunks)[:, None]).all(), cover
 
 
-def test_walk_stops_with_the_hosts_width_are_the_same():
-    """``segment_walk_stops`` with ``width`` given (the longest segment's chunks from the host's offsets, as the Hopper
-    backward passes it, so that nothing is read back) or any larger width: the same covers as with the width it
-    reads itself."""
-    from flashgdn.cp.bounds import chunk_log_bounds, chunk_log_emits, segment_walk_stops
-    from flashgdn.kernels.hopper.backward import longest_chunks
-
-    q, k, g, beta, do, seg_cu, chunks = _walk_case(0.6)
-    slots, first_slot = _slots_of(seg_cu)
-    bound, emit = chunk_log_bounds(k, g, beta, slots), chunk_log_emits(q, k, g, beta, do, 0.3, slots)
-    want = segment_walk_stops(bound, emit, first_slot, seg_cu)
-    assert longest_chunks(seg_cu) == max(chunks)
-    for width in (max(chunks), max(chunks) + 3):
-        assert torch.equal(segment_walk_stops(bound, emit, first_slot, seg_cu, width=width), want), width
-
-
 def test_walk_stop_in_kernel_is_gated_by_the_longest_segment(monkeypatch):
     """``backward.walk_stop_in_kernel``: off without WALK_STOP_IN_KERNEL or the host's offsets; with it, on where the
     longest segment has WALK_STOP_MIN_CHUNKS chunks or more (a partial last chunk counts), on every split plan at 0."""
@@ -393,6 +377,7 @@ def test_walk_stop_in_kernel_is_gated_by_the_longest_segment(monkeypatch):
     assert not backward.walk_stop_in_kernel(torch.tensor([0, 127 * 64, 254 * 64]))
     monkeypatch.setattr(backward, "WALK_STOP_MIN_CHUNKS", 0)
     assert backward.walk_stop_in_kernel(torch.tensor([0, 64])) and not backward.walk_stop_in_kernel(torch.tensor([0]))
+    assert backward.longest_chunks(torch.tensor([0, 3000, 3001, 3001 + 64 * 47])) == 47
 
 
 def test_chunkwise_early_stop_covers_little_of_a_long_segment_under_the_benchmarks_gates():

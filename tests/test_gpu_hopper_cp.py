@@ -129,6 +129,24 @@ def _replayed(fn):
     return graph, outputs
 
 
+def _assert_training_step_is_sync_free_and_replays(opts, cuda):
+    """A training step (``_training_step``, cp=4), after a first call that loads the kernels, reads nothing back from
+    the GPU (sync debug mode "error") and gives the first call's bits, and a CUDA graph of it replays to them."""
+    names, step = _training_step(opts, cuda)
+    want = step(4)  # compiles and loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, x, w in zip(["o", "final state"] + names, got, want):
+        assert torch.equal(x, w), ("eager", name)
+    graph, captured = _replayed(lambda: step(4))
+    for name, x, w in zip(["o", "final state"] + names, captured, want):
+        assert torch.equal(x, w), ("graph", name)
+
+
 def _training_step(opts, cuda):
     """A training step on one set of inputs (2/4 heads, ``opts`` as ``make_inputs``'s, the host copy of the
     offsets given): ``(names, step)``, ``step(cp)`` running the op with that ``cp`` and its backward from fixed
@@ -861,19 +879,7 @@ def test_cp_on_float32s_range_reads_nothing_back_and_replays_in_a_cuda_graph(opt
         monkeypatch.setattr(backend if module == "backend" else backward, name, True)
     test_hopper_cp_is_sync_free_and_replays_in_a_cuda_graph(opts, cuda)
 
-    names, step = _training_step(opts, cuda)
-    want = step(4)  # compiles and loads the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = step(4)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for name, x, w in zip(["o", "final state"] + names, got, want):
-        assert torch.equal(x, w), ("eager", name)
-    graph, captured = _replayed(lambda: step(4))
-    for name, x, w in zip(["o", "final state"] + names, captured, want):
-        assert torch.equal(x, w), ("graph", name)
+    _assert_training_step_is_sync_free_and_replays(opts, cuda)
 
 
 @pytest.mark.parametrize("store_inverse", [False, True])
@@ -1090,24 +1096,12 @@ def test_walks_stopped_by_the_emission_pass_give_the_same_bits(opts, cuda, monke
 
 @pytest.mark.parametrize("opts", [dict(seqlens=[5000, 64, 3000, 1], gate="strong", zero_gate_heads=(1,))])
 def test_walks_stopped_by_the_emission_pass_read_nothing_back_and_replay_in_a_cuda_graph(opts, cuda, monkeypatch):
-    """With ``backward.WALK_STOP_IN_KERNEL`` (the width of its sums from the host's offsets) a training step (cp=4)
-    reads nothing back from the GPU, and a CUDA graph of it replays to its eager bits."""
+    """With ``backward.WALK_STOP_IN_KERNEL`` (the gate from the host's offsets, the covers by a kernel) a training step
+    (cp=4) reads nothing back from the GPU, and a CUDA graph of it replays to its eager bits."""
     from flashgdn.kernels.hopper import backend, backward
 
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
     monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
     monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", True)
     monkeypatch.setattr(backward, "WALK_STOP_MIN_CHUNKS", 0)
-    names, step = _training_step(opts, cuda)
-    want = step(4)  # compiles and loads the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = step(4)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for name, x, w in zip(["o", "final state"] + names, got, want):
-        assert torch.equal(x, w), ("eager", name)
-    graph, captured = _replayed(lambda: step(4))
-    for name, x, w in zip(["o", "final state"] + names, captured, want):
-        assert torch.equal(x, w), ("graph", name)
+    _assert_training_step_is_sync_free_and_replays(opts, cuda)

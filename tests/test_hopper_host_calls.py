@@ -488,18 +488,14 @@ def test_backward_with_context_parallelism_calls_match_the_kernels(with_h0, fuse
     assert grads[0].shape == q.shape and (grads[5] is None) == (h0 is None)
 
 
-def test_walks_from_zero_stop_where_the_bound_says(checked_kernels, monkeypatch):
-    """FLASHGDN_HOPPER_WALK_EARLY_STOP (beside WALK_STARTS_ONLY): CP's walk from zero is the starts-only build with
-    ``early_stop``, whose last argument (checked against its signature) is ``flashgdn.cp.bounds.walk_stop_chunks`` of
-    the segments, the inputs the walk reads and the chunk count the host's offsets give."""
+def _walk_calls(monkeypatch):
+    """The walk's builder (the fixture's signature-checking one) wrapped to record each call's build options and
+    arguments, and a CP backward of 2/8 heads on 700, 30 and 300 tokens of strong gates cut into 4-chunk segments:
+    ``(calls, run, inputs, plan)``, ``run()`` running that backward."""
     from flashgdn.cp import split_sequences
-    from flashgdn.cp.bounds import walk_stop_chunks
-    from flashgdn.kernels.hopper import backward, state_grad_walk
+    from flashgdn.kernels.hopper import state_grad_walk
     from flashgdn.kernels.hopper.backward import hopper_backward
 
-    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
-    monkeypatch.setattr(backward, "WALK_EARLY_STOP", True)
-    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     calls = []
     checked = state_grad_walk.build_state_grad_walk
 
@@ -517,7 +513,26 @@ def test_walks_from_zero_stop_where_the_bound_says(checked_kernels, monkeypatch)
     q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
     plan = split_sequences(seqlens, 4)
     do = torch.randn(v.shape).to(torch.bfloat16)
-    hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone())
+
+    def run():
+        hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone())
+
+    return calls, run, inp, plan
+
+
+def test_walks_from_zero_stop_where_the_bound_says(checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_WALK_EARLY_STOP (beside WALK_STARTS_ONLY): CP's walk from zero is the starts-only build with
+    ``early_stop``, whose last argument (checked against its signature) is ``flashgdn.cp.bounds.walk_stop_chunks`` of
+    the segments, the inputs the walk reads and the chunk count the host's offsets give."""
+    from flashgdn.cp.bounds import walk_stop_chunks
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
+    monkeypatch.setattr(backward, "WALK_EARLY_STOP", True)
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    calls, run, inp, plan = _walk_calls(monkeypatch)
+    g, beta = inp["g"], inp["beta"]
+    run()
     ((kwargs, args),) = calls
     assert kwargs["starts_only"] and kwargs["early_stop"]
     qf, kf, dof, seg_cu, walk_chunks = args[0], args[1], args[2], args[5], args[-1]
@@ -533,44 +548,26 @@ def test_walks_from_zero_stop_where_the_emission_pass_says(checked_kernels, monk
     the walks' path the emission pass, then the covers, then the walk's ``early_stop`` build, each called as its
     signature asks (the covers' output the walk's last argument); the PyTorch bound (WALK_EARLY_STOP) is not made.
     With the gate above the segments' length, none of the three."""
-    from flashgdn.cp import split_sequences
-    from flashgdn.kernels.hopper import backend, backward, state_grad_walk
-    from flashgdn.kernels.hopper.backward import hopper_backward
+    from flashgdn.cp import bounds
+    from flashgdn.kernels.hopper import backend, backward
 
     monkeypatch.setattr(backend, "CP_NEGLIGIBLE_M_IN_KERNEL", True)
     monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
     monkeypatch.setattr(backward, "WALK_EARLY_STOP", False)
     monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", True)
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
-    from flashgdn.cp import bounds
 
     def not_made(*args, **kwargs):
         raise AssertionError("the PyTorch bound over dO (WALK_EARLY_STOP's) is made")
 
     monkeypatch.setattr(bounds, "walk_stop_chunks", not_made)
     monkeypatch.setattr(bounds, "segment_walk_stops", not_made)
-    walks = []
-    checked = state_grad_walk.build_state_grad_walk
-
-    def recording(*args, **kwargs):
-        kernel = checked(*args, **kwargs)
-
-        def call(*cargs):
-            walks.append((kwargs, cargs))
-            return kernel(*cargs)
-        return call
-
-    monkeypatch.setattr(state_grad_walk, "build_state_grad_walk", recording)
-    seqlens = [700, 30, 300]
-    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens, gate="strong")
-    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
-    plan = split_sequences(seqlens, 4)
-    do = torch.randn(v.shape).to(torch.bfloat16)
+    walks, run, _, plan = _walk_calls(monkeypatch)
     for min_chunks, on in ((0, True), (5, False)):
         walks.clear()
         del checked_kernels[:]
         monkeypatch.setattr(backward, "WALK_STOP_MIN_CHUNKS", min_chunks)
-        hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone())
+        run()
         names = [name for name, _ in checked_kernels]
         ((kwargs, args),) = walks
         assert kwargs["starts_only"] and kwargs.get("early_stop", False) is on

@@ -246,25 +246,23 @@ def chunk_log_injects(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
 
 
 def _segment_chunk_terms(chunk_bound: torch.Tensor, chunk_term: torch.Tensor, first_slot: torch.Tensor,
-                         seg_cu: torch.Tensor, width: Optional[int] = None):
+                         seg_cu: torch.Tensor):
     """The per-chunk terms of every segment side by side, in float64, for the per-chunk b start and walk stop:
     ``(chunks [S], c [width], real [S, width], L [S, width, Hv], J [S, width, Hv], margin [S, 1, Hv])``, with L the
     segment's chunk bounds (0 past its chunks), J its chunks of ``chunk_term`` (-inf past them) and margin the segment
     sum's rounding (``SEGMENT_SUM_REL`` x (chunks + 64) of the sum of the bounds' magnitudes, and ``SEGMENT_SUM_ABS``).
-    Reads the longest segment's chunk count on the host, unless given as ``width`` (then no device value is read: a
-    width above it only adds chunks past every segment's end)."""
+    Reads the longest segment's chunk count on the host."""
     cb = chunk_bound.to(torch.float64)
     ct = chunk_term.to(torch.float64)
     seg_cu = seg_cu.to(torch.int64)
     chunks = torch.div(seg_cu[1:] - seg_cu[:-1] + 63, 64, rounding_mode="floor")
     S = chunks.shape[0]
-    if width is None:
-        width = int(chunks.max()) if S else 0
+    width = int(chunks.max()) if S else 0
     c = torch.arange(width, device=cb.device)
     real = c[None, :] < chunks[:, None]  # [S, width]
     slot = (first_slot.to(torch.int64)[:, None] + c[None, :]).clamp(max=max(cb.shape[1] - 1, 0))
-    # (gathers by index_select and python scalars in the selects: a host tensor there would be copied to the device,
-    # which waits for it on the Hopper backward's path)
+    # (gathers by index_select and python scalars in the selects: a host tensor there would be copied to the device
+    # and waited for)
     def gathered(x):
         return x.index_select(1, slot.reshape(-1)).reshape(x.shape[0], S, width).permute(1, 2, 0)
 
@@ -336,7 +334,7 @@ def chunk_log_emits(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
 
 
 def segment_walk_stops(chunk_bound: torch.Tensor, chunk_emit: torch.Tensor, first_slot: torch.Tensor,
-                       seg_cu: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
+                       seg_cu: torch.Tensor) -> torch.Tensor:
     """What a walk from zero that makes its stop from stage 1's per-chunk terms would cover, in PyTorch (float64):
     ``[S, Hv]`` int32, for every segment (its first chunk slot ``first_slot``, its tokens from ``seg_cu``) and value
     head, the fewest chunks c from the segment's start such that
@@ -347,9 +345,8 @@ def segment_walk_stops(chunk_bound: torch.Tensor, chunk_emit: torch.Tensor, firs
     ``SEGMENT_SUM_ABS``, is below ``NEGLIGIBLE_LOG_NORM``, and at every later boundary too: what ``walk_stop_chunks``
     bounds token by token, here over the segment's own chunks only. A NaN term fails its boundary and every earlier
     one; a chunk bound that is not finite keeps every chunk of its segment. Reads the longest segment's chunk count
-    on the host, unless given as ``width`` (``backward.longest_chunks`` of the host's offsets): then no device value
-    is read, as on the Hopper backward's path (``backward.WALK_STOP_IN_KERNEL``)."""
-    chunks, c, real, L, J, margin = _segment_chunk_terms(chunk_bound, chunk_emit, first_slot, seg_cu, width)
+    on the host (a reference, not the call path: the Hopper backward's covers are ``chunk_emits.build_walk_covers``)."""
+    chunks, c, real, L, J, margin = _segment_chunk_terms(chunk_bound, chunk_emit, first_slot, seg_cu)
     before = L.cumsum(1) - L  # the chunk bounds before each chunk
     # E' at the boundary before each chunk: a suffix log-sum-exp (a NaN term makes every earlier boundary NaN)
     log_e = torch.logcumsumexp((J + before).flip(1), 1).flip(1)

@@ -699,24 +699,23 @@ class HopperBackwardStages:
 
     def walk_starts(self, q, k, g, beta, do, scale, cu, cu_cpu):
         """The walk from a zero end gradient, its start gradients alone (context parallelism's D): the walk's
-        ``starts_only`` build with WALK_STARTS_ONLY (and each walk stopped by ``walk_stop_chunks`` with
-        WALK_EARLY_STOP, given the host's offsets), else ``state_gradients``' second output."""
+        ``starts_only`` build with WALK_STARTS_ONLY (each walk stopped, given the host's offsets, by the emission
+        pass's covers with WALK_STOP_IN_KERNEL past its gate, else by ``walk_stop_chunks`` with WALK_EARLY_STOP),
+        else ``state_gradients``' second output."""
         if not WALK_STARTS_ONLY:
             return self.state_gradients(q, k, g, beta, do, None, scale, cu, cu_cpu)[1]
         stage1 = self._stage1_for(q, k, g, beta, cu, cu_cpu)
         walk_chunks = None
         (qf, kf), offsets, _, st1 = stage1
+        TT, Hv = qf.shape[1], g.shape[-1]
+        gf, betaf, dof = g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv), do.reshape(1, TT, Hv, do.shape[-1])
         if st1.chunk_bound is not None and walk_stop_in_kernel(cu_cpu):
-            TT, Hv, V = qf.shape[1], g.shape[-1], do.shape[-1]
-            emit = hopper_chunk_emits(qf, kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv),
-                                      do.reshape(1, TT, Hv, V), scale, st1.bounds)
+            emit = hopper_chunk_emits(qf, kf, gf, betaf, dof, scale, st1.bounds)
             walk_chunks = hopper_walk_covers(st1.chunk_bound, emit, offsets, st1.first_slot)
         elif WALK_EARLY_STOP and cu_cpu is not None:  # (the chunks' count from the host's offsets: no read back)
             from ...cp.bounds import chunk_count, walk_stop_chunks
 
-            TT, Hv = qf.shape[1], g.shape[-1]
-            walk_chunks = walk_stop_chunks(qf, kf, g.reshape(1, TT, Hv), beta.reshape(1, TT, Hv),
-                                           do.reshape(1, TT, Hv, do.shape[-1]), scale, offsets, chunk_count(cu_cpu))
+            walk_chunks = walk_stop_chunks(qf, kf, gf, betaf, dof, scale, offsets, chunk_count(cu_cpu))
         return hopper_walk_starts(q, k, g, beta, do, scale, cu, _stage1=stage1, precise=self.precise,
                                   walk_chunks=walk_chunks)
 

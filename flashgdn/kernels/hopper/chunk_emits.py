@@ -32,6 +32,7 @@ import functools
 
 from ...cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL, NEGLIGIBLE_LOG_NORM, SEGMENT_SUM_ABS, SEGMENT_SUM_REL
 from .common import CHUNK, TARGET, pass_configs
+from .warp_bounds import warp_lse_macros
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,6 +48,7 @@ def build_chunk_emits(Hqk: int, Hv: int, K: int, V: int, io_dtype: str):
 
     C = CHUNK
     group = Hv // Hqk
+    pair_logsumexp, _, _ = warp_lse_macros()
     num_tokens = T.dynamic("num_tokens")
     num_slots = T.dynamic("num_slots")
     acc = "float32"
@@ -127,12 +129,7 @@ def build_chunk_emits(Hqk: int, Hv: int, K: int, V: int, io_dtype: str):
                     lane = tx % 32
                     lj[0] = em_s[p, lane] + lc_s[p, lane]
                     lj[1] = em_s[p, lane + 32] + lc_s[p, lane + 32]
-                    lj[2] = T.warp_reduce_max(T.if_then_else(T.Or(T.isnan(lj[0]), T.isnan(lj[1])), T.float32(1),
-                                                             T.float32(0)))
-                    lj[3] = T.warp_reduce_max(T.max(lj[0], lj[1]))
-                    lj[4] = T.warp_reduce_sum(
-                        T.if_then_else(lj[0] > -T.infinity(acc), T.exp(lj[0] - lj[3]), T.float32(0))
-                        + T.if_then_else(lj[1] > -T.infinity(acc), T.exp(lj[1] - lj[3]), T.float32(0)))
+                    pair_logsumexp(lj, 0, 1, 2, 3, 4)
                     lj[6] = T.warp_reduce_sum(mg_s[p, lane] + mg_s[p, lane + 32])
                     if lane == 0:
                         # rounded up as the chunk's bound is
@@ -163,6 +160,7 @@ def build_walk_covers(Hv: int):
     import tilelang.language as T
 
     C = CHUNK
+    _, lse_scan, lse_merge = warp_lse_macros()
     num_slots = T.dynamic("num_slots")
     num_seqs = T.dynamic("num_seqs")
     acc = "float32"
@@ -212,24 +210,10 @@ def build_walk_covers(Hv: int):
                     lj[10] = T.if_then_else(T.isnan(lj[9]), T.float32(1), T.float32(0))
                     lj[9] = T.if_then_else(lj[10] > 0, -T.infinity(acc), lj[9])
                     lj[11] = T.if_then_else(lj[9] > -T.infinity(acc), T.float32(1), T.float32(0))
-                    for d in T.unroll(5):  # inclusive (max, sum) scan, and the NaN flag's
-                        lj[8] = T.shfl_up(lj[10], 1 << d)
-                        if lane >= (1 << d):
-                            lj[10] = T.max(lj[10], lj[8])
-                        lj[8] = T.shfl_up(lj[9], 1 << d)
-                        lj[12] = T.shfl_up(lj[11], 1 << d)
-                        if T.And(lane >= (1 << d), lj[8] > -T.infinity(acc)):
-                            lj[11] = T.if_then_else(
-                                lj[8] > lj[9], lj[12] + lj[11] * T.exp(lj[9] - lj[8]),
-                                lj[11] + lj[12] * T.exp(lj[8] - lj[9]))
-                            lj[9] = T.max(lj[9], lj[8])
+                    lse_scan(lj, lane, 10, 9, 11, 8, 12)  # inclusive (max, sum) scan, and the NaN flag's
                     # with the rounds before
                     lj[10] = T.max(lj[10], lj[6])
-                    if lj[4] > -T.infinity(acc):
-                        lj[11] = T.if_then_else(
-                            lj[4] > lj[9], lj[5] + lj[11] * T.exp(lj[9] - lj[4]),
-                            lj[11] + lj[5] * T.exp(lj[4] - lj[9]))
-                        lj[9] = T.max(lj[9], lj[4])
+                    lse_merge(lj, 9, 11, 4, 5)
                     # what the chunks from c on owe the start gradient, with the margin; a NaN fails ("not below"
                     # spelled out: TileLang rewrites Not(a < b) to b <= a, which a NaN passes)
                     lj[12] = T.if_then_else(lj[9] == -T.infinity(acc), lj[9], lj[9] + T.log(lj[11])) + lj[2]

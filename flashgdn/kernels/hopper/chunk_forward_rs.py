@@ -36,6 +36,7 @@ from typing import Optional
 from ...cp.bounds import NEGLIGIBLE_LOG_NORM, SEGMENT_SUM_ABS, SEGMENT_SUM_REL
 from .common import CHUNK, LOG2E, TARGET, pass_configs
 from .gate_inverse import make_gate_inverse
+from .warp_bounds import warp_lse_macros
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
@@ -201,6 +202,7 @@ def build_chunk_forward_rs(
     n_ht = T.dynamic("n_ht")
     o_tokens = num_tokens if with_output else T.dynamic("o_tokens")
     acc = "float32"
+    _, lse_scan, lse_merge = warp_lse_macros()
     state_regs, gate_regs, producer_regs = ((PRECISE_REGS if with_output else PRECISE_STATE_ONLY_REGS) if precise
                                             else INVERSE_IN_LOOP_REGS if inverse_in_loop
                                             else (STATE_REGS, GATE_REGS, PRODUCER_REGS))
@@ -511,23 +513,8 @@ def build_chunk_forward_rs(
                                     lj[5] = T.if_then_else(T.isnan(lj[8]), T.float32(1), T.float32(0))
                                     lj[4] = T.if_then_else(lj[5] > 0, -T.infinity(acc), lj[8])
                                     lj[8] = T.if_then_else(lj[4] > -T.infinity(acc), T.float32(1), T.float32(0))
-                                    for d in T.unroll(5):  # inclusive (max, sum) scan, and the NaN flag's
-                                        lj[9] = T.shfl_up(lj[5], 1 << d)
-                                        if tb >= (1 << d):
-                                            lj[5] = T.max(lj[5], lj[9])
-                                        lj[9] = T.shfl_up(lj[4], 1 << d)
-                                        lj[10] = T.shfl_up(lj[8], 1 << d)
-                                        if T.And(tb >= (1 << d), lj[9] > -T.infinity(acc)):
-                                            lj[8] = T.if_then_else(
-                                                lj[9] > lj[4], lj[10] + lj[8] * T.exp(lj[4] - lj[9]),
-                                                lj[8] + lj[10] * T.exp(lj[9] - lj[4]))
-                                            lj[4] = T.max(lj[4], lj[9])
-                                    # with the rounds before (max lj[1], sum lj[2])
-                                    if lj[1] > -T.infinity(acc):
-                                        lj[8] = T.if_then_else(
-                                            lj[1] > lj[4], lj[2] + lj[8] * T.exp(lj[4] - lj[1]),
-                                            lj[8] + lj[2] * T.exp(lj[1] - lj[4]))
-                                        lj[4] = T.max(lj[4], lj[1])
+                                    lse_scan(lj, tb, 5, 4, 8, 9, 10)  # inclusive (max, sum) scan, NaN flag's
+                                    lse_merge(lj, 4, 8, 1, 2)  # with the rounds before (max lj[1], sum lj[2])
                                     # the bound on what chunks 0..c owe b: lb[0] + lse, beside the h0 term
                                     lj[9] = T.if_then_else(lj[4] == -T.infinity(acc), lj[4],
                                                            lb[0] + lj[4] + T.log(lj[8]))

@@ -37,6 +37,7 @@ import functools
 
 from ...cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL
 from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
+from .warp_bounds import warp_lse_macros
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,6 +156,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     num_slots = T.dynamic("num_slots")
     slot_rows = T.dynamic("slot_rows")  # 64 * num_slots
     acc = "float32"
+    pair_logsumexp, _, _ = warp_lse_macros()
 
     def kk_col(i, j):
         # where K K^T's (i, j) lives in kk_s. Unswizzled, a warp's accumulator stores (8 rows x 4 column pairs, rows
@@ -387,12 +389,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 lane = tx % 32
                 lj[0] = vn_s[p, lane] + (lc_s[p, C - 1] - lc_s[p, lane])
                 lj[1] = vn_s[p, lane + 32] + (lc_s[p, C - 1] - lc_s[p, lane + 32])
-                lj[2] = T.warp_reduce_max(T.if_then_else(T.Or(T.isnan(lj[0]), T.isnan(lj[1])), T.float32(1),
-                                                         T.float32(0)))
-                lj[3] = T.warp_reduce_max(T.max(lj[0], lj[1]))
-                lj[4] = T.warp_reduce_sum(
-                    T.if_then_else(lj[0] > -T.infinity(acc), T.exp(lj[0] - lj[3]), T.float32(0))
-                    + T.if_then_else(lj[1] > -T.infinity(acc), T.exp(lj[1] - lj[3]), T.float32(0)))
+                pair_logsumexp(lj, 0, 1, 2, 3, 4)
                 if lane == 0:
                     # rounded up as the chunk's bound is (mg_s: this head's margin, made with it)
                     chunk_inject[hq * group + p, slot] = T.if_then_else(
