@@ -191,6 +191,8 @@ set -uo pipefail
 # walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 8 of the 13 shapes whose backward
 #   it splits (tests/test_cp.py's WALKS_BESIDE_STATES_MOVES) at 16/32 and 16/64, the heads whose training builds the
 #   shipped kernel cache holds (walks-beside-ab.json).
+# errors-cp, errors-forward: the CP GPU test file (gpu-suite-cp.log), the forward's files (gpu-suite-forward.log, as
+#   suite-forward), each with every accuracy check's worst value over the run (NAME-errors.{md,json}).
 # late-b-in-kernel (v0.36f, backend.CP_LATE_B_IN_KERNEL): its GPU tests (gpu-late-b-in-kernel.log), the cp set's
 #   forward both ways (late-b-in-kernel-cp.json: the same bits, no --max-diff), fwd+bwd both ways at 2/8, 4/16 and
 #   8/16 (late-b-in-kernel-cp-fwdbwd.json).
@@ -206,7 +208,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -219,10 +221,15 @@ logged() {
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "# exit status $?" >> "$out/$name.log"
 }
-# the GPU tests, quietly: gpu_tests NAME SECONDS WORKERS PYTEST_ARGS... (NAME.log)
+# the GPU tests, quietly: gpu_tests NAME SECONDS WORKERS PYTEST_ARGS... (NAME.log; the worst value of each accuracy
+# check, benchmarks/error_report.py: NAME-errors.md and .json, from the per-worker logs in errors-NAME/)
 gpu_tests() {
   local name=$1 limit=$2 workers=$3; shift 3
-  logged "$name" "$limit" python3 -m pytest -m gpu -q -rfEx -n "$workers" "$@"; quiet "$out/$name.log"
+  logged "$name" "$limit" env FLASHGDN_ERROR_LOG="$out/errors-$name" python3 -m pytest -m gpu -q -rfEx -n "$workers" "$@"
+  quiet "$out/$name.log"
+  # every accuracy check's worst value over the run (tests/helpers.py's log)
+  python3 benchmarks/error_report.py "$out/errors-$name" --out "$out/$name-errors.json" > "$out/$name-errors.md" &&
+    head -1 "$out/$name-errors.md"
 }
 # backend.CP_NEGLIGIBLE_M_IN_KERNEL both ways side by side: the cp set's forward, and fwd+bwd at 2/4, 4/8 and 8/16
 # (PREFIX-cp-fwd.json, PREFIX-cp-fwdbwd.json): negligible_m_in_kernel_ab PREFIX
@@ -737,6 +744,11 @@ elif [ "$part" = walk-covers ]; then
     --shape 4/8:131072 --shape 8/16:122880+8192 --shape 4/16:65536x2 --shape 2/8:32768 --shape 4/16:8192 \
     --modes fwdbwd --rounds 2 --out "$out/walk-covers-ab.json"
   grep "geometric\|same bits\|on/off" "$out/walk-covers-ab.log"
+elif [ "$part" = errors-cp ]; then
+  gpu_tests gpu-suite-cp 300 8 tests/test_gpu_hopper_cp.py
+elif [ "$part" = errors-forward ]; then
+  gpu_tests gpu-suite-forward 330 14 tests/test_gpu_hopper_forward.py tests/test_gpu_hopper_stage1.py \
+    tests/test_gpu_hopper_plan.py tests/test_gpu_reference.py
 elif [ "$part" = walks-beside ]; then
   logged walks-beside-ab 420 python3 benchmarks/switch_ab.py \
     --switch flashgdn.kernels.hopper.backend:CP_WALKS_BESIDE_STATES \
