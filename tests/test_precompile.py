@@ -395,11 +395,11 @@ def test_precompiled_walks_follow_walk_starts_only(precise, monkeypatch):
 
 def test_walk_stop_in_kernel_adds_the_emission_pass_and_the_stopped_walk(monkeypatch):
     """FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL adds to a training step's builds the emission pass (``chunk_emits``), the
-    count of the walks' chunks (``walk_covers``) and the walk stopped early, nothing else; off by default (an A/B)."""
+    count of the walks' chunks (``walk_covers``) and the walk stopped early, nothing else; on by default."""
     from flashgdn.kernels.hopper import backward
     from flashgdn.kernels.hopper.variants import training_variants
 
-    assert backward.WALK_STOP_IN_KERNEL is (os.environ.get("FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL", "0") == "1")
+    assert backward.WALK_STOP_IN_KERNEL is (os.environ.get("FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL", "1") == "1")
     monkeypatch.setattr(backward, "WALK_EARLY_STOP", False)
     monkeypatch.setattr(backward, "WALK_STARTS_ONLY", True)
     monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", False)

@@ -142,11 +142,11 @@ WALK_EARLY_STOP = os.environ.get("FLASHGDN_HOPPER_WALK_EARLY_STOP", "0") == "1"
 #: kernel). All of it on the walks' stream, beside the chunk states pass; the walk is the ``early_stop`` build, so D
 #: is what it was up to entries below float32's smallest normal number. Only where the longest segment has WALK_STOP_MIN_CHUNKS
 #: chunks or more (known from the host's offsets): the emission pass reads dO, as many bytes as the walk's own read,
-#: and a walk over a short segment has little to leave out. An A/B (notes v0.36j, v0.36k), off: v0.36j was exact (the
-#: same bits on every shape measured), but on an H100 fwd+bwd 0.984x-1.056x on eight shapes past the gate, the pass
-#: and the PyTorch ops costing what the walks save ("v0.36j measured"); v0.36k (the count in the walk, the pass's
-#: loads all in flight) is not measured yet. FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL=1 turns it on.
-WALK_STOP_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL", "0") == "1"
+#: and a walk over a short segment has little to leave out. Exact: the same bits on every shape measured. With the
+#: count by PyTorch ops (v0.36j) fwd+bwd took 0.984x-1.056x on an H100; with the count by a kernel (v0.36k) 0.955x-0.999x
+#: on ten shapes past the gate, 0.978x their geometric mean (notes "Measured on 2e10422"): the default.
+#: FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL=0 turns it off.
+WALK_STOP_IN_KERNEL = os.environ.get("FLASHGDN_HOPPER_WALK_STOP_IN_KERNEL", "1") == "1"
 
 #: the shortest longest segment (chunks) at which WALK_STOP_IN_KERNEL applies; FLASHGDN_HOPPER_WALK_STOP_MIN_CHUNKS
 #: sets it (0: every split plan)

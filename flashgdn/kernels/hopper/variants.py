@@ -376,7 +376,7 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=False, staged_stores=True,
                     precise=precise, starts_only=True, early_stop=True))
     # the emission pass from which the walks from zero take their stops, and the count of their chunks from its and
-    # stage 1's terms (backward.WALK_STOP_IN_KERNEL, an A/B; training_variants adds them when on)
+    # stage 1's terms (backward.WALK_STOP_IN_KERNEL, the default; training_variants adds them when on)
     yield (f"chunk_emits[{Hqk}/{Hv},{dtype}]", "chunk_emits", dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype))
     yield (f"walk_covers[{Hv}]", "walk_covers", dict(Hv=Hv))
     # the walk with its column factors in registers (forward.LEAN_STATE_PASSES, an A/B)
