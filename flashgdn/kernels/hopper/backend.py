@@ -248,7 +248,9 @@ CP_LATE_B_MIN_CHUNKS = int(os.environ.get("FLASHGDN_HOPPER_CP_LATE_B_MIN_CHUNKS"
 #: ``flashgdn.cp.backward`` runs side by side on two streams (its OVERLAP), as the longer of the two instead of their
 #: sum (``CostModel.walks_beside_states``). It moves the backward of 13 of the cp, bwd and canonical sets' shapes, none
 #: in the cp set, each from no split to a split (single 2048-token sequences at 8/32-32/32, uneven mixes at 16/32-16/64;
-#: ``tests/test_cp.py`` pins them). An A/B (notes v0.36l), off: FLASHGDN_HOPPER_CP_WALKS_BESIDE_STATES=1 turns it on.
+#: ``tests/test_cp.py`` pins them). An A/B (notes v0.36l, "Measured on 2e10422"), off: on an H100 fwd+bwd 0.817x-1.004x
+#: on seven of the eight shapes measured, but 1.043x on the bwd set's eight-sequence 16/32 mix, where the model is wrong
+#: about the split itself. FLASHGDN_HOPPER_CP_WALKS_BESIDE_STATES=1 turns it on.
 CP_WALKS_BESIDE_STATES = os.environ.get("FLASHGDN_HOPPER_CP_WALKS_BESIDE_STATES", "0") == "1"
 
 
