@@ -75,7 +75,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     kernel, the reverse's blocked build at both widths), and the backward's kernels as its switches
     are set: one chunk_grad build (the one ``backward.chunk_grad_options`` gives), the states pass and the walk
     with their default stores (the states pass also in its build for the fused kernel, ``backward.FIRST_STATES_APART``;
-    the walk in its starts-only build too, for CP's walks from zero, ``backward.WALK_STARTS_ONLY``), the fused walk
+    the walk in its starts-only build too, for CP's walks from zero, ``backward.WALK_STARTS_ONLY``, and that build
+    stopped early with the emission pass and the covers that stop it, ``backward.WALK_STOP_IN_KERNEL``), the fused walk
     and chunk_grad (``backward.FUSED_BACKWARD``: auto takes it on shapes that fill the GPU) with and without a
     final-state gradient, in the precise mode (which keeps the two kernels)
     the precise builds alone."""
@@ -96,6 +97,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
                                "state_grad_walk[2/8,bfloat16,dht=1,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged]",
                                "state_grad_walk[2/8,bfloat16,dht=0,staged,starts_only]",
+                               "state_grad_walk[2/8,bfloat16,dht=0,staged,starts_only,early_stop]",
+                               "chunk_emits[2/8,bfloat16]", "walk_covers[8]",
                                "kkt_inverse_with_A_async_bounds[2/8,bfloat16]",
                                "kkt_inverse_with_A_async_5[2/8,bfloat16]",
                                "fused_backward[2/8,bfloat16,dht=1,first_apart]",
@@ -187,7 +190,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert [n for n in names if n.startswith(("chunk_states", "state_grad_walk"))] == [
         "chunk_states[2/8,bfloat16,h0=1,staged,precise]", "chunk_states[2/8,bfloat16,h0=0,staged,precise]",
         "state_grad_walk[2/8,bfloat16,dht=1,staged,precise]", "state_grad_walk[2/8,bfloat16,dht=0,staged,precise]",
-        "state_grad_walk[2/8,bfloat16,dht=0,staged,precise,starts_only]"]
+        "state_grad_walk[2/8,bfloat16,dht=0,staged,precise,starts_only]",
+        "state_grad_walk[2/8,bfloat16,dht=0,staged,precise,starts_only,early_stop]"]
 
 
 def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
@@ -213,8 +217,9 @@ def test_precompiled_kernels_follow_the_build_switches(monkeypatch):
     assert set(lean_of_state_passes().values()) == {None}
     monkeypatch.setattr(forward, "LEAN_STATE_PASSES", True)
     lean = lean_of_state_passes()
-    # with the walk's starts-only build, and the forward's passes with and without b started late from stage 1's terms
-    assert len(lean) == 12 and set(lean.values()) == {True}, lean
+    # with the walk's starts-only build and that build stopped early, and the forward's passes with and without b
+    # started late from stage 1's terms
+    assert len(lean) == 13 and set(lean.values()) == {True}, lean
 
 
 def test_precompiled_transition_passes_follow_starts_in_kernel(monkeypatch):
@@ -375,6 +380,7 @@ def test_precompiled_walks_follow_walk_starts_only(precise, monkeypatch):
     assert backward.WALK_STARTS_ONLY is (os.environ.get("FLASHGDN_HOPPER_WALK_STARTS_ONLY", "1") == "1")
     monkeypatch.setattr(forward, "PRECISE", precise)
     monkeypatch.setattr(backward, "WALK_STARTS_ONLY", False)
+    monkeypatch.setattr(backward, "WALK_STOP_IN_KERNEL", False)  # (its stopped walk: its own test below)
 
     def walks():
         return [kw for name, builder, kw in training_variants(2, 8, flags="common") if builder == "state_grad_walk"]
