@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     shapes += [parse_shape(t) for t in a.shape]
     if not shapes:
         raise SystemExit("no shapes: name a --set or a --shape")
+    if a.compile and not os.environ.get("TILELANG_CACHE_DIR"):
+        raise SystemExit("--compile: set TILELANG_CACHE_DIR to the cache that goes to the GPU machine")
     calls: Dict[str, Tuple[object, tuple, dict]] = {}
     with sm90_host():
         fq = load_flashqla(a.site)
@@ -173,8 +175,6 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump([json.loads(k) for k in builds], f, indent=1)
         if a.compile:
-            if not os.environ.get("TILELANG_CACHE_DIR"):
-                raise SystemExit("--compile: set TILELANG_CACHE_DIR to the cache that goes to the GPU machine")
             for i, key in enumerate(builds):
                 factory, args, kwargs = calls[key]
                 t0 = time.perf_counter()
