@@ -113,15 +113,13 @@ def dry_run(fq, shape, modes: Sequence[str]) -> None:
     it, forward alone and forward then backward as ``modes`` say; the kernels do nothing."""
     import torch
 
+    from flashgdn.bench.impls import _leaves
     from flashgdn.bench.inputs import make_inputs
 
     inp = make_inputs(shape, 128, 128, "cpu", with_grads="fwdbwd" in modes)
     for mode in modes:
         grad = mode == "fwdbwd"
-        leaves = [inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0]
-        if grad:
-            leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
-        q, k, v, g, beta, h0 = leaves
+        q, k, v, g, beta, h0 = _leaves(inp, grad)
         with torch.set_grad_enabled(grad):
             o, ht = fq.chunk_gated_delta_rule(q, k, v, g, beta, scale=inp.scale, initial_state=h0,
                                               output_final_state=True, cu_seqlens=inp.cu_seqlens)
@@ -129,15 +127,12 @@ def dry_run(fq, shape, modes: Sequence[str]) -> None:
             torch.autograd.backward([o, ht], [inp.do, inp.dht])
 
 
-def shapes_of(set_names: Sequence[str], only_heads: Sequence[str] = ()):
-    from flashgdn.bench.shapes import NAMED_SETS
+def shapes_of(set_names: Sequence[str], only_heads: str = ""):
+    """The named sets' shapes, those of the head configurations ``only_heads`` names (``parse_heads``) if any."""
+    from flashgdn.bench.shapes import named_set, parse_heads
 
-    out = []
-    for name in set_names:
-        for s in NAMED_SETS[name]():
-            if not only_heads or f"{s.h_qk}/{s.h_v}" in only_heads:
-                out.append(s)
-    return out
+    keep = set(parse_heads(only_heads)) if only_heads else None
+    return [s for name in set_names for s in named_set(name) if keep is None or (s.h_qk, s.h_v) in keep]
 
 
 def main(argv=None) -> int:
@@ -155,7 +150,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--modes: fwd and/or fwdbwd, got {a.modes!r}")
     from flashgdn.bench.shapes import parse_shape
 
-    shapes = shapes_of([s for s in a.set.split(",") if s], [h for h in a.only_heads.split(",") if h])
+    shapes = shapes_of([s for s in a.set.split(",") if s], a.only_heads)
     shapes += [parse_shape(t) for t in a.shape]
     if not shapes:
         raise SystemExit("no shapes: name a --set or a --shape")

@@ -6,14 +6,13 @@
 # round: a round writes many, and only a few come back from the machine).
 set -u
 source .device/setup.sh
-if [ -f .device/kcache.tar.xz ] && [ ! -f /tmp/kcache.done ]; then
-  tar -xJf .device/kcache.tar.xz -C "$TILELANG_CACHE_DIR" && touch /tmp/kcache.done
-fi
-# FlashQLA's builds for the benchmark sets, compiled here by benchmarks/anchor_cache.py (its first calls then load
-# them instead of compiling, ~160 s a head configuration)
-if [ -f .device/anchor-kcache.tar.xz ] && [ ! -f /tmp/anchor-kcache.done ]; then
-  tar -xJf .device/anchor-kcache.tar.xz -C "$TILELANG_CACHE_DIR" && touch /tmp/anchor-kcache.done
-fi
+# ours, and FlashQLA's builds for the benchmark sets compiled here by benchmarks/anchor_cache.py (its first calls then
+# load them instead of compiling, ~160 s a head configuration); once per machine each
+for cache in kcache anchor-kcache; do
+  if [ -f ".device/$cache.tar.xz" ] && [ ! -f "/tmp/$cache.done" ]; then
+    tar -xJf ".device/$cache.tar.xz" -C "$TILELANG_CACHE_DIR" && touch "/tmp/$cache.done"
+  fi
+done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader
 for r in "$@"; do
   echo "=== $r $(date -u +%H:%M:%S)"
