@@ -88,11 +88,17 @@ def main(argv=None) -> int:
                 no_entry.append(name)
             else:
                 entries.add(entry)  # variants that compile to the same kernel share one
-    cache_dir = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    from tilelang import env as tl_env
+
+    cache_dir = os.path.abspath(str(tl_env.TILELANG_CACHE_DIR))  # where TileLang wrote them, forced value included
     print(f"{len(jobs)} kernels ready in {time.time() - t0:.0f}s (cache: {cache_dir})")
     if args.export:
+        outside = [e for e in entries if os.path.commonpath([os.path.abspath(e), cache_dir]) != cache_dir]
+        if outside:
+            print(f"error: cache entries outside {cache_dir}: {', '.join(sorted(outside))}", file=sys.stderr)
+            return 1
         for entry in sorted(entries):
-            dst = os.path.join(args.export, os.path.relpath(entry, cache_dir))
+            dst = os.path.join(args.export, os.path.relpath(os.path.abspath(entry), cache_dir))
             shutil.copytree(entry, dst, dirs_exist_ok=True)
         print(f"exported {len(entries)} cache entries to {args.export}")
         if no_entry:

@@ -37,3 +37,22 @@ def cuda(request) -> torch.device:
     """The CUDA device; skips without a GPU, or fails when the GPU suite was requested."""
     _require_cuda(request.config)
     return torch.device("cuda")
+
+
+
+def _forced_tilelang_cache_dir():
+    """TileLang's cache directory where forced by assignment (``tilelang.env.TILELANG_CACHE_DIR = ...``): such a
+    value outlives the test, since monkeypatch restores an attribute by assigning the old value, which forces it
+    too, and later tests' kernels would then land in that test's tmp dir."""
+    mod = sys.modules.get("tilelang.env")
+    env = getattr(mod, "env", None)
+    return getattr(vars(type(env)).get("TILELANG_CACHE_DIR"), "_forced_value", None) if env is not None else None
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir_left_as_found():
+    before = _forced_tilelang_cache_dir()
+    yield
+    after = _forced_tilelang_cache_dir()
+    assert after == before, (f"the test left TileLang's cache directory forced to {after!r} (set the environment "
+                             "variable instead: monkeypatch.setenv)")

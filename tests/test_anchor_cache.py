@@ -95,9 +95,9 @@ def test_compiling_the_builds_fills_the_kernel_cache(site, tmp_path, monkeypatch
         monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
         anchor_cache.main(["--site", site, "--shape", "1/2:100", "--modes", "fwd", "--compile"])
     cache = tmp_path / "cache"
+    # the environment only: TileLang reads it live, while assigning its env attribute would leave a forced value
+    # behind after the test (monkeypatch restores by assignment), sending later tests' kernels into this tmp dir
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
-    from tilelang import env as tl_env
-    monkeypatch.setattr(tl_env, "TILELANG_CACHE_DIR", str(cache), raising=False)
     assert anchor_cache.main(["--site", site, "--shape", "1/2:100", "--modes", "fwd", "--compile"]) == 0
     assert "[1/1] copy_rows" in capsys.readouterr().out
     sources = [f for _, _, files in os.walk(cache) for f in files if f.endswith(".cu")]
