@@ -188,6 +188,8 @@ set -uo pipefail
 # walk-covers (v0.36k: the walks' covers by a kernel, the pass's loads unrolled; the counts' NaN-safe comparison):
 #   the CP GPU test file with the defaults (gpu-walk-covers.log: the transition pass's count changed), then
 #   WALK_STOP_IN_KERNEL both ways as in walk-stop-kernel (walk-covers-ab.json).
+# ag-from-a (backward.FUSED_AG_FROM_A, notes "Ag made from A in the fused kernel"): its GPU test, a training step's
+#   peak both ways on 4/16 131072x1 and 2/8 65536x1, fwd+bwd both ways on ten shapes (ag-from-a-ab.json).
 # walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 8 of the 13 shapes whose backward
 #   it splits (tests/test_cp.py's WALKS_BESIDE_STATES_MOVES) at 16/32 and 16/64, the heads whose training builds the
 #   shipped kernel cache holds (walks-beside-ab.json).
@@ -208,7 +210,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -757,6 +759,21 @@ elif [ "$part" = walks-beside ]; then
     --shape 16/64:24576+8192 \
     --modes fwdbwd --rounds 2 --max-diff 8e-3 --out "$out/walks-beside-ab.json"
   grep "geometric\|same bits\|on/off" "$out/walks-beside-ab.log"
+elif [ "$part" = ag-from-a ]; then
+  # backward.FUSED_AG_FROM_A: its GPU test (gpu-ag-from-a.log), a training step's peak on two Hqk = Hv / 4 shapes
+  # both ways (memory-peak-ag-from-a{0,1}.json), then fwd+bwd both ways on the cp set's Hqk = Hv / 4 long shapes and
+  # the bwd set's 16/32 and 16/64 (ag-from-a-ab.json; not the same bits, so within dq's bar)
+  gpu_tests gpu-ag-from-a 300 8 tests/test_gpu_hopper_backward.py -k "ag_from_a"
+  for on in 0 1; do
+    logged memory-peak-ag-from-a$on 150 env FLASHGDN_HOPPER_FUSED_AG_FROM_A=$on python3 benchmarks/memory_peak.py \
+      --case 4/16:131072 --case 2/8:65536 --out "$out/memory-peak-ag-from-a$on.json"
+    tail -12 "$out/memory-peak-ag-from-a$on.log"
+  done
+  logged ag-from-a-ab 420 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_AG_FROM_A \
+    --shape 4/16:131072 --shape 4/16:65536 --shape 4/16:65536x2 --shape 4/16:122880+8192 --shape 2/8:131072 \
+    --shape 1/4:131072 --shape 4/16:8192 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \
+    --shape 16/64:8192+24576 --modes fwdbwd --rounds 2 --max-diff 8e-3 --out "$out/ag-from-a-ab.json"
+  grep "geometric\|same bits\|on/off" "$out/ag-from-a-ab.log"
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
   logged late-b-in-kernel-cp 240 python3 benchmarks/switch_ab.py \

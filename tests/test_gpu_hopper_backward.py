@@ -866,6 +866,44 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
     _assert_only_dg_moves(off, on, again, inp, args, "fold_mma")
 
 
+@pytest.mark.parametrize("opts,cp,dtype", [
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail
+    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.float16),
+    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
+    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+    (dict(seqlens=[2000, 130], Hqk=4, Hv=16, gate="strong"), None, torch.bfloat16),  # a group of four
+    # from 32 value heads P is given and the gate side folds
+    (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="strong", zero_gate_heads=(1,), pad=70), None, torch.bfloat16),
+])
+def test_fused_backward_ag_from_a(opts, cp, dtype, monkeypatch, cuda):
+    """``backward.FUSED_AG_FROM_A``: the fused kernel makes Ag from A (rounded to the io dtype) by stage 1's
+    expression instead of loading stage 1's Ag. Every gradient finite, the same bits on a rerun, within a quarter
+    of its bar of the gradients with stage 1's Ag (the two Ag differ by at most one rounding per element); zero on
+    tokens past the last sequence; on the bars against float64 (strong decay and g = 0 heads among the cases)."""
+    from flashgdn.kernels.hopper import backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=13)
+    off, on, again = _off_on_again(backward, monkeypatch, "FUSED_AG_FROM_A", args)
+    assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("ag_from_a")
+    diffs = {}
+    for name, a, b, c in zip(GRADIENTS, off, on, again):
+        if a is None:
+            assert b is None, name
+            continue
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(b, c), f"{name}: not deterministic"
+        diffs[name] = rel_rms(b.double(), a.double())
+    print("Ag from A against stage 1's Ag:", {n: f"{d:.1e}" for n, d in diffs.items()})
+    for name, d in diffs.items():
+        assert d < BARS[name] / 4, (name, diffs)
+    cu = args[9]
+    if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
+        end = int(cu[-1])
+        assert all((x[:, end:] == 0).all() for x in on[:5]), "gradients past the last sequence"
+    _assert_on_the_bars(on, _float64_backward(inp, args))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
     """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's

@@ -194,6 +194,59 @@ def test_fused_backward_longest_first_gets_the_order(checked_kernels, monkeypatc
     assert [c[0] for c in checked_kernels if c[0] == "fused_backward"] == ["fused_backward"]
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_fused_backward_ag_from_a_lets_stage1s_ag_go_first(split, checked_kernels, monkeypatch):
+    """FLASHGDN_HOPPER_FUSED_AG_FROM_A: the fused kernel's build with ``ag_from_a`` gets A in both inverse arguments,
+    and stage 1's Ag tensor (made by ``kkt_inverse`` with A, read by the states pass and, with CP, the walks) no
+    longer exists when the kernel's outputs are allocated: the memory the option is for."""
+    import gc
+    import weakref
+
+    from flashgdn.cp import split_sequences
+    from flashgdn.kernels.hopper import backend, backward, fused_backward, kkt_inverse
+    from flashgdn.kernels.hopper.backward import hopper_backward
+
+    monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(backward, "FUSED_AG_FROM_A", True)
+    monkeypatch.setattr(backend, "CP_PAIRED", True)  # the 2/8 kernels test_kernels_compile.py has compiled
+    ags, seen = [], []
+    stage1, fused = kkt_inverse.build_kkt_inverse, fused_backward.build_fused_backward  # the fixture's stand-ins
+
+    def stage1_capture(*a, **kw):
+        inner = stage1(*a, **kw)
+
+        def call(*args):
+            if kw.get("store_inverse"):  # the backward's stage 1: its Ag (k, g, beta, bounds, gcum, Ag, A, ...)
+                ags.append(weakref.ref(args[5]))
+            return inner(*args)
+        return call
+
+    def fused_capture(*a, **kw):
+        inner = fused(*a, **kw)
+
+        def call(*args):
+            gc.collect()
+            seen.append((kw.get("ag_from_a"), args[6] is args[7], [ref() is None for ref in ags]))
+            return inner(*args)
+        return call
+
+    monkeypatch.setattr(kkt_inverse, "build_kkt_inverse", stage1_capture)
+    monkeypatch.setattr(fused_backward, "build_fused_backward", fused_capture)
+    seqlens = [700, 30, 300]
+    inp = make_inputs(Hqk=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, seqlens=seqlens)
+    q, k, v, g, beta, h0, cu = (inp.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    plan = split_sequences(seqlens, 4) if split else None
+    do = torch.randn(v.shape).to(torch.bfloat16)
+    hopper_backward(q, k, v, g, beta, do, torch.randn((3, 8, 128, 128)), 0.1, h0, cu, False, plan, cu.clone(),
+                    fused=True)
+    assert len(ags) == 1, "one stage 1 with A"
+    assert seen == [(True, True, [True])]
+    names = [c[0] for c in checked_kernels]
+    assert names.index("kkt_inverse") < names.index("chunk_forward_rs") < names.index("fused_backward")
+    if split:
+        assert "state_grad_walk" in names[:names.index("fused_backward")]
+
+
 @pytest.mark.parametrize("seqlens,host_copy,expected", [
     ([300, 1, 64], True, 7 - 3),   # every sequence known non-empty: S - N states
     ([300, 0, 64], True, 6),       # an empty sequence: the slots' own numbering

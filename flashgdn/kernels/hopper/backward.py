@@ -116,6 +116,14 @@ FIRST_STATES_APART = os.environ.get("FLASHGDN_HOPPER_FIRST_STATES_APART", "1") =
 #: measured"). FLASHGDN_HOPPER_FUSED_LONGEST_FIRST=1 turns it on.
 FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0") == "1"
 
+#: the fused kernel reads A alone and makes Ag from it (``fused_backward.py``'s ``ag_from_a``: its producer gates A's
+#: tile in place by stage 1's expression), so that stage 1's Ag is let go before the kernel's outputs are allocated:
+#: 256 B per token and value head off the training step's peak where it holds A, Ag, the chunk states and dq, dk and
+#: dv per value head (4/16 131072x1: 3621 MiB against FlashQLA's 3505, ~3365 without Ag; notes "Ag made from A in
+#: the fused kernel"). Ag then comes from A rounded to the io dtype: within one rounding of stage 1's Ag, not the
+#: same bits. An A/B, off until measured; FLASHGDN_HOPPER_FUSED_AG_FROM_A=1 turns it on.
+FUSED_AG_FROM_A = os.environ.get("FLASHGDN_HOPPER_FUSED_AG_FROM_A", "0") == "1"
+
 #: context parallelism's walks from zero (``flashgdn.cp.backward``'s step 2) by the walk's ``starts_only`` build,
 #: which writes each segment's start gradient (D) alone: the other build also stores dS'^T at the end of every chunk,
 #: 32 KB a chunk and value head that the walks from zero throw away, with a TMA store waited for on the chain of
@@ -314,6 +322,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if FUSED_FOLD_MMA is True or (FUSED_FOLD_MMA == "auto" and not options.get("cluster_sum")
                                   and (options.get("pair_sums") or not options.get("p_given"))):
         options["fold_mma"] = True
+    if FUSED_AG_FROM_A:
+        options["ag_from_a"] = True
     return options
 
 
@@ -757,6 +767,11 @@ class HopperBackwardStages:
         if options.get("pair_sums"):
             zeroed = iter(self._pair_outputs(offsets, (1, TT, Hqk * per, K), q.dtype, q.device))
             qk_alloc = lambda *shape, **kwargs: next(zeroed)  # noqa: E731
+        ag = st1.Ag
+        if options.get("ag_from_a"):
+            # the kernel makes Ag from A: stage 1's is let go here, before the outputs below are allocated (the
+            # states pass and the walks, its other readers, have run), and A stands in for it as the argument
+            ag, st1.Ag = st1.A, None
         dv, dq, dk, dg, dbeta = _token_gradients(q, v, cu_cpu, Hqk * per, qk_alloc)
         apart = isinstance(states, FirstStatesApart)
         if apart:  # dh0 is the buffer that holds the first chunk states until the kernel writes over them
@@ -766,7 +781,7 @@ class HopperBackwardStages:
                 options["longest_first"] = True
         else:
             dh0 = _output((N, Hv, K, V), torch.float32, q.device)
-        args = (qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), st1.Ag, st1.A,
+        args = (qf, kf, v.contiguous(), do.contiguous(), st1.gcum, beta.to(torch.float32).contiguous(), ag, st1.A,
                 cu, st1.first_slot, states, _end_gradients(dht, Hv, K, V, q.device), float(scale), dv, dq, dk, dg,
                 dbeta, dh0)
         if apart:

@@ -144,7 +144,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,
-                         fold_mma: bool = False, longest_first: bool = False):
+                         fold_mma: bool = False, longest_first: bool = False, ag_from_a: bool = False):
     """Compile (or load) the kernel (``trace``: with a last argument ``tr [4, TRACE_CHUNKS, TRACE_POINTS]`` int64, after
     ``p_given``'s P where it is given,
     written by the CTA of value head 0 and sequence 0, the per-phase cycle stamps of ``TRACE_POINTS_OF``; a
@@ -218,6 +218,17 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     (``torch.argsort`` of their lengths) a long one no longer starts after the short ones have taken the SMs: the
     kernel's time tends to its longest CTA where its CTAs are uneven and more than the SMs (LPT scheduling). Every CTA
     computes what it did, so the same bits.
+
+    ``ag_from_a`` (``backward.FUSED_AG_FROM_A``, an A/B): the kernel reads A alone and makes Ag itself, so that the
+    backward can let stage 1's Ag go before this kernel's outputs exist (256 B per token and value head fewer at the
+    backward's peak). The ``Ag`` argument is then not read (the host passes A there too). The producer's first warp
+    loads A's tile into Ag's by TMA and, once it has landed, gates it in place: lane l takes columns 2l and 2l + 1
+    (beta_j and g~_j in registers) and every row i (g~_i broadcast by a shuffle from the lanes that loaded it), with
+    stage 1's expression ``a * beta_j * exp2(min(g~_i - g~_j, 0) log2 e)`` (``kkt_inverse.py``'s ``gated``). The one
+    difference from stage 1's Ag is that ``a`` is A as stored, rounded to the io dtype, where stage 1 gates the float32
+    inverse: at most one rounding of the io dtype apart per element (not the same bits). The tile's loaded A is
+    ready later than Ag was (the gating is ~64 steps of the warp after the load lands); the V, Ag, S^T group waits for
+    it.
     """
     import tilelang
     import tilelang.language as T
@@ -258,6 +269,28 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         for i in T.serial(C):
             for j in T.Parallel(D):
                 dst[i, j] = T.if_then_else(i < n_rows, src[0, t0 + i, hh, j], T.cast(0, io_dtype))
+        T.fence_proxy_async()
+
+    @T.macro
+    def gate_in_place(ag_s, gcum, beta, a_in, gf, c, slot, t0, n_rows, h, lane):
+        # ag_from_a: A's tile (on its way by TMA on a_in) made Ag in place by the 32 threads of one warp. The lane's
+        # six values are read while the tile is in flight: g~ of rows lane and lane + 32 (for the shuffle), and g~
+        # and beta (zero past the sequence's end, as stage 1 loads it) of its columns 2 lane and 2 lane + 1
+        col = lane * 2
+        gf[0] = gcum[h, slot * C + lane]
+        gf[1] = gcum[h, slot * C + lane + 32]
+        gf[2] = gcum[h, slot * C + col]
+        gf[3] = gcum[h, slot * C + col + 1]
+        gf[4] = T.if_then_else(col < n_rows, beta[0, t0 + col, h], 0.0)
+        gf[5] = T.if_then_else(col + 1 < n_rows, beta[0, t0 + col + 1, h], 0.0)
+        T.barrier_arrive(a_in)
+        T.barrier_wait(a_in, c % 2)
+        for i in T.serial(C):
+            gf[6] = T.shfl_sync(T.if_then_else(i < 32, gf[0], gf[1]), i % 32)
+            ag_s[i, col] = T.cast(T.cast(ag_s[i, col], acc) * gf[4] * T.exp2(T.min(gf[6] - gf[2], 0.0) * LOG2E),
+                                  io_dtype)
+            ag_s[i, col + 1] = T.cast(T.cast(ag_s[i, col + 1], acc) * gf[5]
+                                      * T.exp2(T.min(gf[6] - gf[3], 0.0) * LOG2E), io_dtype)
         T.fence_proxy_async()
 
     @T.macro
@@ -430,6 +463,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
             full_k = T.alloc_barrier(arrive_count=32)  # K loaded
+            if ag_from_a:
+                a_in = T.alloc_barrier(arrive_count=32)  # A's tile landed in Ag's, to be gated there
+            else:
+                a_in = None
             free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
             free_m = T.alloc_barrier(arrive_count=384)  # every side done with Q, dO, A, g~, beta
             free_k = T.alloc_barrier(arrive_count=384)  # K read for the last time by every side
@@ -872,6 +909,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 # ================= producer: warp 12 the first group (V, Ag, S^T), warps 13-14 the second (Q, dO,
                 # A, g~, beta), warp 15 K
                 T.set_max_nreg(PRODUCER_REGS, 0)
+                if ag_from_a:
+                    gf = T.alloc_local((7,), acc)  # gate_in_place's g~ and beta, and row i's g~
+                else:
+                    gf = None
                 for c in T.serial(n_chunks):
                     stamp(tr, 3, 0, c, tx, h, n)
                     t0 = bos + (n_chunks - 1 - c) * C
@@ -881,7 +922,10 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         if c > 0:
                             T.barrier_wait(free_e, (c + 1) % 2)
                             stamp(tr, 3, 1, c, tx, h, n)
-                        T.tma_copy(Ag[slot, h, 0:C, 0:C], ag_s, barrier=full_e)
+                        if ag_from_a:
+                            T.tma_copy(A[slot, h, 0:C, 0:C], ag_s, barrier=a_in)
+                        else:
+                            T.tma_copy(Ag[slot, h, 0:C, 0:C], ag_s, barrier=full_e)
                         if first_apart:
                             if c == n_chunks - 1:
                                 T.tma_copy(first_states[n, h, 0:V, 0:K], st_s, barrier=full_e)
@@ -893,6 +937,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s, barrier=full_e)
                         else:
                             masked_rows(v, v_s, t0, n_rows, h, V)
+                        if ag_from_a:
+                            gate_in_place(ag_s, gcum, beta, a_in, gf, c, slot, t0, n_rows, h, tx - 384)
                         T.barrier_arrive(full_e)
                         stamp(tr, 3, 2, c, tx, h, n)
                         if cluster_sum:

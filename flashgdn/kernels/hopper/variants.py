@@ -490,6 +490,10 @@ def backward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
         # its rows of CTAs longest first (backward.FUSED_LONGEST_FIRST, an A/B; training_variants adds it when on)
         yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht=1{folded_tag},longest_first]", "fused_backward",
                dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=True, **folded, longest_first=True))
+        # Ag made from A by the producer (backward.FUSED_AG_FROM_A, an A/B; training_variants adds it when on)
+        for has_dht in (True, False):
+            yield (f"fused_backward[{Hqk}/{Hv},{dtype},dht={int(has_dht)}{folded_tag},ag_from_a]", "fused_backward",
+                   dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_final_grad=has_dht, **folded, ag_from_a=True))
     if Hv > Hqk:  # dq and dk summed over each qk head's value heads (backward.GROUP_SUM_KERNEL)
         yield (f"group_sum[{Hv // Hqk},{dtype}]", "group_sum", dict(group=Hv // Hqk, K=K, io_dtype=dtype))
     if Hv // Hqk >= 4 and (Hv // Hqk) % 2 == 0:  # the fused kernel's pair sums, summed over each group
