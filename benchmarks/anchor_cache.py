@@ -15,7 +15,7 @@ context a no-op). The distinct factory calls are then made again with the factor
 them (TileLang's lazy factories return the kernel without launching it).
 
     python benchmarks/anchor_cache.py --site /tmp/site --set cp --modes fwd,fwdbwd            # list the builds
-    TILELANG_CACHE_DIR=/tmp/kc python benchmarks/anchor_cache.py --site /tmp/site --set cp --compile
+    TILELANG_CACHE_DIR=/tmp/kc python benchmarks/anchor_cache.py --site /tmp/site --set cp --compile [--jobs 2]
 
 ``--site``: a folder holding the ``flash_qla`` package (the GPU machine's stack, ``.device/stack.tar.xz``, has the
 pinned flash-qla). The shapes' outputs are never computed: only the host's decisions are taken.
@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--only-heads", default="", help="HQK/HV,... of those sets only")
     p.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
     p.add_argument("--compile", action="store_true", help="compile each build into TILELANG_CACHE_DIR")
+    p.add_argument("--jobs", type=int, default=1, help="compile this many builds at once (forked workers)")
     p.add_argument("--out", help="write the builds (factory and arguments) here as JSON")
     a = p.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
@@ -170,12 +171,58 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump([json.loads(k) for k in builds], f, indent=1)
         if a.compile:
-            for i, key in enumerate(builds):
-                factory, args, kwargs = calls[key]
-                t0 = time.perf_counter()
-                factory(*args, **kwargs)  # as the operator calls it (its mode inferred first), now compiling
-                print(f"[{i + 1}/{len(builds)}] {json.loads(key)[0]}: {time.perf_counter() - t0:.1f} s", flush=True)
+            _RECORDED.update(calls)
+            compile_builds(builds, a.jobs)
     return 0
+
+
+#: the recorded factory calls by key, where ``_compile_build`` (in this process or a forked worker) finds them
+_RECORDED: Dict[str, Tuple[object, tuple, dict]] = {}
+
+
+def compile_builds(builds: Sequence[str], jobs: int) -> None:
+    """Each recorded build made again with compiling on, here or (``jobs`` > 1) in that many forked workers taking
+    every jobs-th build: forked inside ``sm90_host``, each has the recorded factories and the sm_90a target, and
+    nothing needs pickling. A worker that fails prints its error and makes the whole call fail."""
+    n = len(builds)
+
+    def run(indices):
+        for i in indices:
+            name, secs = _compile_build(builds[i])
+            print(f"[{i + 1}/{n}] {name}: {secs:.1f} s", flush=True)
+
+    if jobs <= 1:
+        run(range(n))
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for w in range(min(jobs, n)):
+        pid = os.fork()
+        if pid == 0:  # the worker: its share, then out without running the parent's cleanup
+            code = 0
+            try:
+                run(range(w, n, jobs))
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    failed = sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in pids)
+    if failed:
+        raise SystemExit(f"--compile: {failed} of {len(pids)} workers failed (their errors are above)")
+
+
+def _compile_build(key: str) -> Tuple[str, float]:
+    factory, args, kwargs = _RECORDED[key]
+    t0 = time.perf_counter()
+    factory(*args, **kwargs)  # as the operator calls it (its mode inferred first), now compiling
+    return json.loads(key)[0], time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -90,7 +90,12 @@ def test_a_dry_run_records_each_distinct_build_and_no_launch(site, tmp_path, cap
     assert json.loads(out.read_text()) == [["copy_rows", [2, bf16, False], {}]]
 
 
-def test_compiling_the_builds_fills_the_kernel_cache(site, tmp_path, monkeypatch, capsys):
+# another head count for each (TileLang keeps what it compiled in memory too: the same build again would not reach
+# the new cache directory)
+@pytest.mark.parametrize("jobs,hv", [(1, 2), (2, 3)])
+def test_compiling_the_builds_fills_the_kernel_cache(jobs, hv, site, tmp_path, monkeypatch, capfd):
+    """Each recorded build compiled once into TILELANG_CACHE_DIR, in this process or (``--jobs 2``) in forked
+    workers: one kernel source in the cache per build."""
     with pytest.raises(SystemExit, match="TILELANG_CACHE_DIR"):
         monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
         anchor_cache.main(["--site", site, "--shape", "1/2:100", "--modes", "fwd", "--compile"])
@@ -98,10 +103,12 @@ def test_compiling_the_builds_fills_the_kernel_cache(site, tmp_path, monkeypatch
     # the environment only: TileLang reads it live, while assigning its env attribute would leave a forced value
     # behind after the test (monkeypatch restores by assignment), sending later tests' kernels into this tmp dir
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
-    assert anchor_cache.main(["--site", site, "--shape", "1/2:100", "--modes", "fwd", "--compile"]) == 0
-    assert "[1/1] copy_rows" in capsys.readouterr().out
+    assert anchor_cache.main(["--site", site, "--shape", f"1/{hv}:100", "--shape", f"1/{hv}:60+40", "--modes", "fwd",
+                              "--compile", "--jobs", str(jobs)]) == 0
+    out = capfd.readouterr().out  # (the workers write to the file descriptor)
+    assert "[1/2] copy_rows" in out and "[2/2] copy_rows" in out
     sources = [f for _, _, files in os.walk(cache) for f in files if f.endswith(".cu")]
-    assert sources, "no kernel in the cache"
+    assert len(sources) == 2, sources
 
 
 def test_shapes_are_asked_for():
