@@ -188,8 +188,9 @@ set -uo pipefail
 # walk-covers (v0.36k: the walks' covers by a kernel, the pass's loads unrolled; the counts' NaN-safe comparison):
 #   the CP GPU test file with the defaults (gpu-walk-covers.log: the transition pass's count changed), then
 #   WALK_STOP_IN_KERNEL both ways as in walk-stop-kernel (walk-covers-ab.json).
-# ag-from-a (backward.FUSED_AG_FROM_A, notes "Ag made from A in the fused kernel"): its GPU test, a training step's
-#   peak both ways on 4/16 131072x1 and 2/8 65536x1, fwd+bwd both ways on ten shapes (ag-from-a-ab.json).
+# ag-from-a (backward.FUSED_AG_FROM_A, notes v0.37a): its GPU test, a training step's peak both ways on 4/16 131072x1
+#   and 2/8 65536x1, fwd+bwd both ways on ten shapes (ag-from-a-ab.json), the fused kernel's trace without and with
+#   it at 4/16 (trace-ag-from-a{0,1}.json).
 # walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 8 of the 13 shapes whose backward
 #   it splits (tests/test_cp.py's WALKS_BESIDE_STATES_MOVES) at 16/32 and 16/64, the heads whose training builds the
 #   shipped kernel cache holds (walks-beside-ab.json).
@@ -774,6 +775,13 @@ elif [ "$part" = ag-from-a ]; then
     --shape 1/4:131072 --shape 4/16:8192 --shape 16/32:949+465+545+137+799+3437+468+1392 --shape 16/32:32768 \
     --shape 16/64:8192+24576 --modes fwdbwd --rounds 2 --max-diff 8e-3 --out "$out/ag-from-a-ab.json"
   grep "geometric\|same bits\|on/off" "$out/ag-from-a-ab.log"
+  # what the gating costs a chunk step: the trace build of 4/16's build without and with it (compiled here)
+  for opts in p_first,lean_gates,fold_mma p_first,lean_gates,fold_mma,ag_from_a; do
+    name=trace-ag-from-a$([ "${opts##*,}" = ag_from_a ] && echo 1 || echo 0)
+    logged "$name" 150 python3 benchmarks/fused_backward_trace.py --heads 4/16 --seqlens 8192,8192 --options "$opts" \
+      --out "$out/$name.json"
+    tail -30 "$out/$name.log"
+  done
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
   logged late-b-in-kernel-cp 240 python3 benchmarks/switch_ab.py \

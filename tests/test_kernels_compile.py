@@ -43,9 +43,10 @@ EXPLAINED_SPILLS = {
         "16/32 build (pair sums, P given, the gate side's fold); cluster_sum "
         "(backward.FUSED_CLUSTER_SUM, a memory option, off) up to 212/244: the producer warps' exchange at their 40 "
         "registers (its loop-carried addresses and the sums' 16-byte vectors); ag_from_a (backward.FUSED_AG_FROM_A, "
-        "an A/B) 40 more than the same build without it (128/144 at 4/16, 116/132 at 16/32), in the producer warp "
-        "that gates A at its 40 registers: ~20 of them go with the gating loop (a one-row loop there spills ~20 "
-        "fewer), not read in the SASS. (These are the fast-math builds that run; the report read PTX made without fast math before notes v0.32c, a few to 28 bytes apart.)",
+        "an A/B) 176/216 at 2/8, 172/208 at 4/16 and 160/200 at 16/32 (84-92 more than the same builds without it), "
+        "from the producer warp that gates A at its 40 registers (its block indices and 16-byte pieces; a gating by "
+        "columns, two at a time over all 64 rows, spilled 40 more instead of ~84 but takes ~1.8x the instructions and "
+        "exp2), not read in the SASS. (These are the fast-math builds that run; the report read PTX made without fast math before notes v0.32c, a few to 28 bytes apart.)",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",

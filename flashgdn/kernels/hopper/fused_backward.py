@@ -57,6 +57,23 @@ from .common import CHUNK, LOG2E, TARGET, head_order_total, pass_configs
 #: float32 tiles (at 160 it spilled 56 B, with a third tile 256 B and every wgmma serialised); the producer's masked
 #: loads spilled at 24 and 32. Each split tried is in docs/hopper-notes.md (v0.14).
 STATE_REGS, VALUE_REGS, GATE_REGS, PRODUCER_REGS = 160, 168, 144, 40
+#: ``ag_from_a``'s gating: the 64 x 64 tile's 36 blocks of 8 x 8 on or below the diagonal, four a step (a warp's 32
+#: threads, a row of a block each), in this many steps
+LOWER_BLOCK_STEPS = 9
+
+
+def lower_block_piece(step, lane, to_int=int):
+    """``(block row, block column)`` of the 8 x 8 block whose row ``lane % 8`` thread ``lane`` (0-31) of the gating
+    warp takes at ``step`` (0-8): block ``b = 4 step + lane // 8`` of the blocks on or below the diagonal numbered row
+    by row (block row ``rb`` holds blocks ``rb (rb + 1) / 2`` to ``rb (rb + 1) / 2 + rb``). Eight threads on one block
+    read and write its eight rows' 16-byte pieces of one column of pieces, which the tile's 128-byte swizzle puts on
+    eight different bank groups. Written for Python ints (a test checks the cover) and for TIR expressions
+    (``to_int`` then casts a comparison to int32)."""
+    b = step * 4 + lane // 8
+    rb = sum(to_int(b >= k * (k + 1) // 2) for k in range(1, 8))
+    return rb, b - rb * (rb + 1) // 2
+
+
 #: the gate side's column sums (dim 0 of a [64, 64] accumulator: across warps) are reduced this many columns at a
 #: time, each batch through one shared workspace between two barriers (TileLang's default, one column at a time,
 #: takes ~10 named barriers per column)
@@ -222,13 +239,13 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     ``ag_from_a`` (``backward.FUSED_AG_FROM_A``, an A/B): the kernel reads A alone and makes Ag itself, so that the
     backward can let stage 1's Ag go before this kernel's outputs exist (256 B per token and value head fewer at the
     backward's peak). The ``Ag`` argument is then not read (the host passes A there too). The producer's first warp
-    loads A's tile into Ag's by TMA and, once it has landed, gates it in place: lane l takes columns 2l and 2l + 1
-    (beta_j and g~_j in registers) and every row i (g~_i broadcast by a shuffle from the lanes that loaded it), with
-    stage 1's expression ``a * beta_j * exp2(min(g~_i - g~_j, 0) log2 e)`` (``kkt_inverse.py``'s ``gated``). The one
-    difference from stage 1's Ag is that ``a`` is A as stored, rounded to the io dtype, where stage 1 gates the float32
-    inverse: at most one rounding of the io dtype apart per element (not the same bits). The tile's loaded A is
-    ready later than Ag was (the gating is ~64 steps of the warp after the load lands); the V, Ag, S^T group waits for
-    it.
+    loads A's tile into Ag's by TMA and, once it has landed, gates it in place with stage 1's expression
+    ``a * beta_j * exp2(min(g~_i - g~_j, 0) log2 e)`` (``kkt_inverse.py``'s ``gated``): the 36 blocks of 8 x 8 on or
+    below the diagonal (A is zero above them), 16 bytes a thread in 9 steps (``lower_block_piece``), g~ and beta of
+    the chunk from two vectors of the warp's own (512 B of shared memory) that it fills while the tile is in flight.
+    The one difference from stage 1's Ag is that ``a`` is A as stored, rounded to the io dtype, where stage 1 gates
+    the float32 inverse: at most one rounding of the io dtype apart per element (not the same bits). The V, Ag, S^T
+    group is signalled after the gating, later than the load alone would be.
     """
     import tilelang
     import tilelang.language as T
@@ -272,25 +289,28 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         T.fence_proxy_async()
 
     @T.macro
-    def gate_in_place(ag_s, gcum, beta, a_in, gf, c, slot, t0, n_rows, h, lane):
-        # ag_from_a: A's tile (on its way by TMA on a_in) made Ag in place by the 32 threads of one warp. The lane's
-        # six values are read while the tile is in flight: g~ of rows lane and lane + 32 (for the shuffle), and g~
-        # and beta (zero past the sequence's end, as stage 1 loads it) of its columns 2 lane and 2 lane + 1
-        col = lane * 2
-        gf[0] = gcum[h, slot * C + lane]
-        gf[1] = gcum[h, slot * C + lane + 32]
-        gf[2] = gcum[h, slot * C + col]
-        gf[3] = gcum[h, slot * C + col + 1]
-        gf[4] = T.if_then_else(col < n_rows, beta[0, t0 + col, h], 0.0)
-        gf[5] = T.if_then_else(col + 1 < n_rows, beta[0, t0 + col + 1, h], 0.0)
+    def gate_in_place(ag_s, ge_s, be_s, gcum, beta, a_in, av, blk, c, slot, t0, n_rows, h, lane):
+        # ag_from_a: A's tile (on its way by TMA on a_in) made Ag in place by the 32 threads of one warp. While it is
+        # in flight the warp copies the chunk's g~ and beta (zero past the sequence's end, as stage 1 loads it) into
+        # vectors of its own; then it gates the 36 blocks of 8 x 8 on or below the diagonal (the rest of A is zero
+        # and stays so), 16 bytes a thread per step (``lower_block_piece``)
+        for r in T.serial(C // 32):
+            ge_s[r * 32 + lane] = gcum[h, slot * C + r * 32 + lane]
+            be_s[r * 32 + lane] = T.if_then_else(r * 32 + lane < n_rows, beta[0, t0 + r * 32 + lane, h], 0.0)
+        T.sync_warp()
         T.barrier_arrive(a_in)
         T.barrier_wait(a_in, c % 2)
-        for i in T.serial(C):
-            gf[6] = T.shfl_sync(T.if_then_else(i < 32, gf[0], gf[1]), i % 32)
-            ag_s[i, col] = T.cast(T.cast(ag_s[i, col], acc) * gf[4] * T.exp2(T.min(gf[6] - gf[2], 0.0) * LOG2E),
-                                  io_dtype)
-            ag_s[i, col + 1] = T.cast(T.cast(ag_s[i, col + 1], acc) * gf[5]
-                                      * T.exp2(T.min(gf[6] - gf[3], 0.0) * LOG2E), io_dtype)
+        for step in T.serial(LOWER_BLOCK_STEPS):
+            # the block's row and column once a step (in registers: the swizzled addresses below use them 4 times)
+            blk[0], blk[1] = lower_block_piece(step, lane, lambda b: T.cast(b, "int32"))
+            for e in T.vectorized(8):
+                av[e] = ag_s[blk[0] * 8 + lane % 8, blk[1] * 8 + e]
+            for e in T.unroll(8):  # (unrolled: av stays in registers)
+                av[e] = T.cast(T.cast(av[e], acc) * be_s[blk[1] * 8 + e]
+                               * T.exp2(T.min(ge_s[blk[0] * 8 + lane % 8] - ge_s[blk[1] * 8 + e], 0.0) * LOG2E),
+                               io_dtype)
+            for e in T.vectorized(8):
+                ag_s[blk[0] * 8 + lane % 8, blk[1] * 8 + e] = av[e]
         T.fence_proxy_async()
 
     @T.macro
@@ -459,6 +479,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
+            if ag_from_a:  # the gating warp's own g~ and beta of the chunk
+                ge_s = T.alloc_shared((C,), acc)
+                be_s = T.alloc_shared((C,), acc)
+            else:
+                ge_s = be_s = None
 
             full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
@@ -909,10 +934,11 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                 # ================= producer: warp 12 the first group (V, Ag, S^T), warps 13-14 the second (Q, dO,
                 # A, g~, beta), warp 15 K
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                if ag_from_a:
-                    gf = T.alloc_local((7,), acc)  # gate_in_place's g~ and beta, and row i's g~
+                if ag_from_a:  # gate_in_place's registers: a row's piece of A, and its block's row and column
+                    av = T.alloc_local((8,), io_dtype)
+                    blk = T.alloc_local((2,), "int32")
                 else:
-                    gf = None
+                    av = blk = None
                 for c in T.serial(n_chunks):
                     stamp(tr, 3, 0, c, tx, h, n)
                     t0 = bos + (n_chunks - 1 - c) * C
@@ -938,7 +964,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                         else:
                             masked_rows(v, v_s, t0, n_rows, h, V)
                         if ag_from_a:
-                            gate_in_place(ag_s, gcum, beta, a_in, gf, c, slot, t0, n_rows, h, tx - 384)
+                            gate_in_place(ag_s, ge_s, be_s, gcum, beta, a_in, av, blk, c, slot, t0, n_rows, h,
+                                          tx - 384)
                         T.barrier_arrive(full_e)
                         stamp(tr, 3, 2, c, tx, h, n)
                         if cluster_sum:
