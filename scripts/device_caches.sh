@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The two kernel caches that travel to the GPU machine in .device/ (CONTRIBUTING.md), compiled here for sm_90a. From
+# the project root, after ../shared/device/pack.sh (a fresh clone has neither .device/ nor its caches):
+#   bash scripts/device_caches.sh HEADS [SETS]
+# HEADS (e.g. 2/8,4/16): the default training builds of those head configurations (python -m flashgdn.precompile
+#   --kernels training --flags common), and the same again under each setting of DEVICE_CACHE_SWITCHES (space-separated
+#   VAR=VALUE, e.g. "FLASHGDN_HOPPER_FUSED_AG_FROM_A=1" for a round that times that switch), exported and packed as
+#   .device/kcache.tar.xz.
+# SETS (e.g. cp or cp,bwd; optional): FlashQLA's builds for those benchmark sets (benchmarks/anchor_cache.py, on the
+#   flash_qla package of .device/stack.tar.xz), packed as .device/anchor-kcache.tar.xz.
+# JOBS (default: the CPU count) compiles that many at once. scripts/gpu_rounds.sh unpacks both on the GPU machine.
+set -euo pipefail
+heads=${1:?usage: bash scripts/device_caches.sh HEADS [SETS]}
+sets=${2:-}
+jobs=${JOBS:-$(nproc)}
+[ -f .device/setup.sh ] || { echo "no .device/: run ../shared/device/pack.sh first" >&2; exit 2; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# ours: each setting's builds into one development cache, exported (just those entries) into one folder
+for setting in "" ${DEVICE_CACHE_SWITCHES:-}; do
+  echo "== our training builds for $heads${setting:+ with $setting}"
+  env TILELANG_CACHE_DIR="$work/cache" $setting python3 -m flashgdn.precompile --heads "$heads" --kernels training \
+    --flags common --jobs "$jobs" --export "$work/ours" | tail -2
+done
+tar -cf - -C "$work/ours" . | xz -9 > .device/kcache.tar.xz
+echo "ours: $(find "$work/ours" -name executable.so | wc -l) entries, $(du -h .device/kcache.tar.xz | cut -f1)"
+
+if [ -n "$sets" ]; then
+  echo "== FlashQLA's builds for the sets $sets"
+  mkdir -p "$work/site"
+  tar -xJf .device/stack.tar.xz -C "$work/site" ./flash_qla
+  TILELANG_CACHE_DIR="$work/anchor" python3 benchmarks/anchor_cache.py --site "$work/site" --set "$sets" --compile \
+    --jobs "$jobs" | grep -v '^  '
+  tar -cf - -C "$work/anchor" . | xz -9 > .device/anchor-kcache.tar.xz
+  echo "FlashQLA's: $(du -h .device/anchor-kcache.tar.xz | cut -f1)"
+fi
+du -sh .device
