@@ -7,7 +7,8 @@
 #   VAR=VALUE, e.g. "FLASHGDN_HOPPER_FUSED_AG_FROM_A=1" for a round that times that switch), exported and packed as
 #   .device/kcache.tar.xz.
 # SETS (e.g. cp or cp,bwd; optional): FlashQLA's builds for those benchmark sets (benchmarks/anchor_cache.py, on the
-#   flash_qla package of .device/stack.tar.xz), packed as .device/anchor-kcache.tar.xz.
+#   flash_qla package of .device/stack.tar.xz; ANCHOR_HEADS=HQK/HV,... for those head configurations of the sets
+#   only), packed as .device/anchor-kcache.tar.xz.
 # JOBS (default: the CPU count) compiles that many at once. scripts/gpu_rounds.sh unpacks both on the GPU machine.
 set -euo pipefail
 heads=${1:?usage: bash scripts/device_caches.sh HEADS [SETS]}
@@ -31,7 +32,7 @@ if [ -n "$sets" ]; then
   mkdir -p "$work/site"
   tar -xJf .device/stack.tar.xz -C "$work/site" ./flash_qla
   TILELANG_CACHE_DIR="$work/anchor" python3 benchmarks/anchor_cache.py --site "$work/site" --set "$sets" --compile \
-    --jobs "$jobs" | grep -v '^  '
+    --jobs "$jobs" ${ANCHOR_HEADS:+--only-heads "$ANCHOR_HEADS"} | grep -v '^  '
   tar -cf - -C "$work/anchor" . | xz -9 > .device/anchor-kcache.tar.xz
   echo "FlashQLA's: $(du -h .device/anchor-kcache.tar.xz | cut -f1)"
 fi
