@@ -877,8 +877,9 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
 ])
 def test_fused_backward_ag_from_a(opts, cp, dtype, monkeypatch, cuda):
     """``backward.FUSED_AG_FROM_A``: the fused kernel makes Ag from A (rounded to the io dtype) by stage 1's
-    expression instead of loading stage 1's Ag. Every gradient finite, the same bits on a rerun, within a quarter
-    of its bar of the gradients with stage 1's Ag (the two Ag differ by at most one rounding per element); zero on
+    expression instead of loading stage 1's Ag. Every gradient finite, the same bits on a rerun, within half its bar
+    of the gradients with stage 1's Ag (the two Ag differ by at most one rounding of the io dtype per element, so the
+    gradients by about their own rounding noise; a wrong piece or gate of the tile moves them by far more); zero on
     tokens past the last sequence; on the bars against float64 (strong decay and g = 0 heads among the cases)."""
     from flashgdn.kernels.hopper import backward
 
@@ -896,7 +897,7 @@ def test_fused_backward_ag_from_a(opts, cp, dtype, monkeypatch, cuda):
         diffs[name] = rel_rms(b.double(), a.double())
     print("Ag from A against stage 1's Ag:", {n: f"{d:.1e}" for n, d in diffs.items()})
     for name, d in diffs.items():
-        assert d < BARS[name] / 4, (name, diffs)
+        assert d < BARS[name] / 2, (name, diffs)
     cu = args[9]
     if cu is not None and int(cu[-1]) < inp["q"].shape[1]:  # tokens past the last sequence: zeros
         end = int(cu[-1])
