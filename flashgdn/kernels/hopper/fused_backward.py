@@ -237,7 +237,7 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     computes what it did, so the same bits.
 
     ``ag_from_a`` (``backward.FUSED_AG_FROM_A``, an A/B): the kernel reads A alone and makes Ag itself, so that the
-    backward can let stage 1's Ag go before this kernel's outputs exist (256 B per token and value head fewer at the
+    backward can let stage 1's Ag go before this kernel's outputs exist (128 B per token and value head fewer at the
     backward's peak). The ``Ag`` argument is then not read (the host passes A there too). The producer's first warp
     loads A's tile into Ag's by TMA and, once it has landed, gates it in place with stage 1's expression
     ``a * beta_j * exp2(min(g~_i - g~_j, 0) log2 e)`` (``kkt_inverse.py``'s ``gated``): the 36 blocks of 8 x 8 on or
