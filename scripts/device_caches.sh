@@ -5,7 +5,7 @@
 # HEADS (e.g. 2/8,4/16): the default training builds of those head configurations (python -m flashgdn.precompile
 #   --kernels training --flags common), and the same again under each setting of DEVICE_CACHE_SWITCHES (space-separated
 #   VAR=VALUE, e.g. "FLASHGDN_HOPPER_FUSED_AG_FROM_A=1" for a round that times that switch), exported and packed as
-#   .device/kcache.tar.xz.
+#   .device/kcache.tar.xz. DEVICE_CACHE_DTYPES (default bfloat16; e.g. bfloat16,float16) are the builds' q/k/v dtypes.
 # SETS (e.g. cp or cp,bwd; optional): FlashQLA's builds for those benchmark sets (benchmarks/anchor_cache.py, on the
 #   flash_qla package of .device/stack.tar.xz; ANCHOR_HEADS=HQK/HV,... for those head configurations of the sets
 #   only), packed as .device/anchor-kcache.tar.xz.
@@ -22,7 +22,7 @@ trap 'rm -rf "$work"' EXIT
 for setting in "" ${DEVICE_CACHE_SWITCHES:-}; do
   echo "== our training builds for $heads${setting:+ with $setting}"
   env TILELANG_CACHE_DIR="$work/cache" $setting python3 -m flashgdn.precompile --heads "$heads" --kernels training \
-    --flags common --jobs "$jobs" --export "$work/ours" | tail -2
+    --flags common --dtypes "${DEVICE_CACHE_DTYPES:-bfloat16}" --jobs "$jobs" --export "$work/ours" | tail -2
 done
 tar -cf - -C "$work/ours" . | xz -9 > .device/kcache.tar.xz
 echo "ours: $(find "$work/ours" -name executable.so | wc -l) entries, $(du -h .device/kcache.tar.xz | cut -f1)"
