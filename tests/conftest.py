@@ -39,7 +39,6 @@ def cuda(request) -> torch.device:
     return torch.device("cuda")
 
 
-
 def _forced_tilelang_cache_dir():
     """TileLang's cache directory where forced by assignment (``tilelang.env.TILELANG_CACHE_DIR = ...``): such a
     value outlives the test, since monkeypatch restores an attribute by assigning the old value, which forces it

@@ -740,17 +740,26 @@ def _off_on_again(backward, monkeypatch, switch, args):
     return off, backward.hopper_backward(*args), backward.hopper_backward(*args)
 
 
-def _assert_only_dg_moves(off, on, again, inp, args, label):
-    """A switch that sums dg's terms in another order, from ``_off_on_again``: every gradient finite and the same bits
-    on the rerun, dg within float32 rounding of the switch off (under 1e-5 relative), every other gradient the same
-    bits; dg zero on tokens past the last sequence; on the bars against float64."""
-    cu = args[9]
+def _repeatable_gradients(off, on, again):
+    """``_off_on_again``'s runs, gradient by gradient: one absent both ways where the reference has none, else finite
+    and the same bits on the rerun. Returns ``[(name, off, on)]`` of the present ones."""
+    present = []
     for name, a, b, c in zip(GRADIENTS, off, on, again):
         if a is None:
             assert b is None, name
             continue
         assert torch.isfinite(b).all(), name
         assert torch.equal(b, c), f"{name}: not deterministic"
+        present.append((name, a, b))
+    return present
+
+
+def _assert_only_dg_moves(off, on, again, inp, args, label):
+    """A switch that sums dg's terms in another order, from ``_off_on_again``: every gradient finite and the same bits
+    on the rerun, dg within float32 rounding of the switch off (under 1e-5 relative), every other gradient the same
+    bits; dg zero on tokens past the last sequence; on the bars against float64."""
+    cu = args[9]
+    for name, a, b in _repeatable_gradients(off, on, again):
         if name == "dg":
             assert rel_rms(b.double(), a.double()) < 1e-5, name
         else:
@@ -820,12 +829,7 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
     cu = args[9]
     off, on, again = _off_on_again(backward, monkeypatch, "FUSED_PAIR_SUMS", args)
     pairs_only = opts["Hv"] // opts["Hqk"] == 2
-    for name, a, b, c in zip(GRADIENTS, off, on, again):
-        if a is None:
-            assert b is None, name
-            continue
-        assert torch.isfinite(b).all(), name
-        assert torch.equal(b, c), name  # deterministic
+    for name, a, b in _repeatable_gradients(off, on, again):
         if pairs_only or name not in ("dq", "dk"):
             assert torch.equal(a, b), name
         else:
@@ -838,11 +842,16 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
         _assert_on_the_bars(on, _float64_backward(inp, args))
 
 
-@pytest.mark.parametrize("opts,cp,dtype", [
+# the cases both A/Bs of the fused kernel's options below start from: (make_inputs options, CP segment chunks, dtype)
+FUSED_AB_CASES = [
     (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail
     (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.float16),
     (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
     (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+]
+
+
+@pytest.mark.parametrize("opts,cp,dtype", FUSED_AB_CASES + [
     (dict(seqlens=[2000, 130], Hqk=2, Hv=8, gate="strong"), None, torch.bfloat16),  # a group of four
     (dict(seqlens=[1500], Hqk=4, Hv=16, gate="mixed"), None, torch.bfloat16),
     # from 32 value heads P is given and the gate side folds
@@ -866,11 +875,7 @@ def test_fused_backward_fold_by_the_tensor_cores(opts, cp, dtype, monkeypatch, c
     _assert_only_dg_moves(off, on, again, inp, args, "fold_mma")
 
 
-@pytest.mark.parametrize("opts,cp,dtype", [
-    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.bfloat16),  # a padded tail
-    (dict(seqlens=[700, 64, 9], Hqk=2, Hv=4, gate="mixed", pad=70), None, torch.float16),
-    (dict(seqlens=[256, 256], dense=True, Hqk=1, Hv=2, initial_state=False, state_v_first=True), None, torch.bfloat16),
-    (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
+@pytest.mark.parametrize("opts,cp,dtype", FUSED_AB_CASES + [
     (dict(seqlens=[2000, 130], Hqk=4, Hv=16, gate="strong"), None, torch.bfloat16),  # a group of four
     # from 32 value heads P is given and the gate side folds
     (dict(seqlens=[300, 64, 9], Hqk=16, Hv=32, gate="strong", zero_gate_heads=(1,), pad=70), None, torch.bfloat16),
@@ -887,14 +892,7 @@ def test_fused_backward_ag_from_a(opts, cp, dtype, monkeypatch, cuda):
     inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=13)
     off, on, again = _off_on_again(backward, monkeypatch, "FUSED_AG_FROM_A", args)
     assert backward.fused_backward_options(opts["Hv"], opts["Hv"] // opts["Hqk"]).get("ag_from_a")
-    diffs = {}
-    for name, a, b, c in zip(GRADIENTS, off, on, again):
-        if a is None:
-            assert b is None, name
-            continue
-        assert torch.isfinite(b).all(), name
-        assert torch.equal(b, c), f"{name}: not deterministic"
-        diffs[name] = rel_rms(b.double(), a.double())
+    diffs = {name: rel_rms(b.double(), a.double()) for name, a, b in _repeatable_gradients(off, on, again)}
     print("Ag from A against stage 1's Ag:", {n: f"{d:.1e}" for n, d in diffs.items()})
     for name, d in diffs.items():
         assert d < BARS[name] / 2, (name, diffs)
