@@ -171,25 +171,23 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump([json.loads(k) for k in builds], f, indent=1)
         if a.compile:
-            _RECORDED.update(calls)
-            compile_builds(builds, a.jobs)
+            compile_builds(calls, builds, a.jobs)
     return 0
 
 
-#: the recorded factory calls by key, where ``_compile_build`` (in this process or a forked worker) finds them
-_RECORDED: Dict[str, Tuple[object, tuple, dict]] = {}
-
-
-def compile_builds(builds: Sequence[str], jobs: int) -> None:
-    """Each recorded build made again with compiling on, here or (``jobs`` > 1) in that many forked workers taking
-    every jobs-th build: forked inside ``sm90_host``, each has the recorded factories and the sm_90a target, and
-    nothing needs pickling. A worker that fails prints its error and makes the whole call fail."""
+def compile_builds(calls: Dict[str, Tuple[object, tuple, dict]], builds: Sequence[str], jobs: int) -> None:
+    """Each recorded build (``calls[key]`` for each key of ``builds``) made again with compiling on, here or
+    (``jobs`` > 1) in that many forked workers taking every jobs-th build: forked inside ``sm90_host``, each has the
+    recorded factories and the sm_90a target, and nothing needs pickling. A worker that fails prints its error and
+    makes the whole call fail."""
     n = len(builds)
 
     def run(indices):
         for i in indices:
-            name, secs = _compile_build(builds[i])
-            print(f"[{i + 1}/{n}] {name}: {secs:.1f} s", flush=True)
+            factory, args, kwargs = calls[builds[i]]
+            t0 = time.perf_counter()
+            factory(*args, **kwargs)  # as the operator calls it (its mode inferred first), now compiling
+            print(f"[{i + 1}/{n}] {json.loads(builds[i])[0]}: {time.perf_counter() - t0:.1f} s", flush=True)
 
     if jobs <= 1:
         run(range(n))
@@ -216,13 +214,6 @@ def compile_builds(builds: Sequence[str], jobs: int) -> None:
     failed = sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in pids)
     if failed:
         raise SystemExit(f"--compile: {failed} of {len(pids)} workers failed (their errors are above)")
-
-
-def _compile_build(key: str) -> Tuple[str, float]:
-    factory, args, kwargs = _RECORDED[key]
-    t0 = time.perf_counter()
-    factory(*args, **kwargs)  # as the operator calls it (its mode inferred first), now compiling
-    return json.loads(key)[0], time.perf_counter() - t0
 
 
 if __name__ == "__main__":
