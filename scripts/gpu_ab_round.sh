@@ -191,6 +191,7 @@ set -uo pipefail
 # ag-from-a (backward.FUSED_AG_FROM_A, notes v0.37a): its GPU test, a training step's peak both ways on 4/16 131072x1
 #   and 2/8 65536x1, fwd+bwd both ways on ten shapes (ag-from-a-ab.json), the fused kernel's trace without and with
 #   it at 4/16 (trace-ag-from-a{0,1}.json).
+# ag-from-a-time: the same without the peaks (v0.37b changed the kernel alone).
 # walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 8 of the 13 shapes whose backward
 #   it splits (tests/test_cp.py's WALKS_BESIDE_STATES_MOVES) at 16/32 and 16/64, the heads whose training builds the
 #   shipped kernel cache holds (walks-beside-ab.json).
@@ -211,7 +212,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -760,12 +761,13 @@ elif [ "$part" = walks-beside ]; then
     --shape 16/64:24576+8192 \
     --modes fwdbwd --rounds 2 --max-diff 8e-3 --out "$out/walks-beside-ab.json"
   grep "geometric\|same bits\|on/off" "$out/walks-beside-ab.log"
-elif [ "$part" = ag-from-a ]; then
+elif [ "$part" = ag-from-a ] || [ "$part" = ag-from-a-time ]; then
   # backward.FUSED_AG_FROM_A: its GPU test (gpu-ag-from-a.log), a training step's peak on two Hqk = Hv / 4 shapes
   # both ways (memory-peak-ag-from-a{0,1}.json), then fwd+bwd both ways on the cp set's Hqk = Hv / 4 long shapes and
   # the bwd set's 16/32 and 16/64 (ag-from-a-ab.json; not the same bits, so within dq's bar)
   gpu_tests gpu-ag-from-a 300 8 tests/test_gpu_hopper_backward.py -k "ag_from_a"
-  for on in 0 1; do
+  # ag-from-a-time: the same less the peaks (the host's part, which makes them, is unchanged since v0.37a measured them)
+  for on in $([ "$part" = ag-from-a ] && echo 0 1); do
     logged memory-peak-ag-from-a$on 150 env FLASHGDN_HOPPER_FUSED_AG_FROM_A=$on python3 benchmarks/memory_peak.py \
       --case 4/16:131072 --case 2/8:65536 --out "$out/memory-peak-ag-from-a$on.json"
     tail -12 "$out/memory-peak-ag-from-a$on.log"

@@ -43,10 +43,10 @@ EXPLAINED_SPILLS = {
         "16/32 build (pair sums, P given, the gate side's fold); cluster_sum "
         "(backward.FUSED_CLUSTER_SUM, a memory option, off) up to 212/244: the producer warps' exchange at their 40 "
         "registers (its loop-carried addresses and the sums' 16-byte vectors); ag_from_a (backward.FUSED_AG_FROM_A, "
-        "an A/B) 176/216 at 2/8, 172/208 at 4/16 and 160/200 at 16/32 (84-92 more than the same builds without it), "
-        "from the producer warp that gates A at its 40 registers (its block indices and 16-byte pieces; a gating by "
-        "columns, two at a time over all 64 rows, spilled 40 more instead of ~84 but takes ~1.8x the instructions and "
-        "exp2), not read in the SASS. (These are the fast-math builds that run; the report read PTX made without fast math before notes v0.32c, a few to 28 bytes apart.)",
+        "an A/B) 188/240 at 2/8 and 4/16, 204/256 with pair sums, 184-188/252-344 at 16/32 and 172-180/260-352 at "
+        "16/64 (~100-150 more than the same builds without it), from the producer's 128 threads that gate A at their "
+        "40 registers (a block's indices and a 16-byte piece each; one warp gating in 9 steps spilled 172/208 at 4/16, "
+        "unrolled three steps 196/324), not read in the SASS. (These are the fast-math builds that run; the report read PTX made without fast math before notes v0.32c, a few to 28 bytes apart.)",
     "fused_backward_trace[":
         "the fused backward's trace build (a diagnostic, benchmarks/fused_backward_trace.py): the default build's "
         "loop invariants and the stamps' addresses",

@@ -119,9 +119,10 @@ FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0")
 #: the fused kernel reads A alone and makes Ag from it (``fused_backward.py``'s ``ag_from_a``: its producer gates A's
 #: tile in place by stage 1's expression), so that stage 1's Ag is let go before the kernel's outputs are allocated:
 #: 128 B per token and value head (Ag's 64 x 64 tile a chunk) off the training step's peak where it holds A, Ag, the
-#: chunk states and dq, dk and dv per value head (4/16 131072x1: 3621 MiB against FlashQLA's 3505, ~3365 expected
-#: without Ag; notes v0.37a). Ag then comes from A rounded to the io dtype: within one rounding of stage 1's Ag, not
-#: the same bits. An A/B, off until measured; FLASHGDN_HOPPER_FUSED_AG_FROM_A=1 turns it on.
+#: chunk states and dq, dk and dv per value head (measured on an H100, notes "v0.37a measured": 4/16 131072x1 3621 ->
+#: 3365 MiB, against FlashQLA's 3505). Ag then comes from A rounded to the io dtype: within one rounding of stage 1's
+#: Ag, not the same bits. With one warp gating (v0.37a) fwd+bwd took 1.06x; the producer's four warps gate it now
+#: (v0.37b), not yet measured. An A/B, off; FLASHGDN_HOPPER_FUSED_AG_FROM_A=1 turns it on.
 FUSED_AG_FROM_A = os.environ.get("FLASHGDN_HOPPER_FUSED_AG_FROM_A", "0") == "1"
 
 #: context parallelism's walks from zero (``flashgdn.cp.backward``'s step 2) by the walk's ``starts_only`` build,

@@ -57,21 +57,27 @@ from .common import CHUNK, LOG2E, TARGET, head_order_total, pass_configs
 #: float32 tiles (at 160 it spilled 56 B, with a third tile 256 B and every wgmma serialised); the producer's masked
 #: loads spilled at 24 and 32. Each split tried is in docs/hopper-notes.md (v0.14).
 STATE_REGS, VALUE_REGS, GATE_REGS, PRODUCER_REGS = 160, 168, 144, 40
-#: ``ag_from_a``'s gating: the 64 x 64 tile's 36 blocks of 8 x 8 on or below the diagonal, four a step (a warp's 32
-#: threads, a row of a block each), in this many steps
-LOWER_BLOCK_STEPS = 9
+#: ``ag_from_a``'s gating: the 64 x 64 tile's 36 blocks of 8 x 8 on or below the diagonal, by the producer's 128
+#: threads (a row of a block each, sixteen blocks a step), in this many steps (the last takes four blocks)
+LOWER_BLOCKS, GATING_THREADS, LOWER_BLOCK_STEPS = 36, 128, 3
 
 
-def lower_block_piece(step, lane, to_int=int):
-    """``(block row, block column)`` of the 8 x 8 block whose row ``lane % 8`` thread ``lane`` (0-31) of the gating
-    warp takes at ``step`` (0-8): block ``b = 4 step + lane // 8`` of the blocks on or below the diagonal numbered row
-    by row (block row ``rb`` holds blocks ``rb (rb + 1) / 2`` to ``rb (rb + 1) / 2 + rb``). Eight threads on one block
-    read and write its eight rows' 16-byte pieces of one column of pieces, which the tile's 128-byte swizzle puts on
-    eight different bank groups. Written for Python ints (a test checks the cover) and for TIR expressions
-    (``to_int`` then casts a comparison to int32)."""
-    b = step * 4 + lane // 8
+def lower_block_piece(step, thread, to_int=int):
+    """``(block row, block column)`` of the 8 x 8 block whose row ``thread % 8`` producer thread ``thread`` (0-127)
+    takes at ``step`` (0-2): block ``b = 16 step + thread // 8`` of the blocks on or below the diagonal numbered row by
+    row (block row ``rb`` holds blocks ``rb (rb + 1) / 2`` to ``rb (rb + 1) / 2 + rb``); ``b`` past the last (35) is
+    no block, and the thread skips that step (``lower_block_taken``). Eight threads on one block read and write its
+    eight rows' 16-byte pieces of one column of pieces, which the tile's 128-byte swizzle puts on eight different bank
+    groups. Written for Python ints (a test checks the cover) and for TIR expressions (``to_int`` then casts a
+    comparison to int32)."""
+    b = step * (GATING_THREADS // 8) + thread // 8
     rb = sum(to_int(b >= k * (k + 1) // 2) for k in range(1, 8))
     return rb, b - rb * (rb + 1) // 2
+
+
+def lower_block_taken(step, thread):
+    """Whether ``thread`` has a block at ``step`` (``lower_block_piece``'s ``b`` is one of the 36)."""
+    return step * (GATING_THREADS // 8) + thread // 8 < LOWER_BLOCKS
 
 
 #: the gate side's column sums (dim 0 of a [64, 64] accumulator: across warps) are reduced this many columns at a
@@ -239,13 +245,15 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     ``ag_from_a`` (``backward.FUSED_AG_FROM_A``, an A/B): the kernel reads A alone and makes Ag itself, so that the
     backward can let stage 1's Ag go before this kernel's outputs exist (128 B per token and value head fewer at the
     backward's peak). The ``Ag`` argument is then not read (the host passes A there too). The producer's first warp
-    loads A's tile into Ag's by TMA and, once it has landed, gates it in place with stage 1's expression
-    ``a * beta_j * exp2(min(g~_i - g~_j, 0) log2 e)`` (``kkt_inverse.py``'s ``gated``): the 36 blocks of 8 x 8 on or
-    below the diagonal (A is zero above them), 16 bytes a thread in 9 steps (``lower_block_piece``), g~ and beta of
-    the chunk from two vectors of the warp's own (512 B of shared memory) that it fills while the tile is in flight.
-    The one difference from stage 1's Ag is that ``a`` is A as stored, rounded to the io dtype, where stage 1 gates
-    the float32 inverse: at most one rounding of the io dtype apart per element (not the same bits). The V, Ag, S^T
-    group is signalled after the gating, later than the load alone would be.
+    loads A's tile into Ag's by TMA and, once it has landed, the producer's 128 threads gate it in place with stage
+    1's expression ``a * beta_j * exp2(min(g~_i - g~_j, 0) log2 e)`` (``kkt_inverse.py``'s ``gated``): the 36 blocks
+    of 8 x 8 on or below the diagonal (A is zero above them), 16 bytes a thread in 3 steps (``lower_block_piece``),
+    g~ and beta of the chunk from two vectors of the producer's own (1 KB of shared memory, two chunks' worth) that it
+    fills before the wait for the tile's release. Warps 13-15 are free for it: the V, Ag, S^T group is released
+    well before their groups (notes v0.37b; v0.37a's one gating warp put ~9k cycles between the release and the
+    signal). The one difference from stage 1's Ag is that ``a`` is A as stored, rounded to the io dtype, where stage
+    1 gates the float32 inverse: at most one rounding of the io dtype apart per element (not the same bits). The V,
+    Ag, S^T group is signalled after the gating, later than the load alone would be. Not beside ``cluster_sum``.
     """
     import tilelang
     import tilelang.language as T
@@ -265,6 +273,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
     if longest_first and not first_apart:
         raise ValueError("longest_first is built beside first_apart (the operator's default) only")
     assert not (cluster_sum and p_given), "p_given is not built beside cluster_sum"
+    # (cluster_sum's producer warps sum the chunk before's rows after their loads; beside the gating, untried)
+    assert not (cluster_sum and ag_from_a), "ag_from_a is not built beside cluster_sum"
     # beside p_given the gate side folds, into Q K^T's accumulator (free there): on the value side ptxas serialised
     # the kernel's wgmma for want of registers (C7512)
     fold_on_gates = fold_mma and p_given
@@ -289,29 +299,39 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
         T.fence_proxy_async()
 
     @T.macro
-    def gate_in_place(ag_s, ge_s, be_s, gcum, beta, a_in, av, blk, c, slot, t0, n_rows, h, lane):
-        # ag_from_a: A's tile (on its way by TMA on a_in) made Ag in place by the 32 threads of one warp. While it is
-        # in flight the warp copies the chunk's g~ and beta (zero past the sequence's end, as stage 1 loads it) into
-        # vectors of its own; then it gates the 36 blocks of 8 x 8 on or below the diagonal (the rest of A is zero
-        # and stays so), 16 bytes a thread per step (``lower_block_piece``)
-        for r in T.serial(C // 32):
-            ge_s[r * 32 + lane] = gcum[h, slot * C + r * 32 + lane]
-            be_s[r * 32 + lane] = T.if_then_else(r * 32 + lane < n_rows, beta[0, t0 + r * 32 + lane, h], 0.0)
-        T.sync_warp()
+    def gates_in(ge_s, be_s, gcum, beta, c, slot, t0, n_rows, h, p):
+        # ag_from_a: the chunk's g~ (threads 0-63) and beta (64-127; zero past the sequence's end, as stage 1 loads
+        # it) into the chunk parity's half of two vectors of the producer's own, before the wait for the V, Ag, S^T
+        # group's release: the loads' latency passes during the wait. Two halves, because a thread may fill chunk c's
+        # while another still gates chunk c - 1 (none can be two chunks ahead: each chunk's a_in waits for all 128)
+        if p < C:
+            ge_s[c % 2, p] = gcum[h, slot * C + p]
+        else:
+            be_s[c % 2, p - C] = T.if_then_else(p - C < n_rows, beta[0, t0 + p - C, h], 0.0)
+
+    @T.macro
+    def gate_in_place(ag_s, ge_s, be_s, a_in, full_e, av, blk, c, p):
+        # ag_from_a: A's tile (its TMA issued by the first warp on a_in) made Ag in place by the producer's 128
+        # threads once it has landed, and their g~ and beta written (a_in counts the 128 arrivals): the 36 blocks of
+        # 8 x 8 on or below the diagonal (the rest of A is zero and stays so), 16 bytes a thread per step
+        # (``lower_block_piece``); then each thread fences its writes for the tensor cores and arrives on full_e
+        # (which counts the 128, so the group is ready once every piece is gated and V and S^T have landed)
         T.barrier_arrive(a_in)
         T.barrier_wait(a_in, c % 2)
         for step in T.serial(LOWER_BLOCK_STEPS):
-            # the block's row and column once a step (in registers: the swizzled addresses below use them 4 times)
-            blk[0], blk[1] = lower_block_piece(step, lane, lambda b: T.cast(b, "int32"))
-            for e in T.vectorized(8):
-                av[e] = ag_s[blk[0] * 8 + lane % 8, blk[1] * 8 + e]
-            for e in T.unroll(8):  # (unrolled: av stays in registers)
-                av[e] = T.cast(T.cast(av[e], acc) * be_s[blk[1] * 8 + e]
-                               * T.exp2(T.min(ge_s[blk[0] * 8 + lane % 8] - ge_s[blk[1] * 8 + e], 0.0) * LOG2E),
-                               io_dtype)
-            for e in T.vectorized(8):
-                ag_s[blk[0] * 8 + lane % 8, blk[1] * 8 + e] = av[e]
+            if lower_block_taken(step, p):
+                # the block's row and column once a step (in registers: the swizzled addresses below use them 4 times)
+                blk[0], blk[1] = lower_block_piece(step, p, lambda b: T.cast(b, "int32"))
+                for e in T.vectorized(8):
+                    av[e] = ag_s[blk[0] * 8 + p % 8, blk[1] * 8 + e]
+                for e in T.unroll(8):  # (unrolled: av stays in registers)
+                    av[e] = T.cast(T.cast(av[e], acc) * be_s[c % 2, blk[1] * 8 + e]
+                                   * T.exp2(T.min(ge_s[c % 2, blk[0] * 8 + p % 8] - ge_s[c % 2, blk[1] * 8 + e], 0.0)
+                                            * LOG2E), io_dtype)
+                for e in T.vectorized(8):
+                    ag_s[blk[0] * 8 + p % 8, blk[1] * 8 + e] = av[e]
         T.fence_proxy_async()
+        T.barrier_arrive(full_e)
 
     @T.macro
     def add_rows(src_s, dst, t0, n_rows, hp, lane):
@@ -479,17 +499,18 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
             z_s = T.alloc_shared((C,), acc)  # the row terms of dg~ whose reverse cumsum it is
             db1_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
-            if ag_from_a:  # the gating warp's own g~ and beta of the chunk
-                ge_s = T.alloc_shared((C,), acc)
-                be_s = T.alloc_shared((C,), acc)
+            if ag_from_a:  # the producer's own g~ and beta of the chunk, by chunk parity (gates_in)
+                ge_s = T.alloc_shared((2, C), acc)
+                be_s = T.alloc_shared((2, C), acc)
             else:
                 ge_s = be_s = None
 
-            full_e = T.alloc_barrier(arrive_count=32)  # V, Ag, S^T loaded
+            # V, Ag, S^T loaded (and, with ag_from_a, Ag gated by the producer's 128 threads)
+            full_e = T.alloc_barrier(arrive_count=128 if ag_from_a else 32)
             full_m = T.alloc_barrier(arrive_count=64)  # Q, dO, A, g~, beta loaded
             full_k = T.alloc_barrier(arrive_count=32)  # K loaded
             if ag_from_a:
-                a_in = T.alloc_barrier(arrive_count=32)  # A's tile landed in Ag's, to be gated there
+                a_in = T.alloc_barrier(arrive_count=128)  # A's tile landed in Ag's, g~ and beta written: to gate
             else:
                 a_in = None
             free_e = T.alloc_barrier(arrive_count=256)  # the value and gate sides done with V, Ag, S^T
@@ -944,6 +965,8 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                     t0 = bos + (n_chunks - 1 - c) * C
                     n_rows = T.min(eos - t0, C)
                     slot = first_slot[n] + (n_chunks - 1 - c)
+                    if ag_from_a:
+                        gates_in(ge_s, be_s, gcum, beta, c, slot, t0, n_rows, h, tx - 384)
                     if tx < 416:
                         if c > 0:
                             T.barrier_wait(free_e, (c + 1) % 2)
@@ -963,11 +986,16 @@ def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_f
                             T.tma_copy(v[0, t0:t0 + C, h, 0:V], v_s, barrier=full_e)
                         else:
                             masked_rows(v, v_s, t0, n_rows, h, V)
-                        if ag_from_a:
-                            gate_in_place(ag_s, ge_s, be_s, gcum, beta, a_in, av, blk, c, slot, t0, n_rows, h,
-                                          tx - 384)
-                        T.barrier_arrive(full_e)
-                        stamp(tr, 3, 2, c, tx, h, n)
+                        if not ag_from_a:
+                            T.barrier_arrive(full_e)
+                            stamp(tr, 3, 2, c, tx, h, n)
+                    if ag_from_a:
+                        # every producer thread gates its pieces of A's tile: the V, Ag, S^T group's release comes
+                        # well before the other groups', so warps 13-15 are idle then (notes v0.37b)
+                        gate_in_place(ag_s, ge_s, be_s, a_in, full_e, av, blk, c, tx - 384)
+                        if tx < 416:
+                            stamp(tr, 3, 2, c, tx, h, n)
+                    if tx < 416:
                         if cluster_sum:
                             # the chunk before's exchange, once this chunk's loads are issued (the next wait here is
                             # for the value side's point past this chunk's dVn, so the exchange delays no load)
