@@ -193,6 +193,8 @@ set -uo pipefail
 #   it at 4/16 (trace-ag-from-a{0,1}.json).
 # ag-from-a-time: the same without the peaks (v0.37b changed the kernel alone).
 # ag-from-a-peaks: a training step's peak with it on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json).
+# pairs-quarter (notes v0.37c): backward.FUSED_PAIR_SUMS forced on, at the cp set's Hqk = Hv / 4 shapes (groups of four):
+#   its GPU tests, fwd+bwd both ways (pairs-quarter-ab.json), the peaks with it on (memory-peak-pairs-quarter.json).
 # walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 8 of the 13 shapes whose backward
 #   it splits (tests/test_cp.py's WALKS_BESIDE_STATES_MOVES) at 16/32 and 16/64, the heads whose training builds the
 #   shipped kernel cache holds (walks-beside-ab.json).
@@ -213,7 +215,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -797,6 +799,23 @@ elif [ "$part" = ag-from-a-peaks ]; then
   logged memory-peak-cp-quarter 240 env FLASHGDN_HOPPER_FUSED_AG_FROM_A=1 python3 benchmarks/memory_peak.py $cases \
     --top 3 --out "$out/memory-peak-cp-quarter.json"
   grep "peak" "$out/memory-peak-cp-quarter.log" | cut -c1-100
+elif [ "$part" = pairs-quarter ]; then
+  # backward.FUSED_PAIR_SUMS forced on at groups of four (notes v0.37c): its GPU tests (gpu-pairs-quarter.log), fwd+bwd
+  # both ways on the cp set's 27 Hqk = Hv / 4 shapes (pairs-quarter-ab.json: off is "auto" there, no pair sums in
+  # groups of four), a training step's peak with it on at the same shapes (memory-peak-pairs-quarter.json)
+  gpu_tests gpu-pairs-quarter 240 8 tests/test_gpu_hopper_backward.py -k "test_fused_backward_pair_sums"
+  logged pairs-quarter-ab 300 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_PAIR_SUMS \
+    --set cp --only-heads 1/4,2/8,4/16 --modes fwdbwd --rounds 2 --max-diff 8e-3 --out "$out/pairs-quarter-ab.json"
+  grep "geometric\|same bits" "$out/pairs-quarter-ab.log"
+  cases=""
+  for heads in 1/4 2/8 4/16; do
+    for mix in 8192 16384 32768 65536 131072 16384,16384 65536,65536 61440,4096 122880,8192; do
+      cases="$cases --case $heads:$mix"
+    done
+  done
+  logged memory-peak-pairs-quarter 240 env FLASHGDN_HOPPER_FUSED_PAIR_SUMS=1 python3 benchmarks/memory_peak.py $cases \
+    --top 3 --out "$out/memory-peak-pairs-quarter.json"
+  grep "peak" "$out/memory-peak-pairs-quarter.log" | cut -c1-100
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
   logged late-b-in-kernel-cp 240 python3 benchmarks/switch_ab.py \
