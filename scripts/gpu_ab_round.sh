@@ -251,6 +251,18 @@ negligible_m_in_kernel_ab() {
     --modes fwdbwd --rounds 2 --out "$out/$prefix-cp-fwdbwd.json"
   grep "geometric\|same bits" "$out/$prefix-cp-fwdbwd.log"
 }
+# a training step's peak under SETTING (VAR=VALUE) at the cp set's 27 Hqk = Hv / 4 shapes, the same step as the
+# benchmark's fwd+bwd peak, which the cp-set records hold for both implementations (NAME.json): quarter_peaks NAME SETTING
+quarter_peaks() {
+  local name=$1 setting=$2 cases="" heads mix
+  for heads in 1/4 2/8 4/16; do
+    for mix in 8192 16384 32768 65536 131072 16384,16384 65536,65536 61440,4096 122880,8192; do
+      cases="$cases --case $heads:$mix"
+    done
+  done
+  logged "$name" 240 env "$setting" python3 benchmarks/memory_peak.py $cases --top 3 --out "$out/$name.json"
+  grep "peak" "$out/$name.log" | cut -c1-100
+}
 # the fused backward alone, one option set a process in the order given (a build's time can depend on the build timed
 # beside it, notes v0.30b): kernel_sets PREFIX "SHAPES" SET... (PREFIX-1.json, PREFIX-2.json, ...)
 kernel_sets() {
@@ -788,17 +800,8 @@ elif [ "$part" = ag-from-a ] || [ "$part" = ag-from-a-time ]; then
     tail -30 "$out/$name.log"
   done
 elif [ "$part" = ag-from-a-peaks ]; then
-  # a training step's peak with FUSED_AG_FROM_A on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json;
-  # the same step as the benchmark's fwd+bwd peak, which the cp-set records hold for both implementations)
-  cases=""
-  for heads in 1/4 2/8 4/16; do
-    for mix in 8192 16384 32768 65536 131072 16384,16384 65536,65536 61440,4096 122880,8192; do
-      cases="$cases --case $heads:$mix"
-    done
-  done
-  logged memory-peak-cp-quarter 240 env FLASHGDN_HOPPER_FUSED_AG_FROM_A=1 python3 benchmarks/memory_peak.py $cases \
-    --top 3 --out "$out/memory-peak-cp-quarter.json"
-  grep "peak" "$out/memory-peak-cp-quarter.log" | cut -c1-100
+  # a training step's peak with FUSED_AG_FROM_A on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json)
+  quarter_peaks memory-peak-cp-quarter FLASHGDN_HOPPER_FUSED_AG_FROM_A=1
 elif [ "$part" = pairs-quarter ]; then
   # backward.FUSED_PAIR_SUMS forced on at groups of four (notes v0.37c): its GPU tests (gpu-pairs-quarter.log), fwd+bwd
   # both ways on the cp set's 27 Hqk = Hv / 4 shapes (pairs-quarter-ab.json: off is "auto" there, no pair sums in
@@ -807,15 +810,7 @@ elif [ "$part" = pairs-quarter ]; then
   logged pairs-quarter-ab 300 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_PAIR_SUMS \
     --set cp --only-heads 1/4,2/8,4/16 --modes fwdbwd --rounds 2 --max-diff 8e-3 --out "$out/pairs-quarter-ab.json"
   grep "geometric\|same bits" "$out/pairs-quarter-ab.log"
-  cases=""
-  for heads in 1/4 2/8 4/16; do
-    for mix in 8192 16384 32768 65536 131072 16384,16384 65536,65536 61440,4096 122880,8192; do
-      cases="$cases --case $heads:$mix"
-    done
-  done
-  logged memory-peak-pairs-quarter 240 env FLASHGDN_HOPPER_FUSED_PAIR_SUMS=1 python3 benchmarks/memory_peak.py $cases \
-    --top 3 --out "$out/memory-peak-pairs-quarter.json"
-  grep "peak" "$out/memory-peak-pairs-quarter.log" | cut -c1-100
+  quarter_peaks memory-peak-pairs-quarter FLASHGDN_HOPPER_FUSED_PAIR_SUMS=1
 elif [ "$part" = late-b-in-kernel ]; then
   gpu_tests gpu-late-b-in-kernel 240 8 tests/test_gpu_hopper_cp.py -k "chunk_injects or late_b_in_kernel"
   logged late-b-in-kernel-cp 240 python3 benchmarks/switch_ab.py \
