@@ -70,14 +70,19 @@ def lower_block_piece(step, thread, to_int=int):
     eight rows' 16-byte pieces of one column of pieces, which the tile's 128-byte swizzle puts on eight different bank
     groups. Written for Python ints (a test checks the cover) and for TIR expressions (``to_int`` then casts a
     comparison to int32)."""
-    b = step * (GATING_THREADS // 8) + thread // 8
+    b = _lower_block_number(step, thread)
     rb = sum(to_int(b >= k * (k + 1) // 2) for k in range(1, 8))
     return rb, b - rb * (rb + 1) // 2
 
 
 def lower_block_taken(step, thread):
     """Whether ``thread`` has a block at ``step`` (``lower_block_piece``'s ``b`` is one of the 36)."""
-    return step * (GATING_THREADS // 8) + thread // 8 < LOWER_BLOCKS
+    return _lower_block_number(step, thread) < LOWER_BLOCKS
+
+
+def _lower_block_number(step, thread):
+    # b of lower_block_piece: eight threads a block, GATING_THREADS // 8 blocks a step
+    return step * (GATING_THREADS // 8) + thread // 8
 
 
 #: the gate side's column sums (dim 0 of a [64, 64] accumulator: across warps) are reduced this many columns at a
