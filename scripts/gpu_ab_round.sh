@@ -193,6 +193,7 @@ set -uo pipefail
 #   it at 4/16 (trace-ag-from-a{0,1}.json).
 # ag-from-a-time: the same without the peaks (v0.37b changed the kernel alone).
 # ag-from-a-peaks: a training step's peak with it on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json).
+# pairs-default: the backward's GPU file with the pair sums in groups of two and four by default.
 # pairs-quarter (notes v0.37c): backward.FUSED_PAIR_SUMS forced on, at the cp set's Hqk = Hv / 4 shapes (groups of four):
 #   its GPU tests, fwd+bwd both ways (pairs-quarter-ab.json), the peaks with it on (memory-peak-pairs-quarter.json).
 # walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 8 of the 13 shapes whose backward
@@ -215,7 +216,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -802,6 +803,9 @@ elif [ "$part" = ag-from-a ] || [ "$part" = ag-from-a-time ]; then
 elif [ "$part" = ag-from-a-peaks ]; then
   # a training step's peak with FUSED_AG_FROM_A on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json)
   quarter_peaks memory-peak-cp-quarter FLASHGDN_HOPPER_FUSED_AG_FROM_A=1
+elif [ "$part" = pairs-default ]; then
+  # the backward's GPU file with the pair sums taken by "auto" in groups of four as well (notes v0.37c measured)
+  gpu_tests gpu-pairs-default 420 14 tests/test_gpu_hopper_backward.py
 elif [ "$part" = pairs-quarter ]; then
   # backward.FUSED_PAIR_SUMS forced on at groups of four (notes v0.37c): its GPU tests (gpu-pairs-quarter.log), fwd+bwd
   # both ways on the cp set's 27 Hqk = Hv / 4 shapes (pairs-quarter-ab.json: off is "auto" there, no pair sums in

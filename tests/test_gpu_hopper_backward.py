@@ -906,7 +906,9 @@ def test_fused_backward_ag_from_a(opts, cp, dtype, monkeypatch, cuda):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeypatch, cuda):
     """Two calls of the fused backward give the same bits; its gradients differ from the two-kernel backward's
-    only by rounding (the same products, rounded to the io dtype at other points: well inside the bars)."""
+    only by rounding (the same products, rounded to the io dtype at other points: well inside the bars). In this
+    group of four the pair sums (``FUSED_PAIR_SUMS``, taken here by default) round each pair's dq and dk to the io
+    dtype before the two pairs are added, one rounding more than the group sum: those two within half their bar."""
     from flashgdn.kernels.hopper import backward
 
     inp = make_inputs(K=128, V=128, dtype=dtype, device=cuda, seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="mixed")
@@ -923,8 +925,9 @@ def test_fused_backward_is_deterministic_and_near_the_two_kernels(dtype, monkeyp
         assert torch.equal(x, y), name
         diffs[name] = rel_rms(x.double(), z.double())
     print(diffs)
+    pair_rounded = backward.fused_backward_options(8, 4).get("pair_sums")
     for name, d in diffs.items():
-        assert d < BARS[name] / 4, (name, diffs)
+        assert d < BARS[name] / (2 if pair_rounded and name in ("dq", "dk") else 4), (name, diffs)
 
 
 @pytest.mark.parametrize("ratio", [1, 4])

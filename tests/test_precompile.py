@@ -103,7 +103,8 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
                                "kkt_inverse_with_A_async_5[2/8,bfloat16]",
                                "fused_backward[2/8,bfloat16,dht=1,first_apart]",
                                "fused_backward[2/8,bfloat16,dht=0,first_apart]",
-                               "group_sum[4,bfloat16]", "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
+                               "group_sum[4,bfloat16]", "group_sum[2,bfloat16]",
+                               "chunk_grad[2/8,bfloat16,async,rows,scan,wide]"]
     # without FIRST_STATES_APART the fused kernel's builds and states pass read and write every state in one tensor
     monkeypatch.setattr(backward, "FIRST_STATES_APART", False)
     names_off = [v[0] for v in training_variants(2, 8, flags="common")]
@@ -129,9 +130,12 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert "cluster_sum" not in backward.fused_backward_options(32, 16)
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     assert not [v for v in training_variants(2, 8, flags="common") if v[2].get("cluster_sum")]
-    # FUSED_PAIR_SUMS: "auto" adds dq and dk per pair of value heads in the fused builds of groups of two only; on,
-    # in every even group, and a group of four sums its two pairs
-    assert not [v for v in training_variants(2, 8, flags="common") if v[2].get("pair_sums")]
+    # FUSED_PAIR_SUMS: "auto" adds dq and dk per pair of value heads in the fused builds of groups of two, and of four
+    # below FUSED_P_GIVEN_MIN_HV value heads (its two pairs then summed); on, in every even group
+    assert [v[2].get("pair_sums") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
+        == [True, True]
+    assert "pair_sums" not in backward.fused_backward_options(32, 4)  # (P given there: not measured)
+    assert "pair_sums" not in backward.fused_backward_options(48, 6)
     assert [v[2].get("pair_sums") for v in training_variants(2, 4, flags="common") if v[1] == "fused_backward"] \
         == [True, True]
     assert "group_sum[2,bfloat16]" in [v[0] for v in training_variants(2, 4, flags="common")]  # chunk_grad's

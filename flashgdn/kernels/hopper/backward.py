@@ -121,8 +121,10 @@ FUSED_LONGEST_FIRST = os.environ.get("FLASHGDN_HOPPER_FUSED_LONGEST_FIRST", "0")
 #: 128 B per token and value head (Ag's 64 x 64 tile a chunk) off the training step's peak where it holds A, Ag, the
 #: chunk states and dq, dk and dv per value head (measured on an H100, notes "v0.37a measured": 4/16 131072x1 3621 ->
 #: 3365 MiB, against FlashQLA's 3505). Ag then comes from A rounded to the io dtype: within one rounding of stage 1's
-#: Ag, not the same bits. With one warp gating (v0.37a) fwd+bwd took 1.06x; the producer's four warps gate it now
-#: (v0.37b), not yet measured. An A/B, off; FLASHGDN_HOPPER_FUSED_AG_FROM_A=1 turns it on.
+#: Ag, not the same bits. On an H100 fwd+bwd took 1.06x with one warp gating (v0.37a) and 1.048x-1.069x with the
+#: producer's four (v0.37b: the group's signal 5.7k cycles after its release instead of 9.4k, but the median chunk
+#: step still 1.12x, notes "v0.37b measured"), where FUSED_PAIR_SUMS in groups of four takes more off the peak at
+#: 0.968x the time. An A/B, off; FLASHGDN_HOPPER_FUSED_AG_FROM_A=1 turns it on.
 FUSED_AG_FROM_A = os.environ.get("FLASHGDN_HOPPER_FUSED_AG_FROM_A", "0") == "1"
 
 #: context parallelism's walks from zero (``flashgdn.cp.backward``'s step 2) by the walk's ``starts_only`` build,
@@ -255,10 +257,14 @@ FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == 
 #: per-value-head dq and dk at the training step's peak. On the H200 (notes v0.26a, ``backward/pairs-ab-v0.26a.*``,
 #: ``memory-peak-v0.26a-pairs{0,1}.*``): the same bits on all 32 bwd-set shapes (every one a group of two), fwd+bwd
 #: 0.994x (0.977x-1.006x; 0.98x at 4/8 and 8/16, ~1.0x at 16/32, where the fused kernel loses about what the pass
-#: cost), the peak 256 MiB lower at 16/32 (1835.5 -> 1579.5 MiB on the eight-sequence mix, 0.86x). "auto" (the
-#: default) takes it for groups of two only: in larger even groups the pair sums are rounded to the io dtype before
-#: their sum, which adds that rounding to dq and dk (2.8e-3 against the two-kernel backward at 2/8, where the group
-#: sum gives under 2e-3). FLASHGDN_HOPPER_FUSED_PAIR_SUMS=auto|1 (every even group)|0.
+#: cost), the peak 256 MiB lower at 16/32 (1835.5 -> 1579.5 MiB on the eight-sequence mix, 0.86x). In larger even
+#: groups the pair sums are rounded to the io dtype before their sum, which adds that rounding to dq and dk (2.8e-3
+#: against the two-kernel backward at 2/8, where the group sum gives under 2e-3; on the bars against float64). In
+#: groups of four on an H100 (notes "v0.37c measured", ``h100/v0.37/pairs-quarter-*``): fwd+bwd 0.968x on the cp
+#: set's 27 Hqk = Hv / 4 shapes (0.943x-1.004x), the peak 0.77x-0.95x FlashQLA's on all 27 (3621 -> 3109 MiB at 4/16
+#: 131072x1). "auto" (the default) takes it for groups of two, and of four below ``FUSED_P_GIVEN_MIN_HV`` value
+#: heads, where it was measured (``_pair_sums_by_default``). FLASHGDN_HOPPER_FUSED_PAIR_SUMS=auto|1 (every even
+#: group)|0.
 FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 
 #: with ``pair_sums``, the fused kernel's zeroed dq and dk (2 x 128 MiB at 16/32 on 32768 tokens: ~0.08 ms of memset)
@@ -300,6 +306,13 @@ FUSED_P_GIVEN_MIN_HV = 32
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
 
+def _pair_sums_by_default(Hv: int, group: int) -> bool:
+    """``FUSED_PAIR_SUMS`` "auto": groups of two, and groups of four below ``FUSED_P_GIVEN_MIN_HV`` value heads (the
+    shapes where it was measured; from 32 value heads the build with P given and pair sums in groups of four has not
+    been timed)."""
+    return group == 2 or (group == 4 and Hv < FUSED_P_GIVEN_MIN_HV)
+
+
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
     """``build_fused_backward``'s options as the switches above set them for ``Hv`` value heads in groups of
     ``group`` per qk head (what the backward builds, and what ``variants.training_variants`` precompiles); options at
@@ -309,7 +322,8 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     options = {}
     if FUSED_CLUSTER_SUM and 2 <= group <= CLUSTER_SUM_MAX_GROUP:
         options["cluster_sum"] = True
-    elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto" and group == 2):
+    elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto"
+                                                            and _pair_sums_by_default(Hv, group)):
         options["pair_sums"] = True
     p_given = (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
         and not options.get("cluster_sum")

@@ -304,8 +304,9 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
             continue
         if builder == "gated_scores" and not (fused and backward.fused_backward_options(Hv, Hv // Hqk).get("p_given")):
             continue
-        if builder == "group_sum" and kw["group"] != Hv // Hqk and not (fused and backward.FUSED_PAIR_SUMS is True):
-            continue  # the sum over the fused kernel's pairs
+        if builder == "group_sum" and kw["group"] != Hv // Hqk \
+                and not (fused and backward.fused_backward_options(Hv, Hv // Hqk).get("pair_sums")):
+            continue  # the sum over the fused kernel's pairs, where its builds take them
         if builder == "kkt_inverse" and kw.get("chunk_bounds"):  # as hopper_stage1 builds it, under the switch
             if backend.CP_NEGLIGIBLE_M_IN_KERNEL:
                 yield v[0], builder, {**kw, "async_loads": forward.KKT_ASYNC_LOADS,
