@@ -30,6 +30,11 @@ def _parse_heads(text: str):
     return out
 
 
+def _cache_entries(cache_dir: str) -> set:
+    """The cache's kernel entries (each a folder holding a compiled library), as absolute paths."""
+    return {os.path.abspath(root) for root, _, files in os.walk(cache_dir) if "executable.so" in files}
+
+
 def _compile_one(job):
     name, builder, kwargs, report = job
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
@@ -57,6 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="print registers, spills and code size (needs ptxas)")
     ap.add_argument("--export", metavar="DIR", default=None,
                     help="copy these kernels' cache entries into DIR (a TileLang cache directory of just them)")
+    ap.add_argument("--expect-cached", action="store_true",
+                    help="fail, naming them, if any of these kernels had no entry in the cache before this run (to "
+                         "check that a shipped cache holds what the current code builds)")
     args = ap.parse_args(argv)
 
     from flashgdn.kernels.hopper.variants import (backward_variants, forward_variants, serving_variants,
@@ -76,8 +84,12 @@ def main(argv=None) -> int:
                             + list(backward_variants(hqk, hv, args.head_dim, args.head_dim, dt)))
             for name, builder, kw in variants:
                 jobs.append((name, builder, kw, args.report))
+    from tilelang import env as tl_env
+
+    cache_dir = os.path.abspath(str(tl_env.TILELANG_CACHE_DIR))  # where TileLang writes them, forced value included
+    before = _cache_entries(cache_dir)
     t0 = time.time()
-    entries, no_entry = set(), []
+    entries, no_entry, compiled = set(), [], []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for name, secs, res, entry in pool.map(_compile_one, jobs):
             extra = "" if res is None else (f"  regs {res['registers']}, spills {res['spill_stores']}/"
@@ -88,10 +100,12 @@ def main(argv=None) -> int:
                 no_entry.append(name)
             else:
                 entries.add(entry)  # variants that compile to the same kernel share one
-    from tilelang import env as tl_env
-
-    cache_dir = os.path.abspath(str(tl_env.TILELANG_CACHE_DIR))  # where TileLang wrote them, forced value included
+                if os.path.abspath(entry) not in before:
+                    compiled.append(name)
     print(f"{len(jobs)} kernels ready in {time.time() - t0:.0f}s (cache: {cache_dir})")
+    if args.expect_cached and (compiled or no_entry):
+        print(f"error: not in the cache before this run: {', '.join(compiled + no_entry)}", file=sys.stderr)
+        return 1
     if args.export:
         outside = [e for e in entries if os.path.commonpath([os.path.abspath(e), cache_dir]) != cache_dir]
         if outside:

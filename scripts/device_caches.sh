@@ -10,6 +10,8 @@
 #   flash_qla package of .device/stack.tar.xz; ANCHOR_HEADS=HQK/HV,... for those head configurations of the sets
 #   only), packed as .device/anchor-kcache.tar.xz.
 # JOBS (default: the CPU count) compiles that many at once. scripts/gpu_rounds.sh unpacks both on the GPU machine.
+# Checking a packed cache against the code as it is now: python3 -m flashgdn.precompile ... --expect-cached, with
+#   TILELANG_CACHE_DIR set to a folder the cache was unpacked into (the script does it for its own heads and settings).
 set -euo pipefail
 heads=${1:?usage: bash scripts/device_caches.sh HEADS [SETS]}
 sets=${2:-}
@@ -26,6 +28,14 @@ for setting in "" ${DEVICE_CACHE_SWITCHES:-}; do
 done
 tar -cf - -C "$work/ours" . | xz -9 > .device/kcache.tar.xz
 echo "ours: $(find "$work/ours" -name executable.so | wc -l) entries, $(du -h .device/kcache.tar.xz | cut -f1)"
+# the packed cache, unpacked alone, must hold every build of every setting as the code now makes it (a kernel file
+# edited while this ran would leave some out, and the GPU machine would compile them on its own time)
+mkdir -p "$work/check"
+tar -xJf .device/kcache.tar.xz -C "$work/check"
+for setting in "" ${DEVICE_CACHE_SWITCHES:-}; do
+  env TILELANG_CACHE_DIR="$work/check" $setting python3 -m flashgdn.precompile --heads "$heads" --kernels training \
+    --flags common --dtypes "${DEVICE_CACHE_DTYPES:-bfloat16}" --jobs "$jobs" --expect-cached | tail -1
+done
 
 if [ -n "$sets" ]; then
   echo "== FlashQLA's builds for the sets $sets"

@@ -22,6 +22,21 @@ def test_precompile_exports_one_complete_entry_per_kernel(tmp_path, capsys):
         assert {"executable.so", "params.json"} <= set(os.listdir(d))
 
 
+def test_precompile_expect_cached_names_the_kernels_it_had_to_compile(monkeypatch, capsys):
+    """``--expect-cached`` (the check of a cache shipped to a GPU machine) passes once the kernels are in the cache,
+    and fails naming them when their entries were not there before the run."""
+    from flashgdn import precompile
+
+    args = ["--heads", "2/8", "--kernels", "serving", "--flags", "common", "--jobs", "1"]
+    assert precompile.main(args) == 0  # (in the cache from here on, compiled now or before)
+    assert precompile.main(args + ["--expect-cached"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(precompile, "_cache_entries", lambda cache_dir: set())  # as if the cache were empty
+    assert precompile.main(args + ["--expect-cached"]) == 1
+    err = capsys.readouterr().err
+    assert "not in the cache before this run" in err and "chunk_forward" in err
+
+
 def test_precompile_rejects_bad_heads():
     from flashgdn.precompile import main
 
