@@ -193,6 +193,7 @@ set -uo pipefail
 #   it at 4/16 (trace-ag-from-a{0,1}.json).
 # ag-from-a-time: the same without the peaks (v0.37b changed the kernel alone).
 # ag-from-a-peaks: a training step's peak with it on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json).
+# pairs-given: the pair sums in groups of four from 32 value heads (8/32, 16/64): GPU tests, fwd+bwd, peaks.
 # pairs-default: the backward's GPU file with the pair sums in groups of two and four by default.
 # pairs-quarter (notes v0.37c): backward.FUSED_PAIR_SUMS forced on, at the cp set's Hqk = Hv / 4 shapes (groups of four):
 #   its GPU tests, fwd+bwd both ways (pairs-quarter-ab.json), the peaks with it on (memory-peak-pairs-quarter.json).
@@ -216,7 +217,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -803,6 +804,21 @@ elif [ "$part" = ag-from-a ] || [ "$part" = ag-from-a-time ]; then
 elif [ "$part" = ag-from-a-peaks ]; then
   # a training step's peak with FUSED_AG_FROM_A on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json)
   quarter_peaks memory-peak-cp-quarter FLASHGDN_HOPPER_FUSED_AG_FROM_A=1
+elif [ "$part" = pairs-given ]; then
+  # the pair sums in groups of four from 32 value heads, beside a given P (notes "Waiting for a GPU (after v0.37c
+  # measured)"): the pair-sum GPU tests (gpu-pairs-given.log), fwd+bwd both ways at 8/32 and 16/64
+  # (pairs-given-ab.json; off is "auto", no pair sums there), the peaks both ways (memory-peak-pairs-given{0,1}.json)
+  gpu_tests gpu-pairs-given 240 8 tests/test_gpu_hopper_backward.py -k "test_fused_backward_pair_sums"
+  logged pairs-given-ab 360 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_PAIR_SUMS \
+    --heads 8/32,16/64 --seqlens 32768,28672+4096,8192+24576,8192x4,4096x8,1024x8 --modes fwdbwd --rounds 2 \
+    --max-diff 8e-3 --out "$out/pairs-given-ab.json"
+  grep "geometric\|same bits" "$out/pairs-given-ab.log"
+  for on in 0 1; do
+    logged "memory-peak-pairs-given$on" 120 env FLASHGDN_HOPPER_FUSED_PAIR_SUMS=$([ $on = 1 ] && echo 1 || echo auto) \
+      python3 benchmarks/memory_peak.py --case 8/32:32768 --case 8/32:28672,4096 --case 16/64:32768 \
+      --case 16/64:8192,24576 --top 3 --out "$out/memory-peak-pairs-given$on.json"
+    grep "peak" "$out/memory-peak-pairs-given$on.log" | cut -c1-100
+  done
 elif [ "$part" = pairs-default ]; then
   # the backward's GPU file with the pair sums taken by "auto" in groups of four as well (notes v0.37c measured)
   gpu_tests gpu-pairs-default 420 14 tests/test_gpu_hopper_backward.py

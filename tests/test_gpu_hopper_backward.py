@@ -816,6 +816,9 @@ def test_fused_backward_first_states_apart_gives_the_same_bits(opts, host_copy, 
     (dict(seqlens=[256, 256], dense=True, Hqk=2, Hv=4, initial_state=False, state_v_first=True), None, torch.bfloat16),
     (dict(seqlens=[4096, 300, 1], Hqk=2, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # CP
     (dict(seqlens=[700, 64, 9], Hqk=2, Hv=8, gate="strong"), None, torch.bfloat16),  # a group of four: two pairs
+    (dict(seqlens=[4096, 300, 1], Hqk=1, Hv=4, gate="strong", zero_gate_heads=(1,)), 4, torch.bfloat16),  # and CP
+    # a group of four beside a given P (from backward.FUSED_P_GIVEN_MIN_HV value heads)
+    (dict(seqlens=[300, 64, 9], Hqk=8, Hv=32, gate="strong", zero_gate_heads=(1,), pad=70), None, torch.bfloat16),
 ])
 def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
     """``backward.FUSED_PAIR_SUMS``: each value head's dq and dk rows added by L2 reductions into one zeroed output
