@@ -39,7 +39,7 @@ EXPLAINED_SPILLS = {
         "values stored and reloaded within a chunk (read in the SASS); nothing of the accumulators. The options add: "
         "lean_gates (backward.FUSED_LEAN_GATES, the default wherever P is not given) up to 92/124, two more gate-side "
         "values stored and one reloaded once a chunk; p_given 52/84; fold_mma 84/100 beside lean_gates (100/116 in the "
-        "operator's 8/24 build); pair_sums up to 100/116 at 2/8, 116/132 in the operator's 12/24 build and 76/92 in its "
+        "operator's 8/24 build); pair_sums up to 100/116 at 2/8 (the operator's 2/8 build too), 116/132 in the operator's 12/24 build and 76/92 in its "
         "16/32 build (pair sums, P given, the gate side's fold); cluster_sum "
         "(backward.FUSED_CLUSTER_SUM, a memory option, off) up to 212/244: the producer warps' exchange at their 40 "
         "registers (its loop-carried addresses and the sums' 16-byte vectors); ag_from_a (backward.FUSED_AG_FROM_A, "
@@ -93,8 +93,9 @@ VARIANTS = (list(forward_variants(2, 8, dtype="bfloat16")) + list(forward_varian
             + [v for heads in ((1, 3), (1, 1)) for v in list(forward_variants(*heads, dtype="bfloat16", flags="common"))
                + list(backward_variants(*heads, dtype="bfloat16")) if v[0].startswith("kkt_inverse") and "mma32" in v[0]]
             # the fused backward as the operator builds it at 8/24 (below the P pass's 32 value heads the gate side
-            # makes P, with the gate options) and at 16/32 (P given, pair sums, the gate side's fold)
-            + _operator_fused_backward(8, 24) + _operator_fused_backward(16, 32))
+            # makes P, with the gate options), at 2/8 (the same with pair sums in a group of four) and at 16/32 (P
+            # given, pair sums, the gate side's fold)
+            + _operator_fused_backward(8, 24) + _operator_fused_backward(2, 8) + _operator_fused_backward(16, 32))
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v[1] == "chunk_grad"],
