@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     from tilelang import env as tl_env
 
     cache_dir = os.path.abspath(str(tl_env.TILELANG_CACHE_DIR))  # where TileLang writes them, forced value included
-    before = _cache_entries(cache_dir)
+    before = _cache_entries(cache_dir) if args.expect_cached else None  # (a walk of the whole cache: only if asked)
     t0 = time.time()
     entries, no_entry, compiled = set(), [], []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                 no_entry.append(name)
             else:
                 entries.add(entry)  # variants that compile to the same kernel share one
-                if os.path.abspath(entry) not in before:
+                if before is not None and os.path.abspath(entry) not in before:
                     compiled.append(name)
     print(f"{len(jobs)} kernels ready in {time.time() - t0:.0f}s (cache: {cache_dir})")
     if args.expect_cached and (compiled or no_entry):

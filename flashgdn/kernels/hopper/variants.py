@@ -286,6 +286,7 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                     or (backend.CP_REUSE_STARTS and v[0].startswith("splice_chains["))
                     or (backend.CP_REUSE_STARTS and backend.CP_CHAIN_INDEX and v[0] == "chain_index"))
     options = backward.chunk_grad_options(Hv // Hqk)
+    fused_options = backward.fused_backward_options(Hv, Hv // Hqk)
     precise = forward.PRECISE and dtype == "bfloat16"
     for v in backward_variants(Hqk, Hv, K, V, dtype):
         builder, kw = v[1], v[2]
@@ -297,15 +298,14 @@ def training_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str 
                     or kw.get("pair_sums") or kw.get("p_given") or kw.get("fold_mma") \
                     or kw.get("first_apart", False) != backward.FIRST_STATES_APART:
                 continue
-            v = (v[0], builder, {**kw, **backward.fused_backward_options(Hv, Hv // Hqk)})
+            v = (v[0], builder, {**kw, **fused_options})
             if backward.FUSED_LONGEST_FIRST and kw.get("first_apart"):
                 v = (v[0], builder, {**v[2], "longest_first": True})
         if builder == "group_sum" and (not backward.GROUP_SUM_KERNEL or options["pair_sums"]):
             continue
-        if builder == "gated_scores" and not (fused and backward.fused_backward_options(Hv, Hv // Hqk).get("p_given")):
+        if builder == "gated_scores" and not (fused and fused_options.get("p_given")):
             continue
-        if builder == "group_sum" and kw["group"] != Hv // Hqk \
-                and not (fused and backward.fused_backward_options(Hv, Hv // Hqk).get("pair_sums")):
+        if builder == "group_sum" and kw["group"] != Hv // Hqk and not (fused and fused_options.get("pair_sums")):
             continue  # the sum over the fused kernel's pairs, where its builds take them
         if builder == "kkt_inverse" and kw.get("chunk_bounds"):  # as hopper_stage1 builds it, under the switch
             if backend.CP_NEGLIGIBLE_M_IN_KERNEL:
