@@ -807,17 +807,18 @@ elif [ "$part" = ag-from-a-peaks ]; then
 elif [ "$part" = pairs-given ]; then
   # the pair sums in groups of four from 32 value heads, beside a given P (notes "Waiting for a GPU (after v0.37c
   # measured)"): the pair-sum GPU tests (gpu-pairs-given.log), fwd+bwd both ways at 8/32 and 16/64
-  # (pairs-given-ab.json; off is "auto", no pair sums there), the peaks both ways (memory-peak-pairs-given{0,1}.json)
+  # (pairs-given-ab.json; off is "auto", no pair sums there), the peaks both ways
+  # (memory-peak-pairs-given-{auto,1}.json)
   gpu_tests gpu-pairs-given 240 8 tests/test_gpu_hopper_backward.py -k "test_fused_backward_pair_sums"
   logged pairs-given-ab 360 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.backward:FUSED_PAIR_SUMS \
     --heads 8/32,16/64 --seqlens 32768,28672+4096,8192+24576,8192x4,4096x8,1024x8 --modes fwdbwd --rounds 2 \
     --max-diff 8e-3 --out "$out/pairs-given-ab.json"
   grep "geometric\|same bits" "$out/pairs-given-ab.log"
-  for on in 0 1; do
-    logged "memory-peak-pairs-given$on" 120 env FLASHGDN_HOPPER_FUSED_PAIR_SUMS=$([ $on = 1 ] && echo 1 || echo auto) \
+  for setting in auto 1; do
+    logged "memory-peak-pairs-given-$setting" 120 env FLASHGDN_HOPPER_FUSED_PAIR_SUMS=$setting \
       python3 benchmarks/memory_peak.py --case 8/32:32768 --case 8/32:28672,4096 --case 16/64:32768 \
-      --case 16/64:8192,24576 --top 3 --out "$out/memory-peak-pairs-given$on.json"
-    grep "peak" "$out/memory-peak-pairs-given$on.log" | cut -c1-100
+      --case 16/64:8192,24576 --top 3 --out "$out/memory-peak-pairs-given-$setting.json"
+    grep "peak" "$out/memory-peak-pairs-given-$setting.log" | cut -c1-100
   done
 elif [ "$part" = pairs-default ]; then
   # the backward's GPU file with the pair sums taken by "auto" in groups of four as well (notes v0.37c measured)
