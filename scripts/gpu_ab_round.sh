@@ -195,6 +195,7 @@ set -uo pipefail
 # ag-from-a-peaks: a training step's peak with it on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json).
 # pairs-given: the pair sums in groups of four from 32 value heads (8/32, 16/64): GPU tests, fwd+bwd, peaks.
 # pairs-default: the backward's GPU file with the pair sums in groups of two and four by default.
+# pairs-every-four: the backward's and the CP's GPU files with them in every group of four by default (v0.37d).
 # pairs-quarter (notes v0.37c): backward.FUSED_PAIR_SUMS forced on, at the cp set's Hqk = Hv / 4 shapes (groups of four):
 #   its GPU tests, fwd+bwd both ways (pairs-quarter-ab.json), the peaks with it on (memory-peak-pairs-quarter.json).
 # walks-beside (v0.36l, backend.CP_WALKS_BESIDE_STATES): fwd+bwd both ways on the 8 of the 13 shapes whose backward
@@ -217,7 +218,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -820,6 +821,11 @@ elif [ "$part" = pairs-given ]; then
       --case 16/64:8192,24576 --top 3 --out "$out/memory-peak-pairs-given-$setting.json"
     grep "peak" "$out/memory-peak-pairs-given-$setting.log" | cut -c1-100
   done
+elif [ "$part" = pairs-every-four ]; then
+  # the backward's and the CP's GPU files with the pair sums taken by "auto" in every group of four (notes v0.37d
+  # measured): gpu-pairs-every-four.log, gpu-suite-cp-pairs-every-four.log
+  gpu_tests gpu-pairs-every-four 300 14 tests/test_gpu_hopper_backward.py
+  gpu_tests gpu-suite-cp-pairs-every-four 200 8 tests/test_gpu_hopper_cp.py
 elif [ "$part" = pairs-default ]; then
   # the backward's GPU file with the pair sums taken by "auto" in groups of four as well (notes v0.37c measured)
   gpu_tests gpu-pairs-default 420 14 tests/test_gpu_hopper_backward.py

@@ -57,12 +57,13 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     monkeypatch.setattr(backward, "FUSED_LEAN_GATES", "auto")
     monkeypatch.setattr(backward, "FUSED_P_GIVEN", "auto")
     monkeypatch.setattr(backward, "FUSED_FOLD_MMA", "auto")
-    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P, and with pair sums (groups of two) the gate
-    # side folds by the tensor cores beside it (in larger groups it folds element-wise); below, the value side folds
-    # by them
+    # from FUSED_P_GIVEN_MIN_HV value heads the default build is given P, and with pair sums (groups of two and four)
+    # the gate side folds by the tensor cores beside it (in other groups it folds element-wise); below, the value
+    # side folds by them
     assert fo.set_options("default", 32) == {"p_given": True}
     assert fo.set_options("default", 32, 2) == {"pair_sums": True, "p_given": True, "fold_mma": True}
-    assert fo.set_options("default", 32, 4) == {"p_given": True}
+    assert fo.set_options("default", 32, 4) == {"pair_sums": True, "p_given": True, "fold_mma": True}
+    assert fo.set_options("default", 48, 6) == {"p_given": True}
     assert fo.set_options("default", 16) == {"p_first": True, "lean_gates": True, "fold_mma": True}
     # without P given the gate side makes it, so the gate-side options come with it at any head count (the build
     # without them is serialised by ptxas)
@@ -95,9 +96,10 @@ def test_option_arguments_of_the_trace_and_the_options_benchmark(monkeypatch):
     # cluster_sum by name, or by the switch for a group of two to eight
     monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", "auto")
     assert fo.set_options("default+cluster_sum", 32, 2) == {"cluster_sum": True, "p_first": True, "lean_gates": True}
-    # pair_sums by the switch: on its own ("auto") for a group of two
+    # pair_sums by the switch: on its own ("auto") for groups of two and four
     assert fo.set_options("default", 32, 2) == {"pair_sums": True, "p_first": True, "lean_gates": True}
-    assert fo.set_options("default", 32, 4) == {"p_first": True, "lean_gates": True}
+    assert fo.set_options("default", 32, 4) == {"pair_sums": True, "p_first": True, "lean_gates": True}
+    assert fo.set_options("default", 48, 6) == {"p_first": True, "lean_gates": True}
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", True)
     assert fo.set_options("default", 8, 4) == {"p_first": True, "lean_gates": True, "cluster_sum": True}
     assert fo.set_options("default", 8, 1) == {"p_first": True, "lean_gates": True}

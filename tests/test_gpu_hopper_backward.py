@@ -824,16 +824,26 @@ def test_fused_backward_pair_sums(opts, cp, dtype, monkeypatch, cuda):
     """``backward.FUSED_PAIR_SUMS``: each value head's dq and dk rows added by L2 reductions into one zeroed output
     per pair of value heads. In a group of two that is the whole sum, RN(a + b) whichever lands first: the same
     bits as the group sum, run after run; in a group of four the two pair sums are rounded before their sum, so
-    dq and dk move by about the io dtype's rounding and nothing else changes. On the bars against float64."""
+    dq and dk move by about the io dtype's rounding. Beside a given P the pair sums bring ``fold_mma`` with them
+    (``backward.fused_backward_options``), which sums dg's g~_last term in another order: dg then moves by float32
+    rounding. Nothing else changes. On the bars against float64."""
     from flashgdn.kernels.hopper import backward
 
     monkeypatch.setattr(backward, "FUSED_BACKWARD", True)
     inp, args = _fused_ab_inputs(opts, cp, dtype, cuda, seed=7)
     cu = args[9]
+    group = opts["Hv"] // opts["Hqk"]
+    folds = []
+    for setting in (False, True):
+        monkeypatch.setattr(backward, "FUSED_PAIR_SUMS", setting)
+        folds.append(bool(backward.fused_backward_options(opts["Hv"], group).get("fold_mma")))
+    refolded = folds[0] != folds[1]
     off, on, again = _off_on_again(backward, monkeypatch, "FUSED_PAIR_SUMS", args)
-    pairs_only = opts["Hv"] // opts["Hqk"] == 2
+    pairs_only = group == 2
     for name, a, b in _repeatable_gradients(off, on, again):
-        if pairs_only or name not in ("dq", "dk"):
+        if name == "dg" and refolded:
+            assert rel_rms(b.double(), a.double()) < 1e-5, name
+        elif pairs_only or name not in ("dq", "dk"):
             assert torch.equal(a, b), name
         else:
             assert 0 < rel_rms(b, a) < 4e-3, name

@@ -145,11 +145,11 @@ def test_training_kernels_are_what_the_default_training_step_uses(monkeypatch):
     assert "cluster_sum" not in backward.fused_backward_options(32, 16)
     monkeypatch.setattr(backward, "FUSED_CLUSTER_SUM", False)
     assert not [v for v in training_variants(2, 8, flags="common") if v[2].get("cluster_sum")]
-    # FUSED_PAIR_SUMS: "auto" adds dq and dk per pair of value heads in the fused builds of groups of two, and of four
-    # below FUSED_P_GIVEN_MIN_HV value heads (its two pairs then summed); on, in every even group
+    # FUSED_PAIR_SUMS: "auto" adds dq and dk per pair of value heads in the fused builds of groups of two and of four
+    # (its two pairs then summed), beside a given P too; on, in every even group
     assert [v[2].get("pair_sums") for v in training_variants(2, 8, flags="common") if v[1] == "fused_backward"] \
         == [True, True]
-    assert "pair_sums" not in backward.fused_backward_options(32, 4)  # (P given there: not measured)
+    assert backward.fused_backward_options(32, 4).get("pair_sums")
     assert "pair_sums" not in backward.fused_backward_options(48, 6)
     assert [v[2].get("pair_sums") for v in training_variants(2, 4, flags="common") if v[1] == "fused_backward"] \
         == [True, True]

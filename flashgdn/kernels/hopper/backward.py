@@ -262,9 +262,10 @@ FUSED_CLUSTER_SUM = os.environ.get("FLASHGDN_HOPPER_FUSED_CLUSTER_SUM", "0") == 
 #: against the two-kernel backward at 2/8, where the group sum gives under 2e-3; on the bars against float64). In
 #: groups of four on an H100 (notes "v0.37c measured", ``h100/v0.37/pairs-quarter-*``): fwd+bwd 0.968x on the cp
 #: set's 27 Hqk = Hv / 4 shapes (0.943x-1.004x), the peak 0.77x-0.95x FlashQLA's on all 27 (3621 -> 3109 MiB at 4/16
-#: 131072x1). "auto" (the default) takes it for groups of two, and of four below ``FUSED_P_GIVEN_MIN_HV`` value
-#: heads, where it was measured (``_pair_sums_by_default``). FLASHGDN_HOPPER_FUSED_PAIR_SUMS=auto|1 (every even
-#: group)|0.
+#: 131072x1); beside a given P from 32 value heads (notes "v0.37d measured", ``h100/v0.37/pairs-given-*``, where
+#: ``fold_mma`` comes with it) 0.948x on twelve 8/32 and 16/64 shapes (0.933x-0.973x), the peak 0.87x (16/64 32768x1
+#: 3880 -> 3368 MiB). "auto" (the default) takes it for groups of two and four, where it was measured
+#: (``_pair_sums_by_default``). FLASHGDN_HOPPER_FUSED_PAIR_SUMS=auto|1 (every even group)|0.
 FUSED_PAIR_SUMS = _auto_switch("FLASHGDN_HOPPER_FUSED_PAIR_SUMS")
 
 #: with ``pair_sums``, the fused kernel's zeroed dq and dk (2 x 128 MiB at 16/32 on 32768 tokens: ~0.08 ms of memset)
@@ -306,11 +307,11 @@ FUSED_P_GIVEN_MIN_HV = 32
 FUSED_FOLD_MMA = _auto_switch("FLASHGDN_HOPPER_FUSED_FOLD_MMA")
 
 
-def _pair_sums_by_default(Hv: int, group: int) -> bool:
-    """``FUSED_PAIR_SUMS`` "auto": groups of two, and groups of four below ``FUSED_P_GIVEN_MIN_HV`` value heads (the
-    shapes where it was measured; from 32 value heads the build with P given and pair sums in groups of four has not
-    been timed)."""
-    return group == 2 or (group == 4 and Hv < FUSED_P_GIVEN_MIN_HV)
+def _pair_sums_by_default(group: int) -> bool:
+    """``FUSED_PAIR_SUMS`` "auto": groups of two and four at any head count, where it was measured (v0.37c below 32
+    value heads, v0.37d beside a given P from there). Larger even groups round more pair sums before their sum and
+    have not been timed."""
+    return group in (2, 4)
 
 
 def fused_backward_options(Hv: int, group: int = 1) -> dict:
@@ -323,7 +324,7 @@ def fused_backward_options(Hv: int, group: int = 1) -> dict:
     if FUSED_CLUSTER_SUM and 2 <= group <= CLUSTER_SUM_MAX_GROUP:
         options["cluster_sum"] = True
     elif (FUSED_PAIR_SUMS is True and group % 2 == 0) or (FUSED_PAIR_SUMS == "auto"
-                                                            and _pair_sums_by_default(Hv, group)):
+                                                            and _pair_sums_by_default(group)):
         options["pair_sums"] = True
     p_given = (FUSED_P_GIVEN is True or (FUSED_P_GIVEN == "auto" and Hv >= FUSED_P_GIVEN_MIN_HV)) \
         and not options.get("cluster_sum")
