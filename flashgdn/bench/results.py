@@ -39,7 +39,8 @@ EXTRA_KEYS = {
     "peak_mem_mb": "peak device memory allocated during one call, above what was allocated before it",
     "timer": "triton.do_bench_cudagraph | cudagraph | cuda-events | wallclock-cpu",
     "tflops": "nominal TFLOPS: 4 T Hv K V / t (x3 for fwdbwd)",
-    "floor_ms": "max(FLOP time at 687 TFLOP/s, HBM time at 4.25 TB/s); fwdbwd counts 3x the forward FLOPs",
+    "floor_ms": ("max(FLOP time at 687 TFLOP/s, HBM time at 4.25 TB/s: the H200's measured ceilings, on any GPU); "
+                 "fwdbwd counts 3x the forward FLOPs"),
     "floor_pct": "100 * floor_ms / ms",
 }
 
