@@ -223,9 +223,9 @@ def render(doc: Dict[str, Any], fmt: str = "md") -> str:
         f"(max of o and final state; `!` marks an error above the bar: {BAR_FWD:.0e} for o/state, "
         "8e-3 dq/dk/dv/dh0, 2e-2 dg/dbeta). `× X`: speedup of flashgdn over X (t_X / t_flashgdn). "
         "TFLOPS are nominal (4·T·Hv·K·V / t; ×3 for fwd+bwd). floor = max(FLOP time at 687 TFLOP/s, "
-        "HBM time at 4.25 TB/s: the H200's measured ceilings, on any GPU); fwd+bwd counts ~3× the forward FLOPs and the backward's minimal traffic; "
-        "% floor = floor / t. When flashgdn has not run, TFLOPS and % floor are those of the fastest "
-        "implementation.\n"
+        "HBM time at 4.25 TB/s: the H200's measured ceilings, on any GPU); fwd+bwd counts ~3× the forward "
+        "FLOPs and the backward's minimal traffic; % floor = floor / t. When flashgdn has not run, TFLOPS and "
+        "% floor are those of the fastest implementation.\n"
     )
     groups = _grouped(records)
     for (set_name, mode), shapes in groups.items():
