@@ -90,7 +90,15 @@ def _chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, table: ChunkTabl
     """Step 2, every chunk at once, from the chunk tensors (head-first, ``[NC, H, C, ...]``), the start states
     ``h`` and the state gradients at the chunks' ends ``dS_end`` (``[NC, Hv, K, V]``): token-major
     ``(dq, dk, dv, dg, dbeta)``, q and k gradients summed over each qk head's value heads."""
-    C = table.chunk_size
+    dq, dk, dW, dg, dbeta = chunk_gradient_tiles(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, scale)
+    return (_tokens(_sum_groups(dq, Hqk), table), _tokens(_sum_groups(dk, Hqk), table), _tokens(dW, table),
+            _tokens(dg, table), _tokens(dbeta, table))
+
+
+def chunk_gradient_tiles(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, scale: float):
+    """Step 2's gradients of every chunk and value head, in the chunk layout (``[NC, Hv, C, ...]``): ``(dq, dk, dv,
+    dg, dbeta)``, dq and dk per value head (before the group sums), dg after its reverse cumsum in the chunk."""
+    C = qc.shape[-2]
     dev = qc.device
     Hv = vc.shape[1]
     qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
@@ -128,9 +136,7 @@ def _chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, table: ChunkTabl
     dgc = gam * dgam - dec * ddec + dGam.sum(-1) - dGam.sum(-2)
     dgc[..., -1] += gam_C * dgam_C + (dec * ddec).sum(-1)
     dg = dgc.flip(-1).cumsum(-1).flip(-1)
-
-    return (_tokens(_sum_groups(dq, Hqk), table), _tokens(_sum_groups(dk, Hqk), table), _tokens(dW, table),
-            _tokens(dg, table), _tokens(dbeta, table))
+    return dq, dk, dW, dg, dbeta
 
 
 def chunk_state_gradients_reference(
