@@ -16,9 +16,16 @@ def test_the_probe_builds_for_sm90a_as_one_round_trip_a_round():
     fence = body.index("fence_for_copies();")
     assert fence < body.index("tl::cluster_sync();", fence) < body.index("clock64()") < body.index("dsmem_probe::push(")
     loop = body[body.index("for (int r = 0; r < rounds; ++r)"):]
+    # copy mode, then store mode, then the hand-back both share
     assert loop.index("dsmem_probe::push(") < loop.index("landed[0].wait((r & 1))") \
-        < loop.index("dsmem_probe::arrive_on_peer(") < loop.index("freed[0].wait((r & 1))")
-    assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in src
+        < loop.index("dsmem_probe::store_share(") < loop.index("stored[0].wait((r & 1))") \
+        < loop.index("dsmem_probe::arrive_on_peer(") < loop.index("freed[0].wait((r & 1))") \
+        < loop.index("__syncthreads()")
+    # and the inbox read back after what the other CTA released is visible
+    assert body.index("dsmem_probe::acquire_cluster();") < body.index("inboxes + ")
+    for ptx in ("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes",
+                "st.shared::cluster.v4.f32", "mbarrier.arrive.release.cluster.shared::cluster.b64"):
+        assert ptx in src, ptx
 
 
 def test_sizes_are_checked_before_the_gpu():
