@@ -81,7 +81,8 @@ __device__ __forceinline__ void fence_for_copies() { asm volatile("fence.proxy.a
 @functools.lru_cache(maxsize=None)
 def build_probe(target=None):
     """The probe kernel: ``probe(times [CTAs] int64, inboxes [CTAs, MAX_BYTES / 4] float32, nbytes, rounds, mode)``
-    (mode 0 copy, 1 store); CTAs is dynamic (even). ``times[i]``: CTA i's cycles over all rounds; ``inboxes[i]``: what landed in its inbox."""
+    (mode 0 copy, 1 store); CTAs is dynamic (even). ``times[i]``: CTA i's cycles over all rounds; ``inboxes[i]``:
+    what landed in its inbox."""
     import tilelang
     import tilelang.language as T
 
