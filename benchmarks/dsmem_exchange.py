@@ -2,7 +2,7 @@
 distributed shared memory (a question of the V split's plan, docs/hopper-notes.md "The split of V over a cluster of
 two, counted").
 
-    python benchmarks/dsmem_exchange.py --bytes 0,8192,16384,32768,65536 --rounds 200 --modes copy,store --out dsmem.json
+    python benchmarks/dsmem_exchange.py --bytes 0,8192,16384,32768,65536 --rounds 200 --out dsmem.json
     python benchmarks/dsmem_exchange.py --compile-only        # build for sm_90a here, no GPU
 
 One kernel, clusters of two CTAs of 128 threads, as many clusters as the SMs hold (one CTA an SM: ~129 KB of shared
