@@ -28,21 +28,18 @@ import functools
 import json
 import sys
 
+from flashgdn.kernels.hopper.fused_backward import CLUSTER_PRELUDE
+
 #: the largest tile: 64 KB each way, the plan's exchange a CTA and chunk
 MAX_BYTES = 65536
 #: one bulk copy's size (a multiple of 16 bytes); larger exchanges are several copies on one barrier
 COPY_BYTES = 16384
 
-PRELUDE = r"""
+# the fused backward's cluster helpers (mapa addresses, remote arrivals), which the plan's kernel would use too, and
+# the probe's own sends beside them
+PRELUDE = CLUSTER_PRELUDE + r"""
 namespace dsmem_probe {
-__device__ __forceinline__ unsigned peer_address(const void *local, int peer) {
-  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(local)), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
-  return r;
-}
-template <typename Bar> __device__ __forceinline__ void arrive_on_peer(Bar *bar, int peer) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(peer_address(bar, peer)) : "memory");
-}
+using flashgdn_cluster::peer_address;
 // nbytes (a multiple of 16) of this CTA's ``src`` to the same place in CTA ``peer``'s ``dst``, completing there on
 // ``bar``, which one arrival here tells to expect them (with nbytes = 0 the arrival alone)
 template <typename Bar> __device__ __forceinline__ void push(void *dst, void *src, int nbytes, int chunk, int peer,
@@ -122,7 +119,7 @@ def build_probe(target=None):
                                   1 - rank, tx, T.address_of(stored[0]))
                     T.barrier_wait(stored, r % 2)
                 if tx == 0:
-                    T.call_extern("handle", "dsmem_probe::arrive_on_peer", T.address_of(freed[0]), 1 - rank)
+                    T.call_extern("handle", "flashgdn_cluster::arrive_on_peer", T.address_of(freed[0]), 1 - rank)
                 T.barrier_wait(freed, r % 2)
                 # no thread a whole round behind: a barrier's parity names its phase only to one round either way
                 T.sync_threads()

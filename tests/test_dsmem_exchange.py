@@ -19,7 +19,7 @@ def test_the_probe_builds_for_sm90a_as_one_round_trip_a_round():
     # copy mode, then store mode, then the hand-back both share
     assert loop.index("dsmem_probe::push(") < loop.index("landed[0].wait((r & 1))") \
         < loop.index("dsmem_probe::store_share(") < loop.index("stored[0].wait((r & 1))") \
-        < loop.index("dsmem_probe::arrive_on_peer(") < loop.index("freed[0].wait((r & 1))") \
+        < loop.index("flashgdn_cluster::arrive_on_peer(") < loop.index("freed[0].wait((r & 1))") \
         < loop.index("__syncthreads()")
     # and the inbox read back after what the other CTA released is visible
     assert body.index("dsmem_probe::acquire_cluster();") < body.index("inboxes + ")
