@@ -107,7 +107,6 @@ def chunk_gradient_tiles(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, scale: float
     P = scale * Gam * qkt
     gam = gc.exp()
     g_last = gc[..., -1]
-    gam_C = g_last.exp()
     dec = (g_last[..., None] - gc).exp()
     KS = kv @ h
     W = vc - gam[..., None] * KS
@@ -121,22 +120,37 @@ def chunk_gradient_tiles(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, scale: float
     dq = dQK @ kv + scale * gam[..., None] * (doc @ h.transpose(-1, -2))
     dk = (dQK.transpose(-1, -2) @ qv - gam[..., None] * (dW @ h.transpose(-1, -2))
           + dec[..., None] * (Vn @ dS_end.transpose(-1, -2)))
-    dA = dAg * Gam * bc[..., None, :]
-    dL = -(A.transpose(-1, -2) @ dA @ A.transpose(-1, -2)) * _lower(C, dev, -1)
-    kkt = kv @ kv.transpose(-1, -2)
-    dKK = bc[..., :, None] * dL
+    dKK, dbeta = inverse_gradients(dAg, Gam, A, bc, kv @ kv.transpose(-1, -2))
     dk = dk + (dKK + dKK.transpose(-1, -2)) @ kv
-    dbeta = (dAg * Gam * A).sum(-2) + (dL * kkt).sum(-1)
 
     # gates
     dgam = scale * (doc * (qv @ h)).sum(-1) - (dW * KS).sum(-1)
     ddec = ((kv @ dS_end) * Vn).sum(-1)
     dgam_C = (dS_end * h).sum((-1, -2))
+    dg = gate_gradient(gc, Gam, qkt, dP, dAg, A, bc, scale, dgam, ddec, dgam_C)
+    return dq, dk, dW, dg, dbeta
+
+
+def inverse_gradients(dAg, Gam, A, bc, kkt):
+    """What dAg gives through Ag = Gam ⊙ A ⊙ (1 beta^T) and A = (I + L)^{-1}: ``(dKK, dbeta)``, with
+    dA = dAg ⊙ Gam ⊙ (1 beta^T), dL = -A^T dA A^T (strictly lower), dKK = diag(beta) dL, and
+    dbeta_j = sum_i dAg_ij Gam_ij A_ij + sum_k dL_jk (K K^T)_jk (``kkt`` is K K^T)."""
+    dA = dAg * Gam * bc[..., None, :]
+    dL = -(A.transpose(-1, -2) @ dA @ A.transpose(-1, -2)) * _lower(A.shape[-1], A.device, -1)
+    dbeta = (dAg * Gam * A).sum(-2) + (dL * kkt).sum(-1)
+    return bc[..., :, None] * dL, dbeta
+
+
+def gate_gradient(gc, Gam, qkt, dP, dAg, A, bc, scale: float, dgam, ddec, dgam_C):
+    """dg of the chunk (after its reverse cumsum) from g~ (``gc``) and the gradients of what it enters: gamma_i
+    (``dgam``), d_i (``ddec``), gamma_C (``dgam_C``), and Gam through P and Ag (from ``dP`` and ``dAg``)."""
+    gam = gc.exp()
+    g_last = gc[..., -1]
+    dec = (g_last[..., None] - gc).exp()
     dGam = (scale * qkt * dP + dAg * A * bc[..., None, :]) * Gam
     dgc = gam * dgam - dec * ddec + dGam.sum(-1) - dGam.sum(-2)
-    dgc[..., -1] += gam_C * dgam_C + (dec * ddec).sum(-1)
-    dg = dgc.flip(-1).cumsum(-1).flip(-1)
-    return dq, dk, dW, dg, dbeta
+    dgc[..., -1] += g_last.exp() * dgam_C + (dec * ddec).sum(-1)
+    return dgc.flip(-1).cumsum(-1).flip(-1)
 
 
 def chunk_state_gradients_reference(

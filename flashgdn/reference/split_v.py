@@ -29,6 +29,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .chunked import _decay_matrix, _lower, _per_value_head
+from .chunked_backward import gate_gradient, inverse_gradients
 
 
 def _in_order(parts: List[torch.Tensor]) -> torch.Tensor:
@@ -89,25 +90,17 @@ def split_v_chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, scale: fl
 
     # every CTA: the gate side's products on the sums, then its K columns of dq and dk
     dQK = scale * Gam * dP
-    dA = dAg * Gam * bc[..., None, :]
-    dL = -(A.transpose(-1, -2) @ dA @ A.transpose(-1, -2)) * _lower(C, dev, -1)
-    dKK = bc[..., :, None] * dL
+    dKK, dbeta = inverse_gradients(dAg, Gam, A, bc, kv @ kv.transpose(-1, -2))  # dbeta: rank 0's
     dq = torch.cat([dQK @ kv[..., Kp] + scale * gam[..., None] * dqS[p] for p, Kp in enumerate(Ks)], -1)
     dk = torch.cat([dQK.transpose(-1, -2) @ qv[..., Kp] + dkS[p] + (dKK + dKK.transpose(-1, -2)) @ kv[..., Kp]
                     for p, Kp in enumerate(Ks)], -1)
     dv = torch.cat([x["dv"] for x in local], -1)
 
-    # rank 0: dbeta and dg, with every CTA's row partials (its q row dot over its own K columns among them)
-    kkt = kv @ kv.transpose(-1, -2)
-    dbeta = (dAg * Gam * A).sum(-2) + (dL * kkt).sum(-1)
+    # rank 0: dg, with every CTA's row partials (its q row dot over its own K columns among them)
     q_rows = [scale * (qv[..., Kp] * dqS[p]).sum(-1) for p, Kp in enumerate(Ks)]
     dgam = _in_order(q_rows) - _in_order([x["dWKS"] for x in local])
-    ddec = _in_order([x["ddec"] for x in local])
-    dgam_C = _in_order([x["dgam_C"] for x in local])
-    dGam = (scale * qkt * dP + dAg * A * bc[..., None, :]) * Gam
-    dgc = gam * dgam - dec * ddec + dGam.sum(-1) - dGam.sum(-2)
-    dgc[..., -1] += g_last.exp() * dgam_C + (dec * ddec).sum(-1)
-    dg = dgc.flip(-1).cumsum(-1).flip(-1)
+    dg = gate_gradient(gc, Gam, qkt, dP, dAg, A, bc, scale, dgam, _in_order([x["ddec"] for x in local]),
+                       _in_order([x["dgam_C"] for x in local]))
 
     others = parts - 1
     sent = {"dAg": 4 * C * C * others, "dP": 4 * C * C * others, "dq": 4 * C * (K // parts) * others,
