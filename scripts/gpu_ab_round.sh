@@ -513,6 +513,13 @@ elif [ "$part" = step-anchor ]; then
     --shape 16/32:22306+10462 --shape 16/32:2308+9176+8884+1687+7967+73+2598+75 --shape 2/4:8192 \
     --shape 4/8:2308+9176+8884+1687+7967+73+2598+75 --out "$out/step-anchor.json"
   grep "kernels per step\|exit" "$out/step-anchor.log"
+elif [ "$part" = step-anchor-cp ]; then
+  # a training step's kernels beside FlashQLA's on few-head shapes of the cp set and one full bwd-set shape (the
+  # v0.36 breakdown of step-kernels-fq-fwdbwd, again at v0.37d and wider; notes "Where a training step's time goes")
+  logged step-anchor-cp 420 python3 benchmarks/step_kernels.py --impl flashgdn --impl flashqla --cp auto --mode fwdbwd \
+    --shape 2/8:8192 --shape 4/16:8192 --shape 2/4:32768 --shape 8/16:32768 --shape 4/16:131072 \
+    --shape 16/32:4096x8 --out "$out/step-anchor-cp.json"
+  grep "kernels per step\|exit" "$out/step-anchor-cp.log"
 elif [ "$part" = p-given ]; then
   gpu_tests gpu-p-given 240 8 tests/test_gpu_hopper_backward.py -k fused_switches
   (export FLASHGDN_HOPPER_FUSED_P_GIVEN=1
