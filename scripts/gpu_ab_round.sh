@@ -513,6 +513,10 @@ elif [ "$part" = step-anchor ]; then
     --shape 16/32:22306+10462 --shape 16/32:2308+9176+8884+1687+7967+73+2598+75 --shape 2/4:8192 \
     --shape 4/8:2308+9176+8884+1687+7967+73+2598+75 --out "$out/step-anchor.json"
   grep "kernels per step\|exit" "$out/step-anchor.log"
+elif [ "$part" = training-loop ]; then
+  # an eager training loop, a new batch every step, beside FlashQLA (host syncs, launches and compiles in the time)
+  logged training-loop 500 python3 benchmarks/training_loop.py --out "$out/training-loop.json"
+  grep "^| \|exit\|Error" "$out/training-loop.log" | tail -16
 elif [ "$part" = step-anchor-cp ]; then
   # a training step's kernels beside FlashQLA's on few-head shapes of the cp set and one full bwd-set shape (the
   # v0.36 breakdown of step-kernels-fq-fwdbwd, again at v0.37d and wider; notes "Where a training step's time goes")

@@ -1,0 +1,55 @@
+"""benchmarks/training_loop.py: its shapes, its batches and its report (CPU; the loop itself needs a GPU)."""
+import pytest
+
+from helpers import load_benchmark
+
+tl = load_benchmark("training_loop")
+
+
+def test_shapes_are_read_or_refused_by_name():
+    assert tl.parse_loop_shape("16/32:32768/8") == (16, 32, 32768, 8)
+    for bad in ("16/32:32768", "16/32", "16/33:8192/2", "2/4:4/8", "0/4:8192/1"):
+        with pytest.raises(ValueError, match="--shape"):
+            tl.parse_loop_shape(bad)
+
+
+def test_fresh_batches_change_every_step_and_fixed_ones_never():
+    fresh = [tl.step_split(32768, 8, "fresh", i) for i in range(5)]
+    assert all(sum(s) == 32768 and len(s) == 8 for s in fresh)
+    assert len(set(fresh)) == 5
+    assert fresh == [tl.step_split(32768, 8, "fresh", i) for i in range(5)]  # the same for every implementation
+    fixed = {tl.step_split(32768, 8, "fixed", i) for i in range(5)}
+    assert fixed == {fresh[0]}
+    # the warm-up's splits are their own, in both kinds
+    assert tl.step_split(32768, 8, "fixed", -1) == tl.step_split(32768, 8, "fresh", -1) not in fresh
+
+
+def test_the_report_gives_each_implementation_against_flashgdn():
+    def rec(impl, median, note=""):
+        return dict(impl=impl, h_qk=2, h_v=4, tokens=8192, sequences=4, batches="fresh", median_ms=median,
+                    mean_ms=median, max_ms=2e3, slow_steps=1, step_ms=[median] * 3, warmup_ms=[900.0], note=note)
+
+    text = tl.report([rec("flashgdn", 2.0), rec("flashqla", 5.0, "stopped by the budget")])
+    assert "| 2/4 8192/4 | fresh | flashqla | 5.000 | 5.000 | 2000.0 | 1 of 3 | 900 | 2.50x | stopped" in text
+    assert "| flashgdn | 2.000 |" in text and "| 1.00x |" in text
+
+
+def test_without_a_gpu_it_says_so():
+    if tl.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert tl.main(["--steps", "1"]) == 2
+
+
+def test_a_loop_of_the_reference_runs_every_step_on_its_own_batch():
+    from flashgdn.bench.impls import one_impl
+
+    impl = one_impl("flashgdn:reference")
+    assert impl.missing_reason(tl.torch.device("cpu")) is None
+    rec = tl.run_loop(impl, 1, 2, 130, 3, "fresh", steps=3, warmup=1, budget_s=60.0, mode="fwdbwd",
+                      device=tl.torch.device("cpu"))
+    assert len(rec["step_ms"]) == 3 and len(rec["warmup_ms"]) == 1 and rec["note"] == ""
+    assert rec["median_ms"] > 0 and rec["slow_steps"] <= 3 and rec["max_ms"] == max(rec["step_ms"])
+    # a budget spent after the first step stops the loop there, and says so
+    rec = tl.run_loop(impl, 1, 2, 130, 3, "fixed", steps=3, warmup=1, budget_s=0.0, mode="fwd",
+                      device=tl.torch.device("cpu"))
+    assert len(rec["step_ms"]) == 1 and "stopped by the budget" in rec["note"]
