@@ -515,7 +515,7 @@ elif [ "$part" = step-anchor ]; then
   grep "kernels per step\|exit" "$out/step-anchor.log"
 elif [ "$part" = training-loop ]; then
   # an eager training loop, a new batch every step, beside FlashQLA (host syncs, launches and compiles in the time)
-  logged training-loop 500 python3 benchmarks/training_loop.py --out "$out/training-loop.json"
+  logged training-loop 420 python3 benchmarks/training_loop.py --steps 12 --budget-s 20 --out "$out/training-loop.json"
   grep "^| \|exit\|Error" "$out/training-loop.log" | tail -16
 elif [ "$part" = step-anchor-cp ]; then
   # a training step's kernels beside FlashQLA's on few-head shapes of the cp set and one full bwd-set shape (the
