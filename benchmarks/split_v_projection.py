@@ -18,6 +18,7 @@ exchange is only in ``f``.
 """
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import sys
@@ -47,17 +48,17 @@ class SplitModel(cp_plan.CostModel):
 def backward_us(seqlens, heads, model, split_model=None):
     """The backward's estimate (us) of the plan ``plan_backward`` makes with ``model`` and, with ``split_model``,
     the best of that and the split on every candidate segment length (and none)."""
-    chunks = cp_plan._sequences(seqlens)[0]
+    longest = max(-(-int(L) // cp_plan.CHUNK) for L in seqlens)
     chosen = cp_plan.plan_backward(seqlens, heads, "auto", model)
     seg = None if chosen.plan is None else chosen.plan.segment_chunks
-    today = cp_plan._backward_estimated_us(chunks, heads, seg, model, True)[0]
+    today = cp_plan.backward_estimated_us(seqlens, heads, seg, model)[0]
     if split_model is None:
         return today, seg
     best = (today, seg)
     for c in [None, *cp_plan.CANDIDATE_SEGMENT_CHUNKS, *LONGER_SEGMENT_CHUNKS]:
-        if c is not None and c >= max(chunks):
+        if c is not None and c >= longest:
             continue
-        us = cp_plan._backward_estimated_us(chunks, heads, c, split_model, True)[0]
+        us = cp_plan.backward_estimated_us(seqlens, heads, c, split_model)[0]
         best = min(best, (us, c), key=lambda x: x[0])
     return best
 
@@ -91,7 +92,9 @@ def geomean(xs):
 
 def report(rows, factors, sources):
     out = ["# The split of V over a cluster of two, projected by the cost model (not measured)", "",
-           "Command: `python benchmarks/split_v_projection.py " + " ".join(sys.argv[1:]) + "`", "",
+           "Command: `python benchmarks/split_v_projection.py " + " ".join(sys.argv[1:]) + "` (CPU, "
+           + datetime.date.today().isoformat() + ", the model of `flashgdn/cp/plan.py` as the Hopper backend sets it)",
+           "",
            "Records: " + ", ".join(f"`{s}`" for s in sources) + ". x FQ is FlashQLA's fwd+bwd time over flashgdn's "
            "(above 1: flashgdn faster); `seg` the backward's segment length in chunks (- none).", ""]
     by_set = {}
