@@ -146,6 +146,10 @@ def main(argv=None) -> int:
             print(f"{impl.label} cannot run here: {missing}", file=sys.stderr)
             continue
         impls.append(impl)
+    header = dict(command="python benchmarks/training_loop.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  gpu=torch.cuda.get_device_name(device),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  versions=_versions())
     records = []
     for hq, hv, tokens, n in shapes:
         for kind in batches:
@@ -156,24 +160,23 @@ def main(argv=None) -> int:
                                device)
                 records.append(rec)
                 print(report([rec]).splitlines()[-1], flush=True)
-    text = report(records)
-    print(text)
-    if args.out:
-        versions = {"torch": torch.__version__}
-        for name, dist in (("tilelang", "tilelang"), ("flash-qla", "flash-qla")):
-            try:
-                from importlib import metadata
-
-                versions[name] = metadata.version(dist)
-            except Exception:
-                pass
-        with open(args.out, "w") as f:
-            json.dump(dict(command="python benchmarks/training_loop.py " + " ".join(sys.argv[1:] if argv is None
-                                                                                       else argv),
-                           gpu=torch.cuda.get_device_name(device),
-                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           versions=versions, records=records), f, indent=1)
+                if args.out:  # after every loop: a run cut short keeps what it measured
+                    with open(args.out, "w") as f:
+                        json.dump(dict(header, records=records), f, indent=1)
+    print(report(records))
     return 0
+
+
+def _versions():
+    from importlib import metadata
+
+    versions = {"torch": torch.__version__}
+    for dist in ("flashgdn", "tilelang", "flash-qla"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except Exception:
+            pass
+    return versions
 
 
 if __name__ == "__main__":
