@@ -7,7 +7,8 @@ one process.
 ``--shape HQK/HV:TOKENS/N``: ``TOKENS`` in ``N`` packed sequences. Two kinds of batches (``--batches``):
 * ``fresh``: every step a new random split of the tokens into N sequences (``shapes.random_split``, step i's seed the
   same for every implementation), as varlen training draws them: a new ``cu_seqlens`` tensor with new values;
-* ``fixed``: every step the same split, in new ``cu_seqlens`` tensors (what a data loader hands over each step).
+* ``fixed``: every step the same split, warm-up included, in new ``cu_seqlens`` tensors (what a data loader hands over
+  each step).
 q, k, v, g, beta, the initial state and the output gradients are the benchmark's (``flashgdn.bench.inputs``) and stay;
 only the offsets change. Each step's offsets are made on the host and copied to the device before the step's clock
 starts; flashgdn also gets the host copy (``cu_seqlens_cpu``, which a data loader has), FlashQLA the device tensor its
@@ -48,10 +49,11 @@ def parse_loop_shape(text: str):
 
 
 def step_split(tokens: int, n: int, batches: str, step: int):
-    """The sequence lengths of ``step`` (warm-up steps are negative): ``fixed`` always the first timed split."""
+    """The sequence lengths of ``step`` (warm-up steps are negative): ``fresh`` a split of its own, ``fixed`` the same
+    one at every step, warm-up included (so that its timed steps differ from each other by their tensors only)."""
     from flashgdn.bench.shapes import random_split
 
-    return random_split(tokens, n, 1000 + (0 if batches == "fixed" and step >= 0 else step))
+    return random_split(tokens, n, 1000 + (0 if batches == "fixed" else step))
 
 
 def _synchronize(device):
