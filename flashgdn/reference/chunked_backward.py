@@ -30,7 +30,7 @@ checks every gradient against torch autograd through ``chunked.py`` (float64).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -95,19 +95,38 @@ def _chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, table: ChunkTabl
             _tokens(dg, table), _tokens(dbeta, table))
 
 
+class ChunkTerms(NamedTuple):
+    """What every chunk's gradients make first from q, k and g~ alone (per value head): q and k, Gam, Q K^T, P,
+    gamma_i = exp(g~_i) and d_i = exp(g~_last - g~_i)."""
+
+    qv: torch.Tensor
+    kv: torch.Tensor
+    Gam: torch.Tensor
+    qkt: torch.Tensor
+    P: torch.Tensor
+    gam: torch.Tensor
+    dec: torch.Tensor
+
+
+def _gate_factors(gc):
+    # gamma_i and d_i of every chunk
+    return gc.exp(), (gc[..., -1:] - gc).exp()
+
+
+def chunk_terms(qc, kc, gc, Hv: int, scale: float) -> ChunkTerms:
+    """``ChunkTerms`` of the chunk tensors (head-first), for ``Hv`` value heads."""
+    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
+    Gam = _decay_matrix(gc)
+    qkt = qv @ kv.transpose(-1, -2)
+    return ChunkTerms(qv, kv, Gam, qkt, scale * Gam * qkt, *_gate_factors(gc))
+
+
 def chunk_gradient_tiles(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, scale: float):
     """Step 2's gradients of every chunk and value head, in the chunk layout (``[NC, Hv, C, ...]``): ``(dq, dk, dv,
     dg, dbeta)``, dq and dk per value head (before the group sums), dg after its reverse cumsum in the chunk."""
     C = qc.shape[-2]
     dev = qc.device
-    Hv = vc.shape[1]
-    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
-    Gam = _decay_matrix(gc)
-    qkt = qv @ kv.transpose(-1, -2)
-    P = scale * Gam * qkt
-    gam = gc.exp()
-    g_last = gc[..., -1]
-    dec = (g_last[..., None] - gc).exp()
+    qv, kv, Gam, qkt, P, gam, dec = chunk_terms(qc, kc, gc, vc.shape[1], scale)
     KS = kv @ h
     W = vc - gam[..., None] * KS
     Vn = Ag @ W
@@ -144,9 +163,8 @@ def inverse_gradients(dAg, Gam, A, bc, kkt):
 def gate_gradient(gc, Gam, qkt, dP, dAg, A, bc, scale: float, dgam, ddec, dgam_C):
     """dg of the chunk (after its reverse cumsum) from g~ (``gc``) and the gradients of what it enters: gamma_i
     (``dgam``), d_i (``ddec``), gamma_C (``dgam_C``), and Gam through P and Ag (from ``dP`` and ``dAg``)."""
-    gam = gc.exp()
+    gam, dec = _gate_factors(gc)
     g_last = gc[..., -1]
-    dec = (g_last[..., None] - gc).exp()
     dGam = (scale * qkt * dP + dAg * A * bc[..., None, :]) * Gam
     dgc = gam * dgam - dec * ddec + dGam.sum(-1) - dGam.sum(-2)
     dgc[..., -1] += g_last.exp() * dgam_C + (dec * ddec).sum(-1)
@@ -181,10 +199,9 @@ def chunk_state_gradients_reference(
     A = _inverse_chunks(kc, bc)
     Ag = _gated_inverse_chunks(A, gc, bc)
     _, M, _ = _state_pass_chunks(kc, torch.zeros_like(doc), gc, A, bc)
-    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
-    P = scale * _decay_matrix(gc) * (qv @ kv.transpose(-1, -2))
+    t = chunk_terms(qc, kc, gc, Hv, scale)
     dht_kv = (torch.zeros((table.N, Hv, K, V), dtype=dt, device=q.device) if dht is None else dht.to(dt))
-    return _state_gradients(qv, kv, gc.exp(), P, Ag, M, doc, dht_kv, table, scale)
+    return _state_gradients(t.qv, t.kv, t.gam, t.P, Ag, M, doc, dht_kv, table, scale)
 
 
 def chunk_gated_delta_rule_backward_reference(
@@ -222,14 +239,13 @@ def chunk_gated_delta_rule_backward_reference(
     _, M, b = _state_pass_chunks(kc, vc, gc, A, bc)
     h0 = _initial_state_kv(initial_state, table.N, Hv, K, V, state_v_first, dt, dev)
     h, _ = _chunk_states_chunks(M, b, h0, table)
-    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
-    P = scale * _decay_matrix(gc) * (qv @ kv.transpose(-1, -2))
+    t = chunk_terms(qc, kc, gc, Hv, scale)
     doc = _chunks(do.to(dt), table, dt)
     dht_kv = (torch.zeros_like(h0) if dht is None
               else (dht.to(dt).transpose(-1, -2) if state_v_first else dht.to(dt)))
 
     # 1. state gradients: dS = M^T dS' + E^T dO
-    dS_end, dh0 = _state_gradients(qv, kv, gc.exp(), P, Ag, M, doc, dht_kv, table, scale)
+    dS_end, dh0 = _state_gradients(t.qv, t.kv, t.gam, t.P, Ag, M, doc, dht_kv, table, scale)
     # 2. per chunk
     dq_t, dk_t, dv_t, dg_t, dbeta_t = _chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, table, scale, Hqk)
     dh0_out = None

@@ -28,8 +28,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .chunked import _decay_matrix, _lower, _per_value_head
-from .chunked_backward import gate_gradient, inverse_gradients
+from .chunked import _lower
+from .chunked_backward import chunk_terms, gate_gradient, inverse_gradients
 
 
 def _in_order(parts: List[torch.Tensor]) -> torch.Tensor:
@@ -51,18 +51,11 @@ def split_v_chunk_gradients(qc, kc, vc, bc, gc, A, Ag, h, dS_end, doc, scale: fl
     if V % parts or K % parts:
         raise ValueError(f"parts={parts} must divide K={K} and V={V}")
     dev = qc.device
-    Hv = vc.shape[1]
-    qv, kv = _per_value_head(qc, Hv), _per_value_head(kc, Hv)
     Vs = [slice(r * V // parts, (r + 1) * V // parts) for r in range(parts)]
     Ks = [slice(r * K // parts, (r + 1) * K // parts) for r in range(parts)]
 
     # made by every CTA from the tiles they all load (Q, K, g~, beta, A, Ag)
-    Gam = _decay_matrix(gc)
-    qkt = qv @ kv.transpose(-1, -2)
-    P = scale * Gam * qkt
-    gam = gc.exp()
-    g_last = gc[..., -1]
-    dec = (g_last[..., None] - gc).exp()
+    qv, kv, Gam, qkt, P, gam, dec = chunk_terms(qc, kc, gc, vc.shape[1], scale)
     lower = _lower(C, dev)
 
     # each CTA on its V columns
