@@ -18,6 +18,10 @@ kernel makes them) and prints, against a float64 inverse of the same bf16 keys:
   * with ``--loop-tokens``, o and the final state of the emulated chunk loop (``numerics_study.chunk_loop``) fed each
     inverse, against a float64 loop: what DESIGN.md's bars (5e-3) see.
 
+It also emulates the merges with fp16 operands and blocks (``WAYS``: FlashInfer's Hopper prefill makes its inverse so,
+from 8x8 diagonal blocks, with the gate applied first; and the same from our 16x16 blocks) and with bf16 ones: whether
+an inverse with half the products (``mma.m16n8k16``) and half the shared-memory bytes keeps the accuracy.
+
 Keys: random unit vectors (nearly orthogonal in 128 dimensions, so L is small) and keys that share a direction
 (``k = normalize(base + s * noise)``), where the doubling's powers of N grow and then cancel, which is where a
 product with short operands can lose what the substitution keeps. Nothing here runs a kernel; it says whether such a
@@ -44,6 +48,11 @@ def tf32_truncated(x):
     return (bits & ~0x1FFF).view(torch.float32).to(x.dtype)
 
 
+def fp16(x):
+    """float32 values stored as float16 (to nearest), as an fp16 tile in shared memory holds them."""
+    return x.half().to(x.dtype)
+
+
 def mm(a, b, operand):
     """One tensor-core product, float32 accumulation: ``operand`` rounds the inputs (``"3xtf32"``: a hi + lo split,
     three products, the lo x lo term left out)."""
@@ -51,7 +60,8 @@ def mm(a, b, operand):
         ah, bh = tf32(a), tf32(b)
         al, bl = tf32(a - ah), tf32(b - bh)
         return ah @ bh + (ah @ bl + al @ bh)
-    rnd = {"tf32": tf32, "tf32-truncated": tf32_truncated, "bf16": bf16, "fp32": lambda x: x}[operand]
+    rnd = {"tf32": tf32, "tf32-truncated": tf32_truncated, "bf16": bf16, "fp16": fp16,
+           "fp32": lambda x: x}[operand]
     return rnd(a) @ rnd(b)
 
 
@@ -85,20 +95,52 @@ def doubling(Lb, operand):
 MERGE = "tf32-truncated"
 
 
-def blocked_inverse(L, diag):
-    """The kernel's blocked inverse of I + L (64 x 64): 16x16 diagonal blocks by ``diag`` ("substitution" or a
-    doubling's operand rounding), merged 16 -> 32 -> 64 by A21 = -A22 (L21 A11) with tf32 products (``MERGE``)."""
+def blocked_inverse(L, diag, merge=MERGE, leaf=16, store=None):
+    """The kernel's blocked inverse of I + L (64 x 64): ``leaf`` x ``leaf`` diagonal blocks by ``diag``
+    ("substitution" or a doubling's operand rounding), merged up to 64 by A21 = -A22 (L21 A11) with products whose
+    operands ``merge`` rounds (the default build's: tf32 read truncated, ``MERGE``). ``store`` rounds every block as
+    it is written (None: kept in float32, as the default build keeps them)."""
+    keep = (lambda x: x) if store is None else {"fp16": fp16, "bf16": bf16}[store]
+
     def inv(block):
         n = block.shape[0]
-        if n == 16:
-            return substitution(block) if diag == "substitution" else doubling(block, diag)
+        if n == leaf:
+            return keep(substitution(block) if diag == "substitution" else doubling(block, diag))
         h = n // 2
         A11, A22 = inv(block[:h, :h]), inv(block[h:, h:])
-        A21 = -mm(A22, mm(block[h:, :h], A11, MERGE), MERGE)
+        A21 = keep(-mm(A22, keep(mm(block[h:, :h], A11, merge)), merge))
         out = torch.zeros(n, n, dtype=torch.float32)
         out[:h, :h], out[h:, h:], out[h:, :h] = A11, A22, A21
         return out
     return inv(L)
+
+
+#: the ways of making the inverse that the study compares: name -> (diagonal blocks, merges' operands, leaf size,
+#: storage of the blocks, gate applied before the inverse). "fp16 8x8, gated" is FlashInfer's Hopper prefill's (read
+#: in its source): the gated L = Gam ⊙ L, 8x8 diagonal blocks by elimination in float32, every block stored as fp16
+#: and merged by fp16 mma (float32 accumulation), beta applied to the columns afterwards.
+WAYS = {
+    "substitution": ("substitution", MERGE, 16, None, False),
+    "tf32": ("tf32", MERGE, 16, None, False),
+    "3xtf32": ("3xtf32", MERGE, 16, None, False),
+    "bf16": ("bf16", MERGE, 16, None, False),
+    "fp16 16x16": ("substitution", "fp16", 16, "fp16", False),
+    "fp16 8x8": ("substitution", "fp16", 8, "fp16", False),
+    "fp16 8x8, gated": ("substitution", "fp16", 8, "fp16", True),
+    "bf16 16x16": ("substitution", "bf16", 16, "bf16", False),
+}
+
+
+def inverse_by(way, L, Gam):
+    """The ungated inverse A of I + L made the way ``way`` names (a key of ``WAYS``, or such a tuple), and Gam ⊙ A as
+    that way has it (float32): a way that gates first inverts I + Gam ⊙ L, which is Gam ⊙ A, and has no A of its own
+    (its A is that divided back)."""
+    diag, merge, leaf, store, gate_first = WAYS[way] if isinstance(way, str) else way
+    if not gate_first:
+        A = blocked_inverse(L, diag, merge, leaf, store)
+        return A, Gam.float() * A
+    GA = blocked_inverse(Gam.float() * L, diag, merge, leaf, store)
+    return GA / Gam.float().clamp_min(1e-30) * (Gam > 0), GA
 
 
 def chunk_keys(kind, gen, s=None):
@@ -110,7 +152,7 @@ def chunk_keys(kind, gen, s=None):
     return bf16(torch.nn.functional.normalize(k, dim=-1))
 
 
-DIAGS = ("substitution", "tf32", "3xtf32", "bf16")
+DIAGS = tuple(WAYS)
 
 
 def study(kind, s, chunks, beta_kind, gen):
@@ -132,8 +174,9 @@ def study(kind, s, chunks, beta_kind, gen):
         # the kernel's L: K K^T of bf16 keys in float32 (a wgmma), scaled by beta in float32
         L32 = (beta.float()[:, None] * (k.float() @ k.float().T)).tril(-1)
         for d in DIAGS:
-            A = blocked_inverse(L32, d).double()
-            Ag = bf16((Gam * A * beta[None, :]).float()).double()
+            A, GA = inverse_by(d, L32, Gam)
+            A = A.double()
+            Ag = bf16(GA * beta.float()[None, :]).double()
             errs[d][0] += float((A - A64).pow(2).sum())
             errs[d][1] = max(errs[d][1], float((A - A64).abs().max()))
             errs[d][2] += float((Ag - Ag64).pow(2).sum())
@@ -157,12 +200,14 @@ def loop_errors(kind, s, tokens, gen):
     o_ref, S_ref = ns.chunk_loop(q, k, v, g, beta, S0, reg=ns.exact, tile=ns.exact, out=ns.exact)
     out = {}
     for d in DIAGS:
-        def inverse(kc, bc, d=d):
+        def inverse(kc, bc, gc, d=d):
             n = kc.shape[0]
             L = (bc.float()[:, None] * (kc.float() @ kc.float().T)).tril(-1)
+            Gam = (gc[:, None] - gc[None, :]).exp().tril()
             if n < C:  # a partial chunk: the kernel's zero rows past the end
                 L = torch.nn.functional.pad(L, (0, C - n, 0, C - n))
-            return blocked_inverse(L, d)[:n, :n].double()
+                Gam = torch.nn.functional.pad(Gam, (0, C - n, 0, C - n))
+            return inverse_by(d, L, Gam)[0][:n, :n].double()
         o, S = ns.chunk_loop(q, k, v, g, beta, S0.clone(), inverse=inverse)
         out[d] = (ns.rel(o, o_ref), ns.rel(S, S_ref))
     o, S = ns.chunk_loop(q, k, v, g, beta, S0.clone())

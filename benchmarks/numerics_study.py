@@ -41,8 +41,9 @@ def exact(x):
 def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0.5, form="rs", inverse=None):
     """The chunk recurrence with the kernel's rounding points: ``reg`` for S, W, Vn (register operands), ``tile``
     for Ag and P (shared-memory operands), ``out`` for O. ``form="uw"`` is the uw loop's order instead:
-    Vn = U - Wk S with U = Ag V and Wk = (Ag diag(gamma)) K made per chunk and rounded as tiles. ``inverse(kc, bc)``,
-    if given, makes each chunk's A (the gate-free inverse) instead of an exact inverse in q's dtype."""
+    Vn = U - Wk S with U = Ag V and Wk = (Ag diag(gamma)) K made per chunk and rounded as tiles. ``inverse(kc, bc,
+    gc)`` (the chunk's keys, betas and gate cumsum), if given, makes each chunk's A (the gate-free inverse) instead of
+    an exact inverse in q's dtype."""
     outs = []
     T = q.shape[0]
     for c0 in range(0, T, C):
@@ -51,7 +52,7 @@ def chunk_loop(q, k, v, g, beta, S, reg=bf16, tile=bf16, out=bf16, scale=K ** -0
         qc, kc, vc, bc = q[sl], k[sl], v[sl], beta[sl]
         gc = g[sl].cumsum(0)
         upper = torch.ones(n, n, dtype=torch.bool).triu(1)
-        A = (inverse(kc, bc) if inverse is not None
+        A = (inverse(kc, bc, gc) if inverse is not None
              else torch.linalg.inv(torch.eye(n, dtype=q.dtype) + (bc[:, None] * (kc @ kc.T)).tril(-1)))
         Gam = (gc[:, None] - gc[None, :]).masked_fill(upper, float("-inf")).exp()
         Ag, P = tile(Gam * A * bc[None, :]), tile(scale * Gam * (qc @ kc.T))

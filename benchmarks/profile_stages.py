@@ -44,7 +44,9 @@ def main(argv=None):
                 hopper_backward(q, k, v, g, beta, do, dht, 128 ** -0.5, h0, cu, False, None, cu.cpu())
                 torch.cuda.synchronize()
         return 0
-    prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=fw.KKT_ASYNC_LOADS)
+    # stage 1 as the forward builds it (its occupancy and the switched options: diag16 and mma32 by default)
+    prep = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=fw.KKT_ASYNC_LOADS,
+                             **fw._kkt_build_options(Hv // Hqk))
     builders = {  # only the loops asked for are built (a build not in the cache is a compile)
         "simple": lambda: build_chunk_forward(Hqk, Hv, 128, 128, 128, "bfloat16", True, True, False),
         "ws": lambda: build_chunk_forward_ws(Hqk, Hv, 128, 128, "bfloat16", True, True, False),

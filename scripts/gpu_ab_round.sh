@@ -195,6 +195,9 @@ set -uo pipefail
 # ag-from-a-peaks: a training step's peak with it on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json).
 # pairs-given: the pair sums in groups of four from 32 value heads (8/32, 16/64): GPU tests, fwd+bwd, peaks.
 # pairs-default: the backward's GPU file with the pair sums in groups of two and four by default.
+# profile-stage1: Nsight Compute on stage 1's default build at 32/32 and 16/32 4096x8 (PROFILE_HEADS), its phases split
+#   at its barriers by benchmarks/sass_phases.py: where the stage's time goes since diag16 and mma32 (notes "Stage 1
+#   after FlashInfer's inverse").
 # pairs-every-four: the backward's and the CP's GPU files with them in every group of four by default (v0.37d).
 # pairs-quarter (notes v0.37c): backward.FUSED_PAIR_SUMS forced on, at the cp set's Hqk = Hv / 4 shapes (groups of four):
 #   its GPU tests, fwd+bwd both ways (pairs-quarter-ab.json), the peaks with it on (memory-peak-pairs-quarter.json).
@@ -218,7 +221,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1 OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -427,6 +430,27 @@ elif [ "$part" = profile-anchor-bwd ]; then
     python3 benchmarks/sass_stalls.py "$out/anchor-bwd-sass-$impl.csv.xz" ${roles:+--roles "$roles"} \
       > "$out/anchor-bwd-stalls-$impl.log" 2>&1
     head -24 "$out/anchor-bwd-stalls-$impl.log"
+  done
+elif [ "$part" = profile-stage1 ]; then
+  # stage 1 (the forward's default build) under Nsight Compute on whole-wave shapes of a group of one and of two; its
+  # phases split at its barriers (benchmarks/sass_phases.py)
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for heads in ${PROFILE_HEADS:-32/32 16/32}; do
+    tag=${heads/\//x}
+    logged stage1-$tag-run 200 "$ncu" --clock-control none -k regex:kkt_inverse --launch-skip 1 --launch-count 1 \
+      --set full --import-source yes -f -o "/tmp/stage1-$tag" \
+      python3 benchmarks/profile_stages.py --heads "$heads" --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --loops rso
+    tail -3 "$out/stage1-$tag-run.log"
+    "$ncu" -i "/tmp/stage1-$tag.ncu-rep" --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section LaunchStats > "$out/stage1-$tag.txt" 2>&1
+    grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Achieved Occupancy|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|Compute \(SM\)" \
+      "$out/stage1-$tag.txt" | head -14
+    "$ncu" -i "/tmp/stage1-$tag.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 \
+      > "$out/stage1-$tag-sass.csv.xz"
+    python3 benchmarks/sass_phases.py "$out/stage1-$tag-sass.csv.xz" > "$out/stage1-$tag-phases.md" 2>&1
+    python3 benchmarks/sass_wavefronts.py "$out/stage1-$tag-sass.csv.xz" --top 12 > "$out/stage1-$tag-wavefronts.md" 2>&1
+    cat "$out/stage1-$tag-phases.md"
   done
 elif [ "$part" = negligible-m ]; then
   gpu_tests gpu-negligible-m 150 4 tests/test_gpu_hopper_cp.py -k negligible
