@@ -16,7 +16,10 @@ API takes. A step is the forward and the gradients of every input (``runner.step
 ``torch.cuda.synchronize()``.
 
 The first ``--warmup`` steps (their own splits) compile and load what a configuration needs and are reported apart;
-any compile a later batch triggers is in its step's time. Each implementation and shape stops at ``--budget-s``
+any compile or load a later batch triggers is in its step's time, and each step records how many kernels entered
+TileLang's in-memory caches during it (``loads``: both implementations' kernels are TileLang's, and each step runs one
+of them). ``--preload`` calls ``flashgdn.preload`` for the shape's heads (the training builds with the benchmark's
+flags) before flashgdn's warm-up, and records its time. Each implementation and shape stops at ``--budget-s``
 seconds of timed steps, and says so. The figures: median, mean and longest step, and how many steps took over a
 second. Nothing here is a CUDA graph: ``python -m flashgdn.bench`` times the kernels alone that way.
 """
@@ -61,16 +64,25 @@ def _synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def run_loop(impl, hq, hv, tokens, n, batches, steps, warmup, budget_s, mode, device):
+def run_loop(impl, hq, hv, tokens, n, batches, steps, warmup, budget_s, mode, device, preload=False):
     """One implementation on one shape and kind of batches: the record (times in ms)."""
     from flashgdn.bench.inputs import make_inputs
     from flashgdn.bench.runner import step_call
     from flashgdn.bench.shapes import Shape
+    from flashgdn.kernels.hopper.common import kernels_in_memory
 
     base = make_inputs(Shape("loop", hq, hv, step_split(tokens, n, batches, 0)), 128, 128, device,
                        with_grads=mode == "fwdbwd")
     rec = dict(impl=impl.label, h_qk=hq, h_v=hv, tokens=tokens, sequences=n, batches=batches, mode=mode,
-               warmup_ms=[], step_ms=[], note="")
+               warmup_ms=[], step_ms=[], warmup_loads=[], step_loads=[], note="")
+    if preload and impl.label.startswith("flashgdn"):
+        import flashgdn
+
+        _synchronize(device)
+        t0 = time.perf_counter()
+        rec["preloaded"] = flashgdn.preload([(hq, hv)], dtype=base.q.dtype, training=mode == "fwdbwd",
+                                            flags="common")
+        rec["preload_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
     start = None
     for i in range(-warmup, steps):
         seqlens = step_split(tokens, n, batches, i)
@@ -79,13 +91,16 @@ def run_loop(impl, hq, hv, tokens, n, batches, steps, warmup, budget_s, mode, de
                                   cu_seqlens_cpu=cu_cpu)
         call = step_call(impl.prepare(inp, mode), mode)
         _synchronize(device)
+        held = kernels_in_memory()
         t0 = time.perf_counter()
         out, _ = call()
         _synchronize(device)
         ms = 1e3 * (time.perf_counter() - t0)
+        loads = None if held is None else kernels_in_memory() - held
         if not bool(torch.isfinite(out[0]).all()):
             raise RuntimeError(f"{impl.label}: non-finite output at step {i} ({seqlens})")
         (rec["warmup_ms"] if i < 0 else rec["step_ms"]).append(round(ms, 4))
+        (rec["warmup_loads"] if i < 0 else rec["step_loads"]).append(loads)
         if i >= 0:
             start = start if start is not None else t0
             if time.perf_counter() - start > budget_s and i + 1 < steps:
@@ -93,13 +108,14 @@ def run_loop(impl, hq, hv, tokens, n, batches, steps, warmup, budget_s, mode, de
                 break
     times = rec["step_ms"]
     rec.update(median_ms=statistics.median(times), mean_ms=statistics.fmean(times), max_ms=max(times),
-               slow_steps=sum(t > 1e3 * SLOW_STEP_S for t in times))
+               slow_steps=sum(t > 1e3 * SLOW_STEP_S for t in times),
+               steps_loading=sum(1 for x in rec["step_loads"] if x))
     return rec
 
 
 def report(records):
-    lines = ["| shape | batches | impl | median ms | mean ms | longest ms | steps > 1 s | warm-up ms | x flashgdn |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | batches | impl | median ms | mean ms | longest ms | steps > 1 s | steps loading kernels | "
+             "warm-up ms | x flashgdn |", "|---|---|---|---|---|---|---|---|---|---|"]
     ours = {(r["h_qk"], r["h_v"], r["tokens"], r["sequences"], r["batches"]): r["median_ms"]
             for r in records if r["impl"] == "flashgdn"}
     for r in records:
@@ -107,9 +123,19 @@ def report(records):
         ratio = f"{r['median_ms'] / ours[key]:.2f}x" if key in ours else "-"
         lines.append(f"| {r['h_qk']}/{r['h_v']} {r['tokens']}/{r['sequences']} | {r['batches']} | {r['impl']} | "
                      f"{r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['max_ms']:.1f} | {r['slow_steps']} of "
-                     f"{len(r['step_ms'])} | {', '.join(f'{t:.0f}' for t in r['warmup_ms'])} | {ratio} |"
+                     f"{len(r['step_ms'])} | {_loading(r)} | {', '.join(f'{t:.0f}' for t in r['warmup_ms'])}"
+                     + (f" (preload {r['preload_ms']:.0f})" if "preload_ms" in r else "") + f" | {ratio} |"
                      + (f" {r['note']}" if r["note"] else ""))
     return "\n".join(lines)
+
+
+def _loading(r) -> str:
+    """Which timed steps loaded kernels, and how many each (``-`` where they could not be counted)."""
+    loads = r.get("step_loads") or []
+    if not loads or any(x is None for x in loads):
+        return "-"
+    hits = [f"step {i}: {x}" for i, x in enumerate(loads) if x]
+    return ", ".join(hits) if hits else "none"
 
 
 def main(argv=None) -> int:
@@ -122,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=40.0, help="seconds of timed steps per implementation and shape")
     ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd")
+    ap.add_argument("--preload", action="store_true", help="flashgdn.preload the shape's heads before flashgdn's warm-up")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -159,7 +186,7 @@ def main(argv=None) -> int:
                 continue  # one sequence: every split is the same
             for impl in impls:
                 rec = run_loop(impl, hq, hv, tokens, n, kind, args.steps, args.warmup, args.budget_s, args.mode,
-                               device)
+                               device, preload=args.preload)
                 records.append(rec)
                 print(report([rec]).splitlines()[-1], flush=True)
                 if args.out:  # after every loop: a run cut short keeps what it measured

@@ -23,11 +23,62 @@ def _parse_heads(text: str):
         try:
             hqk, hv = (int(x) for x in item.split("/"))
         except ValueError:
-            raise SystemExit(f"--heads: expected HQK/HV[,HQK/HV...], got {item!r}")
+            raise ValueError(f"expected HQK/HV[,HQK/HV...], got {item!r}") from None
         if hqk <= 0 or hv <= 0 or hv % hqk:
-            raise SystemExit(f"--heads: {item!r} needs positive counts with HV a multiple of HQK")
+            raise ValueError(f"{item!r} needs positive counts with HV a multiple of HQK")
         out.append((hqk, hv))
     return out
+
+
+def _variants(hqk: int, hv: int, head_dim: int, dtype: str, kernels: str, flags: str) -> list:
+    """The kernel variants ``--kernels`` names for one head configuration and dtype."""
+    from flashgdn.kernels.hopper.variants import (backward_variants, forward_variants, serving_variants,
+                                                  training_variants)
+
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"dtype: expected bfloat16 or float16, got {dtype!r}")
+    if kernels == "all":
+        return (list(forward_variants(hqk, hv, head_dim, head_dim, dtype, flags))
+                + list(backward_variants(hqk, hv, head_dim, head_dim, dtype)))
+    chosen = dict(forward=forward_variants, serving=serving_variants, training=training_variants)[kernels]
+    return list(chosen(hqk, hv, head_dim, head_dim, dtype, flags))
+
+
+def preload(heads, dtype="bfloat16", training: bool = True, flags: str = "all", head_dim: int = 128) -> int:
+    """Load into this process every kernel the operator may ask for at these head configurations, before the first
+    call: ``heads`` is ``[(Hqk, Hv), ...]`` (or ``"16/32,16/64"``), ``dtype`` the q/k/v dtype (``torch.bfloat16``
+    or ``"bfloat16"``), ``training`` adds the backward's kernels to the forward's, ``flags`` is ``"all"`` (every
+    combination of initial state, final state and state layout) or ``"common"``. Returns how many kernels it went
+    through.
+
+    Why: a kernel is traced and loaded (from the disk cache, or compiled into it) the first time a call needs it,
+    and which kernels a call needs depends on its sequence mix (context parallelism's passes run only where the
+    plan splits a sequence). A training loop whose batches change their mix then stalls, once per process and path,
+    in whichever step first takes that path (~1.2 s on an H100 for the CP passes of 16/32, notes "The eager training
+    loop measured"). Loading everything up front moves that time to start-up, where ``python -m flashgdn.precompile``
+    has already moved the compiles. Without a GPU it compiles for sm_90a like the command does."""
+    import torch
+
+    from flashgdn.kernels.hopper.variants import build
+
+    if isinstance(heads, str):
+        try:
+            heads = _parse_heads(heads)
+        except ValueError as e:
+            raise ValueError(f"heads: {e}") from None
+    if isinstance(dtype, torch.dtype):
+        dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, str(dtype))
+    if flags not in ("all", "common"):
+        raise ValueError(f"flags: expected 'all' or 'common', got {flags!r}")
+    count = 0
+    for hqk, hv in heads:
+        if hqk <= 0 or hv <= 0 or hv % hqk:
+            raise ValueError(f"heads: {hqk}/{hv} needs positive counts with Hv a multiple of Hqk")
+        for _, builder, kwargs in _variants(hqk, hv, head_dim, dtype, "training" if training else "serving",
+                                            flags):
+            build(builder, kwargs)
+            count += 1
+    return count
 
 
 def _cache_entries(cache_dir: str) -> set:
@@ -67,22 +118,16 @@ def main(argv=None) -> int:
                          "check that a shipped cache holds what the current code builds)")
     args = ap.parse_args(argv)
 
-    from flashgdn.kernels.hopper.variants import (backward_variants, forward_variants, serving_variants,
-                                                  training_variants)
-
+    try:
+        heads = _parse_heads(args.heads)
+    except ValueError as e:
+        raise SystemExit(f"--heads: {e}")
     jobs = []
-    for hqk, hv in _parse_heads(args.heads):
+    for hqk, hv in heads:
         for dt in args.dtypes.split(","):
             if dt not in ("bfloat16", "float16"):
                 raise SystemExit(f"--dtypes: expected bfloat16 or float16, got {dt!r}")
-            if args.kernels != "all":
-                chosen = dict(forward=forward_variants, serving=serving_variants,
-                              training=training_variants)[args.kernels]
-                variants = list(chosen(hqk, hv, args.head_dim, args.head_dim, dt, args.flags))
-            else:
-                variants = (list(forward_variants(hqk, hv, args.head_dim, args.head_dim, dt, args.flags))
-                            + list(backward_variants(hqk, hv, args.head_dim, args.head_dim, dt)))
-            for name, builder, kw in variants:
+            for name, builder, kw in _variants(hqk, hv, args.head_dim, dt, args.kernels, args.flags):
                 jobs.append((name, builder, kw, args.report))
     from tilelang import env as tl_env
 

@@ -195,6 +195,8 @@ set -uo pipefail
 # ag-from-a-peaks: a training step's peak with it on at the cp set's 27 Hqk = Hv / 4 shapes (memory-peak-cp-quarter.json).
 # pairs-given: the pair sums in groups of four from 32 value heads (8/32, 16/64): GPU tests, fwd+bwd, peaks.
 # pairs-default: the backward's GPU file with the pair sums in groups of two and four by default.
+# preload: flashgdn.preload's GPU test, and the eager loop on fresh batches without and with it (notes "Kernels
+#   loaded ahead of the first step").
 # profile-stage1: Nsight Compute on stage 1's default build at 32/32 and 16/32 4096x8 (PROFILE_HEADS), its phases split
 #   at its barriers by benchmarks/sass_phases.py: where the stage's time goes since diag16 and mma32 (notes "Stage 1
 #   after FlashInfer's inverse").
@@ -221,7 +223,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1 OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -430,6 +432,17 @@ elif [ "$part" = profile-anchor-bwd ]; then
     python3 benchmarks/sass_stalls.py "$out/anchor-bwd-sass-$impl.csv.xz" ${roles:+--roles "$roles"} \
       > "$out/anchor-bwd-stalls-$impl.log" 2>&1
     head -24 "$out/anchor-bwd-stalls-$impl.log"
+  done
+elif [ "$part" = preload ]; then
+  # flashgdn.preload: its GPU test, then the eager loop on fresh batches without and with it (separate processes:
+  # kernels loaded stay loaded), each step's kernel loads counted
+  gpu_tests gpu-preload 240 1 tests/test_gpu_preload.py
+  tail -3 "$out/gpu-preload.log"
+  for pre in 0 1; do
+    logged training-loop-preload$pre 200 python3 benchmarks/training_loop.py --impl flashgdn --shape 16/32:32768/8 \
+      --shape 2/4:32768/8 --batches fresh --steps 24 --budget-s 30 $([ $pre = 1 ] && echo --preload) \
+      --out "$out/training-loop-preload$pre.json"
+    grep "^| \|exit\|Error" "$out/training-loop-preload$pre.log" | tail -4
   done
 elif [ "$part" = profile-stage1 ]; then
   # stage 1 (the forward's default build) under Nsight Compute on whole-wave shapes of a group of one and of two; its

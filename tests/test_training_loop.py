@@ -25,13 +25,16 @@ def test_fresh_batches_change_every_step_and_fixed_ones_never():
 
 
 def test_the_report_gives_each_implementation_against_flashgdn():
-    def rec(impl, median, note=""):
+    def rec(impl, median, note="", loads=(0, 0, 0), **extra):
         return dict(impl=impl, h_qk=2, h_v=4, tokens=8192, sequences=4, batches="fresh", median_ms=median,
-                    mean_ms=median, max_ms=2e3, slow_steps=1, step_ms=[median] * 3, warmup_ms=[900.0], note=note)
+                    mean_ms=median, max_ms=2e3, slow_steps=1, step_ms=[median] * 3, warmup_ms=[900.0], note=note,
+                    step_loads=list(loads), **extra)
 
-    text = tl.report([rec("flashgdn", 2.0), rec("flashqla", 5.0, "stopped by the budget")])
-    assert "| 2/4 8192/4 | fresh | flashqla | 5.000 | 5.000 | 2000.0 | 1 of 3 | 900 | 2.50x | stopped" in text
-    assert "| flashgdn | 2.000 |" in text and "| 1.00x |" in text
+    text = tl.report([rec("flashgdn", 2.0, loads=(0, 0, 7), preload_ms=4321.0),
+                      rec("flashqla", 5.0, "stopped by the budget")])
+    assert "| 2/4 8192/4 | fresh | flashqla | 5.000 | 5.000 | 2000.0 | 1 of 3 | none | 900 | 2.50x | stopped" in text
+    assert "| flashgdn | 2.000 |" in text and "| step 2: 7 | 900 (preload 4321) | 1.00x |" in text
+    assert "| - |" in tl.report([rec("flashgdn", 2.0, loads=(None, None, None))])  # not counted: no TileLang
 
 
 def test_without_a_gpu_it_says_so():
@@ -49,6 +52,9 @@ def test_a_loop_of_the_reference_runs_every_step_on_its_own_batch():
                       device=tl.torch.device("cpu"))
     assert len(rec["step_ms"]) == 3 and len(rec["warmup_ms"]) == 1 and rec["note"] == ""
     assert rec["median_ms"] > 0 and rec["slow_steps"] <= 3 and rec["max_ms"] == max(rec["step_ms"])
+    # the reference loads no TileLang kernel (or there is no TileLang to count with)
+    assert len(rec["step_loads"]) == 3 and all(x in (0, None) for x in rec["step_loads"])
+    assert rec["steps_loading"] == 0 and "preload_ms" not in rec
     # a budget spent after the first step stops the loop there, and says so
     rec = tl.run_loop(impl, 1, 2, 130, 3, "fixed", steps=3, warmup=1, budget_s=0.0, mode="fwd",
                       device=tl.torch.device("cpu"))

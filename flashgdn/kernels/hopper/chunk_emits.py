@@ -28,14 +28,13 @@ value head): the count the walk's ``early_stop`` build takes.
 PyTorch counterparts: ``flashgdn.cp.bounds.chunk_log_emits`` (same terms; float32 sums in another order) and
 ``segment_walk_stops`` (float64 there; the margin covers float32's sums here).
 """
-import functools
 
 from ...cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL, NEGLIGIBLE_LOG_NORM, SEGMENT_SUM_ABS, SEGMENT_SUM_REL
-from .common import CHUNK, TARGET, pass_configs
+from .common import CHUNK, TARGET, kernel_cache, pass_configs
 from .warp_bounds import warp_lse_macros
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_emits(Hqk: int, Hv: int, K: int, V: int, io_dtype: str):
     """The kernel ``(q, k [1, T, Hqk, K], g, beta [1, T, Hv] float32, do [1, T, Hv, V], bounds [S, 2] int32 (the
     chunk slots: first token and length), scale (float), chunk_emit [Hv, S] float32 (out))``; T and S dynamic."""
@@ -142,7 +141,7 @@ def build_chunk_emits(Hqk: int, Hv: int, K: int, V: int, io_dtype: str):
     return tilelang.compile(chunk_emits_kernel, out_idx=None, target=TARGET, pass_configs=pass_configs())
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_walk_covers(Hv: int):
     """The kernel ``(chunk_bound [Hv, S], chunk_emit [Hv, S] float32, cu_seqlens [N + 1] int32, first_slot [N] int32,
     walk_chunks [N, Hv] int32 (out))``: per segment (sequence of ``cu_seqlens``) and value head the chunks its walk

@@ -21,12 +21,11 @@ One CTA walks one sequence for one value head and one block of V columns; sequen
 the device from ``cu_seqlens``, so any mix of lengths runs on one compile with no host synchronisation.
 The CTA of the last sequence also writes the zeros of the padded tail after ``cu_seqlens[-1]``.
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_forward(
     Hqk: int,
     Hv: int,

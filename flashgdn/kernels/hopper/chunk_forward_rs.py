@@ -30,11 +30,10 @@ Roles (one CTA = one sequence x one value head, 512 threads):
 Hand-offs are three mbarrier pairs: full (producer -> all), p_ready (gate -> state), empty (all -> producer);
 with ``decayed_k`` a fourth, a_ready (gate -> state: gamma and Ag, before P and Kd).
 """
-import functools
 from typing import Optional
 
 from ...cp.bounds import NEGLIGIBLE_LOG_NORM, SEGMENT_SUM_ABS, SEGMENT_SUM_REL
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 from .gate_inverse import make_gate_inverse
 from .warp_bounds import warp_lse_macros
 from .loop_parts import make_loop_parts
@@ -52,7 +51,7 @@ PRECISE_STATE_ONLY_REGS = (208, 64, 32)
 INVERSE_IN_LOOP_REGS = (192, 96, 32)
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_forward_rs(
     Hqk: int,
     Hv: int,

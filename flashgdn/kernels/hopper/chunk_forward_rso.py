@@ -39,9 +39,8 @@ Hand-offs (mbarriers): full (producer -> all), d_ready (decays -> state and outp
 double-buffered by ring stage), vn_ready / vn_free (Vn^T), empty (state and output paths -> producer; the output
 path releases a stage once it has made Q S, before it waits for Vn).
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
@@ -69,7 +68,7 @@ TRACE_POINTS_OF = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_forward_rso(
     Hqk: int,
     Hv: int,

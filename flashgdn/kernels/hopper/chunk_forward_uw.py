@@ -28,9 +28,8 @@ Roles (one CTA = one sequence x one value head, 512 threads):
 
 Hand-offs: full (producer -> all), p_ready (gate -> state), empty (all -> producer), one mbarrier per stage.
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
@@ -39,7 +38,7 @@ from .ring_producer import make_ring_producer
 STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 88, 40
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_forward_uw(
     Hqk: int,
     Hv: int,

@@ -24,13 +24,12 @@ Roles (one CTA = one sequence x one value head, 512 threads):
 Hand-offs are mbarriers; the state reaches the output path as bf16 in shared memory, double-buffered so the
 state path can write S' while the output path still reads S.
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 from .ring_producer import make_ring_producer
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_forward_ws(
     Hqk: int,
     Hv: int,

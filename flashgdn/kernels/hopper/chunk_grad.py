@@ -81,15 +81,14 @@ it instead (-gamma ⊙ dW, d ⊙ Vn), so dk is one accumulator. Rows past a sequ
 
 PyTorch counterpart: step 2 of ``chunk_gated_delta_rule_backward_reference``.
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 
 #: four warpgroups (126 of the 128 registers a thread may have at 512 threads)
 THREADS = 512
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_grad(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, async_loads: bool = False,
                      row_factors: bool = False, scan_dg: bool = False, wide_stores: bool = False,
                      pair_sums: bool = False, heads_inner: bool = False):

@@ -17,9 +17,8 @@ writing its own sequence's slots took 13.4 us at 448 chunks and 50 us at 2048 (`
 PyTorch counterpart: ``flashgdn.kernels.hopper.forward.chunk_plan_torch`` (and, for the table itself,
 ``flashgdn.reference.layout.chunk_table``).
 """
-import functools
 
-from .common import CHUNK, TARGET, pass_configs
+from .common import CHUNK, TARGET, kernel_cache, pass_configs
 
 #: threads of the one CTA that scans the sequences (a block of this many sequences per step)
 SCAN_THREADS = 1024
@@ -69,7 +68,7 @@ def make_sequence_scan():
     return sequence_scan
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chunk_plan():
     """Compile (or load) the kernel. Arguments: cu_seqlens [N + 1] int32, bounds [S, 2] int32 (written),
     first_slot [N] int32 (written)."""

@@ -7,6 +7,8 @@ TileLang (``TILELANG_CACHE_DIR``), so a cache compiled ahead of time on a GPU-le
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import torch
@@ -26,6 +28,40 @@ TORCH_TO_TL = {
     torch.int32: "int32",
     torch.int64: "int64",
 }
+
+
+def kernel_cache(build):
+    """A kernel factory's in-memory cache, keyed by its arguments as bound to its signature with the defaults filled
+    in: ``build(2, 8, K=128)`` and ``build(Hqk=2, Hv=8, K=128, blocks_per_sm=4)`` are one entry, which
+    ``functools.lru_cache`` keeps apart. The operator's calls and the variant lists of ``variants.py`` (what
+    ``flashgdn.preload`` builds) spell their arguments differently; with one key, a kernel loaded ahead of time is
+    the one the operator finds. ``cache_info`` and ``cache_clear`` are the underlying ``lru_cache``'s."""
+    sig = inspect.signature(build)
+
+    @functools.lru_cache(maxsize=None)
+    def bound(arguments):
+        return build(**dict(arguments))
+
+    @functools.wraps(build)
+    def call(*args, **kwargs):
+        b = sig.bind(*args, **kwargs)
+        b.apply_defaults()
+        return bound(tuple(b.arguments.items()))
+
+    call.cache_info = bound.cache_info
+    call.cache_clear = bound.cache_clear
+    return call
+
+
+def kernels_in_memory() -> int | None:
+    """How many compiled kernels this process holds in TileLang's in-memory caches (each loaded from the disk cache
+    or compiled once): a rise between two calls of the operator is a kernel loaded in between. None without
+    TileLang."""
+    try:
+        from tilelang.cache import _dispatch_map
+    except Exception:  # noqa: BLE001 - TileLang absent or laid out otherwise: nothing to count
+        return None
+    return sum(len(getattr(c, "_memory_cache", {}) or {}) for c in _dispatch_map.values())
 
 
 def tl_dtype(dtype: torch.dtype) -> str:

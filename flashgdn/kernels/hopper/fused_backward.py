@@ -49,9 +49,8 @@ warpgroup. The value side is the longer path (its wait for P, its row terms, the
 
 PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_gated_delta_rule_backward_reference`` (steps 1 and 2).
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, head_order_total, pass_configs
+from .common import CHUNK, LOG2E, TARGET, head_order_total, kernel_cache, pass_configs
 
 #: registers per thread of each role (512 in all): the state side holds 128 for dS^T; the value side two [64, 128]
 #: float32 tiles (at 160 it spilled 56 B, with a third tile 256 B and every wgmma serialised); the producer's masked
@@ -168,7 +167,7 @@ __device__ __forceinline__ void add_16_bytes_f16(void *dst, const void *src) {
 """
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_fused_backward(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool, trace: bool = False,
                          p_first: bool = False, lean_gates: bool = False, cluster_sum: bool = False,
                          first_apart: bool = False, pair_sums: bool = False, p_given: bool = False,

@@ -20,12 +20,11 @@ head, live until the fused kernel has run.
 
 PyTorch counterpart: the ``P`` of ``flashgdn.reference.chunked_backward`` (its per-chunk scores).
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_gated_scores(Hqk: int, Hv: int, K: int, io_dtype: str):
     """Compile (or load) the kernel. Arguments, in order:
 

@@ -18,15 +18,14 @@ of eight, so 256 threads cover 16 rows per step. Rows = T x Hqk is dynamic.
 
 PyTorch counterpart: ``HopperBackwardStages.finish_gradients``'s ``sum(3)`` (kept for a group of one, a view).
 """
-import functools
 
-from .common import TARGET, head_order_total, pass_configs
+from .common import TARGET, head_order_total, kernel_cache, pass_configs
 
 ROWS = 64
 THREADS = 256
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_group_sum(group: int, K: int, io_dtype: str):
     """Compile (or load) the kernel. Arguments, in order:
 

@@ -33,14 +33,13 @@ PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_i
 ``gated_inverse`` (token-major; ``forward.slots_to_tokens`` maps the slot layout back).
 """
 
-import functools
 
 from ...cp.bounds import CHUNK_BOUND_ABS, CHUNK_BOUND_REL
-from .common import CHUNK, LOG2E, TARGET, pass_configs, tl_dtype  # noqa: F401
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs, tl_dtype  # noqa: F401
 from .warp_bounds import warp_lse_macros
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
                       diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,

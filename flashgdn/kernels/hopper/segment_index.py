@@ -26,13 +26,12 @@ of sequence n = known_seq[f] starts the chain of the backward's segments m jf ..
 one thread per forward segment, instead of eight small torch kernels (an arange, three gathers, three adds, a
 clamp). PyTorch counterpart: ``flashgdn.cp.exact.chain_index_tensors``.
 """
-import functools
 
 from .chunk_plan import SCAN_THREADS, make_sequence_scan
-from .common import TARGET, pass_configs
+from .common import TARGET, kernel_cache, pass_configs
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_segment_index(cu_dtype: str):
     """Compile (or load) the kernel. Arguments: cu_seqlens [N + 1] (``cu_dtype``, int32 or int64), step int32
     (segment length in tokens), seg_cu [S + 1] (``cu_dtype``), seg_seq [S] int64, first [N] int64, count [N]
@@ -81,7 +80,7 @@ def build_segment_index(cu_dtype: str):
 CHAIN_THREADS = 256
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_chain_index():
     """Compile (or load) the chains' index kernel. Arguments: known_seq [F] int64 (the forward's segments'
     sequences), known_first [N] int64, first [N] int64, count [N] int64 (the backward's plan), m int32, then

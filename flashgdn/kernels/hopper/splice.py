@@ -32,12 +32,11 @@ was walked from a zero start), one at the sequence's start as above.
 
 PyTorch counterparts: ``flashgdn.cp.exact.splice_segments`` and ``flashgdn.cp.backward.splice_reverse``.
 """
-import functools
 
-from .common import TARGET, pass_configs
+from .common import TARGET, kernel_cache, pass_configs
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_splice(Hv: int, K: int, V: int, reverse: bool, BV: int = 8, blocked: bool = False, chains: bool = False,
                  m_zero: bool = False):
     """Compile (or load) the kernel: ``blocked`` the reverse's register-blocked build (``blocked_steps``, BV in 8,

@@ -33,9 +33,8 @@ Roles (one CTA = one sequence x one value head, 512 threads), as in the forward'
 
 PyTorch counterpart: ``flashgdn.reference.chunked_backward.chunk_state_gradients_reference``.
 """
-import functools
 
-from .common import CHUNK, LOG2E, TARGET, pass_configs
+from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs
 from .loop_parts import make_loop_parts
 from .ring_producer import make_ring_producer
 
@@ -44,7 +43,7 @@ STATE_REGS, GATE_REGS, PRODUCER_REGS = 192, 72, 56
 PRECISE_REGS = (200, 72, 40)
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def build_state_grad_walk(Hqk: int, Hv: int, K: int, V: int, io_dtype: str, has_final_grad: bool,
                           staged_stores: bool = False, precise: bool = False, lean: bool = False,
                           starts_only: bool = False, early_stop: bool = False):
