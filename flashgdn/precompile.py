@@ -70,15 +70,14 @@ def preload(heads, dtype="bfloat16", training: bool = True, flags: str = "all", 
         dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, str(dtype))
     if flags not in ("all", "common"):
         raise ValueError(f"flags: expected 'all' or 'common', got {flags!r}")
-    count = 0
-    for hqk, hv in heads:
+    for hqk, hv in heads:  # every argument checked before the first build
         if hqk <= 0 or hv <= 0 or hv % hqk:
             raise ValueError(f"heads: {hqk}/{hv} needs positive counts with Hv a multiple of Hqk")
-        for _, builder, kwargs in _variants(hqk, hv, head_dim, dtype, "training" if training else "serving",
-                                            flags):
-            build(builder, kwargs)
-            count += 1
-    return count
+    variants = [v for hqk, hv in heads
+                for v in _variants(hqk, hv, head_dim, dtype, "training" if training else "serving", flags)]
+    for _, builder, kwargs in variants:
+        build(builder, kwargs)
+    return len(variants)
 
 
 def _cache_entries(cache_dir: str) -> set:

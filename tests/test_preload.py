@@ -63,6 +63,7 @@ def test_preload_builds_the_serving_or_training_list_of_each_head_configuration(
 @pytest.mark.parametrize("kwargs, message", [
     (dict(heads="16-32"), "heads: expected HQK/HV"),
     (dict(heads=[(16, 24)]), "heads: 16/24 needs positive counts"),
+    (dict(heads=[(2, 8), (0, 4)]), "heads: 0/4 needs positive counts"),  # nothing built for the good one first
     (dict(heads=[(2, 8)], dtype=torch.float32), "dtype: expected bfloat16 or float16"),
     (dict(heads=[(2, 8)], flags="some"), "flags: expected 'all' or 'common'"),
 ])
