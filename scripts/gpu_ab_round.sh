@@ -439,8 +439,8 @@ elif [ "$part" = preload ]; then
   gpu_tests gpu-preload 240 1 tests/test_gpu_preload.py
   tail -3 "$out/gpu-preload.log"
   for pre in 0 1; do
-    logged training-loop-preload$pre 200 python3 benchmarks/training_loop.py --impl flashgdn --shape 16/32:32768/8 \
-      --shape 2/4:32768/8 --batches fresh --steps 24 --budget-s 30 $([ $pre = 1 ] && echo --preload) \
+    logged training-loop-preload$pre 150 python3 benchmarks/training_loop.py --impl flashgdn --shape 16/32:32768/8 \
+      --batches fresh --steps 20 --budget-s 20 $([ $pre = 1 ] && echo --preload) \
       --out "$out/training-loop-preload$pre.json"
     grep "^| \|exit\|Error" "$out/training-loop-preload$pre.log" | tail -4
   done
