@@ -129,6 +129,37 @@ def report(records):
     return "\n".join(lines)
 
 
+def host_profile(impl, hq, hv, tokens, n, mode, device, steps: int = 5, top: int = 30) -> str:
+    """``steps`` eager steps of one implementation under cProfile (after the loops: everything loaded), one split for
+    all of them: where a step's host time goes, by cumulative and by own time (the text of ``pstats``)."""
+    import cProfile
+    import io
+    import pstats
+
+    from flashgdn.bench.inputs import make_inputs
+    from flashgdn.bench.runner import step_call
+    from flashgdn.bench.shapes import Shape
+
+    seqlens = step_split(tokens, n, "fixed", 0)
+    inp = make_inputs(Shape("loop", hq, hv, seqlens), 128, 128, device, with_grads=mode == "fwdbwd")
+    call = step_call(impl.prepare(inp, mode), mode)
+    call()
+    _synchronize(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        call()
+        _synchronize(device)
+    prof.disable()
+    ms = 1e3 * (time.perf_counter() - t0) / steps
+    out = io.StringIO()
+    out.write(f"# {impl.label} {hq}/{hv} {tokens}/{n} {mode}: {steps} steps under cProfile, {ms:.2f} ms a step\n")
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+    return out.getvalue()
+
+
 def _loading(r) -> str:
     """Which timed steps loaded kernels, and how many each (``-`` where they could not be counted)."""
     loads = r.get("step_loads") or []
@@ -149,6 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=40.0, help="seconds of timed steps per implementation and shape")
     ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd")
     ap.add_argument("--preload", action="store_true", help="flashgdn.preload the shape's heads before flashgdn's warm-up")
+    ap.add_argument("--host-profile", default=None, metavar="FILE",
+                    help="after the loops, profile a few steps of each implementation on each shape's fixed split "
+                         "(cProfile) into FILE")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -193,6 +227,11 @@ def main(argv=None) -> int:
                     with open(args.out, "w") as f:
                         json.dump(dict(header, records=records), f, indent=1)
     print(report(records))
+    if args.host_profile:
+        with open(args.host_profile, "w") as f:
+            for hq, hv, tokens, n in shapes:
+                for impl in impls:
+                    f.write(host_profile(impl, hq, hv, tokens, n, args.mode, device))
     return 0
 
 

@@ -196,7 +196,7 @@ set -uo pipefail
 # pairs-given: the pair sums in groups of four from 32 value heads (8/32, 16/64): GPU tests, fwd+bwd, peaks.
 # pairs-default: the backward's GPU file with the pair sums in groups of two and four by default.
 # preload: flashgdn.preload's GPU test, and the eager loop on fresh batches without and with it (notes "Kernels
-#   loaded ahead of the first step").
+#   loaded ahead of the first step"); then a host profile of a short eager step (4/16 8192x1) of both implementations.
 # profile-stage1: Nsight Compute on stage 1's default build at 32/32 and 16/32 4096x8 (PROFILE_HEADS), its phases split
 #   at its barriers by benchmarks/sass_phases.py: where the stage's time goes since diag16 and mma32 (notes "Stage 1
 #   after FlashInfer's inverse").
@@ -444,6 +444,11 @@ elif [ "$part" = preload ]; then
       --out "$out/training-loop-preload$pre.json"
     grep "^| \|exit\|Error" "$out/training-loop-preload$pre.log" | tail -4
   done
+  # where a short eager step's host time goes (notes "The eager training loop measured": 3.5 ms against 0.56 of kernels)
+  logged host-profile 150 python3 benchmarks/training_loop.py --shape 4/16:8192/1 --batches fixed --steps 5 \
+    --budget-s 10 --host-profile "$out/host-profile.txt" --out "$out/host-profile-loop.json"
+  grep "^| \|exit\|Error" "$out/host-profile-loop.log" | tail -3
+  grep "^# \|function calls" "$out/host-profile.txt"
 elif [ "$part" = profile-stage1 ]; then
   # stage 1 (the forward's default build) under Nsight Compute on whole-wave shapes of a group of one and of two; its
   # phases split at its barriers (benchmarks/sass_phases.py)

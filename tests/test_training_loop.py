@@ -59,3 +59,13 @@ def test_a_loop_of_the_reference_runs_every_step_on_its_own_batch():
     rec = tl.run_loop(impl, 1, 2, 130, 3, "fixed", steps=3, warmup=1, budget_s=0.0, mode="fwd",
                       device=tl.torch.device("cpu"))
     assert len(rec["step_ms"]) == 1 and "stopped by the budget" in rec["note"]
+
+
+def test_a_host_profile_of_the_reference_names_its_functions():
+    from flashgdn.bench.impls import one_impl
+
+    impl = one_impl("flashgdn:reference")
+    assert impl.missing_reason(tl.torch.device("cpu")) is None  # (loads it, as main does)
+    text = tl.host_profile(impl, 1, 2, 130, 3, "fwdbwd", tl.torch.device("cpu"), steps=2, top=10)
+    assert text.startswith("# flashgdn") and "2 steps under cProfile" in text
+    assert "cumulative" in text and "chunk_gated_delta_rule" in text
