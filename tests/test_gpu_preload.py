@@ -56,10 +56,13 @@ def _step(cuda, Hqk, Hv, lens, h0, final, v_first, dense=False, seed=0):
 def test_preload_leaves_nothing_to_load_in_later_steps(cuda):
     assert kernels_in_memory() is not None
     Hqk, Hv = 2, 4
+    held, built = kernels_in_memory(), sum(f.cache_info().misses for f in _factories())
     n = flashgdn.preload([(Hqk, Hv)], dtype=torch.bfloat16, training=True, flags="common")
     assert n > 10
     loaded = kernels_in_memory()
     misses = [f.cache_info().misses for f in _factories()]
+    # the count sees loads: what preload built for the first time in this process entered TileLang's memory caches
+    assert (loaded > held) == (sum(misses) > built), (held, loaded, built, sum(misses))
     cases = [
         ([16384], True, True, False, False),           # one long sequence: CP splits it
         ([100, 200, 64], True, True, False, False),    # short ones: the loop alone
