@@ -61,8 +61,9 @@ def test_preload_leaves_nothing_to_load_in_later_steps(cuda):
     assert n > 10
     loaded = kernels_in_memory()
     misses = [f.cache_info().misses for f in _factories()]
-    # the count sees loads: what preload built for the first time in this process entered TileLang's memory caches
-    assert (loaded > held) == (sum(misses) > built), (held, loaded, built, sum(misses))
+    # the count sees loads: where preload built kernels for the first time in this process, TileLang's memory caches
+    # grew (else the checks below could not fail)
+    assert sum(misses) == built or loaded > held, (held, loaded, built, sum(misses))
     cases = [
         ([16384], True, True, False, False),           # one long sequence: CP splits it
         ([100, 200, 64], True, True, False, False),    # short ones: the loop alone
