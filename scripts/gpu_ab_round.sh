@@ -438,17 +438,19 @@ elif [ "$part" = preload ]; then
   # kernels loaded stay loaded), each step's kernel loads counted
   gpu_tests gpu-preload 240 1 tests/test_gpu_preload.py
   tail -3 "$out/gpu-preload.log"
-  for pre in 0 1; do
+  for pre in ${PRELOAD_LOOPS:-0 1}; do
     logged training-loop-preload$pre 150 python3 benchmarks/training_loop.py --impl flashgdn --shape 16/32:32768/8 \
       --batches fresh --steps 20 --budget-s 20 $([ $pre = 1 ] && echo --preload) \
       --out "$out/training-loop-preload$pre.json"
     grep "^| \|exit\|Error" "$out/training-loop-preload$pre.log" | tail -4
   done
   # where a short eager step's host time goes (notes "The eager training loop measured": 3.5 ms against 0.56 of kernels)
-  logged host-profile 150 python3 benchmarks/training_loop.py --shape 4/16:8192/1 --batches fixed --steps 5 \
-    --budget-s 10 --host-profile "$out/host-profile.txt" --out "$out/host-profile-loop.json"
-  grep "^| \|exit\|Error" "$out/host-profile-loop.log" | tail -3
-  grep "^# \|function calls" "$out/host-profile.txt"
+  if [ -z "${PRELOAD_LOOPS:-}" ]; then  # (PRELOAD_LOOPS picks the loops and leaves this out)
+    logged host-profile 150 python3 benchmarks/training_loop.py --shape 4/16:8192/1 --batches fixed --steps 5 \
+      --budget-s 10 --host-profile "$out/host-profile.txt" --out "$out/host-profile-loop.json"
+    grep "^| \|exit\|Error" "$out/host-profile-loop.log" | tail -3
+    grep "^# \|function calls" "$out/host-profile.txt"
+  fi
 elif [ "$part" = profile-stage1 ]; then
   # stage 1 (the forward's default build) under Nsight Compute on whole-wave shapes of a group of one and of two; its
   # phases split at its barriers (benchmarks/sass_phases.py)
