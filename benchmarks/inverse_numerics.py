@@ -152,11 +152,8 @@ def chunk_keys(kind, gen, s=None):
     return bf16(torch.nn.functional.normalize(k, dim=-1))
 
 
-DIAGS = tuple(WAYS)
-
-
 def study(kind, s, chunks, beta_kind, gen):
-    errs = {d: [0.0, 0.0, 0.0] for d in DIAGS}  # A rel RMS (summed squares), A max abs, Ag rel RMS (summed)
+    errs = {d: [0.0, 0.0, 0.0] for d in WAYS}  # A rel RMS (summed squares), A max abs, Ag rel RMS (summed)
     ref_sq = [0.0, 0.0]
     for _ in range(chunks):
         k = chunk_keys(kind, gen, s)
@@ -173,7 +170,7 @@ def study(kind, s, chunks, beta_kind, gen):
         ref_sq[1] += float(Ag64.pow(2).sum())
         # the kernel's L: K K^T of bf16 keys in float32 (a wgmma), scaled by beta in float32
         L32 = (beta.float()[:, None] * (k.float() @ k.float().T)).tril(-1)
-        for d in DIAGS:
+        for d in WAYS:
             A, GA = inverse_by(d, L32, Gam)
             A = A.double()
             Ag = bf16(GA * beta.float()[None, :]).double()
@@ -199,7 +196,7 @@ def loop_errors(kind, s, tokens, gen):
     S0 = torch.zeros(K, K, dtype=torch.float64)
     o_ref, S_ref = ns.chunk_loop(q, k, v, g, beta, S0, reg=ns.exact, tile=ns.exact, out=ns.exact)
     out = {}
-    for d in DIAGS:
+    for d in WAYS:
         def inverse(kc, bc, gc, d=d):
             n = kc.shape[0]
             L = (bc.float()[:, None] * (kc.float() @ kc.float().T)).tril(-1)
