@@ -8,6 +8,7 @@ import torch
 
 import flashgdn
 from flashgdn.kernels.hopper.common import kernels_in_memory
+from helpers import grads_of, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -24,31 +25,13 @@ def _factories():
             splice.build_splice, state_grad_walk.build_state_grad_walk)
 
 
-def _step(cuda, Hqk, Hv, lens, h0, final, v_first, dense=False, seed=0):
-    gen = torch.Generator(device=cuda).manual_seed(seed)
-    T, N = sum(lens), len(lens)
-    B, TT = (N, lens[0]) if dense else (1, T)
-    K = V = 128
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen, device=cuda, dtype=torch.float32).to(dtype)
-
-    q, k = (torch.nn.functional.normalize(rnd(B, TT, Hqk, K).float(), dim=-1).bfloat16().requires_grad_()
-            for _ in range(2))
-    v = rnd(B, TT, Hv, V).requires_grad_()
-    g = (torch.nn.functional.logsigmoid(rnd(B, TT, Hv, dtype=torch.float32)) / 16).requires_grad_()
-    beta = torch.sigmoid(rnd(B, TT, Hv, dtype=torch.float32)).requires_grad_()
-    state = (Hv, V, K) if v_first else (Hv, K, V)
-    s0 = rnd(N, *state, dtype=torch.float32).requires_grad_() if h0 else None
-    cu = cu_cpu = None
+def _step(cuda, Hqk, Hv, lens, dense, seed):
+    # fwd+bwd of the Hopper backend with the common flags (an initial state, the final state, K-major states)
+    inp = make_inputs(lens, Hqk, Hv, K=128, V=128, dtype=torch.bfloat16, device=cuda, seed=seed, dense=dense,
+                      requires_grad=True)
     if not dense:
-        cu_cpu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-        cu = cu_cpu.to(cuda)
-    o, ht = flashgdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=final,
-                                            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, state_v_first=v_first,
-                                            backend="hopper")
-    loss = o.float().square().sum() + (ht.float().square().sum() if final else 0)
-    loss.backward()
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    o, _, _ = grads_of(lambda **kw: flashgdn.chunk_gated_delta_rule(**kw, backend="hopper"), inp)
     torch.cuda.synchronize()
     assert torch.isfinite(o).all()
 
@@ -65,13 +48,13 @@ def test_preload_leaves_nothing_to_load_in_later_steps(cuda):
     # grew (else the checks below could not fail)
     assert sum(misses) == built or loaded > held, (held, loaded, built, sum(misses))
     cases = [
-        ([16384], True, True, False, False),           # one long sequence: CP splits it
-        ([100, 200, 64], True, True, False, False),    # short ones: the loop alone
-        ([5000, 3000, 70], True, True, False, False),  # mixed lengths
-        ([40000, 900], True, True, False, False),      # a long one beside a short one
-        ([2048, 2048], True, True, False, True),       # dense input, B = 2
+        ([16384], False),           # one long sequence: CP splits it
+        ([100, 200, 64], False),    # short ones: the loop alone
+        ([5000, 3000, 70], False),  # mixed lengths
+        ([40000, 900], False),      # a long one beside a short one
+        ([2048, 2048], True),       # dense input, B = 2
     ]
-    for i, (lens, h0, final, v_first, dense) in enumerate(cases):
-        _step(cuda, Hqk, Hv, lens, h0, final, v_first, dense, seed=i)
+    for i, (lens, dense) in enumerate(cases):
+        _step(cuda, Hqk, Hv, lens, dense, seed=i)
         assert kernels_in_memory() == loaded, f"case {i} ({lens}) loaded {kernels_in_memory() - loaded} kernels"
     assert [f.cache_info().misses for f in _factories()] == misses
