@@ -1,12 +1,12 @@
 """Where a barrier-phased kernel's time goes, phase by phase, from Nsight Compute's source page (CPU only).
 
-    python benchmarks/sass_phases.py benchmarks/results/h100/profiles/stage1-v0.38-32x32-sass.csv.xz [--names a,b,..]
+    python benchmarks/sass_phases.py benchmarks/results/h100/profiles/stage1-v0.37d-32x32-sass.csv.xz [--names a,b,..]
 
 Stage 1 (``kkt_inverse.py``) has one role on all of its threads and runs as a straight line of phases separated by
 CTA barriers (``BAR.SYNC``): k's tile and K K^T, the cumsum, the diagonal blocks' substitution, the two levels of
 merges, the gating and Ag's stores. ``sass_stalls.py`` splits a kernel by the registers its roles ask for, which says
-nothing here. This script splits the SASS, in address order, at every ``BAR`` instruction (and at the ``EXIT``), and
-prints per phase: the stall samples and their share, the warp instructions executed, the shared-memory wavefronts,
+nothing here. This script splits the SASS, in address order, after every ``BAR`` instruction (the last phase runs to the
+kernel's end), and prints per phase: the stall samples and their share, the warp instructions executed, the shared-memory wavefronts,
 the leading stall reasons and opcodes. ``--names`` labels the phases in order (the barrier count of a build is fixed,
 so the labels can be read off its source once).
 
