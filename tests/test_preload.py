@@ -24,6 +24,9 @@ def test_kernel_cache_keys_by_the_bound_arguments():
     assert b is not a and build_thing(Hv=8, Hqk=2, flag=True) is b
     assert calls == [(2, 8, 128, False), (2, 8, 128, True)]
     assert build_thing.cache_info().misses == 2 and build_thing.cache_info().hits == 4
+    # a spelling seen before is found as it was written, without binding the signature again
+    assert build_thing(2, 8) is a and build_thing(Hqk=2, Hv=8, flag=False) is a
+    assert build_thing.cache_info().hits == 4 and calls == [(2, 8, 128, False), (2, 8, 128, True)]
     with pytest.raises(TypeError):
         build_thing(2, 8, bogus=1)  # a misspelt argument still fails, as it did without the cache
     build_thing.cache_clear()
