@@ -59,6 +59,7 @@ def preload(heads, dtype="bfloat16", training: bool = True, flags: str = "all", 
     has already moved the compiles. Without a GPU it compiles for sm_90a like the command does."""
     import torch
 
+    from flashgdn.kernels.hopper.common import TORCH_TO_TL
     from flashgdn.kernels.hopper.variants import build
 
     if isinstance(heads, str):
@@ -67,7 +68,7 @@ def preload(heads, dtype="bfloat16", training: bool = True, flags: str = "all", 
         except ValueError as e:
             raise ValueError(f"heads: {e}") from None
     if isinstance(dtype, torch.dtype):
-        dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, str(dtype))
+        dtype = TORCH_TO_TL.get(dtype, str(dtype))  # (a dtype without a kernel variant is refused below)
     if flags not in ("all", "common"):
         raise ValueError(f"flags: expected 'all' or 'common', got {flags!r}")
     for hqk, hv in heads:  # every argument checked before the first build
