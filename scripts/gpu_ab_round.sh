@@ -451,6 +451,13 @@ elif [ "$part" = preload ]; then
     grep "^| \|exit\|Error" "$out/host-profile-loop.log" | tail -3
     grep "^# \|function calls" "$out/host-profile.txt"
   fi
+elif [ "$part" = stage1-trace ]; then
+  # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
+  # take a CTA alone"): the trace build's GPU test, then benchmarks/stage1_trace.py on a group of one and of two
+  gpu_tests gpu-stage1-trace 240 2 tests/test_gpu_hopper_stage1.py -k trace_build
+  logged stage1-trace 240 python3 benchmarks/stage1_trace.py --heads ${TRACE_HEADS:-32/32,16/32} \
+    --out "$out/stage1-trace.json"
+  grep -v '^ ' "$out/stage1-trace.log" | tail -40
 elif [ "$part" = profile-stage1 ]; then
   # stage 1 (the forward's default build) under Nsight Compute on whole-wave shapes of a group of one and of two; its
   # phases split at its barriers (benchmarks/sass_phases.py)

@@ -154,3 +154,40 @@ def test_kkt_inverse_diag16_against_the_oracle(build, seqlens, Hv):
         err_base = rel_rms(tok(got_base), want[0, :n])
         err_new = rel_rms(tok(got_new), want[0, :n])
         assert err_new < 5e-3 and err_new <= 1.25 * err_base, (err_new, err_base)
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)])  # a group of one (seven CTAs an SM) and of two (pairs)
+def test_kkt_inverse_trace_build_gives_the_same_bits_and_ordered_stamps(heads):
+    """The trace build (``trace=True``, benchmarks/stage1_trace.py) makes the default build's Ag and g~ bit for bit
+    (it only adds the stamps and one barrier), every CTA of a real chunk stamps every point, in order, and an idle
+    slot's CTA stamps only its start."""
+    from flashgdn.kernels.hopper.forward import KKT_ASYNC_LOADS, _kkt_build_options, chunk_plan
+    from flashgdn.kernels.hopper.kkt_inverse import TRACE_POINTS, build_kkt_inverse
+
+    Hqk, Hv = heads
+    inp = inputs([700, 64, 9], Hqk=Hqk, Hv=Hv, gate="mixed")
+    k = inp["k"]
+    g, beta = inp["g"].float().contiguous(), inp["beta"].float().contiguous()
+    cu = inp["cu_seqlens"].to(torch.int32)
+    bounds, _ = chunk_plan(cu, k.shape[1], 3)  # without the host copy: idle slots at the end
+    S = bounds.shape[0]
+    opts = dict(async_loads=KKT_ASYNC_LOADS, **_kkt_build_options(Hv // Hqk))
+
+    def run(trace):
+        gc = torch.full((Hv, S * 64), float("nan"), device="cuda")
+        ag = torch.full((S, Hv, 64, 64), float("nan"), device="cuda", dtype=k.dtype)
+        tr = torch.zeros((S, Hqk, TRACE_POINTS), dtype=torch.int64, device="cuda")
+        build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", trace=trace, **opts)(
+            k, g, beta, bounds, gc, ag, *([tr] if trace else []))
+        return gc, ag, tr.cpu()
+
+    gc0, ag0, _ = run(False)
+    gc1, ag1, tr = run(True)
+    real = bounds[:, 1].cpu() > 0
+    assert int(real.sum()) == 11 + 1 + 1 and S > 13  # 700 = 10 chunks and a partial one; 64; 9
+    assert torch.equal(gc0.view(Hv, S, 64)[:, real], gc1.view(Hv, S, 64)[:, real])
+    assert torch.equal(ag0[real].view(torch.int16), ag1[real].view(torch.int16))
+    busy = tr[real]
+    assert bool((busy > 0).all()) and bool((busy[..., 1:] >= busy[..., :-1]).all())
+    idle = tr[~real]
+    assert bool((idle[..., 0] > 0).all()) and bool((idle[..., 1:] == 0).all())

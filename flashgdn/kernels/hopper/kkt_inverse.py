@@ -39,11 +39,18 @@ from .common import CHUNK, LOG2E, TARGET, kernel_cache, pass_configs, tl_dtype  
 from .warp_bounds import warp_lse_macros
 
 
+#: what each of a trace build's stamps follows (``trace``); point 4 is the 16 -> 32 merges' end
+TRACE_POINTS_OF = ("start", "k's tile and the gates loaded", "K K^T stored, g~ made and stored",
+                   "16x16 diagonal blocks substituted", "16 -> 32 merges done", "32 -> 64 merge done",
+                   "Ag gated and stored")
+TRACE_POINTS = len(TRACE_POINTS_OF)
+
+
 @kernel_cache
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
                       diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
-                      chunk_injects: bool = False):
+                      chunk_injects: bool = False, trace: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -128,6 +135,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     registers (a staged tile would have to outlive the loop over the group's heads, which the shared-memory merge
     does not see: v0.36f's bug); the suffix sums of the rows' log factors come from a cumsum; one warp per value head
     makes the log-sum-exp of its 64 terms by shuffles.
+
+    ``trace`` (a diagnostic, with ``diag16`` and ``mma32`` and no other output) adds a last argument ``tr [S, Hqk,
+    TRACE_POINTS]`` int64: per CTA, the SM's cycle counter read by thread 0 after each of the barriers between the
+    stage's phases (``TRACE_POINTS_OF``; the first pair of the group only), one more barrier before the last. The
+    same outputs as the build without it (``benchmarks/stage1_trace.py`` checks, and reads the phases' latencies).
     """
     if diag16 and triangle:
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
@@ -137,6 +149,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("chunk_injects is written beside chunk_bounds (the b start needs both): it needs it")
     if chunk_bounds and Hv // Hqk > 128:
         raise ValueError("chunk_bounds sums each value head's rows on a thread of its own: at most 128 a qk head")
+    if trace and not (diag16 and mma32) or trace and (store_inverse or chunk_bounds or chunk_injects):
+        raise ValueError("trace stamps the default build's phases (diag16 and mma32, Ag and g~ only)")
     if blocks_per_sm not in (3, 4, 5, 6, 7):
         raise ValueError(f"blocks_per_sm must be 3 to 7, got {blocks_per_sm}")
     # five CTAs per SM need <= 44.6 KB of shared memory: each head's A21 is kept over the merge's second tile and
@@ -156,6 +170,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     slot_rows = T.dynamic("slot_rows")  # 64 * num_slots
     acc = "float32"
     pair_logsumexp, _, _ = warp_lse_macros()
+
+    @T.macro
+    def stamp(tr, slot, hq, point, tx):
+        # trace builds only: the SM's cycle counter, by thread 0 (called right after a barrier)
+        if trace:
+            if tx == 0:
+                tr[slot, hq, point] = T.call_extern("int64", "clock64")
 
     def kk_col(i, j):
         # where K K^T's (i, j) lives in kk_s. Unswizzled, a warp's accumulator stores (8 rows x 4 column pairs, rows
@@ -396,7 +417,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                             lj[3] > -T.infinity(acc), lj[3] + T.log(lj[4]) + mg_s[p], lj[3]))
 
     @T.macro
-    def kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound=None, v=None, chunk_inject=None):
+    def kernel_body(k, g, beta, bounds, gcum, Ag, A_out, chunk_bound=None, v=None, chunk_inject=None, tr=None):
         with T.Kernel(num_slots, Hqk, threads=128) as (slot, hq):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
             t0 = bounds[slot, 0]
@@ -441,6 +462,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
             tx = T.get_thread_binding()
 
+            stamp(tr, slot, hq, 0, tx)
             if n_rows > 0:
                 if async_loads:
                     T.async_copy(k[0, t0:t0 + C, hq, :], k_s)
@@ -454,6 +476,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 if async_loads:
                     T.ptx_wait_group(0)
                     T.sync_threads()
+                    stamp(tr, slot, hq, 1, tx)
                     if n_rows < C:  # rows of the next sequence (or zeros past the tensor's end)
                         for i, j in T.Parallel(C, K):
                             if i >= n_rows:
@@ -488,6 +511,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
                     # diagonal blocks: thread -> (head p, block d, column c); column c of the block in x
                     T.sync_threads()
+                    if u == 0:
+                        stamp(tr, slot, hq, 2, tx)
                     if diag16:
                         # thread -> head tx / 64 of the pair, 16x16 block q, column; with an odd group (one head at
                         # a time) the upper 64 threads wait at the barriers, which stay outside the branches
@@ -504,6 +529,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                                 d_s[sp, sq // 2, (sq % 2) * H + r, (sq % 2) * H + sc] = x[r]
                                 d_s[sp, sq // 2, H - (sq % 2) * H + r, (sq % 2) * H + sc] = 0.0
                         T.sync_threads()
+                        if u == 0:
+                            stamp(tr, slot, hq, 3, tx)
                         if tx < 64 * pair:
                             merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx)
                         T.sync_threads()
@@ -523,6 +550,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         for r in T.unroll(B):
                             d_s[sp, sd, r, sc] = x[r]
                     T.sync_threads()
+                    if u == 0:
+                        stamp(tr, slot, hq, 4, tx)
 
                     if mma32:
                         # both heads at once, two warps each: X, then A21 = -A22 X over it (barriers outside the
@@ -536,7 +565,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         if tx < 64 * pair:
                             merge32_store(x32_s, fc32, tx)
                         T.sync_threads()
+                        if u == 0:
+                            stamp(tr, slot, hq, 5, tx)
                         gate_pair(Ag, A_out, slot, h, u, d_s, lambda p, i, j: x32_s[p, i, j], b_s, gc_s)
+                        if trace:
+                            T.sync_threads()
+                            if u == 0:
+                                stamp(tr, slot, hq, 6, tx)
                     elif five:
                         # per head: A21 = -A22 (L21 A11) into the merge's second tile, then the head's Ag (and A)
                         for p in T.serial(pair):
@@ -631,6 +666,20 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             A_out: T.Tensor((num_slots, Hv, C, C), a_dtype),
         ):
             kernel_body(k, g, beta, bounds, gcum, Ag, A_out)
+
+    elif trace:
+
+        @T.prim_func
+        def kkt_inverse_kernel(
+            k: T.Tensor((1, num_tokens, Hqk, K), qk_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            bounds: T.Tensor((num_slots, 2), "int32"),
+            gcum: T.Tensor((Hv, slot_rows), "float32"),
+            Ag: T.Tensor((num_slots, Hv, C, C), a_dtype),
+            tr: T.Tensor((num_slots, Hqk, TRACE_POINTS), "int64"),
+        ):
+            kernel_body(k, g, beta, bounds, gcum, Ag, Ag, tr=tr)
 
     else:
 
