@@ -10,6 +10,9 @@ of its cycles (and the 10th and 90th percentiles), for two launches:
   chunk ahead of the state paths, would spend on it (notes "The forward's next structure");
 * ``full``: ``--seqlens`` (4096 x 8 by default), where 5-7 CTAs share an SM and hide each other's waits.
 
+``--registers16`` runs the same beside it on the builds with ``registers16`` (the 16x16 diagonal blocks by
+elimination in registers, ``forward.KKT_REGISTERS16``), whose Ag is also compared with the default build's.
+
     python benchmarks/stage1_trace.py --heads 32/32,16/32 --out stage1-trace.json
 """
 import argparse
@@ -57,8 +60,10 @@ def stage1_inputs(Hqk, Hv, seqlens, seed=0):
     return k, g, beta, bounds
 
 
-def run_one(Hqk, Hv, seqlens, reps):
-    """One launch shape: the trace build's phases, the bitwise check against the default build, both timed."""
+def run_one(Hqk, Hv, seqlens, reps, extra=None):
+    """One launch shape: the trace build's phases, the bitwise check against the plain build of the same options
+    (the default's, plus ``extra``), both timed; with ``extra``, also how far its Ag is from the default build's
+    (relative RMS) and the default plain build's time."""
     import torch
 
     from flashgdn.kernels.hopper.forward import KKT_ASYNC_LOADS, _kkt_build_options
@@ -66,7 +71,7 @@ def run_one(Hqk, Hv, seqlens, reps):
 
     k, g, beta, bounds = stage1_inputs(Hqk, Hv, seqlens)
     S = bounds.shape[0]
-    opts = dict(async_loads=KKT_ASYNC_LOADS, **_kkt_build_options(Hv // Hqk))
+    opts = {"async_loads": KKT_ASYNC_LOADS, **_kkt_build_options(Hv // Hqk), **(extra or {})}
     plain = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", **opts)
     traced = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", trace=True, **opts)
     dev = k.device
@@ -86,9 +91,19 @@ def run_one(Hqk, Hv, seqlens, reps):
     traced(k, g, beta, bounds, gc1, ag1, tr)  # a second launch: the first paid the module's load
     torch.cuda.synchronize()
     phases, ctas = phase_cycles(tr.cpu(), TRACE_POINTS_OF)
-    times = trace_stamps.time_both({"plain": lambda: plain(k, g, beta, bounds, gc0, ag0),
-                                    "trace": lambda: traced(k, g, beta, bounds, gc1, ag1, tr)}, reps)
-    return {"h_qk": Hqk, "h_v": Hv, "seqlens": list(seqlens), "slots": S, "ctas": S * Hqk, "ctas_stamped": ctas,
+    fns = {"plain": lambda: plain(k, g, beta, bounds, gc0, ag0),
+           "trace": lambda: traced(k, g, beta, bounds, gc1, ag1, tr)}
+    vs_default = None
+    if extra:
+        default = build_kkt_inverse(Hqk, Hv, 128, "bfloat16", "bfloat16", async_loads=KKT_ASYNC_LOADS,
+                                    **{**_kkt_build_options(Hv // Hqk), **{o: False for o in extra}})
+        gc2, ag2 = outs()
+        default(k, g, beta, bounds, gc2, ag2)
+        fns["default"] = lambda: default(k, g, beta, bounds, gc2, ag2)
+        a, b = ag0.double(), ag2.double()
+        vs_default = ((a - b).norm() / b.norm()).item()
+    times = trace_stamps.time_both(fns, reps)
+    return {"ag_vs_default": vs_default, "h_qk": Hqk, "h_v": Hv, "seqlens": list(seqlens), "slots": S, "ctas": S * Hqk, "ctas_stamped": ctas,
             "same_bits": same, "phases": phases, "ms": times, "options": {k2: v for k2, v in opts.items()}}
 
 
@@ -98,6 +113,7 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="4096x8", help="the full launch's sequence lengths: N x count or a list")
     ap.add_argument("--alone-ctas", type=int, default=128, help="CTAs of the alone launch (at most one an SM)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--registers16", action="store_true", help="also the builds with registers16, side by side")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -112,14 +128,16 @@ def main(argv=None):
         Hqk, Hv = (int(x) for x in spec.split("/"))
         slots = max(1, args.alone_ctas // Hqk)
         for load, seqlens in (("alone", [64 * slots]), ("full", full)):
-            rec = {"load": load, **run_one(Hqk, Hv, seqlens, args.reps)}
-            records.append(rec)
-            print(f"## {Hqk}/{Hv} {load}: {rec['ctas']} CTAs, same bits {rec['same_bits']}, "
-                  f"ms plain {rec['ms']['plain']:.4f} trace {rec['ms']['trace']:.4f}")
-            print("| phase | median cycles | p10 | p90 |")
-            print("|---|---|---|---|")
-            for ph in rec["phases"]:
-                print(f"| {ph['phase']} | {ph.get('median')} | {ph.get('p10')} | {ph.get('p90')} |")
+            for extra in [None] + ([{"registers16": True}] if args.registers16 else []):
+                rec = {"load": load, **run_one(Hqk, Hv, seqlens, args.reps, extra)}
+                records.append(rec)
+                print(f"## {Hqk}/{Hv} {load}{' registers16' if extra else ''}: {rec['ctas']} CTAs, same bits "
+                      f"{rec['same_bits']}, ms " + ", ".join(f"{n} {t:.4f}" for n, t in rec["ms"].items())
+                      + ("" if extra is None else f", Ag {rec['ag_vs_default']:.2e} from the default build's"))
+                print("| phase | median cycles | p10 | p90 |")
+                print("|---|---|---|---|")
+                for ph in rec["phases"]:
+                    print(f"| {ph['phase']} | {ph.get('median')} | {ph.get('p10')} | {ph.get('p90')} |")
     if args.out:
         from stage_timing import results_header  # this script's folder is on the path when run as a script
 

@@ -451,6 +451,16 @@ elif [ "$part" = preload ]; then
     grep "^| \|exit\|Error" "$out/host-profile-loop.log" | tail -3
     grep "^# \|function calls" "$out/host-profile.txt"
   fi
+elif [ "$part" = registers16 ]; then
+  # stage 1's 16x16 blocks by elimination in registers (forward.KKT_REGISTERS16, notes v0.38a): its GPU tests, its
+  # phases beside the default build's (alone and full), and the forward both ways on whole-wave shapes
+  gpu_tests gpu-registers16 300 8 tests/test_gpu_hopper_stage1.py -k "registers16 or trace_build"
+  logged stage1-trace-registers16 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
+    --out "$out/stage1-trace-registers16.json"
+  grep -v '^ ' "$out/stage1-trace-registers16.log" | grep -v "^|---" | tail -64
+  logged registers16-ab 240 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16 \
+    --heads 32/32,16/32,16/16 --seqlens 4096x8,8192x4,1024x16 --modes fwd --rounds 2 --out "$out/registers16-ab.json"
+  tail -14 "$out/registers16-ab.log"
 elif [ "$part" = stage1-trace ]; then
   # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
   # take a CTA alone"): the trace build's GPU test, then benchmarks/stage1_trace.py on a group of one and of two

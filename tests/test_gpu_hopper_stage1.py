@@ -127,12 +127,13 @@ def test_kkt_inverse_triangle_gives_the_same_bits(seqlens, store_inverse, Hv):
 
 @pytest.mark.parametrize("seqlens", [[64], [1], [63, 65, 200], [1000, 3, 130]])
 @pytest.mark.parametrize("Hv", [2, 4, 6, 8])
-@pytest.mark.parametrize("build", ["diag16", "diag16+mma32"])
+@pytest.mark.parametrize("build", ["diag16", "diag16+mma32", "diag16+mma32+registers16", "diag16+registers16"])
 def test_kkt_inverse_diag16_against_the_oracle(build, seqlens, Hv):
     """Stage 1 with ``diag16`` (the diagonal in 16x16 blocks, merged to 32x32 by tf32 mma), alone and with ``mma32``
-    (the 32x32 merge by warp mma too): g~ with the bits of the build without it; Ag and the stored A against the
-    float64 oracle within 5e-3 and no more than 1.25x the error of the ``triangle`` build (its tf32 products round
-    below Ag's and A's bf16 storage), for groups of one to four value heads, partial chunks and a padded tail."""
+    (the 32x32 merge by warp mma too), either with ``registers16`` (the 16x16 blocks by elimination in registers):
+    g~ with the bits of the build without it; Ag and the stored A against the float64 oracle within 5e-3 and no more
+    than 1.25x the error of the ``triangle`` build (its tf32 products round below Ag's and A's bf16 storage), for
+    groups of one to four value heads, partial chunks and a padded tail."""
     from flashgdn.kernels.hopper.forward import chunk_plan, slots_to_tokens
 
     five = dict(async_loads=True, blocks_per_sm=5)

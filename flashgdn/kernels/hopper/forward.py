@@ -92,6 +92,12 @@ KKT_DIAG16 = os.environ.get("FLASHGDN_HOPPER_KKT_DIAG16", "1") == "1"
 #: ``forward/kkt-mma32-op-v0.24b.json``). The default; FLASHGDN_HOPPER_KKT_MMA32=0 for diag16 alone.
 KKT_MMA32 = os.environ.get("FLASHGDN_HOPPER_KKT_MMA32", "1") == "1"
 
+#: With KKT_DIAG16, the 16x16 diagonal blocks by elimination in registers, a warp a block (``kkt_inverse``'s
+#: ``registers16``), instead of by substitution a thread a column: its latency alone was ~1950 of a CTA's ~6900 cycles
+#: (notes "Stage 1's phases measured"), and the loop's gate warpgroup would need the whole inverse in ~1400. Other
+#: bits, the same error. An A/B, off; FLASHGDN_HOPPER_KKT_REGISTERS16=1 turns it on.
+KKT_REGISTERS16 = os.environ.get("FLASHGDN_HOPPER_KKT_REGISTERS16", "0") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -455,9 +461,10 @@ def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
 
 def kkt_options() -> dict:
     """Stage 1's build options that the host's switches add (``diag16`` with ``mma32`` by default, ``diag16`` alone
-    with KKT_MMA32 off, else ``triangle``)."""
+    with KKT_MMA32 off, either with ``registers16`` under KKT_REGISTERS16, else ``triangle``)."""
     if KKT_DIAG16:
-        return dict(diag16=True, mma32=True) if KKT_MMA32 else dict(diag16=True)
+        return dict(diag16=True, **({"mma32": True} if KKT_MMA32 else {}),
+                    **({"registers16": True} if KKT_REGISTERS16 else {}))
     return dict(triangle=True) if KKT_TRIANGLE else {}
 
 

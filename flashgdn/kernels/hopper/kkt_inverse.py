@@ -50,7 +50,7 @@ TRACE_POINTS = len(TRACE_POINTS_OF)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
                       diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
-                      chunk_injects: bool = False, trace: bool = False):
+                      chunk_injects: bool = False, trace: bool = False, registers16: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -136,6 +136,16 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     does not see: v0.36f's bug); the suffix sums of the rows' log factors come from a cumsum; one warp per value head
     makes the log-sum-exp of its 64 terms by shuffles.
 
+    ``registers16=True`` (with ``diag16``; an A/B) makes the 16x16 diagonal blocks by elimination in registers, a warp a
+    block, instead of by substitution a thread a column: lane (g, t) = (lane / 4, lane % 4) of warp w holds rows g
+    and g + 8 of block w at columns 2t, 2t + 1, 8 + 2t, 9 + 2t (the mma accumulator's layout), K K^T's values there
+    read once from shared memory; then for j = 0..14, row j of the inverse, final by then, comes from lane 4 (j % 8)
+    + t by shuffles, L's (row, j) from the quad's lane that holds it, and every row below j takes ``X_i -= beta_i (K
+    K^T)_ij X_j``: a chain of 15 shuffle-and-multiply-add steps on all four warps (both heads of a pair at once,
+    sharing K K^T's shuffles) where the substitution ran a 16-row chain of shared-memory reads on two of them in a
+    group of one (~1950 cycles alone, notes "Stage 1's phases measured"). The lane mapping is checked on the CPU
+    (``tests/test_kkt_registers16_model.py``). The same sums in another order: other bits, the same error.
+
     ``trace`` (a diagnostic, with ``diag16`` and ``mma32`` and no other output) adds a last argument ``tr [S, Hqk,
     TRACE_POINTS]`` int64: per CTA, the SM's cycle counter read by thread 0 after each of the barriers between the
     stage's phases (``TRACE_POINTS_OF``; the first pair of the group only), one more barrier before the last. The
@@ -143,6 +153,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     """
     if diag16 and triangle:
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
+    if registers16 and not diag16:
+        raise ValueError("registers16 is a way of making diag16's 16x16 blocks: it needs diag16")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
     if chunk_injects and not chunk_bounds:
@@ -229,6 +241,39 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             x[r] = T.if_then_else(
                 r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[hp, r0 + r] * (part[0] + part[1]))
             )
+
+    @T.macro
+    def eliminate16(kk_s, b_s, d_s, u, tx, kr, xr, br, xj, kj):
+        # registers16: diagonal block w = tx / 32 of every head of pair u, in registers (the docstring's mapping)
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        r0 = 16 * w
+        for rh in T.unroll(2):
+            for cc in T.unroll(4):
+                kr[4 * rh + cc] = kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, r0 + 2 * tq + cc % 2 + 8 * (cc // 2))]
+            for p in T.unroll(pair):
+                br[2 * p + rh] = b_s[u * pair + p, r0 + gq + 8 * rh]
+                for cc in T.unroll(4):
+                    xr[8 * p + 4 * rh + cc] = T.if_then_else(gq + 8 * rh == 2 * tq + cc % 2 + 8 * (cc // 2), 1.0, 0.0)
+        for j in T.unroll(H - 1):
+            for rh in T.unroll(2):  # (K K^T)_ij of this lane's rows, from the quad's lane that holds column j
+                kj[rh] = T.shfl_sync(kr[4 * rh + 2 * (j // 8) + j % 2], 4 * gq + (j % 8) // 2)
+            for p in T.unroll(pair):
+                for cc in T.unroll(4):  # row j, final: every update to it came from the rows above
+                    xj[cc] = T.shfl_sync(xr[8 * p + 4 * (j // 8) + cc], 4 * (j % 8) + tq)
+                for rh in T.unroll(2):
+                    kj[2 + rh] = T.if_then_else(gq + 8 * rh > j, -br[2 * p + rh] * kj[rh], 0.0)
+                    for cc in T.unroll(4):
+                        xr[8 * p + 4 * rh + cc] = xr[8 * p + 4 * rh + cc] + kj[2 + rh] * xj[cc]
+        # block w is quadrant w % 2 of 32x32 block w / 2; its other quadrant in this column range is zero (the upper
+        # right for an odd w; the lower left, written by the merge below, for an even one)
+        for p in T.unroll(pair):
+            for rh in T.unroll(2):
+                for cc in T.unroll(4):
+                    d_s[p, w // 2, (w % 2) * H + gq + 8 * rh, (w % 2) * H + 2 * tq + cc % 2 + 8 * (cc // 2)] = \
+                        xr[8 * p + 4 * rh + cc]
+                    d_s[p, w // 2, H - (w % 2) * H + gq + 8 * rh, (w % 2) * H + 2 * tq + cc % 2 + 8 * (cc // 2)] = 0.0
 
     def warp_block(tx):
         # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d; in
@@ -459,6 +504,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 fa = T.alloc_local((4,), acc)
                 fb = T.alloc_local((2,), acc)
                 fc = T.alloc_local((8,), acc)
+            if registers16:
+                kr = T.alloc_local((8,), acc)  # K K^T at the lane's 8 places of its warp's block
+                xr = T.alloc_local((8 * pair,), acc)  # the block's inverse there, per head of the pair
+                br = T.alloc_local((2 * pair,), acc)  # beta of the lane's two rows, per head
+                xj = T.alloc_local((4,), acc)  # row j at the lane's four columns
+                kj = T.alloc_local((4,), acc)  # (K K^T)_ij of the lane's two rows, then their factors
 
             tx = T.get_thread_binding()
 
@@ -516,7 +567,9 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     if diag16:
                         # thread -> head tx / 64 of the pair, 16x16 block q, column; with an odd group (one head at
                         # a time) the upper 64 threads wait at the barriers, which stay outside the branches
-                        if tx < 64 * pair:
+                        if registers16:  # (or a warp a block, every head of the pair, all four warps)
+                            eliminate16(kk_s, b_s, d_s, u, tx, kr, xr, br, xj, kj)
+                        elif tx < 64 * pair:
                             for r in T.unroll(H):
                                 x[r] = 0.0
                             sp = tx // 64

@@ -53,6 +53,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         yield (f"kkt_inverse_async_{odd}_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
                dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd,
                     diag16=True, mma32=True))
+    # the 16x16 blocks by elimination in registers (forward.KKT_REGISTERS16, an A/B), at the default's occupancy
+    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
+                diag16=True, mma32=True, registers16=True))
     # the default build's trace build (benchmarks/stage1_trace.py), a diagnostic: never run by the operator
     yield (f"kkt_inverse_trace[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
