@@ -458,8 +458,9 @@ elif [ "$part" = registers16 ]; then
   logged stage1-trace-registers16 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
     --out "$out/stage1-trace-registers16.json"
   grep -v '^ ' "$out/stage1-trace-registers16.log" | grep -v "^|---" | tail -64
-  logged registers16-ab 240 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16 \
-    --heads 32/32,16/32,16/16 --seqlens 4096x8,8192x4,1024x16 --modes fwd --rounds 2 --out "$out/registers16-ab.json"
+  logged registers16-ab 150 python3 benchmarks/switch_ab.py --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16 \
+    --heads ${R16_HEADS:-32/32,16/32} --seqlens 4096x8,8192x4 --modes fwd --rounds ${R16_ROUNDS:-1} \
+    --out "$out/registers16-ab.json"
   tail -14 "$out/registers16-ab.log"
 elif [ "$part" = stage1-trace ]; then
   # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
