@@ -40,10 +40,11 @@ def test_a_trace_with_no_complete_cta_has_no_phases():
 
 
 @pytest.mark.parametrize("options", [dict(diag16=False, mma32=False), dict(diag16=True, mma32=False),
+                                     dict(diag16=True, mma32=True, async_loads=False),
                                      dict(diag16=True, mma32=True, store_inverse=True),
                                      dict(diag16=True, mma32=True, chunk_bounds=True)])
 def test_the_trace_build_is_only_the_default_builds(options):
     from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
     with pytest.raises(ValueError, match="trace stamps the default build"):
-        build_kkt_inverse(2, 4, 128, "bfloat16", "bfloat16", trace=True, **options)
+        build_kkt_inverse(2, 4, 128, "bfloat16", "bfloat16", trace=True, **{"async_loads": True, **options})

@@ -146,7 +146,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     group of one (~1950 cycles alone, notes "Stage 1's phases measured"). The lane mapping is checked on the CPU
     (``tests/test_kkt_registers16_model.py``). The same sums in another order: other bits, the same error.
 
-    ``trace`` (a diagnostic, with ``diag16`` and ``mma32`` and no other output) adds a last argument ``tr [S, Hqk,
+    ``trace`` (a diagnostic, with ``diag16``, ``mma32`` and ``async_loads`` and no other output) adds a last argument ``tr [S, Hqk,
     TRACE_POINTS]`` int64: per CTA, the SM's cycle counter read by thread 0 after each of the barriers between the
     stage's phases (``TRACE_POINTS_OF``; the first pair of the group only), one more barrier before the last. The
     same outputs as the build without it (``benchmarks/stage1_trace.py`` checks, and reads the phases' latencies).
@@ -161,8 +161,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("chunk_injects is written beside chunk_bounds (the b start needs both): it needs it")
     if chunk_bounds and Hv // Hqk > 128:
         raise ValueError("chunk_bounds sums each value head's rows on a thread of its own: at most 128 a qk head")
-    if trace and not (diag16 and mma32) or trace and (store_inverse or chunk_bounds or chunk_injects):
-        raise ValueError("trace stamps the default build's phases (diag16 and mma32, Ag and g~ only)")
+    if trace and not (diag16 and mma32 and async_loads) or trace and (store_inverse or chunk_bounds or chunk_injects):
+        raise ValueError("trace stamps the default build's phases (diag16, mma32 and async_loads; Ag and g~ only)")
     if blocks_per_sm not in (3, 4, 5, 6, 7):
         raise ValueError(f"blocks_per_sm must be 3 to 7, got {blocks_per_sm}")
     # five CTAs per SM need <= 44.6 KB of shared memory: each head's A21 is kept over the merge's second tile and
