@@ -64,15 +64,22 @@ def _synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def first_inputs(hq, hv, tokens, n, batches, mode, device):
+    """The benchmark's inputs (``flashgdn.bench.inputs``) for step 0's split, with output gradients for fwd+bwd."""
+    from flashgdn.bench.inputs import make_inputs
+    from flashgdn.bench.shapes import Shape
+
+    return make_inputs(Shape("loop", hq, hv, step_split(tokens, n, batches, 0)), 128, 128, device,
+                       with_grads=mode == "fwdbwd")
+
+
 def run_loop(impl, hq, hv, tokens, n, batches, steps, warmup, budget_s, mode, device, preload=False):
     """One implementation on one shape and kind of batches: the record (times in ms)."""
-    from flashgdn.bench.inputs import make_inputs
     from flashgdn.bench.runner import step_call
     from flashgdn.bench.shapes import Shape
     from flashgdn.kernels.hopper.common import kernels_in_memory
 
-    base = make_inputs(Shape("loop", hq, hv, step_split(tokens, n, batches, 0)), 128, 128, device,
-                       with_grads=mode == "fwdbwd")
+    base = first_inputs(hq, hv, tokens, n, batches, mode, device)
     rec = dict(impl=impl.label, h_qk=hq, h_v=hv, tokens=tokens, sequences=n, batches=batches, mode=mode,
                warmup_ms=[], step_ms=[], warmup_loads=[], step_loads=[], note="")
     if preload and impl.label.startswith("flashgdn"):
@@ -136,13 +143,9 @@ def host_profile(impl, hq, hv, tokens, n, mode, device, steps: int = 5, top: int
     import io
     import pstats
 
-    from flashgdn.bench.inputs import make_inputs
     from flashgdn.bench.runner import step_call
-    from flashgdn.bench.shapes import Shape
 
-    seqlens = step_split(tokens, n, "fixed", 0)
-    inp = make_inputs(Shape("loop", hq, hv, seqlens), 128, 128, device, with_grads=mode == "fwdbwd")
-    call = step_call(impl.prepare(inp, mode), mode)
+    call = step_call(impl.prepare(first_inputs(hq, hv, tokens, n, "fixed", mode, device), mode), mode)
     call()
     _synchronize(device)
     prof = cProfile.Profile()
