@@ -50,7 +50,8 @@ TRACE_POINTS = len(TRACE_POINTS_OF)
 def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, blocks_per_sm: int = 4,
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
                       diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
-                      chunk_injects: bool = False, trace: bool = False, registers16: bool = False):
+                      chunk_injects: bool = False, trace: bool = False, registers16: bool = False,
+                      merge16_registers: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -146,6 +147,15 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     group of one (~1950 cycles alone, notes "Stage 1's phases measured"). The lane mapping is checked on the CPU
     (``tests/test_kkt_registers16_model.py``). The same sums in another order: other bits, the same error.
 
+    ``merge16_registers=True`` (with ``registers16``; an A/B) joins the 16x16 blocks into 32x32 ones with fp16
+    ``mma.m16n8k16`` whose left operands come from registers: warp 2m + 1 of 32-block m makes X = L21' D_2m (L21', its
+    own rows' beta-scaled K K^T, read in the A fragment's order; D_2m, warp 2m's block, from shared memory), then
+    A21' = -D_2m+1 X with D_2m+1 the block it holds in registers from the elimination and X through its own scratch
+    tile: four ``mma`` a head and no CTA barrier between the two products, where the tf32 merge takes eight element-
+    wise fragments from shared memory on each side of one. fp16 operands keep tf32's 10 bits of mantissa, rounded to
+    nearest (FlashInfer's merges are fp16, ``benchmarks/inverse_numerics.py``); other bits. The lane mapping of the
+    fragments is emulated on the CPU (``tests/test_kkt_registers16_model.py``).
+
     ``trace`` (a diagnostic, with ``diag16``, ``mma32`` and ``async_loads`` and no other output) adds a last argument ``tr [S, Hqk,
     TRACE_POINTS]`` int64: per CTA, the SM's cycle counter read by thread 0 after each of the barriers between the
     stage's phases (``TRACE_POINTS_OF``; the first pair of the group only), one more barrier before the last. The
@@ -155,6 +165,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
     if registers16 and not diag16:
         raise ValueError("registers16 is a way of making diag16's 16x16 blocks: it needs diag16")
+    if merge16_registers and not registers16:
+        raise ValueError("merge16_registers takes its blocks from registers16's registers: it needs registers16")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
     if chunk_injects and not chunk_bounds:
@@ -274,6 +286,54 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     d_s[p, w // 2, (w % 2) * H + gq + 8 * rh, (w % 2) * H + 2 * tq + cc % 2 + 8 * (cc // 2)] = \
                         xr[8 * p + 4 * rh + cc]
                     d_s[p, w // 2, H - (w % 2) * H + gq + 8 * rh, (w % 2) * H + 2 * tq + cc % 2 + 8 * (cc // 2)] = 0.0
+
+    @T.macro
+    def mma_fp16(fh, bh, fc, c_offset):
+        # fc[c_offset : c_offset + 4] += a b for one mma.m16n8k16 on fp16 fragments (float32 accumulation)
+        T.ptx_mma("float32", "m16n8k16", "row", "col", "fp16", "fp16", "fp32", fh.data, 0, bh.data, 0, fc.data,
+                  c_offset, False)
+
+    @T.macro
+    def merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc):
+        # merge16_registers: warp 2m + 1 joins 32-block m of every head of pair u (the docstring's products); lane
+        # (g, t)'s A fragment a[2 rh + 4 (cc / 2) + cc % 2] is its element (rh, cc) of registers16's mapping, its B
+        # fragment b[i] is (k = 2t + i % 2 + 8 (i / 2), n = g + 8 nt), its C fragment c[4 nt + i] is (g + 8 (i / 2),
+        # 8 nt + 2t + i % 2)
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        if w % 2 == 1:
+            r0 = 16 * w
+            for p in T.unroll(pair):
+                for rh in T.unroll(2):
+                    for cc in T.unroll(4):
+                        fh[2 * rh + 4 * (cc // 2) + cc % 2] = T.cast(
+                            b_s[u * pair + p, r0 + gq + 8 * rh]
+                            * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, r0 - H + 2 * tq + cc % 2 + 8 * (cc // 2))],
+                            "float16")
+                for i in T.unroll(8):
+                    fc[i] = 0.0
+                for nt in T.unroll(2):
+                    for i in T.unroll(4):
+                        bh[i] = T.cast(d_s[p, w // 2, 2 * tq + i % 2 + 8 * (i // 2), gq + 8 * nt], "float16")
+                    mma_fp16(fh, bh, fc, 4 * nt)
+                for nt in T.unroll(2):
+                    for i in T.unroll(4):
+                        x16_s[w, gq + 8 * (i // 2), 8 * nt + 2 * tq + i % 2] = fc[4 * nt + i]
+                T.sync_warp()
+                for rh in T.unroll(2):
+                    for cc in T.unroll(4):
+                        fh[2 * rh + 4 * (cc // 2) + cc % 2] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
+                for i in T.unroll(8):
+                    fc[i] = 0.0
+                for nt in T.unroll(2):
+                    for i in T.unroll(4):
+                        bh[i] = T.cast(x16_s[w, 2 * tq + i % 2 + 8 * (i // 2), gq + 8 * nt], "float16")
+                    mma_fp16(fh, bh, fc, 4 * nt)
+                T.sync_warp()  # every lane's reads of X before the next head's stores
+                for nt in T.unroll(2):
+                    for i in T.unroll(4):
+                        d_s[p, w // 2, H + gq + 8 * (i // 2), 8 * nt + 2 * tq + i % 2] = -fc[4 * nt + i]
 
     def warp_block(tx):
         # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d; in
@@ -510,6 +570,9 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 br = T.alloc_local((2 * pair,), acc)  # beta of the lane's two rows, per head
                 xj = T.alloc_local((4,), acc)  # row j at the lane's four columns
                 kj = T.alloc_local((4,), acc)  # (K K^T)_ij of the lane's two rows, then their factors
+            if merge16_registers:
+                fh = T.alloc_local((8,), "float16")  # an mma.m16n8k16 A fragment
+                bh = T.alloc_local((4,), "float16")  # and a B fragment
 
             tx = T.get_thread_binding()
 
@@ -584,11 +647,14 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         T.sync_threads()
                         if u == 0:
                             stamp(tr, slot, hq, 3, tx)
-                        if tx < 64 * pair:
-                            merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx)
-                        T.sync_threads()
-                        if tx < 64 * pair:
-                            merge16_finish(d_s, x16_s, fa, fb, fc, tx)
+                        if merge16_registers:
+                            merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc)
+                        else:
+                            if tx < 64 * pair:
+                                merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx)
+                            T.sync_threads()
+                            if tx < 64 * pair:
+                                merge16_finish(d_s, x16_s, fa, fb, fc, tx)
                     elif tx < 64 * pair:
                         for r in T.unroll(B):
                             x[r] = 0.0
