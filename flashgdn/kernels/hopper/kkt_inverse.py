@@ -254,6 +254,22 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[hp, r0 + r] * (part[0] + part[1]))
             )
 
+    # registers16's lane mapping: lane (g, t) holds rows g + 8 rh (rh = 0, 1) of its warp's 16x16 block at columns
+    # lane_col(t, cc) (cc = 0..3), element (rh, cc) in register 4 rh + cc; the same element is a[a_slot(rh, cc)] of an
+    # mma.m16n8k16 A fragment. A B fragment's b[i] is row b_row(t, i) and column g + 8 nt; a C fragment's c[4 nt + i]
+    # is row g + 8 (i / 2) and column 8 nt + c_col(t, i)
+    def lane_col(tq, cc):
+        return 2 * tq + cc % 2 + 8 * (cc // 2)
+
+    def a_slot(rh, cc):
+        return 2 * rh + 4 * (cc // 2) + cc % 2
+
+    def b_row(tq, i):
+        return 2 * tq + i % 2 + 8 * (i // 2)
+
+    def c_col(tq, i):
+        return 2 * tq + i % 2
+
     @T.macro
     def eliminate16(kk_s, b_s, d_s, u, tx, kr, xr, br, xj, kj):
         # registers16: diagonal block w = tx / 32 of every head of pair u, in registers (the docstring's mapping)
@@ -263,11 +279,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         r0 = 16 * w
         for rh in T.unroll(2):
             for cc in T.unroll(4):
-                kr[4 * rh + cc] = kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, r0 + 2 * tq + cc % 2 + 8 * (cc // 2))]
+                kr[4 * rh + cc] = kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, r0 + lane_col(tq, cc))]
             for p in T.unroll(pair):
                 br[2 * p + rh] = b_s[u * pair + p, r0 + gq + 8 * rh]
                 for cc in T.unroll(4):
-                    xr[8 * p + 4 * rh + cc] = T.if_then_else(gq + 8 * rh == 2 * tq + cc % 2 + 8 * (cc // 2), 1.0, 0.0)
+                    xr[8 * p + 4 * rh + cc] = T.if_then_else(gq + 8 * rh == lane_col(tq, cc), 1.0, 0.0)
         for j in T.unroll(H - 1):
             for rh in T.unroll(2):  # (K K^T)_ij of this lane's rows, from the quad's lane that holds column j
                 kj[rh] = T.shfl_sync(kr[4 * rh + 2 * (j // 8) + j % 2], 4 * gq + (j % 8) // 2)
@@ -283,9 +299,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         for p in T.unroll(pair):
             for rh in T.unroll(2):
                 for cc in T.unroll(4):
-                    d_s[p, w // 2, (w % 2) * H + gq + 8 * rh, (w % 2) * H + 2 * tq + cc % 2 + 8 * (cc // 2)] = \
-                        xr[8 * p + 4 * rh + cc]
-                    d_s[p, w // 2, H - (w % 2) * H + gq + 8 * rh, (w % 2) * H + 2 * tq + cc % 2 + 8 * (cc // 2)] = 0.0
+                    d_s[p, w // 2, (w % 2) * H + gq + 8 * rh, (w % 2) * H + lane_col(tq, cc)] = xr[8 * p + 4 * rh + cc]
+                    d_s[p, w // 2, H - (w % 2) * H + gq + 8 * rh, (w % 2) * H + lane_col(tq, cc)] = 0.0
 
     @T.macro
     def mma_fp16(fh, bh, fc, c_offset):
@@ -295,10 +310,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
 
     @T.macro
     def merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc):
-        # merge16_registers: warp 2m + 1 joins 32-block m of every head of pair u (the docstring's products); lane
-        # (g, t)'s A fragment a[2 rh + 4 (cc / 2) + cc % 2] is its element (rh, cc) of registers16's mapping, its B
-        # fragment b[i] is (k = 2t + i % 2 + 8 (i / 2), n = g + 8 nt), its C fragment c[4 nt + i] is (g + 8 (i / 2),
-        # 8 nt + 2t + i % 2)
+        # merge16_registers: warp 2m + 1 joins 32-block m of every head of pair u (the docstring's products), its
+        # fragments as above
         w = tx // 32
         gq = (tx % 32) // 4
         tq = tx % 4
@@ -307,33 +320,32 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             for p in T.unroll(pair):
                 for rh in T.unroll(2):
                     for cc in T.unroll(4):
-                        fh[2 * rh + 4 * (cc // 2) + cc % 2] = T.cast(
+                        fh[a_slot(rh, cc)] = T.cast(
                             b_s[u * pair + p, r0 + gq + 8 * rh]
-                            * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, r0 - H + 2 * tq + cc % 2 + 8 * (cc // 2))],
-                            "float16")
+                            * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, r0 - H + lane_col(tq, cc))], "float16")
                 for i in T.unroll(8):
                     fc[i] = 0.0
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
-                        bh[i] = T.cast(d_s[p, w // 2, 2 * tq + i % 2 + 8 * (i // 2), gq + 8 * nt], "float16")
+                        bh[i] = T.cast(d_s[p, w // 2, b_row(tq, i), gq + 8 * nt], "float16")
                     mma_fp16(fh, bh, fc, 4 * nt)
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
-                        x16_s[w, gq + 8 * (i // 2), 8 * nt + 2 * tq + i % 2] = fc[4 * nt + i]
+                        x16_s[w, gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = fc[4 * nt + i]
                 T.sync_warp()
                 for rh in T.unroll(2):
                     for cc in T.unroll(4):
-                        fh[2 * rh + 4 * (cc // 2) + cc % 2] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
+                        fh[a_slot(rh, cc)] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
                 for i in T.unroll(8):
                     fc[i] = 0.0
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
-                        bh[i] = T.cast(x16_s[w, 2 * tq + i % 2 + 8 * (i // 2), gq + 8 * nt], "float16")
+                        bh[i] = T.cast(x16_s[w, b_row(tq, i), gq + 8 * nt], "float16")
                     mma_fp16(fh, bh, fc, 4 * nt)
                 T.sync_warp()  # every lane's reads of X before the next head's stores
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
-                        d_s[p, w // 2, H + gq + 8 * (i // 2), 8 * nt + 2 * tq + i % 2] = -fc[4 * nt + i]
+                        d_s[p, w // 2, H + gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = -fc[4 * nt + i]
 
     def warp_block(tx):
         # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d; in
