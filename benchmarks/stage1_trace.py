@@ -11,8 +11,9 @@ of its cycles (and the 10th and 90th percentiles), for two launches:
 * ``full``: ``--seqlens`` (4096 x 8 by default), where 5-7 CTAs share an SM and hide each other's waits.
 
 ``--registers16`` runs the same beside it on the builds with ``registers16`` (the 16x16 diagonal blocks by
-elimination in registers, ``forward.KKT_REGISTERS16``) and with ``merge16_registers`` on top (the 16 -> 32 merges by
-fp16 mma from those registers), whose Ag is also compared with the default build's.
+elimination in registers, ``forward.KKT_REGISTERS16``), with ``merge16_registers`` on top (the 16 -> 32 merges by
+fp16 mma from those registers) and with ``merge32_registers`` on that (the 32 -> 64 merge too), whose Ag is also
+compared with the default build's.
 
     python benchmarks/stage1_trace.py --heads 32/32,16/32 --out stage1-trace.json
 """
@@ -129,7 +130,8 @@ def main(argv=None):
         Hqk, Hv = (int(x) for x in spec.split("/"))
         slots = max(1, args.alone_ctas // Hqk)
         for load, seqlens in (("alone", [64 * slots]), ("full", full)):
-            extras = [{"registers16": True}, {"registers16": True, "merge16_registers": True}]
+            extras = [{"registers16": True}, {"registers16": True, "merge16_registers": True},
+                      {"registers16": True, "merge16_registers": True, "merge32_registers": True}]
             for extra in [None] + (extras if args.registers16 else []):
                 rec = {"load": load, **run_one(Hqk, Hv, seqlens, args.reps, extra)}
                 records.append(rec)

@@ -453,14 +453,15 @@ elif [ "$part" = preload ]; then
   fi
 elif [ "$part" = registers16 ]; then
   # stage 1's 16x16 blocks by elimination in registers (forward.KKT_REGISTERS16, notes v0.38a) and its 16 -> 32
-  # merges from them (KKT_MERGE16_REGISTERS, v0.38b): their GPU tests, their phases beside the default build's (alone
-  # and full), and the forward with both against the default on whole-wave shapes
+  # merges from them (KKT_MERGE16_REGISTERS, v0.38b) and the 32 -> 64 one (KKT_MERGE32_REGISTERS, v0.38c): their GPU
+  # tests, their phases beside the default build's (alone and full), and the forward with all three against the
+  # default on whole-wave shapes
   gpu_tests gpu-registers16 300 8 tests/test_gpu_hopper_stage1.py -k "registers16 or trace_build"
   logged stage1-trace-registers16 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
     --out "$out/stage1-trace-registers16.json"
   grep -v '^ ' "$out/stage1-trace-registers16.log" | grep -v "^|---" | tail -64
   logged registers16-ab 150 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS \
+    --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS,flashgdn.kernels.hopper.forward:KKT_MERGE32_REGISTERS \
     --heads ${R16_HEADS:-32/32,16/32} --seqlens 4096x8,8192x4 --modes fwd --rounds ${R16_ROUNDS:-1} \
     --out "$out/registers16-ab.json"
   tail -14 "$out/registers16-ab.log"

@@ -81,13 +81,12 @@ def fp16(x):
     return torch.tensor(x, dtype=torch.float64).to(torch.float16).double().item()
 
 
-def test_the_16_to_32_merge_from_registers_gives_the_lower_left_block():
-    """``merge16_registers`` as warp 2m + 1 runs it (``merge16_in_registers``): X = L21' D_2m with L21' in the A
-    fragment's order from the swizzled K K^T and D_2m as B from the stored block, then -D_2m+1 X with D_2m+1 from the
-    elimination's registers and X as B from the warp's scratch tile; fp16 operands, so within fp16's rounding of the
-    float64 block."""
-    gen = torch.Generator().manual_seed(1)
+def chunk(seed):
+    """Random unit keys (rows 20-39 sharing a direction), betas in (0, 1), K K^T swizzled as the kernel stores it, and
+    the float64 inverse of the whole chunk."""
+    gen = torch.Generator().manual_seed(seed)
     k = torch.nn.functional.normalize(torch.randn(64, 128, generator=gen, dtype=torch.float64), dim=-1)
+    k[20:40] = torch.nn.functional.normalize(k[20] + 0.3 * k[20:40], dim=-1)
     beta = torch.rand(64, generator=gen, dtype=torch.float64)
     kk = k @ k.T
     kk_s = torch.empty_like(kk)
@@ -95,38 +94,90 @@ def test_the_16_to_32_merge_from_registers_gives_the_lower_left_block():
         for j in range(64):
             kk_s[i, kk_col(i, j)] = kk[i, j]
     full = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + torch.tril(beta[:, None] * kk, -1))
-    for m in range(2):
-        w = 2 * m + 1
-        r0 = 16 * w
-        d_lo = eliminate16_lanes(kk_s, beta, w - 1)  # D_2m, as stored in the 32-block's upper left
-        d_hi = eliminate16_lanes(kk_s, beta, w)  # D_2m+1: the lane's registers (rh, cc) hold it
-        a1 = [[0.0] * 8 for _ in range(32)]
-        a2 = [[0.0] * 8 for _ in range(32)]
+    return kk_s, beta, full
+
+
+def a_fragments(value):
+    """Each lane's A fragment (fp16) from ``value(lane, rh, cc)``, its element (rh, cc) of registers16's mapping, at
+    the fragment's slot 2 rh + 4 (cc // 2) + cc % 2."""
+    frags = [[0.0] * 8 for _ in range(32)]
+    for ln in range(32):
+        for rh in (0, 1):
+            for cc in range(4):
+                frags[ln][2 * rh + 4 * (cc // 2) + cc % 2] = fp16(value(ln, rh, cc))
+    return frags
+
+
+def product(a, b_at, n_tiles):
+    """The 16 x 8 n_tiles product of one warp: A fragments ``a``, B fragment element i of n-tile nt read as
+    ``b_at(k, n)`` (k = 2t + i % 2 + 8 (i // 2), n = 8 nt + g), fp16; returned as a float64 tile."""
+    out = torch.zeros(16, 8 * n_tiles, dtype=torch.float64)
+    for nt in range(n_tiles):
+        b = [[fp16(b_at(2 * (ln % 4) + i % 2 + 8 * (i // 2), 8 * nt + ln // 4)) for i in range(4)] for ln in range(32)]
+        c = mma_m16n8k16(a, b)
         for ln in range(32):
-            g, t = ln // 4, ln % 4
-            for rh in (0, 1):
-                for cc in range(4):
-                    col = 2 * t + cc % 2 + 8 * (cc // 2)
-                    row = r0 + g + 8 * rh
-                    a1[ln][2 * rh + 4 * (cc // 2) + cc % 2] = fp16(
-                        beta[row].item() * kk_s[row, kk_col(row, r0 - 16 + col)].item())
-                    a2[ln][2 * rh + 4 * (cc // 2) + cc % 2] = fp16(d_hi[g + 8 * rh, col].item())
-        x = torch.zeros(16, 16, dtype=torch.float64)  # the warp's scratch tile
-        for nt in range(2):
-            b = [[fp16(d_lo[2 * (ln % 4) + i % 2 + 8 * (i // 2), ln // 4 + 8 * nt].item()) for i in range(4)]
-                 for ln in range(32)]
-            c = mma_m16n8k16(a1, b)
-            for ln in range(32):
-                for i in range(4):
-                    x[ln // 4 + 8 * (i // 2), 8 * nt + 2 * (ln % 4) + i % 2] = c[ln][i]
-        got = torch.zeros(16, 16, dtype=torch.float64)
-        for nt in range(2):
-            b = [[fp16(x[2 * (ln % 4) + i % 2 + 8 * (i // 2), ln // 4 + 8 * nt].item()) for i in range(4)]
-                 for ln in range(32)]
-            c = mma_m16n8k16(a2, b)
-            for ln in range(32):
-                for i in range(4):
-                    got[ln // 4 + 8 * (i // 2), 8 * nt + 2 * (ln % 4) + i % 2] = -c[ln][i]
+            for i in range(4):
+                out[ln // 4 + 8 * (i // 2), 8 * nt + 2 * (ln % 4) + i % 2] = c[ln][i]
+    return out
+
+
+def lane_col(ln, cc):
+    return 2 * (ln % 4) + cc % 2 + 8 * (cc // 2)
+
+
+def merge16_lanes(kk_s, beta, m, d_lo, d_hi):
+    """``merge16_in_registers`` on warp 2m + 1: X = L21' D_2m, then A21' = -D_2m+1 X (what it stores)."""
+    r0 = 16 * (2 * m + 1)
+    a1 = a_fragments(lambda ln, rh, cc: beta[r0 + ln // 4 + 8 * rh].item()
+                     * kk_s[r0 + ln // 4 + 8 * rh, kk_col(r0 + ln // 4 + 8 * rh, r0 - 16 + lane_col(ln, cc))].item())
+    x = product(a1, lambda k_, n: d_lo[k_, n].item(), 2)
+    a2 = a_fragments(lambda ln, rh, cc: d_hi[ln // 4 + 8 * rh, lane_col(ln, cc)].item())
+    return -product(a2, lambda k_, n: x[k_, n].item(), 2)
+
+
+def test_the_16_to_32_merge_from_registers_gives_the_lower_left_block():
+    """``merge16_registers`` as warp 2m + 1 runs it (``merge16_in_registers``): X = L21' D_2m with L21' in the A
+    fragment's order from the swizzled K K^T and D_2m as B from the stored block, then -D_2m+1 X with D_2m+1 from the
+    elimination's registers and X as B from the warp's scratch tile; fp16 operands, so within fp16's rounding of the
+    float64 block."""
+    kk_s, beta, full = chunk(1)
+    for m in range(2):
+        got = merge16_lanes(kk_s, beta, m, eliminate16_lanes(kk_s, beta, 2 * m), eliminate16_lanes(kk_s, beta, 2 * m + 1))
         want = full[32 * m + 16:32 * m + 32, 32 * m:32 * m + 16]
         err = ((got - want).norm() / want.norm()).item()
         assert err < 2e-3, (m, err)
+
+
+def test_the_32_to_64_merge_from_registers_gives_the_lower_left_block():
+    """``merge32_registers`` as warps 2 and 3 run it (``merge32_in_registers_product`` and ``_finish``): X = L21 A11
+    with L21 from their rows of the swizzled K K^T and A11 as B from the stored 32x32 block (its zero upper right
+    skipped), then A21 = -A22 X with A22's rows from registers (warp 2: D_2; warp 3: its A21' and D_3) and X as B from
+    shared memory: within fp16's rounding of the float64 block, all three levels emulated."""
+    kk_s, beta, full = chunk(2)
+    d = [eliminate16_lanes(kk_s, beta, w) for w in range(4)]
+    a21p = [merge16_lanes(kk_s, beta, m, d[2 * m], d[2 * m + 1]) for m in range(2)]
+    a11 = torch.zeros(32, 32, dtype=torch.float64)
+    a11[:16, :16], a11[16:, :16], a11[16:, 16:] = d[0], a21p[0], d[1]
+    x = torch.zeros(32, 32, dtype=torch.float64)
+    for w in (2, 3):
+        r0 = 16 * w
+        part = torch.zeros(16, 32, dtype=torch.float64)
+        for ks in (0, 1):
+            a = a_fragments(lambda ln, rh, cc: beta[r0 + ln // 4 + 8 * rh].item()
+                            * kk_s[r0 + ln // 4 + 8 * rh, kk_col(r0 + ln // 4 + 8 * rh, 16 * ks + lane_col(ln, cc))].item())
+            tiles = 4 if ks == 1 else 2  # A11's upper right is zero: n-tiles 2, 3 take the second k-step only
+            part[:, :8 * tiles] += product(a, lambda k_, n: a11[16 * ks + k_, n].item(), tiles)
+        x[16 * (w - 2):16 * (w - 1)] = part
+    got = torch.zeros(32, 32, dtype=torch.float64)
+    for w in (2, 3):
+        acc = torch.zeros(16, 32, dtype=torch.float64)
+        for ks in (0, 1):
+            if ks == 1 or w == 3:
+                blk = a21p[1] if ks == 0 else d[w]  # warp 3's A21' (kept from its merge), else the warp's D
+                a = a_fragments(lambda ln, rh, cc: blk[ln // 4 + 8 * rh, lane_col(ln, cc)].item())
+                row0 = 16 * (ks * (w - 2))
+                acc += product(a, lambda k_, n: x[row0 + k_, n].item(), 4)
+        got[16 * (w - 2):16 * (w - 1)] = -acc
+    want = full[32:, :32]
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 3e-3, err

@@ -102,6 +102,10 @@ KKT_REGISTERS16 = os.environ.get("FLASHGDN_HOPPER_KKT_REGISTERS16", "0") == "1"
 #: ``merge16_registers``). An A/B, off; FLASHGDN_HOPPER_KKT_MERGE16_REGISTERS=1 turns it on (with the above).
 KKT_MERGE16_REGISTERS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE16_REGISTERS", "0") == "1"
 
+#: With KKT_MERGE16_REGISTERS (and KKT_MMA32), the 32 -> 64 merge by fp16 mma from registers too (``kkt_inverse``'s
+#: ``merge32_registers``). An A/B, off; FLASHGDN_HOPPER_KKT_MERGE32_REGISTERS=1 turns it on (with the two above).
+KKT_MERGE32_REGISTERS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_REGISTERS", "0") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -466,11 +470,13 @@ def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
 def kkt_options() -> dict:
     """Stage 1's build options that the host's switches add (``diag16`` with ``mma32`` by default, ``diag16`` alone
     with KKT_MMA32 off, either with ``registers16`` under KKT_REGISTERS16 (and ``merge16_registers`` under
-    KKT_MERGE16_REGISTERS), else ``triangle``)."""
+    KKT_MERGE16_REGISTERS, and ``merge32_registers`` under KKT_MERGE32_REGISTERS), else ``triangle``)."""
     if KKT_DIAG16:
         return dict(diag16=True, **({"mma32": True} if KKT_MMA32 else {}),
                     **({"registers16": True} if KKT_REGISTERS16 else {}),
-                    **({"merge16_registers": True} if KKT_REGISTERS16 and KKT_MERGE16_REGISTERS else {}))
+                    **({"merge16_registers": True} if KKT_REGISTERS16 and KKT_MERGE16_REGISTERS else {}),
+                    **({"merge32_registers": True} if KKT_MMA32 and KKT_REGISTERS16 and KKT_MERGE16_REGISTERS
+                       and KKT_MERGE32_REGISTERS else {}))
     return dict(triangle=True) if KKT_TRIANGLE else {}
 
 

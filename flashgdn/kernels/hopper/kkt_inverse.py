@@ -51,7 +51,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
                       diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
                       chunk_injects: bool = False, trace: bool = False, registers16: bool = False,
-                      merge16_registers: bool = False):
+                      merge16_registers: bool = False, merge32_registers: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -156,6 +156,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     nearest (FlashInfer's merges are fp16, ``benchmarks/inverse_numerics.py``); other bits. The lane mapping of the
     fragments is emulated on the CPU (``tests/test_kkt_registers16_model.py``).
 
+    ``merge32_registers=True`` (with ``merge16_registers`` and ``mma32``; an A/B) makes the 32 -> 64 merge the same way
+    on warps 2 and 3, whose rows are L21's and A22's: X = L21 A11 (A: their rows' beta-scaled K K^T, columns 0-31;
+    B: A11 from shared memory; the products with its zero upper right skipped: 6 ``mma`` a warp), X into ``x32_s``,
+    then A21 = -A22 X with A22's rows from registers (warp 2: D_2; warp 3: the A21' it made in the merge before and
+    D_3; 4 and 8 ``mma``), written over X once every warp has read it. The same three barriers as the tf32 merge.
+
     ``trace`` (a diagnostic, with ``diag16``, ``mma32`` and ``async_loads`` and no other output) adds a last argument ``tr [S, Hqk,
     TRACE_POINTS]`` int64: per CTA, the SM's cycle counter read by thread 0 after each of the barriers between the
     stage's phases (``TRACE_POINTS_OF``; the first pair of the group only), one more barrier before the last. The
@@ -167,6 +173,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("registers16 is a way of making diag16's 16x16 blocks: it needs diag16")
     if merge16_registers and not registers16:
         raise ValueError("merge16_registers takes its blocks from registers16's registers: it needs registers16")
+    if merge32_registers and not (merge16_registers and mma32):
+        raise ValueError("merge32_registers takes A21' from merge16_registers and replaces mma32's merge: it needs both")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
     if chunk_injects and not chunk_bounds:
@@ -309,7 +317,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                   c_offset, False)
 
     @T.macro
-    def merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc):
+    def merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc, ar=None):
         # merge16_registers: warp 2m + 1 joins 32-block m of every head of pair u (the docstring's products), its
         # fragments as above
         w = tx // 32
@@ -346,6 +354,55 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
                         d_s[p, w // 2, H + gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = -fc[4 * nt + i]
+                        if merge32_registers:  # A21' kept as element (rh, cc) = (i / 2, 2 nt + i % 2)
+                            ar[8 * p + 4 * (i // 2) + 2 * nt + i % 2] = -fc[4 * nt + i]
+
+    @T.macro
+    def merge32_in_registers_product(kk_s, b_s, d_s, x32_s, u, tx, fh, bh, fc32):
+        # merge32_registers, on warps 2 and 3 (rows 16 w ..): X = L21 A11 of every head of pair u into x32_s; A11's
+        # columns 16-31 are zero in its rows 0-15, so the n-tiles 2 and 3 take the second k-step only
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        r0 = 16 * w
+        for p in T.unroll(pair):
+            for i in T.unroll(16):
+                fc32[i] = 0.0
+            for ks in T.unroll(2):
+                for rh in T.unroll(2):
+                    for cc in T.unroll(4):
+                        fh[a_slot(rh, cc)] = T.cast(
+                            b_s[u * pair + p, r0 + gq + 8 * rh]
+                            * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, 16 * ks + lane_col(tq, cc))], "float16")
+                for nt in T.unroll(4):
+                    if ks == 1 or nt < 2:
+                        for i in T.unroll(4):
+                            bh[i] = T.cast(d_s[p, 0, 16 * ks + b_row(tq, i), 8 * nt + gq], "float16")
+                        mma_fp16(fh, bh, fc32, 4 * nt)
+            for nt in T.unroll(4):
+                for i in T.unroll(4):
+                    x32_s[p, r0 - B + gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = fc32[4 * nt + i]
+
+    @T.macro
+    def merge32_in_registers_finish(x32_s, tx, xr, ar, fh, bh, fc32, p):
+        # A22 X of head p on warps 2 and 3 (their 16 rows of A22: warp 2's are D_2 and zeros, warp 3's A21' and D_3)
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        for i in T.unroll(16):
+            fc32[i] = 0.0
+        for ks in T.unroll(2):
+            if ks == 1 or w == 3:
+                for rh in T.unroll(2):
+                    for cc in T.unroll(4):
+                        fh[a_slot(rh, cc)] = T.cast(T.if_then_else(
+                            ks == 0, ar[8 * p + 4 * rh + cc], xr[8 * p + 4 * rh + cc]), "float16")
+                for nt in T.unroll(4):
+                    for i in T.unroll(4):
+                        # warp 2's only k-step is its D_2 against X's rows 0-15; warp 3's are A21' against rows 0-15
+                        # and D_3 against rows 16-31
+                        bh[i] = T.cast(x32_s[p, 16 * (ks * (w - 2)) + b_row(tq, i), 8 * nt + gq], "float16")
+                    mma_fp16(fh, bh, fc32, 4 * nt)
 
     def warp_block(tx):
         # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d; in
@@ -585,6 +642,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             if merge16_registers:
                 fh = T.alloc_local((8,), "float16")  # an mma.m16n8k16 A fragment
                 bh = T.alloc_local((4,), "float16")  # and a B fragment
+            ar = T.alloc_local((8 * pair,), acc) if merge32_registers else None  # warp 3's A21', per head
 
             tx = T.get_thread_binding()
 
@@ -660,7 +718,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         if u == 0:
                             stamp(tr, slot, hq, 3, tx)
                         if merge16_registers:
-                            merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc)
+                            merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc, ar)
                         else:
                             if tx < 64 * pair:
                                 merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx)
@@ -685,17 +743,34 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         stamp(tr, slot, hq, 4, tx)
 
                     if mma32:
-                        # both heads at once, two warps each: X, then A21 = -A22 X over it (barriers outside the
-                        # branches: an odd group's upper 64 threads only wait)
-                        if tx < 64 * pair:
-                            merge32_product(u, b_s, kk_s, d_s, x32_s, fa, fb, fc32, tx)
-                        T.sync_threads()
-                        if tx < 64 * pair:
-                            merge32_finish(d_s, x32_s, fa, fb, fc32, tx)
-                        T.sync_threads()  # every warp's reads of X are done
-                        if tx < 64 * pair:
-                            merge32_store(x32_s, fc32, tx)
-                        T.sync_threads()
+                        if merge32_registers:
+                            # on warps 2 and 3, from their registers: X of every head, then head by head A22 X,
+                            # stored over X once every warp has read it
+                            if tx >= 64:
+                                merge32_in_registers_product(kk_s, b_s, d_s, x32_s, u, tx, fh, bh, fc32)
+                            T.sync_threads()
+                            for mp in T.unroll(pair):
+                                if tx >= 64:
+                                    merge32_in_registers_finish(x32_s, tx, xr, ar, fh, bh, fc32, mp)
+                                T.sync_threads()
+                                if tx >= 64:
+                                    for nt in T.unroll(4):
+                                        for i in T.unroll(4):
+                                            x32_s[mp, 16 * (tx // 32) - B + (tx % 32) // 4 + 8 * (i // 2),
+                                                  8 * nt + c_col(tx % 4, i)] = -fc32[4 * nt + i]
+                            T.sync_threads()
+                        else:
+                            # both heads at once, two warps each: X, then A21 = -A22 X over it (barriers outside
+                            # the branches: an odd group's upper 64 threads only wait)
+                            if tx < 64 * pair:
+                                merge32_product(u, b_s, kk_s, d_s, x32_s, fa, fb, fc32, tx)
+                            T.sync_threads()
+                            if tx < 64 * pair:
+                                merge32_finish(d_s, x32_s, fa, fb, fc32, tx)
+                            T.sync_threads()  # every warp's reads of X are done
+                            if tx < 64 * pair:
+                                merge32_store(x32_s, fc32, tx)
+                            T.sync_threads()
                         if u == 0:
                             stamp(tr, slot, hq, 5, tx)
                         gate_pair(Ag, A_out, slot, h, u, d_s, lambda p, i, j: x32_s[p, i, j], b_s, gc_s)

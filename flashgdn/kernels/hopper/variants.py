@@ -61,6 +61,10 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16_merge16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
                 diag16=True, mma32=True, registers16=True, merge16_registers=True))
+    # and the 32 -> 64 merge from registers as well (forward.KKT_MERGE32_REGISTERS, an A/B)
+    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16_merge16_merge32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
+                diag16=True, mma32=True, registers16=True, merge16_registers=True, merge32_registers=True))
     # the default build's trace build (benchmarks/stage1_trace.py), a diagnostic: never run by the operator
     yield (f"kkt_inverse_trace[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
