@@ -317,6 +317,15 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                   c_offset, False)
 
     @T.macro
+    def l_fragment(fh, b_s, kk_s, hp, r0, c0, gq, tq):
+        # an mma.m16n8k16 A fragment of L = diag(beta) K K^T (fp16) at rows r0 .., columns c0 .. of value head hp
+        for rh in T.unroll(2):
+            for cc in T.unroll(4):
+                fh[a_slot(rh, cc)] = T.cast(
+                    b_s[hp, r0 + gq + 8 * rh] * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, c0 + lane_col(tq, cc))],
+                    "float16")
+
+    @T.macro
     def merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc, ar=None):
         # merge16_registers: warp 2m + 1 joins 32-block m of every head of pair u (the docstring's products), its
         # fragments as above
@@ -326,11 +335,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         if w % 2 == 1:
             r0 = 16 * w
             for p in T.unroll(pair):
-                for rh in T.unroll(2):
-                    for cc in T.unroll(4):
-                        fh[a_slot(rh, cc)] = T.cast(
-                            b_s[u * pair + p, r0 + gq + 8 * rh]
-                            * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, r0 - H + lane_col(tq, cc))], "float16")
+                l_fragment(fh, b_s, kk_s, u * pair + p, r0, r0 - H, gq, tq)
                 for i in T.unroll(8):
                     fc[i] = 0.0
                 for nt in T.unroll(2):
@@ -369,11 +374,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             for i in T.unroll(16):
                 fc32[i] = 0.0
             for ks in T.unroll(2):
-                for rh in T.unroll(2):
-                    for cc in T.unroll(4):
-                        fh[a_slot(rh, cc)] = T.cast(
-                            b_s[u * pair + p, r0 + gq + 8 * rh]
-                            * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, 16 * ks + lane_col(tq, cc))], "float16")
+                l_fragment(fh, b_s, kk_s, u * pair + p, r0, 16 * ks, gq, tq)
                 for nt in T.unroll(4):
                     if ks == 1 or nt < 2:
                         for i in T.unroll(4):
