@@ -262,6 +262,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 r == c, 1.0, T.if_then_else(r < c, 0.0, -b_s[hp, r0 + r] * (part[0] + part[1]))
             )
 
+    @T.macro
+    def warp_mma(shape, ab_dtype, fa, fb, fc, c_offset):
+        # fc[c_offset : c_offset + 4] += a b for one mma.sync of this warp's fragments (row A, col B, float32 C)
+        T.ptx_mma("float32", shape, "row", "col", ab_dtype, ab_dtype, "fp32", fa.data, 0, fb.data, 0, fc.data,
+                  c_offset, False)
+
     # registers16's lane mapping: lane (g, t) holds rows g + 8 rh (rh = 0, 1) of its warp's 16x16 block at columns
     # lane_col(t, cc) (cc = 0..3), element (rh, cc) in register 4 rh + cc; the same element is a[a_slot(rh, cc)] of an
     # mma.m16n8k16 A fragment. A B fragment's b[i] is row b_row(t, i) and column g + 8 nt; a C fragment's c[4 nt + i]
@@ -311,10 +317,12 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     d_s[p, w // 2, H - (w % 2) * H + gq + 8 * rh, (w % 2) * H + lane_col(tq, cc)] = 0.0
 
     @T.macro
-    def mma_fp16(fh, bh, fc, c_offset):
-        # fc[c_offset : c_offset + 4] += a b for one mma.m16n8k16 on fp16 fragments (float32 accumulation)
-        T.ptx_mma("float32", "m16n8k16", "row", "col", "fp16", "fp16", "fp32", fh.data, 0, bh.data, 0, fc.data,
-                  c_offset, False)
+    def mma_fp16(fh, bh, fc, nt, gq, tq, b_at):
+        # fc[4 nt : 4 nt + 4] += a b for n-tile nt: one mma.m16n8k16 on fp16 fragments (float32 accumulation), the B
+        # fragment read by b_at(k, n)
+        for i in T.unroll(4):
+            bh[i] = T.cast(b_at(b_row(tq, i), gq + 8 * nt), "float16")
+        warp_mma("m16n8k16", "fp16", fh, bh, fc, 4 * nt)
 
     @T.macro
     def l_fragment(fh, b_s, kk_s, hp, r0, c0, gq, tq):
@@ -339,9 +347,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 for i in T.unroll(8):
                     fc[i] = 0.0
                 for nt in T.unroll(2):
-                    for i in T.unroll(4):
-                        bh[i] = T.cast(d_s[p, w // 2, b_row(tq, i), gq + 8 * nt], "float16")
-                    mma_fp16(fh, bh, fc, 4 * nt)
+                    mma_fp16(fh, bh, fc, nt, gq, tq, lambda k_, n: d_s[p, w // 2, k_, n])
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
                         x16_s[w, gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = fc[4 * nt + i]
@@ -352,9 +358,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 for i in T.unroll(8):
                     fc[i] = 0.0
                 for nt in T.unroll(2):
-                    for i in T.unroll(4):
-                        bh[i] = T.cast(x16_s[w, b_row(tq, i), gq + 8 * nt], "float16")
-                    mma_fp16(fh, bh, fc, 4 * nt)
+                    mma_fp16(fh, bh, fc, nt, gq, tq, lambda k_, n: x16_s[w, k_, n])
                 T.sync_warp()  # every lane's reads of X before the next head's stores
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
@@ -377,9 +381,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 l_fragment(fh, b_s, kk_s, u * pair + p, r0, 16 * ks, gq, tq)
                 for nt in T.unroll(4):
                     if ks == 1 or nt < 2:
-                        for i in T.unroll(4):
-                            bh[i] = T.cast(d_s[p, 0, 16 * ks + b_row(tq, i), 8 * nt + gq], "float16")
-                        mma_fp16(fh, bh, fc32, 4 * nt)
+                        mma_fp16(fh, bh, fc32, nt, gq, tq, lambda k_, n: d_s[p, 0, 16 * ks + k_, n])
             for nt in T.unroll(4):
                 for i in T.unroll(4):
                     x32_s[p, r0 - B + gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = fc32[4 * nt + i]
@@ -399,11 +401,9 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         fh[a_slot(rh, cc)] = T.cast(T.if_then_else(
                             ks == 0, ar[8 * p + 4 * rh + cc], xr[8 * p + 4 * rh + cc]), "float16")
                 for nt in T.unroll(4):
-                    for i in T.unroll(4):
-                        # warp 2's only k-step is its D_2 against X's rows 0-15; warp 3's are A21' against rows 0-15
-                        # and D_3 against rows 16-31
-                        bh[i] = T.cast(x32_s[p, 16 * (ks * (w - 2)) + b_row(tq, i), 8 * nt + gq], "float16")
-                    mma_fp16(fh, bh, fc32, 4 * nt)
+                    # warp 2's only k-step is its D_2 against X's rows 0-15; warp 3's are A21' against rows 0-15 and
+                    # D_3 against rows 16-31
+                    mma_fp16(fh, bh, fc32, nt, gq, tq, lambda k_, n: x32_s[p, 16 * (ks * (w - 2)) + k_, n])
 
     def warp_block(tx):
         # the 32x32 diagonal block whose 16x16 merge this thread's warp does: (warp, head p of the pair, block d; in
@@ -416,8 +416,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     @T.macro
     def mma_tf32(fa, fb, fc, c_offset):
         # fc[c_offset : c_offset + 4] += a b for one mma.m16n8k8 on this warp's fragments (fp32 bits read as tf32)
-        T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", fa.data, 0, fb.data, 0, fc.data,
-                  c_offset, False)
+        warp_mma("m16n8k8", "tf32", fa, fb, fc, c_offset)
 
     @T.macro
     def mma16(fa, fb, fc, gq, tq, a_at, b_at, skip_upper_b):
