@@ -43,19 +43,28 @@ def eliminate16_lanes(kk_s, beta, w):
     return out
 
 
-def test_each_warps_block_is_the_inverse_of_its_diagonal_block():
-    gen = torch.Generator().manual_seed(0)
+def chunk(seed):
+    """Random unit keys (rows 20-39 sharing a direction), betas in (0, 1), K K^T swizzled as the kernel stores it, and
+    the float64 inverse of the whole chunk."""
+    gen = torch.Generator().manual_seed(seed)
     k = torch.nn.functional.normalize(torch.randn(64, 128, generator=gen, dtype=torch.float64), dim=-1)
-    k[20:40] = k[20] + 0.05 * k[20:40]  # rows sharing a direction: L near its largest
+    k[20:40] = torch.nn.functional.normalize(k[20] + 0.3 * k[20:40], dim=-1)
     beta = torch.rand(64, generator=gen, dtype=torch.float64)
     kk = k @ k.T
     kk_s = torch.empty_like(kk)
     for i in range(64):
         for j in range(64):
             kk_s[i, kk_col(i, j)] = kk[i, j]
+    full = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + torch.tril(beta[:, None] * kk, -1))
+    return kk_s, beta, full
+
+
+def test_each_warps_block_is_the_inverse_of_its_diagonal_block():
+    # (the inverse of a lower triangular matrix has the inverses of its diagonal blocks on its diagonal)
+    kk_s, beta, full = chunk(0)
     for w in range(4):
         blk = slice(16 * w, 16 * w + 16)
-        want = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + torch.tril(beta[blk, None] * kk[blk, blk], -1))
+        want = full[blk, blk]
         got = eliminate16_lanes(kk_s, beta, w)
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (w, (got - want).abs().max())
         assert torch.equal(torch.triu(got, 1), torch.zeros(16, 16, dtype=torch.float64))
@@ -79,22 +88,6 @@ def mma_m16n8k16(a_frags, b_frags):
 
 def fp16(x):
     return torch.tensor(x, dtype=torch.float64).to(torch.float16).double().item()
-
-
-def chunk(seed):
-    """Random unit keys (rows 20-39 sharing a direction), betas in (0, 1), K K^T swizzled as the kernel stores it, and
-    the float64 inverse of the whole chunk."""
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.nn.functional.normalize(torch.randn(64, 128, generator=gen, dtype=torch.float64), dim=-1)
-    k[20:40] = torch.nn.functional.normalize(k[20] + 0.3 * k[20:40], dim=-1)
-    beta = torch.rand(64, generator=gen, dtype=torch.float64)
-    kk = k @ k.T
-    kk_s = torch.empty_like(kk)
-    for i in range(64):
-        for j in range(64):
-            kk_s[i, kk_col(i, j)] = kk[i, j]
-    full = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + torch.tril(beta[:, None] * kk, -1))
-    return kk_s, beta, full
 
 
 def a_fragments(value):
