@@ -105,26 +105,26 @@ def run_one(Hqk, Hv, seqlens, reps, extra=None):
         a, b = ag0.double(), ag2.double()
         vs_default = ((a - b).norm() / b.norm()).item()
     times = trace_stamps.time_both(fns, reps)
-    return {"ag_vs_default": vs_default, "h_qk": Hqk, "h_v": Hv, "seqlens": list(seqlens), "slots": S, "ctas": S * Hqk, "ctas_stamped": ctas,
-            "same_bits": same, "phases": phases, "ms": times, "options": {k2: v for k2, v in opts.items()}}
+    return {"ag_vs_default": vs_default, "h_qk": Hqk, "h_v": Hv, "seqlens": list(seqlens), "slots": S,
+            "ctas": S * Hqk, "ctas_stamped": ctas, "same_bits": same, "phases": phases, "ms": times, "options": opts}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="32/32,16/32", help="Hqk/Hv configurations, comma-separated")
-    ap.add_argument("--seqlens", default="4096x8", help="the full launch's sequence lengths: N x count or a list")
+    ap.add_argument("--seqlens", default="4096x8",
+                    help="the full launch's sequence mix, in flashgdn.bench's syntax (4096x8, 24576+8192)")
     ap.add_argument("--alone-ctas", type=int, default=128, help="CTAs of the alone launch (at most one an SM)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--registers16", action="store_true", help="also the builds with registers16, side by side")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    import torch
+    from flashgdn.bench.shapes import parse_seqlens
 
-    if "x" in args.seqlens:
-        n, count = args.seqlens.split("x")
-        full = [int(n)] * int(count)
-    else:
-        full = [int(s) for s in args.seqlens.split(",")]
+    mixes = parse_seqlens(args.seqlens)
+    if len(mixes) != 1:
+        ap.error(f"--seqlens: one sequence mix, got {len(mixes)} from {args.seqlens!r}")
+    full = list(mixes[0])
     records = []
     for spec in args.heads.split(","):
         Hqk, Hv = (int(x) for x in spec.split("/"))
