@@ -119,20 +119,37 @@ def lane_col(ln, cc):
 
 
 def merge16_lanes(kk_s, beta, m, d_lo, d_hi):
-    """``merge16_in_registers`` on warp 2m + 1: X = L21' D_2m, then A21' = -D_2m+1 X (what it stores)."""
+    """``merge16_in_registers`` on warp 2m + 1, lane by lane: X^T = D_2m^T L21'^T (D_2m^T's A fragments from the
+    stored block, L21'^T's B fragments from the swizzled K K^T), then A21' = -D_2m+1 X with X's B fragments taken from
+    X^T's C fragments in the same lane, and A21' by way of the lane's ``ar`` registers to the place it is stored."""
     r0 = 16 * (2 * m + 1)
-    a1 = a_fragments(lambda ln, rh, cc: beta[r0 + ln // 4 + 8 * rh].item()
-                     * kk_s[r0 + ln // 4 + 8 * rh, kk_col(r0 + ln // 4 + 8 * rh, r0 - 16 + lane_col(ln, cc))].item())
-    x = product(a1, lambda k_, n: d_lo[k_, n].item(), 2)
+
+    def l21(r, c):
+        return beta[r0 + r].item() * kk_s[r0 + r, kk_col(r0 + r, r0 - 16 + c)].item()
+
+    a1 = a_fragments(lambda ln, rh, cc: d_lo[lane_col(ln, cc), ln // 4 + 8 * rh].item())
+    # xt[nt][lane][i]: X^T at (g + 8 (i // 2), 8 nt + 2t + i % 2)
+    xt = [mma_m16n8k16(a1, [[fp16(l21(8 * nt + ln // 4, 2 * (ln % 4) + i % 2 + 8 * (i // 2))) for i in range(4)]
+                            for ln in range(32)]) for nt in range(2)]
     a2 = a_fragments(lambda ln, rh, cc: d_hi[ln // 4 + 8 * rh, lane_col(ln, cc)].item())
-    return -product(a2, lambda k_, n: x[k_, n].item(), 2)
+    ar = [[0.0] * 8 for _ in range(32)]
+    for nt in range(2):
+        c = mma_m16n8k16(a2, [[fp16(xt[i // 2][ln][2 * nt + i % 2]) for i in range(4)] for ln in range(32)])
+        for ln in range(32):
+            for i in range(4):
+                ar[ln][4 * (i // 2) + 2 * nt + i % 2] = -c[ln][i]
+    out = torch.zeros(16, 16, dtype=torch.float64)
+    for ln in range(32):
+        for rh in (0, 1):
+            for cc in range(4):
+                out[ln // 4 + 8 * rh, lane_col(ln, cc)] = ar[ln][4 * rh + cc]
+    return out
 
 
 def test_the_16_to_32_merge_from_registers_gives_the_lower_left_block():
-    """``merge16_registers`` as warp 2m + 1 runs it (``merge16_in_registers``): X = L21' D_2m with L21' in the A
-    fragment's order from the swizzled K K^T and D_2m as B from the stored block, then -D_2m+1 X with D_2m+1 from the
-    elimination's registers and X as B from the warp's scratch tile; fp16 operands, so within fp16's rounding of the
-    float64 block."""
+    """``merge16_registers`` as warp 2m + 1 runs it (``merge16_in_registers``): X^T = D_2m^T L21'^T with D_2m^T from
+    the stored block and L21'^T from the swizzled K K^T, then -D_2m+1 X with D_2m+1 from the elimination's registers
+    and X from X^T's accumulators in the same lane; fp16 operands, so within fp16's rounding of the float64 block."""
     kk_s, beta, full = chunk(1)
     for m in range(2):
         got = merge16_lanes(kk_s, beta, m, eliminate16_lanes(kk_s, beta, 2 * m), eliminate16_lanes(kk_s, beta, 2 * m + 1))

@@ -334,37 +334,46 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                     "float16")
 
     @T.macro
-    def merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc, ar=None):
+    def merge16_in_registers(kk_s, b_s, d_s, u, tx, xr, fh, bh, fc, ft, ar):
         # merge16_registers: warp 2m + 1 joins 32-block m of every head of pair u (the docstring's products), its
-        # fragments as above
+        # fragments as above, A21' left in ar. Nothing in the branch touches shared memory but reads: X is made
+        # transposed (X^T = D_2m^T L21'^T) because a C fragment of X^T holds, in the same lane, the B fragment of X that
+        # the second product needs, and A21' is stored after the branch by every warp. A hazard inside the branch
+        # would make TileLang put a CTA barrier there, where only two of the four warps arrive.
         w = tx // 32
         gq = (tx % 32) // 4
         tq = tx % 4
+        for i in T.unroll(8 * pair):
+            ar[i] = 0.0
         if w % 2 == 1:
             r0 = 16 * w
             for p in T.unroll(pair):
-                l_fragment(fh, b_s, kk_s, u * pair + p, r0, r0 - H, gq, tq)
+                hp = u * pair + p
+                for rh in T.unroll(2):
+                    for cc in T.unroll(4):
+                        fh[a_slot(rh, cc)] = T.cast(d_s[p, w // 2, lane_col(tq, cc), gq + 8 * rh], "float16")
                 for i in T.unroll(8):
-                    fc[i] = 0.0
+                    ft[i] = 0.0
                 for nt in T.unroll(2):
-                    mma_fp16(fh, bh, fc, nt, gq, tq, lambda k_, n: d_s[p, w // 2, k_, n])
-                for nt in T.unroll(2):
-                    for i in T.unroll(4):
-                        x16_s[w, gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = fc[4 * nt + i]
-                T.sync_warp()
+                    mma_fp16(fh, bh, ft, nt, gq, tq,
+                             lambda k_, n: b_s[hp, r0 + n] * kk_s[r0 + n, kk_col(r0 + n, r0 - H + k_)])
                 for rh in T.unroll(2):
                     for cc in T.unroll(4):
                         fh[a_slot(rh, cc)] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
                 for i in T.unroll(8):
                     fc[i] = 0.0
                 for nt in T.unroll(2):
-                    mma_fp16(fh, bh, fc, nt, gq, tq, lambda k_, n: x16_s[w, k_, n])
-                T.sync_warp()  # every lane's reads of X before the next head's stores
+                    for i in T.unroll(4):  # X at (b_row(tq, i), gq + 8 nt) is X^T's C element (nt, b_row)
+                        bh[i] = T.cast(ft[4 * (i // 2) + 2 * nt + i % 2], "float16")
+                    warp_mma("m16n8k16", "fp16", fh, bh, fc, 4 * nt)
                 for nt in T.unroll(2):
-                    for i in T.unroll(4):
-                        d_s[p, w // 2, H + gq + 8 * (i // 2), 8 * nt + c_col(tq, i)] = -fc[4 * nt + i]
-                        if merge32_registers:  # A21' kept as element (rh, cc) = (i / 2, 2 nt + i % 2)
-                            ar[8 * p + 4 * (i // 2) + 2 * nt + i % 2] = -fc[4 * nt + i]
+                    for i in T.unroll(4):  # A21' as element (rh, cc) = (i / 2, 2 nt + i % 2)
+                        ar[8 * p + 4 * (i // 2) + 2 * nt + i % 2] = -fc[4 * nt + i]
+        # an odd warp's A21' into its 32-block's lower left; an even warp's zeros into the upper right, zero already
+        for p in T.unroll(pair):
+            for rh in T.unroll(2):
+                for cc in T.unroll(4):
+                    d_s[p, w // 2, (w % 2) * H + gq + 8 * rh, (1 - w % 2) * H + lane_col(tq, cc)] = ar[8 * p + 4 * rh + cc]
 
     @T.macro
     def merge32_in_registers_product(kk_s, b_s, d_s, x32_s, u, tx, fh, bh, fc32):
@@ -642,7 +651,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             if merge16_registers:
                 fh = T.alloc_local((8,), "float16")  # an mma.m16n8k16 A fragment
                 bh = T.alloc_local((4,), "float16")  # and a B fragment
-            ar = T.alloc_local((8 * pair,), acc) if merge32_registers else None  # warp 3's A21', per head
+                ft = T.alloc_local((8,), acc)  # X^T's C fragments, the second product's B
+            ar = T.alloc_local((8 * pair,), acc) if merge16_registers else None  # an odd warp's A21', per head
 
             tx = T.get_thread_binding()
 
@@ -718,7 +728,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         if u == 0:
                             stamp(tr, slot, hq, 3, tx)
                         if merge16_registers:
-                            merge16_in_registers(kk_s, b_s, d_s, x16_s, u, tx, xr, fh, bh, fc, ar)
+                            merge16_in_registers(kk_s, b_s, d_s, u, tx, xr, fh, bh, fc, ft, ar)
                         else:
                             if tx < 64 * pair:
                                 merge16_product(u, b_s, kk_s, d_s, x16_s, fa, fb, fc, tx)
