@@ -1,5 +1,6 @@
 """Every Hopper kernel variant compiles for sm_90a on this machine (no GPU needed), without local-memory spills,
-without ptxas serialising its wgmma, and within the shared memory an SM90 CTA may have.
+without ptxas serialising its wgmma, within the shared memory an SM90 CTA may have, and with no CTA barrier inside a
+branch on the thread index.
 
 Registers and spills come from ``ptxas -v`` on each kernel's PTX, made with the flags TileLang builds its library
 with (fast math), and the code size from the cubin; all are printed in the summary (``pytest -rA`` or ``-s``). A spill is a failure unless it is listed in ``EXPLAINED_SPILLS`` with its reason.
@@ -17,7 +18,8 @@ if shutil.which("nvcc") is None:  # TileLang compiles with nvcc; the CI image ha
 
 os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 
-from flashgdn.kernels.hopper.common import MAX_SMEM_SM90, launch_values, resource_usage  # noqa: E402
+from flashgdn.kernels.hopper.common import (  # noqa: E402
+    MAX_SMEM_SM90, barriers_in_thread_branches, launch_values, resource_usage)
 from flashgdn.kernels.hopper.variants import backward_variants, build, forward_variants  # noqa: E402
 
 #: kernel-name prefix -> why a spill there is accepted
@@ -119,6 +121,9 @@ def test_kernel_compiles_for_sm90a_without_spills(variant, capsys):
         # no GEMM in these (index arithmetic; the splice: float32 FMAs; the group sum: additions; the emission pass
         # and the walks' covers: row norms and shuffles)
         assert "wgmma" in src, f"{name}: no wgmma in the generated source (tensor cores not used)"
+    # a CTA barrier that only some warps reach (TileLang puts one in any branch with a shared-memory hazard of its own)
+    assert not barriers_in_thread_branches(src), f"{name}: __syncthreads() inside a branch on the thread index " \
+        f"(line, branch): {barriers_in_thread_branches(src)}"
     res = resource_usage(kernel)
     with capsys.disabled():
         print(f"\n  {name}: {res['registers']} registers, spill stores {res['spill_stores']} B, "

@@ -120,6 +120,27 @@ def launch_values(kernel) -> list:
     return re.findall(r"stack_ffi_any\)\[\d+\]\.v_int64\) = \(\(int64_t\)(\w+)\);", host[start:call])
 
 
+def barriers_in_thread_branches(src: str) -> list:
+    """CTA-wide barriers (``__syncthreads()``) that the generated CUDA source ``src`` puts inside a branch on the thread
+    index, as ``(line number, the branch's condition line)``: a barrier that some of the CTA's warps skip is undefined
+    behaviour, and in practice matches the others' next barrier, so that their phases overlap. TileLang's
+    synchronisation pass puts one wherever a branch's own shared-memory accesses conflict (a write and a read, by
+    different threads as far as it can tell), whatever the branch's condition."""
+    stack, last_closed, found = [], "", []
+    for number, line in enumerate(src.splitlines(), 1):
+        s = line.strip()
+        if "__syncthreads()" in s:
+            if any("threadIdx" in opened for opened in stack):
+                found.append((number, next(o for o in reversed(stack) if "threadIdx" in o)))
+        closes, opens = s.count("}"), s.count("{")
+        for _ in range(closes):
+            last_closed = stack.pop() if stack else ""
+        for _ in range(opens):
+            # an else takes the condition of the if it closed
+            stack.append(last_closed if s.startswith("}") and "else" in s and "if" not in s else s)
+    return found
+
+
 def sass_instructions(cubin: bytes) -> dict:
     """SASS instructions of each kernel in a cubin (an ELF file): the size of its ``.text.<kernel>`` section over 16,
     the length of one SM90 instruction. The code size that matters where a CTA's roles run different code on the
