@@ -148,11 +148,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     (``tests/test_kkt_registers16_model.py``). The same sums in another order: other bits, the same error.
 
     ``merge16_registers=True`` (with ``registers16``; an A/B) joins the 16x16 blocks into 32x32 ones with fp16
-    ``mma.m16n8k16`` whose left operands come from registers: warp 2m + 1 of 32-block m makes X = L21' D_2m (L21', its
-    own rows' beta-scaled K K^T, read in the A fragment's order; D_2m, warp 2m's block, from shared memory), then
-    A21' = -D_2m+1 X with D_2m+1 the block it holds in registers from the elimination and X through its own scratch
-    tile: four ``mma`` a head and no CTA barrier between the two products, where the tf32 merge takes eight element-
-    wise fragments from shared memory on each side of one. fp16 operands keep tf32's 10 bits of mantissa, rounded to
+    ``mma.m16n8k16`` whose operands come from registers where they can: warp 2m + 1 of 32-block m makes X^T =
+    D_2m^T L21'^T (D_2m, warp 2m's block, from shared memory; L21', its own rows' beta-scaled K K^T), then A21' =
+    -D_2m+1 X with D_2m+1 the block it holds in registers from the elimination and X's B fragments the same lane's
+    accumulators of X^T; every warp then stores (A21', or an even warp's zeros over zeros): four ``mma`` a head and
+    one CTA barrier (before the store, after the reads), where the tf32 merge takes eight element-wise fragments from
+    shared memory on each side of one. No shared-memory write inside the odd warps' branch, on purpose: TileLang
+    answers a hazard there with a ``__syncthreads()`` inside the branch, which the even warps never reach. fp16 operands keep tf32's 10 bits of mantissa, rounded to
     nearest (FlashInfer's merges are fp16, ``benchmarks/inverse_numerics.py``); other bits. The lane mapping of the
     fragments is emulated on the CPU (``tests/test_kkt_registers16_model.py``).
 
