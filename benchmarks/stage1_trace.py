@@ -131,7 +131,8 @@ def main(argv=None):
         slots = max(1, args.alone_ctas // Hqk)
         for load, seqlens in (("alone", [64 * slots]), ("full", full)):
             extras = [{"registers16": True}, {"registers16": True, "merge16_registers": True},
-                      {"registers16": True, "merge16_registers": True, "merge32_registers": True}]
+                      {"registers16": True, "merge16_registers": True, "merge32_registers": True},
+                      {"registers16": True, "merge16_registers": True, "merge32_quadrants": True}]
             for extra in [None] + (extras if args.registers16 else []):
                 rec = {"load": load, **run_one(Hqk, Hv, seqlens, args.reps, extra)}
                 records.append(rec)

@@ -465,6 +465,18 @@ elif [ "$part" = registers16 ]; then
     --heads ${R16_HEADS:-32/32,16/32} --seqlens 4096x8,8192x4 --modes fwd --rounds ${R16_ROUNDS:-1} \
     --out "$out/registers16-ab.json"
   tail -14 "$out/registers16-ab.log"
+elif [ "$part" = quadrants ]; then
+  # stage 1's 32 -> 64 merge a quadrant a warp (forward.KKT_MERGE32_QUADRANTS, notes v0.38d): its GPU tests, every
+  # v0.38 build's phases beside the default's (stage1_trace.py --registers16), and the forward with v0.38a-b and it
+  # against the default on whole-wave shapes
+  gpu_tests gpu-quadrants 240 8 tests/test_gpu_hopper_stage1.py -k "quadrants or trace_build"
+  logged stage1-trace-quadrants 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
+    --out "$out/stage1-trace-quadrants.json"
+  grep "^##" "$out/stage1-trace-quadrants.log"
+  logged quadrants-ab 150 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS,flashgdn.kernels.hopper.forward:KKT_MERGE32_QUADRANTS \
+    --heads 32/32,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --out "$out/quadrants-ab.json"
+  tail -6 "$out/quadrants-ab.log"
 elif [ "$part" = stage1-trace ]; then
   # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
   # take a CTA alone"): the trace build's GPU test, then benchmarks/stage1_trace.py on a group of one and of two

@@ -191,3 +191,40 @@ def test_the_32_to_64_merge_from_registers_gives_the_lower_left_block():
     want = full[32:, :32]
     err = ((got - want).norm() / want.norm()).item()
     assert err < 3e-3, err
+
+
+def test_the_32_to_64_merge_by_quadrants_gives_the_lower_left_block():
+    """``merge32_quadrants`` as the four warps run it (``merge32_quadrant_product``, ``_finish``, ``_store``): warp w
+    makes quadrant (w // 2, w % 2) of X = L21 A11 (L21's rows from the swizzled K K^T, A11 as B from the stored
+    32x32 block, both k-steps, the zero upper right included), then of A21 = -A22 X (A22's rows from the stored
+    block, X's quadrants as B): within fp16's rounding of the float64 block, with the 16 -> 32 merges emulated too."""
+    kk_s, beta, full = chunk(3)
+    d = [eliminate16_lanes(kk_s, beta, w) for w in range(4)]
+    a21p = [merge16_lanes(kk_s, beta, m, d[2 * m], d[2 * m + 1]) for m in range(2)]
+    blocks = []
+    for m in range(2):
+        blk = torch.zeros(32, 32, dtype=torch.float64)
+        blk[:16, :16], blk[16:, :16], blk[16:, 16:] = d[2 * m], a21p[m], d[2 * m + 1]
+        blocks.append(blk)
+    a11, a22 = blocks
+    x = torch.zeros(32, 32, dtype=torch.float64)
+    for w in range(4):
+        qr, qc = w // 2, w % 2
+        part = torch.zeros(16, 16, dtype=torch.float64)
+        for ks in (0, 1):
+            r0 = 32 + 16 * qr
+            a = a_fragments(lambda ln, rh, cc: beta[r0 + ln // 4 + 8 * rh].item()
+                            * kk_s[r0 + ln // 4 + 8 * rh, kk_col(r0 + ln // 4 + 8 * rh, 16 * ks + lane_col(ln, cc))].item())
+            part += product(a, lambda k_, n: a11[16 * ks + k_, 16 * qc + n].item(), 2)
+        x[16 * qr:16 * qr + 16, 16 * qc:16 * qc + 16] = part
+    got = torch.zeros(32, 32, dtype=torch.float64)
+    for w in range(4):
+        qr, qc = w // 2, w % 2
+        acc = torch.zeros(16, 16, dtype=torch.float64)
+        for ks in (0, 1):
+            a = a_fragments(lambda ln, rh, cc: a22[16 * qr + ln // 4 + 8 * rh, 16 * ks + lane_col(ln, cc)].item())
+            acc += product(a, lambda k_, n: x[16 * ks + k_, 16 * qc + n].item(), 2)
+        got[16 * qr:16 * qr + 16, 16 * qc:16 * qc + 16] = -acc
+    want = full[32:, :32]
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 3e-3, err

@@ -51,7 +51,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                       store_inverse: bool = False, async_loads: bool = False, triangle: bool = False,
                       diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
                       chunk_injects: bool = False, trace: bool = False, registers16: bool = False,
-                      merge16_registers: bool = False, merge32_registers: bool = False):
+                      merge16_registers: bool = False, merge32_registers: bool = False,
+                      merge32_quadrants: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -164,6 +165,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     then A21 = -A22 X with A22's rows from registers (warp 2: D_2; warp 3: the A21' it made in the merge before and
     D_3; 4 and 8 ``mma``), written over X once every warp has read it. The same three barriers as the tf32 merge.
 
+    ``merge32_quadrants=True`` (with ``mma32``, not with ``merge32_registers``; an A/B) makes the 32 -> 64 merge by
+    fp16 ``mma.m16n8k16`` on all four warps, a 16x16 quadrant each (warp w: rows 16 (w / 2), columns 16 (w % 2)): X =
+    L21 A11 (A: its rows' beta-scaled K K^T; B: A11 from shared memory), then after a barrier A21 = -A22 X (A: A22's
+    rows from shared memory; B: X's other quadrants from x32_s), stored over X after the next. Two k-steps of two
+    n-tiles a product and warp, the zero upper right blocks of A11 and A22 included, so that no warp branches: 8
+    ``mma`` a warp and head, where ``merge32_registers`` chains 14 on warp 3 and the tf32 merge 16 on each of two warps.
+
     ``trace`` (a diagnostic, with ``diag16``, ``mma32`` and ``async_loads`` and no other output) adds a last argument ``tr [S, Hqk,
     TRACE_POINTS]`` int64: per CTA, the SM's cycle counter read by thread 0 after each of the barriers between the
     stage's phases (``TRACE_POINTS_OF``; the first pair of the group only), one more barrier before the last. The
@@ -177,6 +185,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("merge16_registers takes its blocks from registers16's registers: it needs registers16")
     if merge32_registers and not (merge16_registers and mma32):
         raise ValueError("merge32_registers takes A21' from merge16_registers and replaces mma32's merge: it needs both")
+    if merge32_quadrants and (not mma32 or merge32_registers):
+        raise ValueError("merge32_quadrants replaces mma32's merge (needs mma32), as merge32_registers does: take one")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
     if chunk_injects and not chunk_bounds:
@@ -376,6 +386,54 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             for rh in T.unroll(2):
                 for cc in T.unroll(4):
                     d_s[p, w // 2, (w % 2) * H + gq + 8 * rh, (1 - w % 2) * H + lane_col(tq, cc)] = ar[8 * p + 4 * rh + cc]
+
+    @T.macro
+    def merge32_quadrant_product(kk_s, b_s, d_s, x32_s, u, tx, fh, bh, fc32):
+        # merge32_quadrants: warp w's quadrant (w / 2, w % 2) of X = L21 A11, for every head of pair u, into x32_s
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        for p in T.unroll(pair):
+            for i in T.unroll(8):
+                fc32[i] = 0.0
+            for ks in T.unroll(2):
+                l_fragment(fh, b_s, kk_s, u * pair + p, B + 16 * (w // 2), 16 * ks, gq, tq)
+                for nt in T.unroll(2):
+                    mma_fp16(fh, bh, fc32, nt, gq, tq, lambda k_, n: d_s[p, 0, 16 * ks + k_, 16 * (w % 2) + n])
+            for nt in T.unroll(2):
+                for i in T.unroll(4):
+                    x32_s[p, 16 * (w // 2) + gq + 8 * (i // 2), 16 * (w % 2) + 8 * nt + c_col(tq, i)] = fc32[4 * nt + i]
+
+    @T.macro
+    def merge32_quadrant_finish(d_s, x32_s, tx, fh, bh, fc32):
+        # warp w's quadrant of A22 X for every head, head p's in fc32[8 p ..]
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        for p in T.unroll(pair):
+            for i in T.unroll(8):
+                fc32[8 * p + i] = 0.0
+            for ks in T.unroll(2):
+                for rh in T.unroll(2):
+                    for cc in T.unroll(4):
+                        fh[a_slot(rh, cc)] = T.cast(
+                            d_s[p, 1, 16 * (w // 2) + gq + 8 * rh, 16 * ks + lane_col(tq, cc)], "float16")
+                for nt in T.unroll(2):
+                    for i in T.unroll(4):
+                        bh[i] = T.cast(x32_s[p, 16 * ks + b_row(tq, i), 16 * (w % 2) + gq + 8 * nt], "float16")
+                    warp_mma("m16n8k16", "fp16", fh, bh, fc32, 8 * p + 4 * nt)
+
+    @T.macro
+    def merge32_quadrant_store(x32_s, tx, fc32):
+        # A21 = -(A22 X) over X, once every warp's reads of X are done
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        for p in T.unroll(pair):
+            for nt in T.unroll(2):
+                for i in T.unroll(4):
+                    x32_s[p, 16 * (w // 2) + gq + 8 * (i // 2), 16 * (w % 2) + 8 * nt + c_col(tq, i)] = \
+                        -fc32[8 * p + 4 * nt + i]
 
     @T.macro
     def merge32_in_registers_product(kk_s, b_s, d_s, x32_s, u, tx, fh, bh, fc32):
@@ -650,9 +708,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 br = T.alloc_local((2 * pair,), acc)  # beta of the lane's two rows, per head
                 xj = T.alloc_local((4,), acc)  # row j at the lane's four columns
                 kj = T.alloc_local((4,), acc)  # (K K^T)_ij of the lane's two rows, then their factors
-            if merge16_registers:
+            if merge16_registers or merge32_quadrants:
                 fh = T.alloc_local((8,), "float16")  # an mma.m16n8k16 A fragment
                 bh = T.alloc_local((4,), "float16")  # and a B fragment
+            if merge16_registers:
                 ft = T.alloc_local((8,), acc)  # X^T's C fragments, the second product's B
             ar = T.alloc_local((8 * pair,), acc) if merge16_registers else None  # an odd warp's A21', per head
 
@@ -755,7 +814,15 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         stamp(tr, slot, hq, 4, tx)
 
                     if mma32:
-                        if merge32_registers:
+                        if merge32_quadrants:
+                            # a quadrant a warp, every head of the pair: X, then A21 = -A22 X over it
+                            merge32_quadrant_product(kk_s, b_s, d_s, x32_s, u, tx, fh, bh, fc32)
+                            T.sync_threads()
+                            merge32_quadrant_finish(d_s, x32_s, tx, fh, bh, fc32)
+                            T.sync_threads()  # every warp's reads of X are done
+                            merge32_quadrant_store(x32_s, tx, fc32)
+                            T.sync_threads()
+                        elif merge32_registers:
                             # on warps 2 and 3, from their registers: X of every head, then head by head A22 X,
                             # stored over X once every warp has read it
                             if tx >= 64:
