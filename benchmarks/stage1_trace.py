@@ -132,7 +132,9 @@ def main(argv=None):
         for load, seqlens in (("alone", [64 * slots]), ("full", full)):
             extras = [{"registers16": True}, {"registers16": True, "merge16_registers": True},
                       {"registers16": True, "merge16_registers": True, "merge32_registers": True},
-                      {"registers16": True, "merge16_registers": True, "merge32_quadrants": True}]
+                      {"registers16": True, "merge16_registers": True, "merge32_quadrants": True},
+                      {"registers16": True, "registers8": True},
+                      {"registers16": True, "registers8": True, "merge16_registers": True, "merge32_quadrants": True}]
             for extra in [None] + (extras if args.registers16 else []):
                 rec = {"load": load, **run_one(Hqk, Hv, seqlens, args.reps, extra)}
                 records.append(rec)

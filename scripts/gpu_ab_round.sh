@@ -477,6 +477,17 @@ elif [ "$part" = quadrants ]; then
     --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS,flashgdn.kernels.hopper.forward:KKT_MERGE32_QUADRANTS \
     --heads 32/32,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --out "$out/quadrants-ab.json"
   tail -6 "$out/quadrants-ab.log"
+elif [ "$part" = registers8 ]; then
+  # stage 1's 16x16 blocks from 8x8 ones (forward.KKT_REGISTERS8, notes v0.38e): its GPU tests, every v0.38 build's
+  # phases beside the default's, and the forward with v0.38e, b and d against the default on whole-wave shapes
+  gpu_tests gpu-registers8 240 8 tests/test_gpu_hopper_stage1.py -k "registers8 or trace_build"
+  logged stage1-trace-registers8 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
+    --out "$out/stage1-trace-registers8.json"
+  grep "^##" "$out/stage1-trace-registers8.log"
+  logged registers8-ab 150 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_REGISTERS8,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS,flashgdn.kernels.hopper.forward:KKT_MERGE32_QUADRANTS \
+    --heads 32/32,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --out "$out/registers8-ab.json"
+  tail -6 "$out/registers8-ab.log"
 elif [ "$part" = stage1-trace ]; then
   # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
   # take a CTA alone"): the trace build's GPU test, then benchmarks/stage1_trace.py on a group of one and of two

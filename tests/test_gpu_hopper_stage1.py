@@ -131,13 +131,15 @@ def test_kkt_inverse_triangle_gives_the_same_bits(seqlens, store_inverse, Hv):
                                    "diag16+mma32+registers16+merge16_registers",
                                    "diag16+mma32+registers16+merge16_registers+merge32_registers",
                                    "diag16+mma32+merge32_quadrants",
-                                   "diag16+mma32+registers16+merge16_registers+merge32_quadrants"])
+                                   "diag16+mma32+registers16+merge16_registers+merge32_quadrants",
+                                   "diag16+mma32+registers16+registers8",
+                                   "diag16+mma32+registers16+registers8+merge16_registers+merge32_quadrants"])
 def test_kkt_inverse_diag16_against_the_oracle(build, seqlens, Hv):
     """Stage 1 with ``diag16`` (the diagonal in 16x16 blocks, merged to 32x32 by tf32 mma), alone and with ``mma32``
     (the 32x32 merge by warp mma too), either with ``registers16`` (the 16x16 blocks by elimination in registers,
     and then ``merge16_registers``, their 16 -> 32 merges by fp16 mma from those registers, and ``merge32_registers``,
     the 32 -> 64 merge the same way), or with ``merge32_quadrants`` (the 32 -> 64 merge by fp16 mma, a quadrant a
-    warp):
+    warp), or with ``registers8`` (the 16x16 blocks from 8x8 ones, merged in registers):
     g~ with the bits of the build without it; Ag and the stored A against the float64 oracle within 5e-3 and no more
     than 1.25x the error of the ``triangle`` build (its tf32 products round below Ag's and A's bf16 storage), for
     groups of one to four value heads, partial chunks and a padded tail."""

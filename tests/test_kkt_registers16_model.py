@@ -228,3 +228,72 @@ def test_the_32_to_64_merge_by_quadrants_gives_the_lower_left_block():
     want = full[32:, :32]
     err = ((got - want).norm() / want.norm()).item()
     assert err < 3e-3, err
+
+
+def eliminate8_lanes(kk_s, beta, w):
+    """``eliminate8``: the two 8x8 diagonal blocks of warp w's 16x16 block at once, in registers16's lane mapping (lane
+    (g, t): block 0's row g at columns 2t, 2t + 1, registers 0 and 1; block 1's row 8 + g at columns 8 + 2t, 9 + 2t,
+    registers 6 and 7), 7 steps; the lower left quadrant stays zero."""
+    r0 = 16 * w
+    lanes = range(32)
+    kr = [[kk_s[r0 + ln // 4 + 8 * rh, kk_col(r0 + ln // 4 + 8 * rh, r0 + lane_col(ln, cc))].item() for rh in (0, 1)
+           for cc in range(4)] for ln in lanes]
+    br = [[beta[r0 + ln // 4 + 8 * rh].item() for rh in (0, 1)] for ln in lanes]
+    xr = [[1.0 if ln // 4 + 8 * rh == lane_col(ln, cc) else 0.0 for rh in (0, 1) for cc in range(4)] for ln in lanes]
+    for j in range(7):
+        kj = [[kr[4 * (ln // 4) + j // 2][6 * rh + j % 2] for rh in (0, 1)] for ln in lanes]
+        xj = [[xr[4 * j + ln % 4][6 * rh + c2] for rh in (0, 1) for c2 in (0, 1)] for ln in lanes]
+        for ln in lanes:
+            for rh in (0, 1):
+                f = -br[ln][rh] * kj[ln][rh] if ln // 4 > j else 0.0
+                for c2 in (0, 1):
+                    xr[ln][6 * rh + c2] += f * xj[ln][2 * rh + c2]
+    return xr
+
+
+def merge8_lanes(kk_s, beta, w, xr):
+    """``merge8_in_registers`` on warp w from ``eliminate8``'s registers: the block D = diag(D0, D1) stored, Z^T = D^T
+    Lo^T (A: D^T read from the stored block; B: Lo, L's lower left quadrant, from the swizzled K K^T; n-tile 1 only),
+    then W = D Z (A: D from registers; B: Z from Z^T's accumulators in the same lane; n-tile 0 only), A10 = -W's lower
+    left into registers 4 and 5. The whole 16x16 block, as the lanes hold it afterwards."""
+    r0 = 16 * w
+    d = torch.zeros(16, 16, dtype=torch.float64)
+    for ln in range(32):
+        for rh in (0, 1):
+            for cc in range(4):
+                d[ln // 4 + 8 * rh, lane_col(ln, cc)] = xr[ln][4 * rh + cc]
+    a1 = a_fragments(lambda ln, rh, cc: d[lane_col(ln, cc), ln // 4 + 8 * rh].item())
+
+    def lo(n, k):
+        return beta[r0 + n].item() * kk_s[r0 + n, kk_col(r0 + n, r0 + k)].item() if n >= 8 and k < 8 else 0.0
+
+    # zt[lane][i]: Z^T at (g + 8 (i // 2), 8 + 2t + i % 2)
+    zt = mma_m16n8k16(a1, [[fp16(lo(8 + ln // 4, 2 * (ln % 4) + i % 2 + 8 * (i // 2))) for i in range(4)]
+                           for ln in range(32)])
+    a2 = a_fragments(lambda ln, rh, cc: xr[ln][4 * rh + cc])
+    wc = mma_m16n8k16(a2, [[fp16(zt[ln][i % 2]) if i >= 2 else 0.0 for i in range(4)] for ln in range(32)])
+    out = [list(r) for r in xr]
+    for ln in range(32):
+        out[ln][4], out[ln][5] = -wc[ln][2], -wc[ln][3]
+    block = torch.zeros(16, 16, dtype=torch.float64)
+    for ln in range(32):
+        for rh in (0, 1):
+            for cc in range(4):
+                block[ln // 4 + 8 * rh, lane_col(ln, cc)] = out[ln][4 * rh + cc]
+    return block
+
+
+def test_the_8x8_eliminations_merged_to_16_give_each_warps_diagonal_block():
+    """``registers8`` as warp w runs it (``eliminate8`` then ``merge8_in_registers``): the 8x8 blocks exactly (float64
+    here, the same sums as the 16x16 elimination's), the lower left quadrant within fp16's rounding of the float64
+    block, the upper right zero."""
+    kk_s, beta, full = chunk(4)
+    for w in range(4):
+        xr = eliminate8_lanes(kk_s, beta, w)
+        got = merge8_lanes(kk_s, beta, w, xr)
+        want = full[16 * w:16 * w + 16, 16 * w:16 * w + 16]
+        assert torch.allclose(got[:8, :8], want[:8, :8], rtol=0, atol=1e-12)
+        assert torch.allclose(got[8:, 8:], want[8:, 8:], rtol=0, atol=1e-12)
+        assert torch.equal(got[:8, 8:], torch.zeros(8, 8, dtype=torch.float64))
+        err = ((got[8:, :8] - want[8:, :8]).norm() / want[8:, :8].norm()).item()
+        assert err < 2e-3, (w, err)

@@ -98,6 +98,11 @@ KKT_MMA32 = os.environ.get("FLASHGDN_HOPPER_KKT_MMA32", "1") == "1"
 #: bits, the same error. An A/B, off; FLASHGDN_HOPPER_KKT_REGISTERS16=1 turns it on.
 KKT_REGISTERS16 = os.environ.get("FLASHGDN_HOPPER_KKT_REGISTERS16", "0") == "1"
 
+#: With KKT_REGISTERS16, each warp's 16x16 block from its two 8x8 diagonal blocks, eliminated at once in 7 steps and
+#: merged by fp16 mma in registers (``kkt_inverse``'s ``registers8``; notes v0.38e): the 16x16 phase was ~830 cycles
+#: alone, ~55 a step of its 15-step chain. An A/B, off; FLASHGDN_HOPPER_KKT_REGISTERS8=1 turns it on (with the above).
+KKT_REGISTERS8 = os.environ.get("FLASHGDN_HOPPER_KKT_REGISTERS8", "0") == "1"
+
 #: With KKT_REGISTERS16, the 16 -> 32 merges by fp16 mma from those registers (``kkt_inverse``'s
 #: ``merge16_registers``). An A/B, off; FLASHGDN_HOPPER_KKT_MERGE16_REGISTERS=1 turns it on (with the above).
 KKT_MERGE16_REGISTERS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE16_REGISTERS", "0") == "1"
@@ -476,13 +481,15 @@ def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
 
 def kkt_options() -> dict:
     """Stage 1's build options that the host's switches add (``diag16`` with ``mma32`` by default, ``diag16`` alone
-    with KKT_MMA32 off, either with ``registers16`` under KKT_REGISTERS16 (and ``merge16_registers`` under
+    with KKT_MMA32 off, either with ``registers16`` under KKT_REGISTERS16 (and ``registers8`` under KKT_REGISTERS8,
+    ``merge16_registers`` under
     KKT_MERGE16_REGISTERS, and ``merge32_registers`` under KKT_MERGE32_REGISTERS), ``merge32_quadrants`` under
     KKT_MERGE32_QUADRANTS (with KKT_MMA32, in merge32_registers' place), else ``triangle``)."""
     if KKT_DIAG16:
         quadrants = KKT_MMA32 and KKT_MERGE32_QUADRANTS
         return dict(diag16=True, **({"mma32": True} if KKT_MMA32 else {}),
                     **({"registers16": True} if KKT_REGISTERS16 else {}),
+                    **({"registers8": True} if KKT_REGISTERS16 and KKT_REGISTERS8 else {}),
                     **({"merge16_registers": True} if KKT_REGISTERS16 and KKT_MERGE16_REGISTERS else {}),
                     **({"merge32_registers": True} if KKT_MMA32 and KKT_REGISTERS16 and KKT_MERGE16_REGISTERS
                        and KKT_MERGE32_REGISTERS and not quadrants else {}),

@@ -52,7 +52,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                       diag16: bool = False, mma32: bool = False, chunk_bounds: bool = False,
                       chunk_injects: bool = False, trace: bool = False, registers16: bool = False,
                       merge16_registers: bool = False, merge32_registers: bool = False,
-                      merge32_quadrants: bool = False):
+                      merge32_quadrants: bool = False, registers8: bool = False):
     """Compile (or load from the cache) the kernel for one configuration.
 
     Arguments of the returned kernel, in order:
@@ -165,6 +165,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     then A21 = -A22 X with A22's rows from registers (warp 2: D_2; warp 3: the A21' it made in the merge before and
     D_3; 4 and 8 ``mma``), written over X once every warp has read it. The same three barriers as the tf32 merge.
 
+    ``registers8=True`` (with ``registers16``; an A/B) makes each warp's 16x16 block from its two 8x8 diagonal blocks,
+    eliminated at once in the same registers in 7 steps instead of 15 (FlashInfer's 8x8 blocks), then merged by two
+    fp16 ``mma.m16n8k16`` (``merge8_in_registers``: D^T from the stored block, the second product's B from the first's
+    accumulators in the same lane). Every warp runs both: no branch on the warp index.
+
     ``merge32_quadrants=True`` (with ``mma32``, not with ``merge32_registers``; an A/B) makes the 32 -> 64 merge by
     fp16 ``mma.m16n8k16`` on all four warps, a 16x16 quadrant each (warp w: rows 16 (w / 2), columns 16 (w % 2)): X =
     L21 A11 (A: its rows' beta-scaled K K^T; B: A11 from shared memory), then after a barrier A21 = -A22 X (A: A22's
@@ -181,6 +186,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("diag16 and triangle are two ways of splitting the substitution: take one")
     if registers16 and not diag16:
         raise ValueError("registers16 is a way of making diag16's 16x16 blocks: it needs diag16")
+    if registers8 and not registers16:
+        raise ValueError("registers8 is a way of making registers16's blocks in its registers: it needs registers16")
     if merge16_registers and not registers16:
         raise ValueError("merge16_registers takes its blocks from registers16's registers: it needs registers16")
     if merge32_registers and not (merge16_registers and mma32):
@@ -310,16 +317,31 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 br[2 * p + rh] = b_s[u * pair + p, r0 + gq + 8 * rh]
                 for cc in T.unroll(4):
                     xr[8 * p + 4 * rh + cc] = T.if_then_else(gq + 8 * rh == lane_col(tq, cc), 1.0, 0.0)
-        for j in T.unroll(H - 1):
-            for rh in T.unroll(2):  # (K K^T)_ij of this lane's rows, from the quad's lane that holds column j
-                kj[rh] = T.shfl_sync(kr[4 * rh + 2 * (j // 8) + j % 2], 4 * gq + (j % 8) // 2)
-            for p in T.unroll(pair):
-                for cc in T.unroll(4):  # row j, final: every update to it came from the rows above
-                    xj[cc] = T.shfl_sync(xr[8 * p + 4 * (j // 8) + cc], 4 * (j % 8) + tq)
+        if registers8:
+            # the block's two 8x8 diagonal blocks at once, 7 steps (block 0's row g in registers 0 and 1, block 1's row
+            # 8 + g in 6 and 7: the same source lanes for both); its lower left stays zero for merge8_in_registers
+            for j in T.unroll(7):
                 for rh in T.unroll(2):
-                    kj[2 + rh] = T.if_then_else(gq + 8 * rh > j, -br[2 * p + rh] * kj[rh], 0.0)
-                    for cc in T.unroll(4):
-                        xr[8 * p + 4 * rh + cc] = xr[8 * p + 4 * rh + cc] + kj[2 + rh] * xj[cc]
+                    kj[rh] = T.shfl_sync(kr[6 * rh + j % 2], 4 * gq + j // 2)
+                for p in T.unroll(pair):
+                    for rh in T.unroll(2):
+                        for c2 in T.unroll(2):
+                            xj[2 * rh + c2] = T.shfl_sync(xr[8 * p + 6 * rh + c2], 4 * j + tq)
+                    for rh in T.unroll(2):
+                        kj[2 + rh] = T.if_then_else(gq > j, -br[2 * p + rh] * kj[rh], 0.0)
+                        for c2 in T.unroll(2):
+                            xr[8 * p + 6 * rh + c2] = xr[8 * p + 6 * rh + c2] + kj[2 + rh] * xj[2 * rh + c2]
+        else:
+            for j in T.unroll(H - 1):
+                for rh in T.unroll(2):  # (K K^T)_ij of this lane's rows, from the quad's lane that holds column j
+                    kj[rh] = T.shfl_sync(kr[4 * rh + 2 * (j // 8) + j % 2], 4 * gq + (j % 8) // 2)
+                for p in T.unroll(pair):
+                    for cc in T.unroll(4):  # row j, final: every update to it came from the rows above
+                        xj[cc] = T.shfl_sync(xr[8 * p + 4 * (j // 8) + cc], 4 * (j % 8) + tq)
+                    for rh in T.unroll(2):
+                        kj[2 + rh] = T.if_then_else(gq + 8 * rh > j, -br[2 * p + rh] * kj[rh], 0.0)
+                        for cc in T.unroll(4):
+                            xr[8 * p + 4 * rh + cc] = xr[8 * p + 4 * rh + cc] + kj[2 + rh] * xj[cc]
         # block w is quadrant w % 2 of 32x32 block w / 2; its other quadrant in this column range is zero (the upper
         # right for an odd w; the lower left, written by the merge below, for an even one)
         for p in T.unroll(pair):
@@ -327,6 +349,41 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 for cc in T.unroll(4):
                     d_s[p, w // 2, (w % 2) * H + gq + 8 * rh, (w % 2) * H + lane_col(tq, cc)] = xr[8 * p + 4 * rh + cc]
                     d_s[p, w // 2, H - (w % 2) * H + gq + 8 * rh, (w % 2) * H + lane_col(tq, cc)] = 0.0
+
+    @T.macro
+    def merge8_in_registers(kk_s, b_s, d_s, u, tx, xr, fh, bh, fc, ft):
+        # registers8: the lower left 8x8 of warp w's block, A10 = -D1 L10 D0, as the lower left of -D (Lo D) with D =
+        # diag(D0, D1) as stored and Lo = L's lower left quadrant: Z^T = D^T Lo^T (A: D^T from d_s; B: Lo^T from the
+        # swizzled K K^T; only n-tile 1, Z's rows 8-15, is not zero), then D Z (A: D from registers; B: Z from the same
+        # lane's accumulators of Z^T, as in merge16_in_registers; n-tile 0). Every warp runs it: no branch.
+        w = tx // 32
+        gq = (tx % 32) // 4
+        tq = tx % 4
+        r0 = 16 * w
+        o = (w % 2) * H
+        for p in T.unroll(pair):
+            hp = u * pair + p
+            for rh in T.unroll(2):
+                for cc in T.unroll(4):
+                    fh[a_slot(rh, cc)] = T.cast(d_s[p, w // 2, o + lane_col(tq, cc), o + gq + 8 * rh], "float16")
+            for i in T.unroll(4):
+                bh[i] = T.cast(T.if_then_else(
+                    b_row(tq, i) < 8,
+                    b_s[hp, r0 + 8 + gq] * kk_s[r0 + 8 + gq, kk_col(r0 + 8 + gq, r0 + b_row(tq, i))], 0.0), "float16")
+                ft[i] = 0.0
+            warp_mma("m16n8k16", "fp16", fh, bh, ft, 0)
+            for rh in T.unroll(2):
+                for cc in T.unroll(4):
+                    fh[a_slot(rh, cc)] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
+            for i in T.unroll(4):  # Z at (b_row(tq, i), gq): zero above row 8, else Z^T's C element (0, i % 2)
+                bh[i] = T.cast(T.if_then_else(i >= 2, ft[i % 2], 0.0), "float16")
+                fc[i] = 0.0
+            warp_mma("m16n8k16", "fp16", fh, bh, fc, 0)
+            for c2 in T.unroll(2):
+                xr[8 * p + 4 + c2] = -fc[2 + c2]
+        for p in T.unroll(pair):
+            for c2 in T.unroll(2):
+                d_s[p, w // 2, o + 8 + gq, o + lane_col(tq, c2)] = xr[8 * p + 4 + c2]
 
     @T.macro
     def mma_fp16(fh, bh, fc, nt, gq, tq, b_at):
@@ -708,11 +765,11 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                 br = T.alloc_local((2 * pair,), acc)  # beta of the lane's two rows, per head
                 xj = T.alloc_local((4,), acc)  # row j at the lane's four columns
                 kj = T.alloc_local((4,), acc)  # (K K^T)_ij of the lane's two rows, then their factors
-            if merge16_registers or merge32_quadrants:
+            if merge16_registers or merge32_quadrants or registers8:
                 fh = T.alloc_local((8,), "float16")  # an mma.m16n8k16 A fragment
                 bh = T.alloc_local((4,), "float16")  # and a B fragment
-            if merge16_registers:
-                ft = T.alloc_local((8,), acc)  # X^T's C fragments, the second product's B
+            if merge16_registers or registers8:
+                ft = T.alloc_local((8,), acc)  # X^T's (Z^T's) C fragments, the second product's B
             ar = T.alloc_local((8 * pair,), acc) if merge16_registers else None  # an odd warp's A21', per head
 
             tx = T.get_thread_binding()
@@ -773,6 +830,8 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
                         # a time) the upper 64 threads wait at the barriers, which stay outside the branches
                         if registers16:  # (or a warp a block, every head of the pair, all four warps)
                             eliminate16(kk_s, b_s, d_s, u, tx, kr, xr, br, xj, kj)
+                            if registers8:
+                                merge8_in_registers(kk_s, b_s, d_s, u, tx, xr, fh, bh, fc, ft)
                         elif tx < 64 * pair:
                             for r in T.unroll(H):
                                 x[r] = 0.0

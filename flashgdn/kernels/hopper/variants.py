@@ -73,6 +73,14 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
            "kkt_inverse", dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True,
                                blocks_per_sm=odd or 5, diag16=True, mma32=True, registers16=True,
                                merge16_registers=True, merge32_quadrants=True))
+    # the 16x16 blocks from 8x8 ones (forward.KKT_REGISTERS8, an A/B), alone and with v0.38b and v0.38d
+    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers8[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
+                diag16=True, mma32=True, registers16=True, registers8=True))
+    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers8_merge16_quadrants[{Hqk}/{Hv},{dtype}]",
+           "kkt_inverse", dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True,
+                               blocks_per_sm=odd or 5, diag16=True, mma32=True, registers16=True, registers8=True,
+                               merge16_registers=True, merge32_quadrants=True))
     # the default build's trace build (benchmarks/stage1_trace.py), a diagnostic: never run by the operator
     yield (f"kkt_inverse_trace[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
