@@ -213,8 +213,12 @@ def test_the_32_to_64_merge_by_quadrants_gives_the_lower_left_block():
         part = torch.zeros(16, 16, dtype=torch.float64)
         for ks in (0, 1):
             r0 = 32 + 16 * qr
-            a = a_fragments(lambda ln, rh, cc: beta[r0 + ln // 4 + 8 * rh].item()
-                            * kk_s[r0 + ln // 4 + 8 * rh, kk_col(r0 + ln // 4 + 8 * rh, 16 * ks + lane_col(ln, cc))].item())
+
+            def l21(ln, rh, cc):
+                r = r0 + ln // 4 + 8 * rh
+                return beta[r].item() * kk_s[r, kk_col(r, 16 * ks + lane_col(ln, cc))].item()
+
+            a = a_fragments(l21)
             part += product(a, lambda k_, n: a11[16 * ks + k_, 16 * qc + n].item(), 2)
         x[16 * qr:16 * qr + 16, 16 * qc:16 * qc + 16] = part
     got = torch.zeros(32, 32, dtype=torch.float64)

@@ -155,9 +155,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     accumulators of X^T; every warp then stores (A21', or an even warp's zeros over zeros): four ``mma`` a head and
     one CTA barrier (before the store, after the reads), where the tf32 merge takes eight element-wise fragments from
     shared memory on each side of one. No shared-memory write inside the odd warps' branch, on purpose: TileLang
-    answers a hazard there with a ``__syncthreads()`` inside the branch, which the even warps never reach. fp16 operands keep tf32's 10 bits of mantissa, rounded to
-    nearest (FlashInfer's merges are fp16, ``benchmarks/inverse_numerics.py``); other bits. The lane mapping of the
-    fragments is emulated on the CPU (``tests/test_kkt_registers16_model.py``).
+    answers a hazard there with a ``__syncthreads()`` inside the branch, which the even warps never reach. fp16
+    operands keep tf32's 10 bits of mantissa, rounded to nearest (FlashInfer's merges are fp16,
+    ``benchmarks/inverse_numerics.py``); other bits. The lane mapping of the fragments is emulated on the CPU
+    (``tests/test_kkt_registers16_model.py``).
 
     ``merge32_registers=True`` (with ``merge16_registers`` and ``mma32``; an A/B) makes the 32 -> 64 merge the same way
     on warps 2 and 3, whose rows are L21's and A22's: X = L21 A11 (A: their rows' beta-scaled K K^T, columns 0-31;
@@ -304,6 +305,20 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         return 2 * tq + i % 2
 
     @T.macro
+    def a_fragment(fh, at, gq, tq):
+        # an mma.m16n8k16 A fragment (fp16) of the 16x16 tile whose element (r, c) is at(r, c)
+        for rh in T.unroll(2):
+            for cc in T.unroll(4):
+                fh[a_slot(rh, cc)] = T.cast(at(gq + 8 * rh, lane_col(tq, cc)), "float16")
+
+    @T.macro
+    def a_fragment_of_block(fh, xr, p):
+        # the A fragment of head p's 16x16 block as the elimination left it in registers: the same mapping
+        for rh in T.unroll(2):
+            for cc in T.unroll(4):
+                fh[a_slot(rh, cc)] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
+
+    @T.macro
     def eliminate16(kk_s, b_s, d_s, u, tx, kr, xr, br, xj, kj):
         # registers16: diagonal block w = tx / 32 of every head of pair u, in registers (the docstring's mapping)
         w = tx // 32
@@ -363,18 +378,14 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         o = (w % 2) * H
         for p in T.unroll(pair):
             hp = u * pair + p
-            for rh in T.unroll(2):
-                for cc in T.unroll(4):
-                    fh[a_slot(rh, cc)] = T.cast(d_s[p, w // 2, o + lane_col(tq, cc), o + gq + 8 * rh], "float16")
+            a_fragment(fh, lambda r, c: d_s[p, w // 2, o + c, o + r], gq, tq)  # D^T
             for i in T.unroll(4):
                 bh[i] = T.cast(T.if_then_else(
                     b_row(tq, i) < 8,
                     b_s[hp, r0 + 8 + gq] * kk_s[r0 + 8 + gq, kk_col(r0 + 8 + gq, r0 + b_row(tq, i))], 0.0), "float16")
                 ft[i] = 0.0
             warp_mma("m16n8k16", "fp16", fh, bh, ft, 0)
-            for rh in T.unroll(2):
-                for cc in T.unroll(4):
-                    fh[a_slot(rh, cc)] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
+            a_fragment_of_block(fh, xr, p)
             for i in T.unroll(4):  # Z at (b_row(tq, i), gq): zero above row 8, else Z^T's C element (0, i % 2)
                 bh[i] = T.cast(T.if_then_else(i >= 2, ft[i % 2], 0.0), "float16")
                 fc[i] = 0.0
@@ -396,11 +407,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     @T.macro
     def l_fragment(fh, b_s, kk_s, hp, r0, c0, gq, tq):
         # an mma.m16n8k16 A fragment of L = diag(beta) K K^T (fp16) at rows r0 .., columns c0 .. of value head hp
-        for rh in T.unroll(2):
-            for cc in T.unroll(4):
-                fh[a_slot(rh, cc)] = T.cast(
-                    b_s[hp, r0 + gq + 8 * rh] * kk_s[r0 + gq + 8 * rh, kk_col(r0 + gq + 8 * rh, c0 + lane_col(tq, cc))],
-                    "float16")
+        a_fragment(fh, lambda r, c: b_s[hp, r0 + r] * kk_s[r0 + r, kk_col(r0 + r, c0 + c)], gq, tq)
 
     @T.macro
     def merge16_in_registers(kk_s, b_s, d_s, u, tx, xr, fh, bh, fc, ft, ar):
@@ -418,17 +425,13 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             r0 = 16 * w
             for p in T.unroll(pair):
                 hp = u * pair + p
-                for rh in T.unroll(2):
-                    for cc in T.unroll(4):
-                        fh[a_slot(rh, cc)] = T.cast(d_s[p, w // 2, lane_col(tq, cc), gq + 8 * rh], "float16")
+                a_fragment(fh, lambda r, c: d_s[p, w // 2, c, r], gq, tq)  # D_2m^T
                 for i in T.unroll(8):
                     ft[i] = 0.0
                 for nt in T.unroll(2):
                     mma_fp16(fh, bh, ft, nt, gq, tq,
                              lambda k_, n: b_s[hp, r0 + n] * kk_s[r0 + n, kk_col(r0 + n, r0 - H + k_)])
-                for rh in T.unroll(2):
-                    for cc in T.unroll(4):
-                        fh[a_slot(rh, cc)] = T.cast(xr[8 * p + 4 * rh + cc], "float16")
+                a_fragment_of_block(fh, xr, p)
                 for i in T.unroll(8):
                     fc[i] = 0.0
                 for nt in T.unroll(2):
@@ -471,10 +474,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
             for i in T.unroll(8):
                 fc32[8 * p + i] = 0.0
             for ks in T.unroll(2):
-                for rh in T.unroll(2):
-                    for cc in T.unroll(4):
-                        fh[a_slot(rh, cc)] = T.cast(
-                            d_s[p, 1, 16 * (w // 2) + gq + 8 * rh, 16 * ks + lane_col(tq, cc)], "float16")
+                a_fragment(fh, lambda r, c: d_s[p, 1, 16 * (w // 2) + r, 16 * ks + c], gq, tq)  # A22's rows
                 for nt in T.unroll(2):
                     for i in T.unroll(4):
                         bh[i] = T.cast(x32_s[p, 16 * ks + b_row(tq, i), 16 * (w % 2) + gq + 8 * nt], "float16")
