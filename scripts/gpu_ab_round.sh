@@ -451,43 +451,26 @@ elif [ "$part" = preload ]; then
     grep "^| \|exit\|Error" "$out/host-profile-loop.log" | tail -3
     grep "^# \|function calls" "$out/host-profile.txt"
   fi
-elif [ "$part" = registers16 ]; then
-  # stage 1's 16x16 blocks by elimination in registers (forward.KKT_REGISTERS16, notes v0.38a) and its 16 -> 32
-  # merges from them (KKT_MERGE16_REGISTERS, v0.38b) and the 32 -> 64 one (KKT_MERGE32_REGISTERS, v0.38c): their GPU
-  # tests, their phases beside the default build's (alone and full), and the forward with all three against the
-  # default on whole-wave shapes
-  gpu_tests gpu-registers16 300 8 tests/test_gpu_hopper_stage1.py -k "registers16 or trace_build"
-  logged stage1-trace-registers16 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
-    --out "$out/stage1-trace-registers16.json"
-  grep -v '^ ' "$out/stage1-trace-registers16.log" | grep -v "^|---" | tail -64
-  logged registers16-ab 150 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS,flashgdn.kernels.hopper.forward:KKT_MERGE32_REGISTERS \
-    --heads ${R16_HEADS:-32/32,16/32} --seqlens 4096x8,8192x4 --modes fwd --rounds ${R16_ROUNDS:-1} \
-    --out "$out/registers16-ab.json"
-  tail -14 "$out/registers16-ab.log"
-elif [ "$part" = quadrants ]; then
-  # stage 1's 32 -> 64 merge a quadrant a warp (forward.KKT_MERGE32_QUADRANTS, notes v0.38d): its GPU tests, every
-  # v0.38 build's phases beside the default's (stage1_trace.py --registers16), and the forward with v0.38a-b and it
-  # against the default on whole-wave shapes
-  gpu_tests gpu-quadrants 240 8 tests/test_gpu_hopper_stage1.py -k "quadrants or trace_build"
-  logged stage1-trace-quadrants 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
-    --out "$out/stage1-trace-quadrants.json"
-  grep "^##" "$out/stage1-trace-quadrants.log"
-  logged quadrants-ab 150 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS,flashgdn.kernels.hopper.forward:KKT_MERGE32_QUADRANTS \
-    --heads 32/32,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --out "$out/quadrants-ab.json"
-  tail -6 "$out/quadrants-ab.log"
-elif [ "$part" = registers8 ]; then
-  # stage 1's 16x16 blocks from 8x8 ones (forward.KKT_REGISTERS8, notes v0.38e): its GPU tests, every v0.38 build's
-  # phases beside the default's, and the forward with v0.38e, b and d against the default on whole-wave shapes
-  gpu_tests gpu-registers8 240 8 tests/test_gpu_hopper_stage1.py -k "registers8 or trace_build"
-  logged stage1-trace-registers8 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
-    --out "$out/stage1-trace-registers8.json"
-  grep "^##" "$out/stage1-trace-registers8.log"
-  logged registers8-ab 150 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.forward:KKT_REGISTERS16,flashgdn.kernels.hopper.forward:KKT_REGISTERS8,flashgdn.kernels.hopper.forward:KKT_MERGE16_REGISTERS,flashgdn.kernels.hopper.forward:KKT_MERGE32_QUADRANTS \
-    --heads 32/32,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --out "$out/registers8-ab.json"
-  tail -6 "$out/registers8-ab.log"
+elif [ "$part" = registers16 ] || [ "$part" = quadrants ] || [ "$part" = registers8 ]; then
+  # stage 1's v0.38 A/Bs (notes v0.38a-e), one round each: its GPU tests, every v0.38 build's phases beside the
+  # default build's (alone and full), and the forward with the round's switches against the default on whole-wave
+  # shapes. registers16: the 16x16 blocks by elimination in registers (forward.KKT_REGISTERS16, v0.38a), the 16 -> 32
+  # merges from them (KKT_MERGE16_REGISTERS, v0.38b) and the 32 -> 64 one (KKT_MERGE32_REGISTERS, v0.38c); quadrants:
+  # the 32 -> 64 merge a quadrant a warp (KKT_MERGE32_QUADRANTS, v0.38d) after v0.38a-b; registers8: the 16x16 blocks
+  # from 8x8 ones (KKT_REGISTERS8, v0.38e) with v0.38b and d
+  case $part in
+    registers16) switches=KKT_REGISTERS16,KKT_MERGE16_REGISTERS,KKT_MERGE32_REGISTERS rounds=${R16_ROUNDS:-1} ;;
+    quadrants) switches=KKT_REGISTERS16,KKT_MERGE16_REGISTERS,KKT_MERGE32_QUADRANTS rounds=2 ;;
+    registers8) switches=KKT_REGISTERS16,KKT_REGISTERS8,KKT_MERGE16_REGISTERS,KKT_MERGE32_QUADRANTS rounds=2 ;;
+  esac
+  gpu_tests gpu-$part 300 8 tests/test_gpu_hopper_stage1.py -k "$part or trace_build"
+  logged stage1-trace-$part 240 python3 benchmarks/stage1_trace.py --heads 32/32,16/32 --registers16 \
+    --out "$out/stage1-trace-$part.json"
+  grep "^##" "$out/stage1-trace-$part.log"
+  logged $part-ab 150 python3 benchmarks/switch_ab.py \
+    --switch "$(echo "$switches" | sed 's/KKT_/flashgdn.kernels.hopper.forward:KKT_/g')" \
+    --heads 32/32,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds "$rounds" --out "$out/$part-ab.json"
+  tail -6 "$out/$part-ab.log"
 elif [ "$part" = stage1-trace ]; then
   # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
   # take a CTA alone"): the trace build's GPU test, then benchmarks/stage1_trace.py on a group of one and of two
