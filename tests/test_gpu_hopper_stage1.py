@@ -130,7 +130,6 @@ def test_kkt_inverse_triangle_gives_the_same_bits(seqlens, store_inverse, Hv):
 @pytest.mark.parametrize("build", ["diag16", "diag16+mma32", "diag16+mma32+registers16", "diag16+registers16",
                                    "diag16+mma32+registers16+merge16_registers",
                                    "diag16+mma32+registers16+merge16_registers+merge32_registers",
-                                   "diag16+mma32+merge32_quadrants",
                                    "diag16+mma32+registers16+merge16_registers+merge32_quadrants",
                                    "diag16+mma32+registers16+registers8",
                                    "diag16+mma32+registers16+registers8+merge16_registers+merge32_quadrants"])

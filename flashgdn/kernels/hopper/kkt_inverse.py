@@ -171,7 +171,7 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
     fp16 ``mma.m16n8k16`` (``merge8_in_registers``: D^T from the stored block, the second product's B from the first's
     accumulators in the same lane). Every warp runs both: no branch on the warp index.
 
-    ``merge32_quadrants=True`` (with ``mma32``, not with ``merge32_registers``; an A/B) makes the 32 -> 64 merge by
+    ``merge32_quadrants=True`` (with ``mma32`` and ``merge16_registers``, not with ``merge32_registers``; an A/B) makes the 32 -> 64 merge by
     fp16 ``mma.m16n8k16`` on all four warps, a 16x16 quadrant each (warp w: rows 16 (w / 2), columns 16 (w % 2)): X =
     L21 A11 (A: its rows' beta-scaled K K^T; B: A11 from shared memory), then after a barrier A21 = -A22 X (A: A22's
     rows from shared memory; B: X's other quadrants from x32_s), stored over X after the next. Two k-steps of two
@@ -193,8 +193,10 @@ def build_kkt_inverse(Hqk: int, Hv: int, K: int, qk_dtype: str, a_dtype: str, bl
         raise ValueError("merge16_registers takes its blocks from registers16's registers: it needs registers16")
     if merge32_registers and not (merge16_registers and mma32):
         raise ValueError("merge32_registers takes A21' from merge16_registers and replaces mma32's merge: it needs both")
-    if merge32_quadrants and (not mma32 or merge32_registers):
-        raise ValueError("merge32_quadrants replaces mma32's merge (needs mma32), as merge32_registers does: take one")
+    if merge32_quadrants and (not (mma32 and merge16_registers) or merge32_registers):
+        # without merge16_registers a pair's build holds x16_s beside x32_s: 48 KB, past five CTAs an SM
+        raise ValueError("merge32_quadrants replaces mma32's merge after merge16_registers (needs both), as "
+                         "merge32_registers does: take one")
     if mma32 and not diag16:
         raise ValueError("mma32 merges the 32x32 blocks with diag16's warp mma: it needs diag16")
     if chunk_injects and not chunk_bounds:

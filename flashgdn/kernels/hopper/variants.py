@@ -65,10 +65,7 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
     yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16_merge16_merge32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
                 diag16=True, mma32=True, registers16=True, merge16_registers=True, merge32_registers=True))
-    # the 32 -> 64 merge a quadrant a warp (forward.KKT_MERGE32_QUADRANTS, an A/B), alone and after the two above
-    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_quadrants[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
-           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
-                diag16=True, mma32=True, merge32_quadrants=True))
+    # the 32 -> 64 merge a quadrant a warp (forward.KKT_MERGE32_QUADRANTS, an A/B), after the two above
     yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16_merge16_quadrants[{Hqk}/{Hv},{dtype}]",
            "kkt_inverse", dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True,
                                blocks_per_sm=odd or 5, diag16=True, mma32=True, registers16=True,
