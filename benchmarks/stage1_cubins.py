@@ -11,13 +11,11 @@ from flashgdn.kernels.hopper.common import _kernel_ptx
 from flashgdn.kernels.hopper.forward import KKT_ASYNC_LOADS, _kkt_build_options
 from flashgdn.kernels.hopper.kkt_inverse import build_kkt_inverse
 
-#: name -> the options added to the default's (a registers16, b merge16_registers, c merge32_registers, d
-#: merge32_quadrants, e registers8: notes v0.38a-e)
-BUILDS = {"default": {}, "a": {"registers16": True}, "a-b": {"registers16": True, "merge16_registers": True},
-          "a-b-c": {"registers16": True, "merge16_registers": True, "merge32_registers": True},
-          "a-b-d": {"registers16": True, "merge16_registers": True, "merge32_quadrants": True},
-          "a-e": {"registers16": True, "registers8": True},
-          "a-e-b-d": {"registers16": True, "registers8": True, "merge16_registers": True, "merge32_quadrants": True}}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stage1_trace import REGISTER_BUILDS  # noqa: E402
+
+#: name -> the options added to the default's: the default and the builds stage1_trace.py times beside it
+BUILDS = {"default": {}, **REGISTER_BUILDS}
 
 
 def main(out=".device/sass"):

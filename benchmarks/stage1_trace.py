@@ -27,6 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_stamps  # noqa: E402
 
 
+#: the v0.38 builds that --registers16 times beside the default (a registers16, b merge16_registers, c
+#: merge32_registers, d merge32_quadrants, e registers8: docs/hopper-notes.md v0.38a-e)
+REGISTER_BUILDS = {"a": {"registers16": True}, "a-b": {"registers16": True, "merge16_registers": True},
+                   "a-b-c": {"registers16": True, "merge16_registers": True, "merge32_registers": True},
+                   "a-b-d": {"registers16": True, "merge16_registers": True, "merge32_quadrants": True},
+                   "a-e": {"registers16": True, "registers8": True},
+                   "a-e-b-d": {"registers16": True, "registers8": True, "merge16_registers": True,
+                               "merge32_quadrants": True}}
+
+
 def phase_cycles(tr, points_of):
     """Per phase (point p - 1 to point p, p >= 1), the median, 10th and 90th percentile over CTAs of its cycles,
     and the same for the whole CTA (the last point minus the first), from ``tr [S, Hqk, P]`` (0 where a point was
@@ -130,12 +140,7 @@ def main(argv=None):
         Hqk, Hv = (int(x) for x in spec.split("/"))
         slots = max(1, args.alone_ctas // Hqk)
         for load, seqlens in (("alone", [64 * slots]), ("full", full)):
-            extras = [{"registers16": True}, {"registers16": True, "merge16_registers": True},
-                      {"registers16": True, "merge16_registers": True, "merge32_registers": True},
-                      {"registers16": True, "merge16_registers": True, "merge32_quadrants": True},
-                      {"registers16": True, "registers8": True},
-                      {"registers16": True, "registers8": True, "merge16_registers": True, "merge32_quadrants": True}]
-            for extra in [None] + (extras if args.registers16 else []):
+            for extra in [None] + (list(REGISTER_BUILDS.values()) if args.registers16 else []):
                 rec = {"load": load, **run_one(Hqk, Hv, seqlens, args.reps, extra)}
                 records.append(rec)
                 print(f"## {Hqk}/{Hv} {load}{''.join(' ' + o for o in extra or {})}: {rec['ctas']} CTAs, same bits "

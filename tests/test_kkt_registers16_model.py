@@ -35,12 +35,7 @@ def eliminate16_lanes(kk_s, beta, w):
                 f = -br[ln][rh] * kj[ln][rh] if row(ln, rh) > j else 0.0
                 for cc in range(4):
                     xr[ln][4 * rh + cc] += f * xj[ln][cc]
-    out = torch.zeros(16, 16, dtype=torch.float64)
-    for ln in lanes:
-        for rh in (0, 1):
-            for cc in range(4):
-                out[row(ln, rh), col(ln, cc)] = xr[ln][4 * rh + cc]
-    return out
+    return block_of_lanes(xr)
 
 
 def chunk(seed):
@@ -118,6 +113,17 @@ def lane_col(ln, cc):
     return 2 * (ln % 4) + cc % 2 + 8 * (cc // 2)
 
 
+def block_of_lanes(regs):
+    """The 16x16 block a warp holds in registers16's mapping: lane ln's register 4 rh + cc is element (ln // 4 + 8 rh,
+    lane_col(ln, cc))."""
+    out = torch.zeros(16, 16, dtype=torch.float64)
+    for ln in range(32):
+        for rh in (0, 1):
+            for cc in range(4):
+                out[ln // 4 + 8 * rh, lane_col(ln, cc)] = regs[ln][4 * rh + cc]
+    return out
+
+
 def merge16_lanes(kk_s, beta, m, d_lo, d_hi):
     """``merge16_in_registers`` on warp 2m + 1, lane by lane: X^T = D_2m^T L21'^T (D_2m^T's A fragments from the
     stored block, L21'^T's B fragments from the swizzled K K^T), then A21' = -D_2m+1 X with X's B fragments taken from
@@ -138,12 +144,7 @@ def merge16_lanes(kk_s, beta, m, d_lo, d_hi):
         for ln in range(32):
             for i in range(4):
                 ar[ln][4 * (i // 2) + 2 * nt + i % 2] = -c[ln][i]
-    out = torch.zeros(16, 16, dtype=torch.float64)
-    for ln in range(32):
-        for rh in (0, 1):
-            for cc in range(4):
-                out[ln // 4 + 8 * rh, lane_col(ln, cc)] = ar[ln][4 * rh + cc]
-    return out
+    return block_of_lanes(ar)
 
 
 def test_the_16_to_32_merge_from_registers_gives_the_lower_left_block():
@@ -261,11 +262,7 @@ def merge8_lanes(kk_s, beta, w, xr):
     then W = D Z (A: D from registers; B: Z from Z^T's accumulators in the same lane; n-tile 0 only), A10 = -W's lower
     left into registers 4 and 5. The whole 16x16 block, as the lanes hold it afterwards."""
     r0 = 16 * w
-    d = torch.zeros(16, 16, dtype=torch.float64)
-    for ln in range(32):
-        for rh in (0, 1):
-            for cc in range(4):
-                d[ln // 4 + 8 * rh, lane_col(ln, cc)] = xr[ln][4 * rh + cc]
+    d = block_of_lanes(xr)
     a1 = a_fragments(lambda ln, rh, cc: d[lane_col(ln, cc), ln // 4 + 8 * rh].item())
 
     def lo(n, k):
@@ -279,12 +276,7 @@ def merge8_lanes(kk_s, beta, w, xr):
     out = [list(r) for r in xr]
     for ln in range(32):
         out[ln][4], out[ln][5] = -wc[ln][2], -wc[ln][3]
-    block = torch.zeros(16, 16, dtype=torch.float64)
-    for ln in range(32):
-        for rh in (0, 1):
-            for cc in range(4):
-                block[ln // 4 + 8 * rh, lane_col(ln, cc)] = out[ln][4 * rh + cc]
-    return block
+    return block_of_lanes(out)
 
 
 def test_the_8x8_eliminations_merged_to_16_give_each_warps_diagonal_block():
