@@ -111,11 +111,11 @@ KKT_MERGE16_REGISTERS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE16_REGISTERS", 
 #: ``merge32_registers``). An A/B, off; FLASHGDN_HOPPER_KKT_MERGE32_REGISTERS=1 turns it on (with the two above).
 KKT_MERGE32_REGISTERS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_REGISTERS", "0") == "1"
 
-#: With KKT_MMA32 and KKT_MERGE16_REGISTERS, the 32 -> 64 merge by fp16 mma on all four warps, a 16x16 quadrant each (``kkt_inverse``'s
-#: ``merge32_quadrants``; notes v0.38d), where KKT_MERGE32_REGISTERS chains its products on two warps (934 cycles alone
-#: against the tf32 merge's 837). Measured: 694 alone at 32/32, but the stage 1.00x at 32/32 and 1.07x at 16/32 on the
-#: full GPU (``v0.38/quadrants/``). Takes the place of KKT_MERGE32_REGISTERS where both are on. An A/B, off;
-#: FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS=1 turns it on.
+#: With KKT_MMA32 and KKT_MERGE16_REGISTERS, the 32 -> 64 merge by fp16 mma on all four warps, a 16x16 quadrant each
+#: (``kkt_inverse``'s ``merge32_quadrants``; notes v0.38d), where KKT_MERGE32_REGISTERS chains its products on two warps
+#: (934 cycles alone against the tf32 merge's 837). Measured: 694 alone at 32/32, but the stage 1.00x at 32/32 and 1.07x
+#: at 16/32 on the full GPU (``v0.38/quadrants/``). Takes the place of KKT_MERGE32_REGISTERS where both are on. An A/B,
+#: off; FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS=1 turns it on.
 KKT_MERGE32_QUADRANTS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS", "0") == "1"
 
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
@@ -481,18 +481,19 @@ def _kkt_build_options(group: int, store_inverse: bool = False) -> dict:
 
 def kkt_options() -> dict:
     """Stage 1's build options that the host's switches add (``diag16`` with ``mma32`` by default, ``diag16`` alone
-    with KKT_MMA32 off, either with ``registers16`` under KKT_REGISTERS16 (and ``registers8`` under KKT_REGISTERS8,
-    ``merge16_registers`` under
-    KKT_MERGE16_REGISTERS, and ``merge32_registers`` under KKT_MERGE32_REGISTERS), ``merge32_quadrants`` under
-    KKT_MERGE32_QUADRANTS (with KKT_MMA32, in merge32_registers' place), else ``triangle``)."""
+    with KKT_MMA32 off, either with ``registers16`` under KKT_REGISTERS16 (and with it ``registers8`` under
+    KKT_REGISTERS8 and ``merge16_registers`` under KKT_MERGE16_REGISTERS; with that and KKT_MMA32,
+    ``merge32_quadrants`` under KKT_MERGE32_QUADRANTS, else ``merge32_registers`` under KKT_MERGE32_REGISTERS), else
+    ``triangle``)."""
     if KKT_DIAG16:
-        quadrants = KKT_MMA32 and KKT_REGISTERS16 and KKT_MERGE16_REGISTERS and KKT_MERGE32_QUADRANTS
+        merge16 = KKT_REGISTERS16 and KKT_MERGE16_REGISTERS
+        quadrants = KKT_MMA32 and merge16 and KKT_MERGE32_QUADRANTS
         return dict(diag16=True, **({"mma32": True} if KKT_MMA32 else {}),
                     **({"registers16": True} if KKT_REGISTERS16 else {}),
                     **({"registers8": True} if KKT_REGISTERS16 and KKT_REGISTERS8 else {}),
-                    **({"merge16_registers": True} if KKT_REGISTERS16 and KKT_MERGE16_REGISTERS else {}),
-                    **({"merge32_registers": True} if KKT_MMA32 and KKT_REGISTERS16 and KKT_MERGE16_REGISTERS
-                       and KKT_MERGE32_REGISTERS and not quadrants else {}),
+                    **({"merge16_registers": True} if merge16 else {}),
+                    **({"merge32_registers": True} if KKT_MMA32 and merge16 and KKT_MERGE32_REGISTERS
+                       and not quadrants else {}),
                     **({"merge32_quadrants": True} if quadrants else {}))
     return dict(triangle=True) if KKT_TRIANGLE else {}
 

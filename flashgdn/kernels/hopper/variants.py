@@ -53,31 +53,21 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         yield (f"kkt_inverse_async_{odd}_diag16_mma32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
                dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd,
                     diag16=True, mma32=True))
-    # the 16x16 blocks by elimination in registers (forward.KKT_REGISTERS16, an A/B), at the default's occupancy
-    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
-           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
-                diag16=True, mma32=True, registers16=True))
-    # and the 16 -> 32 merges from its registers (forward.KKT_MERGE16_REGISTERS, an A/B)
-    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16_merge16[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
-           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
-                diag16=True, mma32=True, registers16=True, merge16_registers=True))
-    # and the 32 -> 64 merge from registers as well (forward.KKT_MERGE32_REGISTERS, an A/B)
-    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16_merge16_merge32[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
-           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
-                diag16=True, mma32=True, registers16=True, merge16_registers=True, merge32_registers=True))
-    # the 32 -> 64 merge a quadrant a warp (forward.KKT_MERGE32_QUADRANTS, an A/B), after the two above
-    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers16_merge16_quadrants[{Hqk}/{Hv},{dtype}]",
-           "kkt_inverse", dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True,
-                               blocks_per_sm=odd or 5, diag16=True, mma32=True, registers16=True,
-                               merge16_registers=True, merge32_quadrants=True))
-    # the 16x16 blocks from 8x8 ones (forward.KKT_REGISTERS8, an A/B), alone and with v0.38b and v0.38d
-    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers8[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
-           dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
-                diag16=True, mma32=True, registers16=True, registers8=True))
-    yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_registers8_merge16_quadrants[{Hqk}/{Hv},{dtype}]",
-           "kkt_inverse", dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True,
-                               blocks_per_sm=odd or 5, diag16=True, mma32=True, registers16=True, registers8=True,
-                               merge16_registers=True, merge32_quadrants=True))
+    # the register-level inverse's A/Bs (notes v0.38a-e), at the default's occupancy: the 16x16 blocks by elimination
+    # in registers (forward.KKT_REGISTERS16), the 16 -> 32 merges from them (KKT_MERGE16_REGISTERS), the 32 -> 64 merge
+    # from registers (KKT_MERGE32_REGISTERS) or a quadrant a warp (KKT_MERGE32_QUADRANTS), the 16x16 blocks from 8x8
+    # ones (KKT_REGISTERS8)
+    registers = dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
+                     diag16=True, mma32=True, registers16=True)
+    for suffix, options in (("registers16", {}),
+                            ("registers16_merge16", dict(merge16_registers=True)),
+                            ("registers16_merge16_merge32", dict(merge16_registers=True, merge32_registers=True)),
+                            ("registers16_merge16_quadrants", dict(merge16_registers=True, merge32_quadrants=True)),
+                            ("registers8", dict(registers8=True)),
+                            ("registers8_merge16_quadrants",
+                             dict(registers8=True, merge16_registers=True, merge32_quadrants=True))):
+        yield (f"kkt_inverse_async_{odd or 5}_diag16_mma32_{suffix}[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
+               dict(registers, **options))
     # the default build's trace build (benchmarks/stage1_trace.py), a diagnostic: never run by the operator
     yield (f"kkt_inverse_trace[{Hqk}/{Hv},{dtype}]", "kkt_inverse",
            dict(Hqk=Hqk, Hv=Hv, K=K, qk_dtype=dtype, a_dtype=dtype, async_loads=True, blocks_per_sm=odd or 5,
