@@ -58,8 +58,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--switch", required=True, help="MODULE:NAME of a boolean or 'auto' switch (several, comma separated: "
-                    "set together), e.g. "
-                                                    "flashgdn.cp.backward:OVERLAP")
+                    "set together), e.g. flashgdn.cp.backward:OVERLAP; MODULE:NAME=OFF/ON for any other switch, its "
+                    "two sides' values as strings, e.g. flashgdn.kernels.hopper.forward:DEFAULT_CHUNK_LOOP=rso/fused")
     ap.add_argument("--set", default=None, help="shape set(s), comma separated (flashgdn.bench's)")
     ap.add_argument("--heads", default=None, help="custom shapes: head configs, with --seqlens")
     ap.add_argument("--seqlens", default=None)
@@ -77,14 +77,21 @@ def main(argv=None) -> int:
                     help="pass on a relative RMS difference between the sides of at most this instead of equal bits")
     args = ap.parse_args(argv)
 
-    switches = []  # (module, name): set together
+    switches = []  # (module, name, the off side's value, the on side's): set together
     for text in args.switch.split(","):
         module_name, name = text.split(":")
+        name, _, sides = name.partition("=")
         module = importlib.import_module(module_name)
+        if sides:
+            off_value, _, on_value = sides.partition("/")
+            if not on_value or not isinstance(getattr(module, name), str):
+                raise SystemExit(f"--switch: {text}: NAME=OFF/ON is for a string switch, two values")
+            switches.append((module, name, off_value, on_value))
+            continue
         # ("auto" switches too: each side sets them to False, then True)
         if not isinstance(getattr(module, name), bool) and getattr(module, name) != "auto":
             raise SystemExit(f"--switch: {text} is neither a boolean switch nor an \"auto\" one")
-        switches.append((module, name))
+        switches.append((module, name, False, True))
     shapes = []
     if args.set:
         for s in args.set.split(","):
@@ -103,7 +110,7 @@ def main(argv=None) -> int:
         shapes = [s for s in shapes if (s.h_qk, s.h_v) in keep]
     cp = int(args.cp) if args.cp.isdigit() else args.cp
     dev = torch.device(args.device)
-    saved = [getattr(module, name) for module, name in switches]
+    saved = [getattr(module, name) for module, name, _, _ in switches]
     header = results_header(argv, "switch_ab.py") if dev.type == "cuda" else {"device": "cpu"}
     records = []
     t_start = time.time()
@@ -140,8 +147,8 @@ def main(argv=None) -> int:
                 outs, ms = {}, {False: [], True: []}
                 for r in range(args.rounds):
                     for value in ((False, True) if r % 2 == 0 else (True, False)):
-                        for module, name in switches:
-                            setattr(module, name, value)
+                        for module, name, off_value, on_value in switches:
+                            setattr(module, name, on_value if value else off_value)
                         out, _ = timed_call(fn, dev)  # loads (or compiles) this side's kernels
                         if value not in outs:
                             outs[value] = [x.detach().clone() for x in out]
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        for (module, name), value in zip(switches, saved):
+        for (module, name, _, _), value in zip(switches, saved):
             setattr(module, name, value)
     save(True)
     if args.max_diff is not None:

@@ -471,6 +471,34 @@ elif [ "$part" = registers16 ] || [ "$part" = quadrants ] || [ "$part" = registe
     --switch "$(echo "$switches" | sed 's/KKT_/flashgdn.kernels.hopper.forward:KKT_/g')" \
     --heads 32/32,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds "$rounds" --out "$out/$part-ab.json"
   tail -6 "$out/$part-ab.log"
+elif [ "$part" = fused-registers ]; then
+  # the "fused" loop's inverse by stage 1's register pieces (forward.FUSED_REGISTER_INVERSE, notes v0.39a): the
+  # forward's oracle tests on it, then the op with it against the fused loop's substitution, and against the default
+  # (rso with stage 1 apart), on whole-wave shapes of groups of one and two
+  FLASHGDN_TEST_CHUNK_LOOPS=fused_registers gpu_tests gpu-fused-registers 240 8 tests/test_gpu_hopper_forward.py
+  FLASHGDN_HOPPER_CHUNK_LOOP=fused logged fused-registers-ab 100 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.forward:FUSED_REGISTER_INVERSE --heads 32/32,16/16,16/32 --seqlens 4096x8 \
+    --modes fwd --rounds 2 --max-diff 1e-2 --out "$out/fused-registers-ab.json"
+  tail -5 "$out/fused-registers-ab.log"
+  logged fused-registers-vs-default 180 python3 benchmarks/switch_ab.py \
+    --switch flashgdn.kernels.hopper.forward:DEFAULT_CHUNK_LOOP=rso/fused,flashgdn.kernels.hopper.forward:FUSED_REGISTER_INVERSE \
+    --heads 32/32,16/16,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --max-diff 1e-2 \
+    --out "$out/fused-registers-vs-default.json"
+  tail -6 "$out/fused-registers-vs-default.log"
+elif [ "$part" = fused-trace ]; then
+  # where the fused loop's chunk goes (notes v0.39a measured): its trace builds' GPU test, the trace of both inverses
+  # on whole-wave shapes of a group of one and of two, and the rso loop's trace on the same shapes beside them
+  FLASHGDN_TEST_CHUNK_LOOPS=fused,fused_registers gpu_tests gpu-fused-trace 200 2 tests/test_gpu_hopper_forward.py \
+    -k fused_trace
+  s8=4096,4096,4096,4096,4096,4096,4096,4096
+  for heads in ${TRACE_HEADS:-32/32 16/32}; do
+    logged fused-trace-${heads/\//x} 150 python3 benchmarks/fused_trace.py --heads "$heads" --seqlens $s8 \
+      --out "$out/fused-trace-${heads/\//x}.json"
+    grep -v "^ \|^#" "$out/fused-trace-${heads/\//x}.log" | tail -3
+    logged rso-trace-${heads/\//x} 150 python3 benchmarks/rso_trace.py --heads "$heads" --seqlens $s8 \
+      --out "$out/rso-trace-${heads/\//x}.json"
+    head -1 "$out/rso-trace-${heads/\//x}.log"
+  done
 elif [ "$part" = stage1-trace ]; then
   # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
   # take a CTA alone"): the trace build's GPU test, then benchmarks/stage1_trace.py on a group of one and of two

@@ -20,8 +20,9 @@ O_BAR = 5e-3
 STATE_BAR = 5e-3
 
 
-#: every chunk loop, or those listed in FLASHGDN_TEST_CHUNK_LOOPS (comma separated) for a quicker run
-CHUNK_LOOPS = [loop for loop in ("rs", "rsd", "fused", "uw", "ws", "simple", "rso")
+#: every chunk loop, or those listed in FLASHGDN_TEST_CHUNK_LOOPS (comma separated) for a quicker run;
+#: "fused_registers" is the fused loop with its inverse by stage 1's register pieces (forward.FUSED_REGISTER_INVERSE)
+CHUNK_LOOPS = [loop for loop in ("rs", "rsd", "fused", "fused_registers", "uw", "ws", "simple", "rso")
                if loop in os.environ.get("FLASHGDN_TEST_CHUNK_LOOPS", loop).split(",")]
 
 
@@ -31,7 +32,9 @@ def chunk_loop(request, monkeypatch, cuda):
     from flashgdn.kernels.hopper import forward
 
     monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", request.param)
+    if request.param == "fused_registers":
+        monkeypatch.setattr(forward, "FUSED_REGISTER_INVERSE", True)
+    monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "fused" if request.param == "fused_registers" else request.param)
     return request.param
 
 
@@ -279,6 +282,45 @@ def test_rso_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
         stamps = tr[role, :chunks, :len(points)]
         assert (stamps > 0).all(), role
         assert (stamps[:, 1:] >= stamps[:, :-1]).all(), role
+    assert (tr[:, chunks:] == 0).all()
+
+
+def test_fused_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
+    """The fused loop's trace build (``trace=True``, benchmarks/fused_trace.py), with either inverse, computes what its
+    plain build does, bit for bit, and each role's stamps within a chunk come in program order (the gate's inverse
+    phases only with the register pieces), in the CTA of value head 0 and sequence 0 only."""
+    from flashgdn.kernels.hopper.chunk_forward_rs import (TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF,
+                                                          build_chunk_forward_rs)
+
+    if chunk_loop not in ("fused", "fused_registers"):
+        pytest.skip("a build of the fused loop; covered by its parametrisation")
+    registers = chunk_loop == "fused_registers"
+    inp = inputs([700, 64, 9], Hqk=2, Hv=8, gate="mixed")
+    q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    cu = inp["cu_seqlens"].to(torch.int32)
+    T = q.shape[1]
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+
+    def run(trace):
+        o = torch.full((1, T, 8, 128), float("nan"), dtype=q.dtype, device=q.device)
+        ht = torch.full((3, 8, 128, 128), float("nan"), dtype=torch.float32, device=q.device)
+        tr = torch.zeros((3, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=q.device)
+        kernel = build_chunk_forward_rs(2, 8, 128, 128, "bfloat16", True, True, False, True, decayed_k=True,
+                                        inverse_in_loop=True, register_inverse=registers, trace=trace)
+        kernel(q, k, v, g, beta, cu, h0, 0.1, o, ht, *([tr] if trace else []))
+        return (o, ht), tr.cpu()
+
+    plain, _ = run(False)
+    traced, tr = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    assert torch.isfinite(plain[0]).all()
+    chunks = -(-700 // 64)
+    for role, points in enumerate(TRACE_POINTS_OF):
+        written = [p for p in range(len(points)) if registers or not (role == 2 and 3 <= p <= 6)]
+        stamps = tr[role, :chunks, written]
+        assert (stamps > 0).all(), role
+        assert (stamps[:, 1:] >= stamps[:, :-1]).all(), role
+        assert (tr[role, :chunks, [p for p in range(TRACE_POINTS) if p not in written]] == 0).all(), role
     assert (tr[:, chunks:] == 0).all()
 
 

@@ -55,6 +55,14 @@ EXPLAINED_SPILLS = {
     "chunk_forward_rso_trace[":
         "the same 16 bytes in the producer warpgroup, in the rso loop's trace build (a diagnostic, "
         "benchmarks/rso_trace.py)",
+    "chunk_forward_fused_trace_registers[":
+        "the fused loop's trace build with the register-level inverse (a diagnostic, benchmarks/fused_trace.py): its "
+        "build's spill, 76/76 bytes at 32/32 with the stamps",
+    "chunk_forward_fused_registers[":
+        "68/84 bytes at 32/32 in the \"fused\" loop's A/B with the register-level inverse (forward.FUSED_REGISTER_INVERSE, "
+        "off): the gate warpgroup at its 96 registers, which every other split of the 512 pays for elsewhere (192/88/40 "
+        "92/108, 192/80/48 136/136, 192/104/24 76/92 with the producer's; 184/112/32 serialises the state paths' "
+        "wgmma); without registers8 40/60. Measured before any register work on it (notes v0.39a)",
     "chunk_forward_uw[":
         "4 bytes in the uw chunk loop (forward.CHUNK_LOOP=uw, an A/B loop, not the default) with fast math, the build "
         "that runs (none in PTX made without it, which the report read before notes v0.32c); not read in the SASS",
@@ -257,6 +265,8 @@ def test_loop_and_stage1_options_are_checked():
         build_chunk_forward_rs(*args, with_output=False, decayed_k=True, inverse_in_loop=True)
     with pytest.raises(ValueError, match="decayed_k"):
         build_chunk_forward_rs(*args, precise=True, decayed_k=True)
+    with pytest.raises(ValueError, match="needs inverse_in_loop"):  # the register pieces make that loop's inverse
+        build_chunk_forward_rs(*args, decayed_k=True, register_inverse=True)
     from flashgdn.kernels.hopper.fused_backward import build_fused_backward
 
     with pytest.raises(ValueError, match="longest_first"):  # its order rides with first_apart's arguments

@@ -64,3 +64,29 @@ def test_a_rounding_switch_passes_on_its_difference_bound(tmp_path, monkeypatch)
     assert data["max_diff"] == 3e-2
     assert all(r["same_bits"] is False and 5e-3 < r["max_rel_diff"] < 2e-2 for r in data["records"])
     assert sab.main(ARGS + ["--modes", "fwd", "--rounds", "1", "--max-diff", "1e-3"]) == 1
+
+
+def test_a_string_switch_is_set_to_its_two_values_and_restored(monkeypatch):
+    """``MODULE:NAME=OFF/ON`` (a chunk loop against another, with a boolean set together): each side sees its value."""
+    from flashgdn.kernels.hopper import forward
+
+    seen = []
+    real = sab.op_fn
+
+    def recording(inp, mode, cp, backend="hopper"):
+        fn = real(inp, mode, cp, backend)
+
+        def call():
+            seen.append((forward.DEFAULT_CHUNK_LOOP, forward.FUSED_REGISTER_INVERSE))
+            return fn()
+        return call
+
+    monkeypatch.setattr(sab, "op_fn", recording)
+    before = forward.DEFAULT_CHUNK_LOOP
+    assert sab.main(["--switch", "flashgdn.kernels.hopper.forward:DEFAULT_CHUNK_LOOP=rso/fused,"
+                     "flashgdn.kernels.hopper.forward:FUSED_REGISTER_INVERSE", "--modes", "fwd", "--rounds", "2"]
+                    + ARGS[2:]) == 0
+    assert forward.DEFAULT_CHUNK_LOOP == before and forward.FUSED_REGISTER_INVERSE is False
+    assert set(seen) == {("rso", False), ("fused", True)}
+    with pytest.raises(SystemExit, match="NAME=OFF/ON is for a string switch"):
+        sab.main(["--switch", "flashgdn.kernels.hopper.forward:FUSED_REGISTER_INVERSE=a/b"] + ARGS[2:])

@@ -49,6 +49,18 @@ PRECISE_REGS = (200, 72, 40)
 PRECISE_STATE_ONLY_REGS = (208, 64, 32)
 #: the gate warpgroup holds a column of the inverse's diagonal block (32 values) when stage 1 is in the loop
 INVERSE_IN_LOOP_REGS = (192, 96, 32)
+#: the "fused" loop's trace build (``trace=True``, ``benchmarks/fused_trace.py``) records the SM's cycle counter at
+#: these points of each role's chunk (state path 0, state path 1, gate path), for the first TRACE_CHUNKS chunks of the CTA of
+#: value head 0 and sequence 0; the gate's inverse phases (points 3-6) only with ``register_inverse``
+TRACE_CHUNKS = 32
+_STATE_POINTS = ("chunk begins", "inputs ready", "gamma and Ag ready", "P and Kd ready", "stage released")
+TRACE_POINTS_OF = (
+    _STATE_POINTS,
+    _STATE_POINTS,
+    ("chunk begins", "inputs ready", "g~ made", "K K^T stored", "16x16 blocks made", "16 -> 32 merged",
+     "32 -> 64 merged", "Ag and gamma handed over", "P made", "Kd made, stage released"),
+)
+TRACE_POINTS = max(len(p) for p in TRACE_POINTS_OF)
 
 
 @kernel_cache
@@ -68,6 +80,7 @@ def build_chunk_forward_rs(
     staged_stores: bool = False,
     decayed_k: bool = False,
     inverse_in_loop: bool = False,
+    register_inverse: bool = False,
     skip_unread: str = "",
     swizzled_v: Optional[bool] = None,
     lean: bool = False,
@@ -77,6 +90,7 @@ def build_chunk_forward_rs(
     late_b: bool = False,
     chunk_bounds: bool = False,
     chunk_late_b: bool = False,
+    trace: bool = False,
 ):
     """Compile (or load) the register-operand chunk loop. Same arguments as ``build_chunk_forward``'s kernel.
 
@@ -164,6 +178,11 @@ def build_chunk_forward_rs(
     (``gate_inverse.py``), from g and beta rows that the producer's third warp loads beside q, k, v. The kernel's
     arguments are then ``q, k, v, g [1, T, Hv], beta [1, T, Hv] (float32), cu_seqlens, h0, scale, o, ht``: no chunk
     plan, no ``kkt_inverse`` launch, no Ag or g~ round trip through HBM. Registers 192/96/32.
+    ``register_inverse=True`` (with ``inverse_in_loop``; an A/B, ``forward.FUSED_REGISTER_INVERSE``) makes that inverse
+    by stage 1's register-level pieces (``gate_inverse``'s ``registers``) instead of the 16-row substitution.
+    ``trace`` (a diagnostic, with ``inverse_in_loop``) adds a last argument ``tr [3, TRACE_CHUNKS, TRACE_POINTS]``
+    int64: the SM's cycle counter at ``TRACE_POINTS_OF``'s points of each role's chunk, by the role's first thread, in the CTA
+    of value head 0 and sequence 0 (``benchmarks/fused_trace.py``). The same outputs as the build without it.
 
     ``first_apart=True`` (with ``store_chunk_states``) keeps every sequence's first chunk state out of ``ht``, for
     the fused backward (``fused_backward.py``, its option of the same name): two last arguments, ``first_states
@@ -236,6 +255,10 @@ def build_chunk_forward_rs(
     if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
         raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
+    if trace and not inverse_in_loop:
+        raise ValueError("trace stamps the fused loop's roles (inverse_in_loop)")
+    if register_inverse and not inverse_in_loop:
+        raise ValueError("register_inverse is a way of making inverse_in_loop's inverse: it needs inverse_in_loop")
     if decayed_k and precise:
         raise ValueError("decayed_k has no precise mode (its Kd tile is one more bf16 rounding of the state's update)")
     if lean and decayed_k:
@@ -254,9 +277,16 @@ def build_chunk_forward_rs(
     parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
 
     @T.macro
+    def stamp(tr, role, point, c, h, n):
+        # trace builds only: the SM's cycle counter at ``point`` of chunk c, by the role's first thread
+        if trace:
+            if h == 0 and n == 0 and c < TRACE_CHUNKS and T.get_thread_binding() % 128 == 0:
+                tr[role, c, point] = T.call_extern("int64", "clock64")
+
+    @T.macro
     def state_path(w, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s, dec_s,
                    o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq=None, is_first=None, first_states=None,
-                   shift=None, m_gone=None):
+                   shift=None, m_gone=None, tr=None):
         c0 = w * HV2
         st_f = T.alloc_fragment((HV2, K), acc)  # S^T rows c0 .. c0 + 63
         sb_f = T.alloc_fragment((HV2, K), io_dtype)
@@ -320,7 +350,9 @@ def build_chunk_forward_rs(
                 else:
                     for i, j in T.Parallel(HV2, K):
                         ht[first_slot[n] + c, h, c0 + i, j] = T.cast(st_f[i, j], io_dtype)
+            stamp(tr, w, 0, c, h, n)
             T.barrier_wait(full[st], (c // 2) % 2)
+            stamp(tr, w, 1, c, h, n)
             T.copy(st_f, sb_f)
             # S^T K^T and S^T Q^T, register A operand
             if decayed_k:  # both in flight at once, gamma_C S^T meanwhile (S^T itself is not an operand)
@@ -347,6 +379,7 @@ def build_chunk_forward_rs(
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
             # (decayed_k: what W^T and Vn^T need, gamma and Ag, comes before P and Kd)
             T.barrier_wait(a_ready[st] if decayed_k else p_ready[st], (c // 2) % 2)
+            stamp(tr, w, 2, c, h, n)
             if inverse_in_loop:  # gamma_C = exp(g~_last), which the gate warpgroup made
                 for i, j in T.Parallel(HV2, K):
                     st_f[i, j] = st_f[i, j] * gam_s[st, C - 1]
@@ -383,12 +416,14 @@ def build_chunk_forward_rs(
             T.copy(u_f, ub_f)
             if decayed_k:
                 T.barrier_wait(p_ready[st], (c // 2) % 2)
+                stamp(tr, w, 3, c, h, n)
                 # O^T += Vn^T P^T and S'^T = gamma_C S^T + Vn^T Kd together (rows past the end have Vn = 0)
                 if with_output:
                     T.wgmma_gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
                 T.wgmma_gemm(ub_f, kd_s[st, :, :], st_f)
                 T.wait_wgmma(0)
                 T.barrier_arrive(empty[st])
+                stamp(tr, w, 4, c, h, n)
                 if with_output:
                     parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
             else:
@@ -426,12 +461,12 @@ def build_chunk_forward_rs(
 
     producer = make_ring_producer(C, K, V, io_dtype, first_warp=384, load_q=with_output, paired=transition_pairs,
                                   gate_rows=inverse_in_loop)
-    gi = make_gate_inverse(C, K, io_dtype, first_thread=256)
+    gi = make_gate_inverse(C, K, io_dtype, first_thread=256, registers=register_inverse)
 
     @T.macro
     def kernel_body(q, k, v, gcum, Ag, g, beta, cu_seqlens, first_slot, h0, scale, o, ht, seg_seq=None, first=None,
                     count=None, first_states=None, shift=None, m_bound=None, b_start=None, chunk_bound=None,
-                    m_zero=None, chunk_inject=None, h0_log_norm=None):
+                    m_zero=None, chunk_inject=None, h0_log_norm=None, tr=None):
         with T.Kernel(heads, num_seqs, threads=512) as (h, n):
             if transition_pairs:
                 hq = (h // 2) // group
@@ -589,27 +624,27 @@ def build_chunk_forward_rs(
                 if negligible_m:
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first,
-                               m_gone=m_gone)
+                               m_gone=m_gone, tr=tr)
                 elif starts_from_h0:
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first, tr=tr)
                 else:  # (first_states and shift None but with first_apart)
                     state_path(0, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready,
-                               first_states=first_states, shift=shift)
+                               first_states=first_states, shift=shift, tr=tr)
             elif tx < 256:
                 T.set_max_nreg(state_regs, 1)
                 if negligible_m:
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first,
-                               m_gone=m_gone)
+                               m_gone=m_gone, tr=tr)
                 elif starts_from_h0:
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
-                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first)
+                               dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready, seq, is_first, tr=tr)
                 else:  # (first_states and shift None but with first_apart)
                     state_path(1, n, h, bos, eos, n_chunks, h0, ht, o, scale, q_s, k_s, v_s, gc_s, a_s, p_s, gam_s,
                                dec_s, o_s, full, empty, p_ready, first_slot, kd_s, a_ready,
-                               first_states=first_states, shift=shift)
+                               first_states=first_states, shift=shift, tr=tr)
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)
@@ -618,17 +653,26 @@ def build_chunk_forward_rs(
                     gb = gi.buffers()
                 for c in T.serial(n_chunks):
                     st = c % 2
+                    stamp(tr, 2, 0, c, h, n)
                     T.barrier_wait(full[st], (c // 2) % 2)
+                    stamp(tr, 2, 1, c, h, n)
                     if inverse_in_loop:  # g~ and Ag of this chunk, into the ring stage
                         gi.chunk_cumsum(tx, g_s, gc_s, st, gb.run)
-                        gi.gated_inverse(tx, k_s, b_s, gc_s, a_s, st, gb.kk_f, gb.kk_s, gb.d_s, gb.l21_s, gb.t_s,
-                                         gb.m_f, gb.x, gb.part, gb.s16_s, gb.t16_s, gb.m16_f)
+                        stamp(tr, 2, 2, c, h, n)
+                        if register_inverse:
+                            gi.gated_inverse_registers(tx, k_s, b_s, gc_s, a_s, st, gb,
+                                                       (lambda p: stamp(tr, 2, p, c, h, n)) if trace else None)
+                        else:
+                            gi.gated_inverse(tx, k_s, b_s, gc_s, a_s, st, gb.kk_f, gb.kk_s, gb.d_s, gb.l21_s, gb.t_s,
+                                             gb.m_f, gb.x, gb.part, gb.s16_s, gb.t16_s, gb.m16_f)
                     if decayed_k:  # gamma (and Ag) first: the state paths' W^T and Vn^T wait on them alone
                         parts.gate_decays(gc_s, gam_s, dec_s, st)
                         T.fence_proxy_async()
                         T.barrier_arrive(a_ready[st])
+                        stamp(tr, 2, 7, c, h, n)
                     if with_output:
                         parts.gate_p(q_s, k_s, gc_s, p_f, p_s, st, scale)
+                        stamp(tr, 2, 8, c, h, n)
                     if not decayed_k:
                         parts.gate_decays(gc_s, gam_s, dec_s, st)
                     if decayed_k:  # the factor again from g~ (dec_s is another thread's write)
@@ -638,6 +682,7 @@ def build_chunk_forward_rs(
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
+                    stamp(tr, 2, 9, c, h, n)
                 if with_output:  # padded tail after the last sequence: zeros
                     parts.zero_tail(o, n, h, eos, num_seqs, num_tokens)
             else:
@@ -650,7 +695,25 @@ def build_chunk_forward_rs(
                     producer(tx, n, h, hq, bos, eos, n_chunks, q, k, v, gcum, Ag, first_slot, q_s, k_s, v_s, a_s,
                              gc_s, full, empty, g, beta, g_s, b_s)
 
-    if inverse_in_loop:
+    if inverse_in_loop and trace:
+
+        @T.prim_func
+        def chunk_forward_rs_kernel(
+            q: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            k: T.Tensor((1, num_tokens, Hqk, K), io_dtype),
+            v: T.Tensor((1, num_tokens, Hv, V), io_dtype),
+            g: T.Tensor((1, num_tokens, Hv), "float32"),
+            beta: T.Tensor((1, num_tokens, Hv), "float32"),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            h0: T.Tensor(state_shape_h0, "float32"),
+            scale: T.float32,
+            o: T.Tensor((1, o_tokens, Hv, V), io_dtype),
+            ht: T.Tensor(state_shape_ht, ht_dtype),
+            tr: T.Tensor((3, TRACE_CHUNKS, TRACE_POINTS), "int64"),
+        ):
+            kernel_body(q, k, v, None, None, g, beta, cu_seqlens, None, h0, scale, o, ht, tr=tr)
+
+    elif inverse_in_loop:
 
         @T.prim_func
         def chunk_forward_rs_kernel(

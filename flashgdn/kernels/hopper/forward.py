@@ -118,6 +118,12 @@ KKT_MERGE32_REGISTERS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_REGISTERS", 
 #: off; FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS=1 turns it on.
 KKT_MERGE32_QUADRANTS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS", "0") == "1"
 
+#: The "fused" loop's inverse by stage 1's register-level pieces (``chunk_forward_rs``'s ``register_inverse``: v0.38a, b,
+#: d and e in the gate warpgroup, ~1770 cycles a chunk alone against ~3440 for stage 1's default) instead of its
+#: 16-row substitution. An A/B of the loop that is not the default (notes v0.39a); FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE=1
+#: turns it on.
+FUSED_REGISTER_INVERSE = os.environ.get("FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE", "0") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -390,7 +396,7 @@ def hopper_forward(
     elif fused:
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, True,
-            decayed_k=True, inverse_in_loop=True,
+            decayed_k=True, inverse_in_loop=True, **({"register_inverse": True} if FUSED_REGISTER_INVERSE else {}),
         )
     elif not with_output or chunk_loop in ("rs", "rsd", "rso"):
         main = build_chunk_forward_rs(

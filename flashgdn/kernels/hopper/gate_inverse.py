@@ -25,19 +25,32 @@ default; what it needs is fewer instructions on the gate per chunk (docs/hopper-
 g and beta arrive in the ring beside q, k, v (``ring_producer`` with ``gate_rows``): rows past a sequence's end
 are zero, so their rows and columns of Ag are zero and g~ is flat there, as the state paths expect.
 
+``registers=True`` (``chunk_forward_rs``'s ``register_inverse``, an A/B) makes the inverse as stage 1's fastest
+build does (``kkt_inverse`` with ``registers16``, ``registers8``, ``merge16_registers`` and ``merge32_quadrants``:
+~1770 cycles a chunk alone on an H100 against ~3440 for stage 1's default, notes "v0.38e measured"): each of the
+four warps eliminates its 16x16 diagonal block in registers, and the 16 -> 32 and 32 -> 64 merges are fp16
+``mma.m16n8k16`` from registers and swizzled tiles (``inverse_registers.py``, the same macros as stage 1's). K K^T
+goes from the wgmma's accumulator to a swizzled float32 tile as stage 1 stores it. The barriers between the phases
+are TileLang's own over the role's 128 threads (none of the macros branches on the warp around a shared-memory write).
+
 PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_inverse``, ``gated_inverse``.
 """
 from types import SimpleNamespace
 
 from .common import LOG2E
+from .inverse_registers import make_register_inverse
 
 
-def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int):
+def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, registers: bool = False):
     """The macros for one configuration; ``first_thread`` is the gate warpgroup's first thread index."""
+    import tilelang
     import tilelang.language as T
 
     B = C // 2  # diagonal block of the inverse
     acc = "float32"
+    # one value head (the CTA's); the ring stage st stands where stage 1 has a pair's index, so that beta's row is
+    # b_s[st] (the macros read b_s[u * pair + p])
+    ri = make_register_inverse(1, True) if registers else None
 
     @T.macro
     def chunk_cumsum(tx, g_s, gc_s, st, run):
@@ -104,8 +117,68 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int):
                 io_dtype)
             a_s[st, i, B + j] = T.cast(0, io_dtype)
 
+    @T.macro
+    def gated_inverse_registers(tx, k_s, b_s, gc_s, a_s, st, rb, mark=None):
+        # (mark(point): a trace build's stamp after each phase, points 3-6 of chunk_forward_rs.TRACE_POINTS_OF)
+        u = tx - first_thread  # the thread's index in the role: its warp and lane, as in stage 1's CTA
+        T.gemm(k_s[st, :, :], k_s[st, :, :], rb.kk_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            rb.kk_s[i, ri.kk_col(i, j)] = rb.kk_f[i, j]
+        if mark is not None:
+            mark(3)
+        ri.eliminate16(rb.kk_s, b_s, rb.d_s, st, u, rb.kr, rb.xr, rb.br, rb.xj, rb.kj)
+        ri.merge8_in_registers(rb.kk_s, b_s, rb.d_s, st, u, rb.xr, rb.fh, rb.bh, rb.fc, rb.ft)
+        if mark is not None:
+            mark(4)
+        ri.merge16_in_registers(rb.kk_s, b_s, rb.d_s, st, u, rb.xr, rb.fh, rb.bh, rb.fc, rb.ft, rb.ar)
+        if mark is not None:
+            mark(5)
+        ri.merge32_quadrant_product(rb.kk_s, b_s, rb.d_s, rb.x32_s, st, u, rb.fh, rb.bh, rb.fc32)
+        ri.merge32_quadrant_finish(rb.d_s, rb.x32_s, u, rb.fh, rb.bh, rb.fc32)
+        ri.merge32_quadrant_store(rb.x32_s, u, rb.fc32)
+        if mark is not None:
+            mark(6)
+        # Ag = Gam ⊙ A ⊙ beta^T into the ring stage's tile, from A11, A22 (d_s) and A21 (x32_s)
+        for i, j in T.Parallel(B, B):
+            a_s[st, i, j] = T.cast(
+                rb.d_s[0, 0, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
+            a_s[st, B + i, j] = T.cast(
+                rb.x32_s[0, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
+            a_s[st, B + i, B + j] = T.cast(
+                rb.d_s[0, 1, i, j] * b_s[st, B + j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, B + j], 0.0) * LOG2E),
+                io_dtype)
+            a_s[st, i, B + j] = T.cast(0, io_dtype)
+
+    def register_buffers():
+        """The register build's buffers, allocated where it is called (inside the kernel, in the gate's role)."""
+        d_s = T.alloc_shared((1, 2, B, B), acc)  # A11, A22
+        x32_s = T.alloc_shared((1, B, B), acc)  # X = L21 A11, then A21 over it
+        # stage 1's layout for them: the fragments' element reads on distinct banks
+        T.annotate_layout({d_s: tilelang.layout.make_swizzled_layout(d_s),
+                           x32_s: tilelang.layout.make_swizzled_layout(x32_s)})
+        return SimpleNamespace(
+            kk_f=T.alloc_fragment((C, C), acc),
+            kk_s=T.alloc_shared((C, C), acc),
+            d_s=d_s,
+            x32_s=x32_s,
+            kr=T.alloc_local((8,), acc),  # K K^T at the lane's 8 places of its warp's block
+            xr=T.alloc_local((8,), acc),  # the block's inverse there
+            br=T.alloc_local((2,), acc),  # beta of the lane's two rows
+            xj=T.alloc_local((4,), acc),
+            kj=T.alloc_local((4,), acc),
+            fh=T.alloc_local((8,), "float16"),  # an mma.m16n8k16 A fragment
+            bh=T.alloc_local((4,), "float16"),  # and a B fragment
+            fc=T.alloc_local((8,), acc),
+            ft=T.alloc_local((8,), acc),
+            ar=T.alloc_local((8,), acc),  # an odd warp's A21'
+            fc32=T.alloc_local((8,), acc),
+            run=T.alloc_local((4,), acc),
+        )
+
     def buffers():
         """The gate's own buffers, allocated where it is called (inside the kernel)."""
+        if registers:
+            return register_buffers()
         return SimpleNamespace(
             kk_f=T.alloc_fragment((C, C), acc),
             kk_s=T.alloc_shared((C, C), acc),
@@ -121,4 +194,5 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int):
             run=T.alloc_local((4,), acc),
         )
 
-    return SimpleNamespace(chunk_cumsum=chunk_cumsum, gated_inverse=gated_inverse, buffers=buffers)
+    return SimpleNamespace(chunk_cumsum=chunk_cumsum, gated_inverse=gated_inverse,
+                           gated_inverse_registers=gated_inverse_registers, buffers=buffers)

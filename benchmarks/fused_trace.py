@@ -1,0 +1,105 @@
+"""Where a chunk of the "fused" loop goes, role by role (GPU): the loop with stage 1 inside its gate warpgroup.
+
+Runs the trace build of ``flashgdn/kernels/hopper/chunk_forward_rs.py`` with ``inverse_in_loop`` (``trace=True``: the
+SM's cycle counter at fixed points of each role's chunk, for the first chunks of the CTA of value head 0 and sequence
+0) on one shape, with the gate's inverse by substitution and by stage 1's register pieces (``register_inverse``), and
+prints, for each role (the two state paths, the gate path) and point, the median cycle at which it is reached
+counted from state path 0's start of the same chunk, and the median chunk length. Each trace build gives the same
+outputs as its plain build (checked here, bit for bit); only the stamps are added.
+
+    python benchmarks/fused_trace.py --heads 32/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --out trace.json
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_stamps  # noqa: E402
+
+ROLES = ("state path 0", "state path 1", "gate path")
+
+
+def summarize(stamps, points_of, skip=2):
+    """Medians over chunks ``skip`` .. n - 2 of a trace ``stamps[role][chunk][point]`` (cycles, 0 where never
+    written), each point counted from state path 0's point 0 of the same chunk: ``{"chunk_cycles": median chunk
+    length, "roles": {role: [(point description, median offset or None), ...]}}``."""
+    length, roles = trace_stamps.medians_by_point(stamps, points_of, ROLES, 0, skip)
+    return {"chunk_cycles": length, "roles": roles}
+
+
+def loop_inputs(Hqk, Hv, seqlens, seed=0):
+    """The fused loop's arguments on random inputs (bf16, K = V = 128, the harness's decay, an initial state):
+    ``(args, outputs)``, ``outputs()`` fresh NaN-filled ``(o, ht)``."""
+    import torch
+
+    from flashgdn.kernels.hopper.forward import _output
+
+    K = V = 128
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    T = sum(seqlens)
+    N = len(seqlens)
+    cu = torch.tensor([0] + list(seqlens), device=dev).cumsum(0).to(torch.int32)
+    bf = torch.bfloat16
+    q = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
+    k = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
+    v = torch.randn(1, T, Hv, V, generator=gen, device=dev).to(bf)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen, device=dev)) / 16
+    beta = torch.sigmoid(torch.randn(1, T, Hv, generator=gen, device=dev))
+    h0 = torch.randn(N, Hv, K, V, generator=gen, device=dev)
+
+    def outputs():
+        return [_output((1, T, Hv, V), bf, dev), _output((N, Hv, K, V), torch.float32, dev)]
+
+    return (q, k, v, g, beta, cu, h0, float(K ** -0.5)), outputs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="32/32", help="Hqk/Hv")
+    ap.add_argument("--seqlens", default=",".join(["4096"] * 8), help="comma-separated lengths")
+    ap.add_argument("--out", default=None, help="JSON file for the stamps and the summaries")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from flashgdn.kernels.hopper.chunk_forward_rs import TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF, \
+        build_chunk_forward_rs
+
+    Hqk, Hv = (int(x) for x in args.heads.split("/"))
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    K = V = 128
+    call_in, outputs = loop_inputs(Hqk, Hv, seqlens)
+    runs, all_same = {}, True
+    for inverse, register_inverse in (("substitution", False), ("registers", True)):
+        tr = torch.zeros((3, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=call_in[0].device)
+        build = dict(decayed_k=True, inverse_in_loop=True, register_inverse=register_inverse)
+        kernel = build_chunk_forward_rs(Hqk, Hv, K, V, "bfloat16", True, True, False, True, trace=True, **build)
+        plain = build_chunk_forward_rs(Hqk, Hv, K, V, "bfloat16", True, True, False, True, **build)
+        outs = {"trace": outputs(), "plain": outputs()}
+        times = trace_stamps.time_both({"trace": lambda: kernel(*call_in, *outs["trace"], tr),
+                                        "plain": lambda: plain(*call_in, *outs["plain"])})
+        same = all(torch.equal(a, b) for a, b in zip(outs["trace"], outs["plain"]))
+        all_same = all_same and same
+        stamps = tr.cpu().tolist()
+        summary = summarize(stamps, TRACE_POINTS_OF)
+        runs[inverse] = {"ms": times, "same_outputs": same, "stamps": stamps, "summary": summary}
+        print(f"## {args.heads} {args.seqlens}, inverse by {inverse}: loop {times['plain']:.3f} ms (trace build "
+              f"{times['trace']:.3f} ms, same outputs: {same}); median chunk {summary['chunk_cycles']} cycles")
+        for role, rows in summary["roles"].items():
+            print(f"  {role}:")
+            for desc, off in rows:
+                print(f"    {'-' if off is None else off:>8}  {desc}")
+    if args.out:
+        from stage_timing import results_header  # this script's folder is on the path when run as a script
+
+        with open(args.out, "w") as f:
+            json.dump(results_header(argv, "fused_trace.py")
+                      | {"heads": args.heads, "seqlens": seqlens, "points": TRACE_POINTS_OF, "runs": runs},
+                      f, indent=1)
+    return 0 if all_same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
