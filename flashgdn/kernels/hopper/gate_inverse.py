@@ -53,6 +53,20 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, register
     ri = make_register_inverse(1, True) if registers else None
 
     @T.macro
+    def gate_into_ring(a_s, st, b_s, gc_s, a11, a21, a22):
+        # Ag = Gam ⊙ A ⊙ beta^T into the ring stage's tile, from A's blocks a11(i, j), a21, a22 (A12 = 0); exponents
+        # clamped at 0 (A is 0 above the diagonal)
+        for i, j in T.Parallel(B, B):
+            a_s[st, i, j] = T.cast(
+                a11(i, j) * b_s[st, j] * T.exp2(T.min(gc_s[st, i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
+            a_s[st, B + i, j] = T.cast(
+                a21(i, j) * b_s[st, j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
+            a_s[st, B + i, B + j] = T.cast(
+                a22(i, j) * b_s[st, B + j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, B + j], 0.0) * LOG2E),
+                io_dtype)
+            a_s[st, i, B + j] = T.cast(0, io_dtype)
+
+    @T.macro
     def chunk_cumsum(tx, g_s, gc_s, st, run):
         # one thread per row: the sum of the rows up to it, in four interleaved partial sums (a chain of 16 adds)
         if tx - first_thread < C:
@@ -106,16 +120,8 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, register
         T.gemm(d_s[1, :, :], t_s, m_f, clear_accum=True)
         for r, c2 in T.Parallel(B, B):
             d_s[2, r, c2] = -m_f[r, c2]
-        # Ag = Gam ⊙ A ⊙ beta^T into the ring stage's tile; exponents clamped at 0 (A is 0 above the diagonal)
-        for i, j in T.Parallel(B, B):
-            a_s[st, i, j] = T.cast(
-                d_s[0, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
-            a_s[st, B + i, j] = T.cast(
-                d_s[2, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
-            a_s[st, B + i, B + j] = T.cast(
-                d_s[1, i, j] * b_s[st, B + j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, B + j], 0.0) * LOG2E),
-                io_dtype)
-            a_s[st, i, B + j] = T.cast(0, io_dtype)
+        gate_into_ring(a_s, st, b_s, gc_s, lambda i, j: d_s[0, i, j], lambda i, j: d_s[2, i, j],
+                       lambda i, j: d_s[1, i, j])
 
     @T.macro
     def gated_inverse_registers(tx, k_s, b_s, gc_s, a_s, st, rb, mark=None):
@@ -138,16 +144,8 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, register
         ri.merge32_quadrant_store(rb.x32_s, u, rb.fc32)
         if mark is not None:
             mark(6)
-        # Ag = Gam ⊙ A ⊙ beta^T into the ring stage's tile, from A11, A22 (d_s) and A21 (x32_s)
-        for i, j in T.Parallel(B, B):
-            a_s[st, i, j] = T.cast(
-                rb.d_s[0, 0, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
-            a_s[st, B + i, j] = T.cast(
-                rb.x32_s[0, i, j] * b_s[st, j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, j], 0.0) * LOG2E), io_dtype)
-            a_s[st, B + i, B + j] = T.cast(
-                rb.d_s[0, 1, i, j] * b_s[st, B + j] * T.exp2(T.min(gc_s[st, B + i] - gc_s[st, B + j], 0.0) * LOG2E),
-                io_dtype)
-            a_s[st, i, B + j] = T.cast(0, io_dtype)
+        gate_into_ring(a_s, st, b_s, gc_s, lambda i, j: rb.d_s[0, 0, i, j], lambda i, j: rb.x32_s[0, i, j],
+                       lambda i, j: rb.d_s[0, 1, i, j])
 
     def register_buffers():
         """The register build's buffers, allocated where it is called (inside the kernel, in the gate's role)."""
