@@ -480,8 +480,9 @@ elif [ "$part" = fused-registers ]; then
     --switch flashgdn.kernels.hopper.forward:FUSED_REGISTER_INVERSE --heads 32/32,16/16,16/32 --seqlens 4096x8 \
     --modes fwd --rounds 2 --max-diff 1e-2 --out "$out/fused-registers-ab.json"
   tail -5 "$out/fused-registers-ab.log"
+  fwd=flashgdn.kernels.hopper.forward
   logged fused-registers-vs-default 180 python3 benchmarks/switch_ab.py \
-    --switch flashgdn.kernels.hopper.forward:DEFAULT_CHUNK_LOOP=rso/fused,flashgdn.kernels.hopper.forward:FUSED_REGISTER_INVERSE \
+    --switch "$fwd:DEFAULT_CHUNK_LOOP=rso/fused,$fwd:FUSED_REGISTER_INVERSE" \
     --heads 32/32,16/16,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --max-diff 1e-2 \
     --out "$out/fused-registers-vs-default.json"
   tail -6 "$out/fused-registers-vs-default.log"

@@ -59,8 +59,9 @@ EXPLAINED_SPILLS = {
         "the fused loop's trace build with the register-level inverse (a diagnostic, benchmarks/fused_trace.py): its "
         "build's spill, 76/76 bytes with the stamps",
     "chunk_forward_fused_registers[":
-        "68/84 bytes (32/32, 2/8, either dtype) in the \"fused\" loop's A/B with the register-level inverse (forward.FUSED_REGISTER_INVERSE, "
-        "off): the gate warpgroup at its 96 registers, which every other split of the 512 pays for elsewhere (192/88/40 "
+        "68/84 bytes (32/32, 2/8, either dtype) in the \"fused\" loop's A/B with the register-level inverse "
+        "(forward.FUSED_REGISTER_INVERSE, off): the gate warpgroup at its 96 registers, which every other split of the "
+        "512 pays for elsewhere (192/88/40 "
         "92/108, 192/80/48 136/136, 192/104/24 76/92 with the producer's; 184/112/32 serialises the state paths' "
         "wgmma); without registers8 40/60. Measured before any register work on it (notes v0.39a)",
     "chunk_forward_uw[":

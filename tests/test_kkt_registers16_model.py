@@ -1,7 +1,7 @@
-"""The lane mapping of stage 1's ``registers16`` (its macros in ``inverse_registers.py``, shared by ``kkt_inverse.py`` and
-the fused loop's ``gate_inverse.py``), emulated on the CPU: a 16x16 diagonal block of
-(I + L)^{-1} by elimination in one warp's registers, rows exchanged by shuffles, read from K K^T stored with the
-kernel's XOR swizzle (``kk_col``), equals the float64 inverse. The kernel's macro ``eliminate16`` does what
+"""The lane mapping of stage 1's ``registers16`` (its macros in ``inverse_registers.py``, shared by ``kkt_inverse.py``
+and the fused loop's ``gate_inverse.py``), emulated on the CPU: a 16x16 diagonal block of (I + L)^{-1} by elimination
+in one warp's registers, rows exchanged by shuffles, read from K K^T stored with the kernel's XOR swizzle (``kk_col``),
+equals the float64 inverse. The kernel's macro ``eliminate16`` does what
 ``eliminate16_lanes`` does here, index for index: a wrong source lane or register in either is a wrong block."""
 import torch
 

@@ -50,8 +50,8 @@ PRECISE_STATE_ONLY_REGS = (208, 64, 32)
 #: the gate warpgroup holds a column of the inverse's diagonal block (32 values) when stage 1 is in the loop
 INVERSE_IN_LOOP_REGS = (192, 96, 32)
 #: the "fused" loop's trace build (``trace=True``, ``benchmarks/fused_trace.py``) records the SM's cycle counter at
-#: these points of each role's chunk (state path 0, state path 1, gate path), for the first TRACE_CHUNKS chunks of the CTA of
-#: value head 0 and sequence 0; the gate's inverse phases (points 3-6) only with ``register_inverse``
+#: these points of each role's chunk (state path 0, state path 1, gate path), for the first TRACE_CHUNKS chunks of
+#: the CTA of value head 0 and sequence 0; the gate's inverse phases (points 3-6) only with ``register_inverse``
 TRACE_CHUNKS = 32
 _STATE_POINTS = ("chunk begins", "inputs ready", "gamma and Ag ready", "P and Kd ready", "stage released")
 TRACE_POINTS_OF = (
@@ -181,8 +181,9 @@ def build_chunk_forward_rs(
     ``register_inverse=True`` (with ``inverse_in_loop``; an A/B, ``forward.FUSED_REGISTER_INVERSE``) makes that inverse
     by stage 1's register-level pieces (``gate_inverse``'s ``registers``) instead of the 16-row substitution.
     ``trace`` (a diagnostic, with ``inverse_in_loop``) adds a last argument ``tr [3, TRACE_CHUNKS, TRACE_POINTS]``
-    int64: the SM's cycle counter at ``TRACE_POINTS_OF``'s points of each role's chunk, by the role's first thread, in the CTA
-    of value head 0 and sequence 0 (``benchmarks/fused_trace.py``). The same outputs as the build without it.
+    int64: the SM's cycle counter at ``TRACE_POINTS_OF``'s points of each role's chunk, by the role's first thread,
+    in the CTA of value head 0 and sequence 0 (``benchmarks/fused_trace.py``). The same outputs as the build without
+    it.
 
     ``first_apart=True`` (with ``store_chunk_states``) keeps every sequence's first chunk state out of ``ht``, for
     the fused backward (``fused_backward.py``, its option of the same name): two last arguments, ``first_states

@@ -118,10 +118,11 @@ KKT_MERGE32_REGISTERS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_REGISTERS", 
 #: off; FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS=1 turns it on.
 KKT_MERGE32_QUADRANTS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS", "0") == "1"
 
-#: The "fused" loop's inverse by stage 1's register-level pieces (``chunk_forward_rs``'s ``register_inverse``: v0.38a, b,
-#: d and e in the gate warpgroup, ~1770 cycles a chunk alone against ~3440 for stage 1's default) instead of its
-#: 16-row substitution. An A/B of the loop that is not the default (notes v0.39a); FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE=1
-#: turns it on.
+#: The "fused" loop's inverse by stage 1's register-level pieces (``chunk_forward_rs``'s ``register_inverse``: v0.38a,
+#: b, d and e in the gate warpgroup, ~1770 cycles a chunk alone against ~3440 for stage 1's default) instead of its
+#: 16-row substitution. An A/B of the loop that is not the default; measured 1.09x-1.14x the substitution's time and
+#: 1.42x-1.85x the default's on whole waves (notes "v0.39a measured"). FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE=1 turns
+#: it on.
 FUSED_REGISTER_INVERSE = os.environ.get("FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE", "0") == "1"
 
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
