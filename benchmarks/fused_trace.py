@@ -29,30 +29,10 @@ def summarize(stamps, points_of, skip=2):
 
 
 def loop_inputs(Hqk, Hv, seqlens, seed=0):
-    """The fused loop's arguments on random inputs (bf16, K = V = 128, the harness's decay, an initial state):
-    ``(args, outputs)``, ``outputs()`` fresh NaN-filled ``(o, ht)``."""
-    import torch
-
-    from flashgdn.kernels.hopper.forward import _output
-
-    K = V = 128
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    T = sum(seqlens)
-    N = len(seqlens)
-    cu = torch.tensor([0] + list(seqlens), device=dev).cumsum(0).to(torch.int32)
-    bf = torch.bfloat16
-    q = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
-    k = torch.nn.functional.normalize(torch.randn(1, T, Hqk, K, generator=gen, device=dev), dim=-1).to(bf)
-    v = torch.randn(1, T, Hv, V, generator=gen, device=dev).to(bf)
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen, device=dev)) / 16
-    beta = torch.sigmoid(torch.randn(1, T, Hv, generator=gen, device=dev))
-    h0 = torch.randn(N, Hv, K, V, generator=gen, device=dev)
-
-    def outputs():
-        return [_output((1, T, Hv, V), bf, dev), _output((N, Hv, K, V), torch.float32, dev)]
-
-    return (q, k, v, g, beta, cu, h0, float(K ** -0.5)), outputs
+    """The fused loop's arguments on random inputs (``trace_stamps.loop_tensors``): ``(args, outputs)``, ``outputs()``
+    fresh NaN-filled ``(o, ht)``."""
+    q, k, v, g, beta, h0, cu, outputs = trace_stamps.loop_tensors(Hqk, Hv, seqlens, seed)
+    return (q, k, v, g, beta, cu, h0, float(q.shape[-1] ** -0.5)), outputs
 
 
 def main(argv=None):
@@ -87,10 +67,7 @@ def main(argv=None):
         runs[inverse] = {"ms": times, "same_outputs": same, "stamps": stamps, "summary": summary}
         print(f"## {args.heads} {args.seqlens}, inverse by {inverse}: loop {times['plain']:.3f} ms (trace build "
               f"{times['trace']:.3f} ms, same outputs: {same}); median chunk {summary['chunk_cycles']} cycles")
-        for role, rows in summary["roles"].items():
-            print(f"  {role}:")
-            for desc, off in rows:
-                print(f"    {'-' if off is None else off:>8}  {desc}")
+        trace_stamps.print_roles(summary["roles"])
     if args.out:
         from stage_timing import results_header  # this script's folder is on the path when run as a script
 
