@@ -397,7 +397,7 @@ def hopper_forward(
     elif fused:
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, True,
-            decayed_k=True, inverse_in_loop=True, **({"register_inverse": True} if FUSED_REGISTER_INVERSE else {}),
+            decayed_k=True, inverse_in_loop=True, register_inverse=FUSED_REGISTER_INVERSE,
         )
     elif not with_output or chunk_loop in ("rs", "rsd", "rso"):
         main = build_chunk_forward_rs(
