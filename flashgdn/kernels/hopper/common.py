@@ -45,6 +45,9 @@ def kernel_cache(build):
 
     @functools.lru_cache(maxsize=None)
     def bound(arguments):
+        from flashgdn.kernels.hopper import trace_memo
+
+        trace_memo.install()  # a factory's macros rewritten once per process, not once per build (its docstring)
         return build(**dict(arguments))
 
     @functools.wraps(build)
