@@ -9,6 +9,9 @@
 # SETS (e.g. cp or cp,bwd; optional): FlashQLA's builds for those benchmark sets (benchmarks/anchor_cache.py, on the
 #   flash_qla package of .device/stack.tar.xz; ANCHOR_HEADS=HQK/HV,... for those head configurations of the sets
 #   only), packed as .device/anchor-kcache.tar.xz.
+# SERVING_HEADS (e.g. the canonical set's 2/8,4/16,8/24,8/32,16/16,16/32,16/48,16/64,32/32; optional): the serving builds
+#   of those head configurations too, into the same packed cache, for a round that runs the canonical forward beside
+#   one on the sets.
 # JOBS (default: the CPU count) compiles that many at once. scripts/gpu_rounds.sh unpacks both on the GPU machine.
 # Checking a packed cache against the code as it is now: python3 -m flashgdn.precompile ... --expect-cached, with
 #   TILELANG_CACHE_DIR set to a folder the cache was unpacked into (the script does it for its own heads and settings).
@@ -26,6 +29,11 @@ for setting in "" ${DEVICE_CACHE_SWITCHES:-}; do
   env TILELANG_CACHE_DIR="$work/cache" $setting python3 -m flashgdn.precompile --heads "$heads" --kernels training \
     --flags common --dtypes "${DEVICE_CACHE_DTYPES:-bfloat16}" --jobs "$jobs" --export "$work/ours" | tail -2
 done
+if [ -n "${SERVING_HEADS:-}" ]; then
+  echo "== our serving builds for $SERVING_HEADS"
+  env TILELANG_CACHE_DIR="$work/cache" python3 -m flashgdn.precompile --heads "$SERVING_HEADS" --kernels serving \
+    --flags common --dtypes "${DEVICE_CACHE_DTYPES:-bfloat16}" --jobs "$jobs" --export "$work/ours" | tail -2
+fi
 tar -cf - -C "$work/ours" . | xz -9 > .device/kcache.tar.xz
 echo "ours: $(find "$work/ours" -name executable.so | wc -l) entries, $(du -h .device/kcache.tar.xz | cut -f1)"
 # the packed cache, unpacked alone, must hold every build of every setting as the code now makes it (a kernel file
@@ -36,6 +44,10 @@ for setting in "" ${DEVICE_CACHE_SWITCHES:-}; do
   env TILELANG_CACHE_DIR="$work/check" $setting python3 -m flashgdn.precompile --heads "$heads" --kernels training \
     --flags common --dtypes "${DEVICE_CACHE_DTYPES:-bfloat16}" --jobs "$jobs" --expect-cached | tail -1
 done
+if [ -n "${SERVING_HEADS:-}" ]; then
+  env TILELANG_CACHE_DIR="$work/check" python3 -m flashgdn.precompile --heads "$SERVING_HEADS" --kernels serving \
+    --flags common --dtypes "${DEVICE_CACHE_DTYPES:-bfloat16}" --jobs "$jobs" --expect-cached | tail -1
+fi
 
 if [ -n "$sets" ]; then
   echo "== FlashQLA's builds for the sets $sets"
