@@ -2,8 +2,8 @@
 
 Runs the trace build of ``flashgdn/kernels/hopper/chunk_forward_rs.py`` with ``inverse_in_loop`` (``trace=True``: the
 SM's cycle counter at fixed points of each role's chunk, for the first chunks of the CTA of value head 0 and sequence
-0) on one shape, with the gate's inverse by substitution and by stage 1's register pieces (``register_inverse``), and
-prints, for each role (the two state paths, the gate path) and point, the median cycle at which it is reached
+0) on one shape, with the gate's inverse by substitution, by stage 1's register pieces (``register_inverse``), and by
+substitution with P made by the state paths (``state_p``), and prints, for each role (the two state paths, the gate path) and point, the median cycle at which it is reached
 counted from state path 0's start of the same chunk, and the median chunk length. Each trace build gives the same
 outputs as its plain build (checked here, bit for bit); only the stamps are added.
 
@@ -18,6 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_stamps  # noqa: E402
 
 ROLES = ("state path 0", "state path 1", "gate path")
+#: the builds this script can trace, by name: their options of ``build_chunk_forward_rs``
+BUILDS = {
+    "substitution": dict(decayed_k=True, inverse_in_loop=True),
+    "registers": dict(decayed_k=True, inverse_in_loop=True, register_inverse=True),
+    "state_p": dict(inverse_in_loop=True, state_p=True),
+}
 
 
 def summarize(stamps, points_of, skip=2):
@@ -39,6 +45,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="32/32", help="Hqk/Hv")
     ap.add_argument("--seqlens", default=",".join(["4096"] * 8), help="comma-separated lengths")
+    ap.add_argument("--builds", default=",".join(BUILDS), help=f"comma-separated, of {', '.join(BUILDS)}")
     ap.add_argument("--out", default=None, help="JSON file for the stamps and the summaries")
     args = ap.parse_args(argv)
 
@@ -52,9 +59,9 @@ def main(argv=None):
     K = V = 128
     call_in, outputs = loop_inputs(Hqk, Hv, seqlens)
     runs, all_same = {}, True
-    for inverse, register_inverse in (("substitution", False), ("registers", True)):
+    for inverse in args.builds.split(","):
         tr = torch.zeros((3, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=call_in[0].device)
-        build = dict(decayed_k=True, inverse_in_loop=True, register_inverse=register_inverse)
+        build = BUILDS[inverse]
         kernel = build_chunk_forward_rs(Hqk, Hv, K, V, "bfloat16", True, True, False, True, trace=True, **build)
         plain = build_chunk_forward_rs(Hqk, Hv, K, V, "bfloat16", True, True, False, True, **build)
         outs = {"trace": outputs(), "plain": outputs()}
@@ -65,7 +72,7 @@ def main(argv=None):
         stamps = tr.cpu().tolist()
         summary = summarize(stamps, TRACE_POINTS_OF)
         runs[inverse] = {"ms": times, "same_outputs": same, "stamps": stamps, "summary": summary}
-        print(f"## {args.heads} {args.seqlens}, inverse by {inverse}: loop {times['plain']:.3f} ms (trace build "
+        print(f"## {args.heads} {args.seqlens}, build {inverse}: loop {times['plain']:.3f} ms (trace build "
               f"{times['trace']:.3f} ms, same outputs: {same}); median chunk {summary['chunk_cycles']} cycles")
         trace_stamps.print_roles(summary["roles"])
     if args.out:

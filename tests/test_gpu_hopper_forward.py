@@ -21,8 +21,10 @@ STATE_BAR = 5e-3
 
 
 #: every chunk loop, or those listed in FLASHGDN_TEST_CHUNK_LOOPS (comma separated) for a quicker run;
-#: "fused_registers" is the fused loop with its inverse by stage 1's register pieces (forward.FUSED_REGISTER_INVERSE)
-CHUNK_LOOPS = [loop for loop in ("rs", "rsd", "fused", "fused_registers", "uw", "ws", "simple", "rso")
+#: "fused_registers" is the fused loop with its inverse by stage 1's register pieces (forward.FUSED_REGISTER_INVERSE),
+#: "fused_state_p" the fused loop with P made by its state paths (forward.FUSED_STATE_P)
+FUSED_OPTIONS = {"fused_registers": "FUSED_REGISTER_INVERSE", "fused_state_p": "FUSED_STATE_P"}
+CHUNK_LOOPS = [loop for loop in ("rs", "rsd", "fused", *FUSED_OPTIONS, "uw", "ws", "simple", "rso")
                if loop in os.environ.get("FLASHGDN_TEST_CHUNK_LOOPS", loop).split(",")]
 
 
@@ -32,9 +34,9 @@ def chunk_loop(request, monkeypatch, cuda):
     from flashgdn.kernels.hopper import forward
 
     monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
-    if request.param == "fused_registers":
-        monkeypatch.setattr(forward, "FUSED_REGISTER_INVERSE", True)
-    monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "fused" if request.param == "fused_registers" else request.param)
+    if request.param in FUSED_OPTIONS:
+        monkeypatch.setattr(forward, FUSED_OPTIONS[request.param], True)
+    monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "fused" if request.param in FUSED_OPTIONS else request.param)
     return request.param
 
 
@@ -286,15 +288,16 @@ def test_rso_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
 
 
 def test_fused_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
-    """The fused loop's trace build (``trace=True``, benchmarks/fused_trace.py), with either inverse, computes what its
-    plain build does, bit for bit, and each role's stamps within a chunk come in program order (the gate's inverse
+    """The fused loop's trace build (``trace=True``, benchmarks/fused_trace.py), with either inverse or P on the state
+    paths, computes what its plain build does, bit for bit, and each role's stamps within a chunk come in program order (the gate's inverse
     phases only with the register pieces), in the CTA of value head 0 and sequence 0 only."""
     from flashgdn.kernels.hopper.chunk_forward_rs import (TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF,
                                                           build_chunk_forward_rs)
 
-    if chunk_loop not in ("fused", "fused_registers"):
+    if chunk_loop not in ("fused", *FUSED_OPTIONS):
         pytest.skip("a build of the fused loop; covered by its parametrisation")
     registers = chunk_loop == "fused_registers"
+    state_p = chunk_loop == "fused_state_p"
     inp = inputs([700, 64, 9], Hqk=2, Hv=8, gate="mixed")
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     cu = inp["cu_seqlens"].to(torch.int32)
@@ -305,8 +308,9 @@ def test_fused_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
         o = torch.full((1, T, 8, 128), float("nan"), dtype=q.dtype, device=q.device)
         ht = torch.full((3, 8, 128, 128), float("nan"), dtype=torch.float32, device=q.device)
         tr = torch.zeros((3, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=q.device)
-        kernel = build_chunk_forward_rs(2, 8, 128, 128, "bfloat16", True, True, False, True, decayed_k=True,
-                                        inverse_in_loop=True, register_inverse=registers, trace=trace)
+        kernel = build_chunk_forward_rs(2, 8, 128, 128, "bfloat16", True, True, False, True, decayed_k=not state_p,
+                                        inverse_in_loop=True, register_inverse=registers, state_p=state_p,
+                                        trace=trace)
         kernel(q, k, v, g, beta, cu, h0, 0.1, o, ht, *([tr] if trace else []))
         return (o, ht), tr.cpu()
 

@@ -64,6 +64,14 @@ EXPLAINED_SPILLS = {
         "512 pays for elsewhere (192/88/40 "
         "92/108, 192/80/48 136/136, 192/104/24 76/92 with the producer's; 184/112/32 serialises the state paths' "
         "wgmma); without registers8 40/60. Measured before any register work on it (notes v0.39a)",
+    "chunk_forward_fused_state_p[":
+        "4 bytes in the \"fused\" loop's A/B with P made by the state paths (forward.FUSED_STATE_P, off) at 192/96/32: "
+        "the state paths at their 192 registers with P's half beside S^T and the accumulators, or the gate at its 96; "
+        "every other split tried spills more (200/88/24 44/44, 192/104/24 16/16, 192/88/40 36/56; 184/112/32 "
+        "serialises the state paths' wgmma), and keeping Vn^T diag(d) out of O^T's GEMM leaves the 4 bytes (notes "
+        "v0.41a)",
+    "chunk_forward_fused_trace_state_p[":
+        "the same build's trace (a diagnostic, benchmarks/fused_trace.py)",
     "chunk_forward_uw[":
         "4 bytes in the uw chunk loop (forward.CHUNK_LOOP=uw, an A/B loop, not the default) with fast math, the build "
         "that runs (none in PTX made without it, which the report read before notes v0.32c); not read in the SASS",
@@ -268,6 +276,10 @@ def test_loop_and_stage1_options_are_checked():
         build_chunk_forward_rs(*args, precise=True, decayed_k=True)
     with pytest.raises(ValueError, match="needs inverse_in_loop"):  # the register pieces make that loop's inverse
         build_chunk_forward_rs(*args, decayed_k=True, register_inverse=True)
+    with pytest.raises(ValueError, match="state_p"):  # P on the state paths is a form of the fused loop
+        build_chunk_forward_rs(*args, state_p=True)
+    with pytest.raises(ValueError, match="state_p"):  # whose update decays Vn^T, not K
+        build_chunk_forward_rs(*args, decayed_k=True, inverse_in_loop=True, state_p=True)
     from flashgdn.kernels.hopper.fused_backward import build_fused_backward
 
     with pytest.raises(ValueError, match="longest_first"):  # its order rides with first_apart's arguments

@@ -81,6 +81,7 @@ def build_chunk_forward_rs(
     decayed_k: bool = False,
     inverse_in_loop: bool = False,
     register_inverse: bool = False,
+    state_p: bool = False,
     skip_unread: str = "",
     swizzled_v: Optional[bool] = None,
     lean: bool = False,
@@ -180,6 +181,13 @@ def build_chunk_forward_rs(
     plan, no ``kkt_inverse`` launch, no Ag or g~ round trip through HBM. Registers 192/96/32.
     ``register_inverse=True`` (with ``inverse_in_loop``; an A/B, ``forward.FUSED_REGISTER_INVERSE``) makes that inverse
     by stage 1's register-level pieces (``gate_inverse``'s ``registers``) instead of the 16-row substitution.
+    ``state_p=True`` (with ``inverse_in_loop``, instead of ``decayed_k``; an A/B, ``forward.FUSED_STATE_P``) takes P
+    and Kd off the gate warpgroup, whose chunk is the fused loop's (notes "v0.39a traced": P 3600-4700 and Kd ~900 of
+    its ~10700 cycles, while the state paths wait for Ag): each state path makes Q K^T's columns w 32 .. w 32 + 31
+    (issued while the gate still makes Ag), gates them once g~ is there and stores them into P's tile, and the two
+    meet on p_ready (256 arrivals) before O^T += Vn^T P^T. The update's decay goes back on Vn^T (rs's order, no Kd
+    tile: 32 KB less shared memory), its bf16 copy made while O^T's GEMM runs so both GEMMs are waited on once.
+    Registers 192/96/32, as without it: ptxas keeps 4 bytes of spills there, every other split tried spills more.
     ``trace`` (a diagnostic, with ``inverse_in_loop``) adds a last argument ``tr [3, TRACE_CHUNKS, TRACE_POINTS]``
     int64: the SM's cycle counter at ``TRACE_POINTS_OF``'s points of each role's chunk, by the role's first thread,
     in the CTA of value head 0 and sequence 0 (``benchmarks/fused_trace.py``). The same outputs as the build without
@@ -253,11 +261,14 @@ def build_chunk_forward_rs(
         raise ValueError("chunk_late_b makes late_b's count from chunk_bounds' terms: with chunk_bounds, not late_b")
     if late_b and not negligible_m:
         raise ValueError("late_b is built beside negligible_m (the transition pass that takes the bounds)")
-    if inverse_in_loop and not (decayed_k and with_output) or inverse_in_loop and (
+    if inverse_in_loop and not ((decayed_k or state_p) and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
         raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
     if trace and not inverse_in_loop:
         raise ValueError("trace stamps the fused loop's roles (inverse_in_loop)")
+    if state_p and (decayed_k or not inverse_in_loop):
+        raise ValueError("state_p is a form of the fused loop (inverse_in_loop) with the update's decay on Vn^T, "
+                         "not decayed_k")
     if register_inverse and not inverse_in_loop:
         raise ValueError("register_inverse is a way of making inverse_in_loop's inverse: it needs inverse_in_loop")
     if decayed_k and precise:
@@ -274,6 +285,9 @@ def build_chunk_forward_rs(
         raise ValueError("first_apart is an option of store_chunk_states")
     # chunk states are stored as the GEMMs here and in the backward read them: rounded to the io dtype
     ht_dtype = io_dtype if store_chunk_states else "float32"
+    # the gate signals gamma (and the fused loop's Ag) on a barrier of their own, before P: W^T waits on them alone
+    early_a = decayed_k or state_p
+    HC = C // 2  # P's columns each state path makes with state_p
 
     parts = make_loop_parts(C, K, V, io_dtype, has_initial_state, store_final_state, state_v_first)
 
@@ -301,6 +315,9 @@ def build_chunk_forward_rs(
             xb_f = T.alloc_fragment((HV2, C), io_dtype)  # W^T's third term (its GEMM overwrites W^T)
         if with_output:
             o_f = T.alloc_fragment((HV2, C), acc)  # O^T
+        if state_p:  # this path's half of P's columns, then Vn^T diag(d)'s bf16 copy (ub_f is in flight then)
+            ph_f = T.alloc_fragment((C, HC), acc)
+            vd_f = T.alloc_fragment((HV2, C), io_dtype)
         if lean:  # gamma_j and d_j per column of the thread's [64, C] accumulators, gamma_C
             gcol_f = T.alloc_fragment((C,), acc)
             dcol_f = T.alloc_fragment((C,), acc)
@@ -356,7 +373,7 @@ def build_chunk_forward_rs(
             stamp(tr, w, 1, c, h, n)
             T.copy(st_f, sb_f)
             # S^T K^T and S^T Q^T, register A operand
-            if decayed_k:  # both in flight at once, gamma_C S^T meanwhile (S^T itself is not an operand)
+            if early_a:  # both in flight at once, gamma_C S^T meanwhile (S^T itself is not an operand)
                 T.wgmma_gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
                 if with_output:
                     T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
@@ -364,6 +381,9 @@ def build_chunk_forward_rs(
                     for i, j in T.Parallel(HV2, K):
                         st_f[i, j] = st_f[i, j] * T.exp2(gc_s[st, C - 1] * LOG2E)
                 T.wait_wgmma(0)
+                if state_p:  # Q K^T's columns w HC .. w HC + HC - 1, in flight while the gate makes Ag
+                    T.wgmma_gemm(q_s[st, :, :], k_s[st, w * HC:w * HC + HC, :], ph_f, transpose_B=True,
+                                 clear_accum=True)
             else:
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True, clear_accum=True)
                 if with_output:
@@ -379,8 +399,17 @@ def build_chunk_forward_rs(
                     sb_f[i, j] = st_f[i, j] - T.cast(T.cast(st_f[i, j], io_dtype), acc) - sb_f[i, j]
                 T.gemm(sb_f, k_s[st, :, :], u_f, transpose_B=True)
             # (decayed_k: what W^T and Vn^T need, gamma and Ag, comes before P and Kd)
-            T.barrier_wait(a_ready[st] if decayed_k else p_ready[st], (c // 2) % 2)
+            T.barrier_wait(a_ready[st] if early_a else p_ready[st], (c // 2) % 2)
             stamp(tr, w, 2, c, h, n)
+            if state_p:  # P = scale Gam ⊙ Q K^T on this path's columns, for both paths' O^T
+                T.wait_wgmma(0)
+                for i, j in T.Parallel(C, HC):
+                    ph_f[i, j] = T.if_then_else(
+                        i >= j + w * HC,
+                        ph_f[i, j] * scale * T.exp2((gc_s[st, i] - gc_s[st, j + w * HC]) * LOG2E), 0.0)
+                T.copy(ph_f, p_s[st, :, w * HC:w * HC + HC])
+                T.fence_proxy_async()
+                T.barrier_arrive(p_ready[st])
             if inverse_in_loop:  # gamma_C = exp(g~_last), which the gate warpgroup made
                 for i, j in T.Parallel(HV2, K):
                     st_f[i, j] = st_f[i, j] * gam_s[st, C - 1]
@@ -427,6 +456,18 @@ def build_chunk_forward_rs(
                 stamp(tr, w, 4, c, h, n)
                 if with_output:
                     parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
+            elif state_p:
+                T.barrier_wait(p_ready[st], (c // 2) % 2)
+                stamp(tr, w, 3, c, h, n)
+                # O^T += Vn^T P^T in flight while Vn^T diag(d) is made; then S'^T = gamma_C S^T + (Vn^T diag(d)) K
+                T.wgmma_gemm(ub_f, p_s[st, :, :], o_f, transpose_B=True)
+                for i, j in T.Parallel(HV2, C):
+                    vd_f[i, j] = T.cast(u_f[i, j] * dec_s[st, j], io_dtype)
+                T.wgmma_gemm(vd_f, k_s[st, :, :], st_f)
+                T.wait_wgmma(0)
+                T.barrier_arrive(empty[st])
+                stamp(tr, w, 4, c, h, n)
+                parts.store_output(o_f, o_s, o, w, t0, n_rows, h, c0)
             else:
                 if precise:
                     for i, j in T.Parallel(HV2, C):
@@ -610,8 +651,9 @@ def build_chunk_forward_rs(
 
             full = T.alloc_barrier(arrive_count=[96] * 2)  # producer warps 0..2 -> consumers
             empty = T.alloc_barrier(arrive_count=[384] * 2)  # consumers -> producer
-            p_ready = T.alloc_barrier(arrive_count=[128] * 2)
-            a_ready = T.alloc_barrier(arrive_count=[128] * 2) if decayed_k else None  # gate -> state, before P
+            # P from the gate, or (state_p) from both state paths, a half each
+            p_ready = T.alloc_barrier(arrive_count=[256 if state_p else 128] * 2)
+            a_ready = T.alloc_barrier(arrive_count=[128] * 2) if early_a else None  # gate -> state, before P
 
             if swizzled_v:
                 T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s)})
@@ -649,7 +691,8 @@ def build_chunk_forward_rs(
             elif tx < 384:
                 # ---------------- gate path
                 T.set_max_nreg(gate_regs, 0)
-                p_f = T.alloc_fragment((C, C), acc)
+                if not state_p:
+                    p_f = T.alloc_fragment((C, C), acc)
                 if inverse_in_loop:
                     gb = gi.buffers()
                 for c in T.serial(n_chunks):
@@ -666,24 +709,30 @@ def build_chunk_forward_rs(
                         else:
                             gi.gated_inverse(tx, k_s, b_s, gc_s, a_s, st, gb.kk_f, gb.kk_s, gb.d_s, gb.l21_s, gb.t_s,
                                              gb.m_f, gb.x, gb.part, gb.s16_s, gb.t16_s, gb.m16_f)
-                    if decayed_k:  # gamma (and Ag) first: the state paths' W^T and Vn^T wait on them alone
+                    if early_a:  # gamma (and Ag) first: the state paths' W^T and Vn^T wait on them alone
                         parts.gate_decays(gc_s, gam_s, dec_s, st)
                         T.fence_proxy_async()
                         T.barrier_arrive(a_ready[st])
                         stamp(tr, 2, 7, c, h, n)
-                    if with_output:
-                        parts.gate_p(q_s, k_s, gc_s, p_f, p_s, st, scale)
+                    if state_p:  # P is the state paths' to make, the decay of the update theirs too
+                        T.barrier_arrive(empty[st])
                         stamp(tr, 2, 8, c, h, n)
-                    if not decayed_k:
-                        parts.gate_decays(gc_s, gam_s, dec_s, st)
-                    if decayed_k:  # the factor again from g~ (dec_s is another thread's write)
-                        for i, j in T.Parallel(C, K):
-                            kd_s[st, i, j] = T.cast(
-                                T.cast(k_s[st, i, j], acc) * T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E), io_dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(p_ready[st])
-                    T.barrier_arrive(empty[st])
-                    stamp(tr, 2, 9, c, h, n)
+                        stamp(tr, 2, 9, c, h, n)
+                    else:
+                        if with_output:
+                            parts.gate_p(q_s, k_s, gc_s, p_f, p_s, st, scale)
+                            stamp(tr, 2, 8, c, h, n)
+                        if not decayed_k:
+                            parts.gate_decays(gc_s, gam_s, dec_s, st)
+                        if decayed_k:  # the factor again from g~ (dec_s is another thread's write)
+                            for i, j in T.Parallel(C, K):
+                                kd_s[st, i, j] = T.cast(
+                                    T.cast(k_s[st, i, j], acc) * T.exp2((gc_s[st, C - 1] - gc_s[st, i]) * LOG2E),
+                                    io_dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(p_ready[st])
+                        T.barrier_arrive(empty[st])
+                        stamp(tr, 2, 9, c, h, n)
                 if with_output:  # padded tail after the last sequence: zeros
                     parts.zero_tail(o, n, h, eos, num_seqs, num_tokens)
             else:

@@ -125,6 +125,11 @@ KKT_MERGE32_QUADRANTS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS", 
 #: it on.
 FUSED_REGISTER_INVERSE = os.environ.get("FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE", "0") == "1"
 
+#: The "fused" loop with P made by its state paths, a half each, and the update's decay on Vn^T (``chunk_forward_rs``'s
+#: ``state_p``, notes v0.41a), so that its gate warpgroup makes only g~, Ag and the decays. An A/B of the loop that is
+#: not the default; FLASHGDN_HOPPER_FUSED_STATE_P=1 turns it on.
+FUSED_STATE_P = os.environ.get("FLASHGDN_HOPPER_FUSED_STATE_P", "0") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -397,7 +402,8 @@ def hopper_forward(
     elif fused:
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, True,
-            decayed_k=True, inverse_in_loop=True, register_inverse=FUSED_REGISTER_INVERSE,
+            decayed_k=not FUSED_STATE_P, inverse_in_loop=True, register_inverse=FUSED_REGISTER_INVERSE,
+            state_p=FUSED_STATE_P,
         )
     elif not with_output or chunk_loop in ("rs", "rsd", "rso"):
         main = build_chunk_forward_rs(
