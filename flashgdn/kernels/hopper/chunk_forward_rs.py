@@ -187,7 +187,8 @@ def build_chunk_forward_rs(
     (issued while the gate still makes Ag), gates them once g~ is there and stores them into P's tile, and the two
     meet on p_ready (256 arrivals) before O^T += Vn^T P^T. The update's decay goes back on Vn^T (rs's order, no Kd
     tile: 32 KB less shared memory), its bf16 copy made while O^T's GEMM runs so both GEMMs are waited on once.
-    Registers 192/96/32, as without it: ptxas keeps 4 bytes of spills there, every other split tried spills more.
+    Its gate makes g~ by a shuffle scan on one warp (``gate_inverse``'s ``chunk_cumsum_scan``; ~700 cycles by one
+    thread a row in "v0.39a traced"). Registers 192/96/32, as without it: ptxas keeps 4 bytes of spills there, every other split tried spills more.
     ``trace`` (a diagnostic, with ``inverse_in_loop``) adds a last argument ``tr [3, TRACE_CHUNKS, TRACE_POINTS]``
     int64: the SM's cycle counter at ``TRACE_POINTS_OF``'s points of each role's chunk, by the role's first thread,
     in the CTA of value head 0 and sequence 0 (``benchmarks/fused_trace.py``). The same outputs as the build without
@@ -701,7 +702,10 @@ def build_chunk_forward_rs(
                     T.barrier_wait(full[st], (c // 2) % 2)
                     stamp(tr, 2, 1, c, h, n)
                     if inverse_in_loop:  # g~ and Ag of this chunk, into the ring stage
-                        gi.chunk_cumsum(tx, g_s, gc_s, st, gb.run)
+                        if state_p:
+                            gi.chunk_cumsum_scan(tx, g_s, gc_s, st, gb.run)
+                        else:
+                            gi.chunk_cumsum(tx, g_s, gc_s, st, gb.run)
                         stamp(tr, 2, 2, c, h, n)
                         if register_inverse:
                             gi.gated_inverse_registers(tx, k_s, b_s, gc_s, a_s, st, gb,

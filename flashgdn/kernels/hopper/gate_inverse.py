@@ -14,7 +14,8 @@ Here the work is one value head's (the CTA's), on the 128 threads of the gate wa
 into the ring stage's shared tile that the state paths' ``W^T Ag^T`` reads: no Ag or g~ round trip through HBM
 and no stage-1 kernel before the loop. The gate's K K^T is its own wgmma on K's tile (the state paths and P read
 the same tile). g~ is each row's sum of four interleaved partial sums (one thread per row), so its rounding is
-not the scan's of ``kkt_inverse``: other bits, the same error.
+not the scan's of ``kkt_inverse``: other bits, the same error. ``chunk_cumsum_scan`` (the fused loop with
+``state_p``) makes it by a shuffle scan on one warp instead: other bits again.
 
 Measured (``benchmarks/results/h200/stages-hopper-v0.10b.json``, ``profiles/forward-v0.10-fused-*``): the gate
 warpgroup issues ~1540 instructions per warp and chunk, most of them element-wise (Ag's 64x64 gating, P, Kd), one
@@ -76,6 +77,24 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, register
             for j in T.unroll(C):
                 run[j % 4] = run[j % 4] + T.if_then_else(j <= r, g_s[st, j], 0.0)
             gc_s[st, r] = (run[0] + run[1]) + (run[2] + run[3])
+
+    @T.macro
+    def chunk_cumsum_scan(tx, g_s, gc_s, st, run):
+        # the first warp: lane l rows 2l and 2l + 1, the pairs' inclusive sums scanned over the lanes by shuffles
+        # (a chain of ~7 shuffles and adds instead of the 16 adds behind 64 shared loads of one thread a row)
+        if tx - first_thread < 32:
+            lane = tx - first_thread
+            run[0] = g_s[st, 2 * lane]
+            run[1] = g_s[st, 2 * lane + 1]
+            run[2] = run[0] + run[1]
+            for d in T.unroll(5):
+                run[3] = T.shfl_up(run[2], 1 << d)
+                if lane >= (1 << d):
+                    run[2] = run[2] + run[3]
+            run[3] = T.shfl_up(run[2], 1)  # the sum of the rows before 2l (lane 0: none)
+            run[3] = T.if_then_else(lane == 0, T.float32(0), run[3])
+            gc_s[st, 2 * lane] = run[3] + run[0]
+            gc_s[st, 2 * lane + 1] = (run[3] + run[0]) + run[1]
 
     @T.macro
     def gated_inverse(tx, k_s, b_s, gc_s, a_s, st, kk_f, kk_s, d_s, l21_s, t_s, m_f, x, part, s16_s, t16_s, m16_f):
@@ -192,5 +211,5 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, register
             run=T.alloc_local((4,), acc),
         )
 
-    return SimpleNamespace(chunk_cumsum=chunk_cumsum, gated_inverse=gated_inverse,
+    return SimpleNamespace(chunk_cumsum=chunk_cumsum, chunk_cumsum_scan=chunk_cumsum_scan, gated_inverse=gated_inverse,
                            gated_inverse_registers=gated_inverse_registers, buffers=buffers)
