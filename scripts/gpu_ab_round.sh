@@ -216,10 +216,10 @@ set -uo pipefail
 # cp-set-fq-fwd: the same for the forward (cp-set-fwd.json).
 # cp-set-fq: the cp set's fwd+bwd, flashgdn beside FlashQLA in one process, with both peak memories (cp-set.json;
 #   with CP_SET_PART=i/n that part of the set's head configs, cp-set-part{i}.json, within CP_SET_BUDGET seconds).
-# fused-state-p: P on the fused loop's state paths (forward.FUSED_STATE_P, notes v0.41a): its GPU tests
-#   (gpu-fused-state-p.log), its trace beside the fused loop's at 32/32 and 16/32 (fused-state-p-trace-*.json);
-# fused-state-p-ab: the A/B against the fused loop (fused-state-p-ab.json) and against the default
-#   (fused-state-p-vs-default.json).
+# fused-state-p-trace, fused-state-p-ab, fused-state-p-tests: P on the fused loop's state paths (forward.FUSED_STATE_P,
+#   notes v0.41a): its trace beside the fused loop's at 32/32 and 16/32 (fused-state-p-trace-*.json); the A/B against
+#   the fused loop (fused-state-p-ab.json) and against the default (fused-state-p-vs-default.json); its GPU tests
+#   (gpu-fused-state-p.log).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -227,7 +227,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p|fused-state-p-ab OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -504,28 +504,30 @@ elif [ "$part" = fused-trace ]; then
       --out "$out/rso-trace-${heads/\//x}.json"
     head -1 "$out/rso-trace-${heads/\//x}.log"
   done
-elif [ "$part" = fused-state-p ]; then
-  # P on the fused loop's state paths (forward.FUSED_STATE_P, notes v0.41a): the forward's oracle tests on it (its
-  # trace build's among them), its trace beside the substitution build's on whole waves of a group of one and of two;
-  # fused-state-p-ab: the op with it against the fused loop, and against the default (rso with stage 1 apart)
-  FLASHGDN_TEST_CHUNK_LOOPS=fused_state_p gpu_tests gpu-fused-state-p 240 8 tests/test_gpu_hopper_forward.py
+elif [ "$part" = fused-state-p-trace ]; then
+  # P on the fused loop's state paths (forward.FUSED_STATE_P, notes v0.41a): its trace beside the substitution build's
+  # on whole waves of a group of one and of two
   s8=4096,4096,4096,4096,4096,4096,4096,4096
   for heads in ${TRACE_HEADS:-32/32 16/32}; do
-    logged fused-state-p-trace-${heads/\//x} 120 python3 benchmarks/fused_trace.py --heads "$heads" --seqlens $s8 \
+    logged fused-state-p-trace-${heads/\//x} 100 python3 benchmarks/fused_trace.py --heads "$heads" --seqlens $s8 \
       --builds substitution,state_p --out "$out/fused-state-p-trace-${heads/\//x}.json"
     grep "^##" "$out/fused-state-p-trace-${heads/\//x}.log"
   done
 elif [ "$part" = fused-state-p-ab ]; then
+  # the op with it against the fused loop, and against the default (rso with stage 1 apart)
   fwd=flashgdn.kernels.hopper.forward
-  FLASHGDN_HOPPER_CHUNK_LOOP=fused logged fused-state-p-ab 100 python3 benchmarks/switch_ab.py \
+  FLASHGDN_HOPPER_CHUNK_LOOP=fused logged fused-state-p-ab 90 python3 benchmarks/switch_ab.py \
     --switch $fwd:FUSED_STATE_P --heads 32/32,16/16,16/32 --seqlens 4096x8 --modes fwd --rounds 2 --max-diff 1e-2 \
     --out "$out/fused-state-p-ab.json"
   tail -5 "$out/fused-state-p-ab.log"
-  logged fused-state-p-vs-default 180 python3 benchmarks/switch_ab.py \
+  logged fused-state-p-vs-default 120 python3 benchmarks/switch_ab.py \
     --switch "$fwd:DEFAULT_CHUNK_LOOP=rso/fused,$fwd:FUSED_STATE_P" \
     --heads 32/32,16/16,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --max-diff 1e-2 \
     --out "$out/fused-state-p-vs-default.json"
   tail -6 "$out/fused-state-p-vs-default.log"
+elif [ "$part" = fused-state-p-tests ]; then
+  # the forward's oracle tests on it (its trace build's among them)
+  FLASHGDN_TEST_CHUNK_LOOPS=fused_state_p gpu_tests gpu-fused-state-p 200 8 tests/test_gpu_hopper_forward.py
 elif [ "$part" = stage1-trace ]; then
   # stage 1's phases by the SM's cycle counter, one CTA an SM and on a full GPU (notes "How long stage 1's phases
   # take a CTA alone"): the trace build's GPU test, then benchmarks/stage1_trace.py on a group of one and of two
