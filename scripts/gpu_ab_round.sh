@@ -220,6 +220,8 @@ set -uo pipefail
 #   notes v0.41a): its trace beside the fused loop's at 32/32 and 16/32 (fused-state-p-trace-*.json); the A/B against
 #   the fused loop (fused-state-p-ab.json) and against the default (fused-state-p-vs-default.json); its GPU tests
 #   (gpu-fused-state-p.log).
+# fused-state-p-options: its trace beside the same with v's tile swizzled and with the register inverse (notes v0.41b;
+#   fused-state-p-options-*.json).
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -227,7 +229,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests|fused-state-p-options OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -512,6 +514,14 @@ elif [ "$part" = fused-state-p-trace ]; then
     logged fused-state-p-trace-${heads/\//x} 100 python3 benchmarks/fused_trace.py --heads "$heads" --seqlens $s8 \
       --builds substitution,state_p --out "$out/fused-state-p-trace-${heads/\//x}.json"
     grep "^##" "$out/fused-state-p-trace-${heads/\//x}.log"
+  done
+elif [ "$part" = fused-state-p-options ]; then
+  # two options of it by the same trace (notes v0.41b): v's tile swizzled, the gate's inverse by the register pieces
+  s8=4096,4096,4096,4096,4096,4096,4096,4096
+  for heads in ${TRACE_HEADS:-32/32 16/32}; do
+    logged fused-state-p-options-${heads/\//x} 150 python3 benchmarks/fused_trace.py --heads "$heads" --seqlens $s8 \
+      --builds state_p,state_p_swizzled,state_p_registers --out "$out/fused-state-p-options-${heads/\//x}.json"
+    grep "^##" "$out/fused-state-p-options-${heads/\//x}.log"
   done
 elif [ "$part" = fused-state-p-ab ]; then
   # the op with it against the fused loop, and against the default (rso with stage 1 apart)
