@@ -188,7 +188,10 @@ def build_chunk_forward_rs(
     meet on p_ready (256 arrivals) before O^T += Vn^T P^T. The update's decay goes back on Vn^T (rs's order, no Kd
     tile: 32 KB less shared memory), its bf16 copy made while O^T's GEMM runs so both GEMMs are waited on once.
     Its gate makes g~ by a shuffle scan on one warp (``gate_inverse``'s ``chunk_cumsum_scan``; ~700 cycles by one
-    thread a row in "v0.39a traced"). Registers 192/96/32, as without it: ptxas keeps 4 bytes of spills there, every other split tried spills more.
+    thread a row in "v0.39a traced"). Registers 192/96/32, as without it: ptxas keeps 4 bytes of spills there, every
+    other split tried spills more. Measured: the loop 0.86x-0.92x the fused loop's time without it, but its gate's
+    inverse 1.55x slower while the state paths work beside it, so the chunk fell by about the work removed, not by
+    what left the gate's path (notes "v0.41a measured").
     ``trace`` (a diagnostic, with ``inverse_in_loop``) adds a last argument ``tr [3, TRACE_CHUNKS, TRACE_POINTS]``
     int64: the SM's cycle counter at ``TRACE_POINTS_OF``'s points of each role's chunk, by the role's first thread,
     in the CTA of value head 0 and sequence 0 (``benchmarks/fused_trace.py``). The same outputs as the build without

@@ -127,7 +127,9 @@ FUSED_REGISTER_INVERSE = os.environ.get("FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE"
 
 #: The "fused" loop with P made by its state paths, a half each, and the update's decay on Vn^T (``chunk_forward_rs``'s
 #: ``state_p``, notes v0.41a), so that its gate warpgroup makes only g~, Ag and the decays. An A/B of the loop that is
-#: not the default; FLASHGDN_HOPPER_FUSED_STATE_P=1 turns it on.
+#: not the default; measured 0.86x-0.92x the fused loop's time and 1.11x-1.43x the default's on whole waves (H100:
+#: the gate's inverse slows beside the state paths' new work, notes "v0.41a measured").
+#: FLASHGDN_HOPPER_FUSED_STATE_P=1 turns it on.
 FUSED_STATE_P = os.environ.get("FLASHGDN_HOPPER_FUSED_STATE_P", "0") == "1"
 
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
