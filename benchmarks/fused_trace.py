@@ -2,10 +2,11 @@
 
 Runs the trace build of ``flashgdn/kernels/hopper/chunk_forward_rs.py`` with ``inverse_in_loop`` (``trace=True``: the
 SM's cycle counter at fixed points of each role's chunk, for the first chunks of the CTA of value head 0 and sequence
-0) on one shape, with the gate's inverse by substitution, by stage 1's register pieces (``register_inverse``), and by
-substitution with P made by the state paths (``state_p``), and prints, for each role (the two state paths, the gate path) and point, the median cycle at which it is reached
-counted from state path 0's start of the same chunk, and the median chunk length. Each trace build gives the same
-outputs as its plain build (checked here, bit for bit); only the stamps are added.
+0) on one shape, for each build asked for (``BUILDS``: the gate's inverse by substitution, by stage 1's register
+pieces, with P made by the state paths, ...), and prints, for each role (the two state paths, the gate path) and
+point, the median cycle at which it is reached counted from state path 0's start of the same chunk, and the median
+chunk length. Each trace build gives the same outputs as its plain build (checked here, bit for bit); only the stamps
+are added.
 
     python benchmarks/fused_trace.py --heads 32/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --out trace.json
 """

@@ -289,8 +289,8 @@ def test_rso_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
 
 def test_fused_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
     """The fused loop's trace build (``trace=True``, benchmarks/fused_trace.py), with either inverse or P on the state
-    paths, computes what its plain build does, bit for bit, and each role's stamps within a chunk come in program order (the gate's inverse
-    phases only with the register pieces), in the CTA of value head 0 and sequence 0 only."""
+    paths, computes what its plain build does, bit for bit, and each role's stamps within a chunk come in program
+    order (the gate's inverse phases only with the register pieces), in the CTA of value head 0 and sequence 0 only."""
     from flashgdn.kernels.hopper.chunk_forward_rs import (TRACE_CHUNKS, TRACE_POINTS, TRACE_POINTS_OF,
                                                           build_chunk_forward_rs)
 

@@ -267,7 +267,7 @@ def build_chunk_forward_rs(
         raise ValueError("late_b is built beside negligible_m (the transition pass that takes the bounds)")
     if inverse_in_loop and not ((decayed_k or state_p) and with_output) or inverse_in_loop and (
             store_chunk_states or transition_pairs):
-        raise ValueError("inverse_in_loop is a mode of the decayed_k loop with an output")
+        raise ValueError("inverse_in_loop is a mode of the decayed_k (or state_p) loop with an output")
     if trace and not inverse_in_loop:
         raise ValueError("trace stamps the fused loop's roles (inverse_in_loop)")
     if state_p and (decayed_k or not inverse_in_loop):

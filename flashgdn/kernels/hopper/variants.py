@@ -187,9 +187,9 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         # its inverse by substitution, or by stage 1's register pieces; P by the state paths (state_p)
         for tag, extra in (("", {}), ("_registers", {"register_inverse": True}),
                            ("_state_p", {"state_p": True, "decayed_k": False})):
-            fused = dict(dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
-                              store_final_state=store_ht, state_v_first=v_first, decayed_k=True, inverse_in_loop=True),
-                         **extra)
+            fused = {**dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
+                            store_final_state=store_ht, state_v_first=v_first, decayed_k=True, inverse_in_loop=True),
+                     **extra}
             yield name.replace("chunk_forward", "chunk_forward_fused" + tag), "chunk_forward_rs", fused
             if has_h0 and store_ht and not v_first:  # its trace build (benchmarks/fused_trace.py), a diagnostic
                 yield (name.replace("chunk_forward", "chunk_forward_fused_trace" + tag), "chunk_forward_rs",
