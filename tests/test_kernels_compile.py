@@ -72,6 +72,16 @@ EXPLAINED_SPILLS = {
         "v0.41a)",
     "chunk_forward_fused_trace_state_p[":
         "the same build's trace (a diagnostic, benchmarks/fused_trace.py)",
+    "chunk_forward_fused_state_p_swizzled[":
+        "20 bytes in state_p's A/B with v's tile swizzled (notes v0.41b, traced by benchmarks/fused_trace.py only): the "
+        "swizzled reads' address arithmetic on the state paths at their 192 registers, beside state_p's own 4",
+    "chunk_forward_fused_trace_state_p_swizzled[":
+        "the same 20 bytes in its trace build (a diagnostic)",
+    "chunk_forward_fused_state_p_registers[":
+        "80 bytes in state_p's A/B with the register inverse (notes v0.41b, traced by benchmarks/fused_trace.py only): "
+        "the register pieces in the gate warpgroup at its 96 registers, as in the fused loop's own A/B of them (68/84)",
+    "chunk_forward_fused_trace_state_p_registers[":
+        "100 bytes in its trace build (a diagnostic): the same, and the stamps",
     "chunk_forward_uw[":
         "4 bytes in the uw chunk loop (forward.CHUNK_LOOP=uw, an A/B loop, not the default) with fast math, the build "
         "that runs (none in PTX made without it, which the report read before notes v0.32c); not read in the SASS",

@@ -185,11 +185,16 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
                    dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
                         store_final_state=store_ht, state_v_first=v_first, with_output=wo, decayed_k=True))
         # its inverse by substitution, or by stage 1's register pieces; P by the state paths (state_p)
-        for tag, extra in (("", {}), ("_registers", {"register_inverse": True}),
-                           ("_state_p", {"state_p": True, "decayed_k": False})):
-            fused = {**dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0,
-                            store_final_state=store_ht, state_v_first=v_first, decayed_k=True, inverse_in_loop=True),
-                     **extra}
+        base = dict(Hqk=Hqk, Hv=Hv, K=K, V=V, io_dtype=dtype, has_initial_state=has_h0, store_final_state=store_ht,
+                    state_v_first=v_first, decayed_k=True, inverse_in_loop=True)
+        state_p = {**base, "state_p": True, "decayed_k": False}
+        builds = [("", base), ("_registers", {**base, "register_inverse": True}), ("_state_p", state_p)]
+        if has_h0 and store_ht and not v_first and dtype == "bfloat16":
+            # state_p's two A/Bs, traced by benchmarks/fused_trace.py only (notes v0.41b): v's tile swizzled, the
+            # gate's inverse by the register pieces
+            builds += [("_state_p_swizzled", {**state_p, "swizzled_v": True}),
+                       ("_state_p_registers", {**state_p, "register_inverse": True})]
+        for tag, fused in builds:
             yield name.replace("chunk_forward", "chunk_forward_fused" + tag), "chunk_forward_rs", fused
             if has_h0 and store_ht and not v_first:  # its trace build (benchmarks/fused_trace.py), a diagnostic
                 yield (name.replace("chunk_forward", "chunk_forward_fused_trace" + tag), "chunk_forward_rs",
