@@ -252,6 +252,16 @@ gpu_tests() {
   python3 benchmarks/error_report.py "$out/errors-$name" --out "$out/$name-errors.json" > "$out/$name-errors.md" &&
     head -1 "$out/$name-errors.md"
 }
+# the fused loop's builds traced side by side (benchmarks/fused_trace.py) on 4096x8 at each of TRACE_HEADS (default
+# 32/32 and 16/32): fused_traces NAME SECONDS BUILDS (NAME-32x32.json, ...)
+fused_traces() {
+  local name=$1 limit=$2 builds=$3 heads
+  for heads in ${TRACE_HEADS:-32/32 16/32}; do
+    logged "$name-${heads/\//x}" "$limit" python3 benchmarks/fused_trace.py --heads "$heads" \
+      --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --builds "$builds" --out "$out/$name-${heads/\//x}.json"
+    grep "^##" "$out/$name-${heads/\//x}.log"
+  done
+}
 # backend.CP_NEGLIGIBLE_M_IN_KERNEL both ways side by side: the cp set's forward, and fwd+bwd at 2/4, 4/8 and 8/16
 # (PREFIX-cp-fwd.json, PREFIX-cp-fwdbwd.json): negligible_m_in_kernel_ab PREFIX
 negligible_m_in_kernel_ab() {
@@ -509,20 +519,10 @@ elif [ "$part" = fused-trace ]; then
 elif [ "$part" = fused-state-p-trace ]; then
   # P on the fused loop's state paths (forward.FUSED_STATE_P, notes v0.41a): its trace beside the substitution build's
   # on whole waves of a group of one and of two
-  s8=4096,4096,4096,4096,4096,4096,4096,4096
-  for heads in ${TRACE_HEADS:-32/32 16/32}; do
-    logged fused-state-p-trace-${heads/\//x} 100 python3 benchmarks/fused_trace.py --heads "$heads" --seqlens $s8 \
-      --builds substitution,state_p --out "$out/fused-state-p-trace-${heads/\//x}.json"
-    grep "^##" "$out/fused-state-p-trace-${heads/\//x}.log"
-  done
+  fused_traces fused-state-p-trace 100 substitution,state_p
 elif [ "$part" = fused-state-p-options ]; then
   # two options of it by the same trace (notes v0.41b): v's tile swizzled, the gate's inverse by the register pieces
-  s8=4096,4096,4096,4096,4096,4096,4096,4096
-  for heads in ${TRACE_HEADS:-32/32 16/32}; do
-    logged fused-state-p-options-${heads/\//x} 150 python3 benchmarks/fused_trace.py --heads "$heads" --seqlens $s8 \
-      --builds state_p,state_p_swizzled,state_p_registers --out "$out/fused-state-p-options-${heads/\//x}.json"
-    grep "^##" "$out/fused-state-p-options-${heads/\//x}.log"
-  done
+  fused_traces fused-state-p-options 150 state_p,state_p_swizzled,state_p_registers
 elif [ "$part" = fused-state-p-ab ]; then
   # the op with it against the fused loop, and against the default (rso with stage 1 apart)
   fwd=flashgdn.kernels.hopper.forward
