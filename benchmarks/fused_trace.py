@@ -49,9 +49,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="32/32", help="Hqk/Hv")
     ap.add_argument("--seqlens", default=",".join(["4096"] * 8), help="comma-separated lengths")
-    ap.add_argument("--builds", default=",".join(BUILDS), help=f"comma-separated, of {', '.join(BUILDS)}")
+    ap.add_argument("--builds", default="substitution,registers",
+                    help=f"comma-separated, of {', '.join(BUILDS)} (default: the two inverses, as round fused-trace "
+                         "traced them before this option)")
     ap.add_argument("--out", default=None, help="JSON file for the stamps and the summaries")
     args = ap.parse_args(argv)
+    unknown = [b for b in args.builds.split(",") if b not in BUILDS]
+    if unknown:
+        ap.error(f"--builds: unknown {', '.join(unknown)}; expected some of {', '.join(BUILDS)}")
 
     import torch
 
