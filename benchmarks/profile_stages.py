@@ -57,6 +57,9 @@ def main(argv=None):
         # stage 1 inside the loop (its kernel is also named chunk_forward_rs): g and beta instead of stage 1's tiles
         "fused": lambda: build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False, decayed_k=True,
                                                 inverse_in_loop=True),
+        # the same with P made by its state paths (forward.FUSED_STATE_P)
+        "fused_state_p": lambda: build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
+                                                        inverse_in_loop=True, state_p=True),
     }
     loops = {name: builders[name]() for name in args.loops.split(",")}
     bounds, first_slot = fw.chunk_plan(cu, T, N)
@@ -68,7 +71,7 @@ def main(argv=None):
     for _ in range(2):
         prep(k, g, beta, bounds, gcum, Ag)
         for name in args.loops.split(","):
-            if name == "fused":
+            if name.startswith("fused"):
                 loops[name](q, k, v, g, beta, cu, h0, 128 ** -0.5, o, ht)
             else:
                 loops[name](q, k, v, gcum, Ag, cu, first_slot, h0, 128 ** -0.5, o, ht)

@@ -222,6 +222,8 @@ set -uo pipefail
 #   (gpu-fused-state-p.log).
 # fused-state-p-options: its trace beside the same with v's tile swizzled and with the register inverse (notes v0.41b;
 #   fused-state-p-options-*.json).
+# profile-fused-state-p: Nsight Compute on the state_p build of the fused loop and on the rso loop at 32/32 4096x8, each
+#   role's stalls and executed opcodes (profile-{fused_state_p,rso}-*), against benchmarks/sass_static.py's counts.
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -229,7 +231,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests|fused-state-p-options OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests|fused-state-p-options|profile-fused-state-p OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -523,6 +525,33 @@ elif [ "$part" = fused-state-p-trace ]; then
 elif [ "$part" = fused-state-p-options ]; then
   # two options of it by the same trace (notes v0.41b): v's tile swizzled, the gate's inverse by the register pieces
   fused_traces fused-state-p-options 150 state_p,state_p_swizzled,state_p_registers
+elif [ "$part" = profile-fused-state-p ]; then
+  # Nsight Compute on the fused loop with P on its state paths and on the default rso loop (32/32 4096x8): each role's
+  # stall reasons and its executed instructions by opcode, for the static counts of benchmarks/sass_static.py
+  # (results/cpu/sass-static-v0.41.txt) to be read against
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for loop in fused_state_p rso; do
+    if [ $loop = rso ]; then kernel=chunk_forward_rso_; roles="160=state paths and output,32=producer"
+    else kernel=chunk_forward_rs_; roles="192=state paths,96=gate,32=producer"; fi
+    logged profile-$loop-run 200 "$ncu" --clock-control none -k regex:$kernel --launch-skip 1 --launch-count 1 \
+      --set full --import-source yes -f -o "/tmp/profile-$loop" \
+      python3 benchmarks/profile_stages.py --heads 32/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --loops $loop
+    tail -3 "$out/profile-$loop-run.log"
+    "$ncu" -i "/tmp/profile-$loop.ncu-rep" --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section LaunchStats > "$out/profile-$loop.txt" 2>&1
+    grep -E "Duration|Executed Ipc A|Issue Slots Busy|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|Compute \(SM\)" \
+      "$out/profile-$loop.txt" | head -10
+    "$ncu" -i "/tmp/profile-$loop.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 \
+      > "$out/profile-$loop-sass.csv.xz"
+    # per 65536: 256 CTAs x 64 chunks x 4 warps, a warp's instructions a chunk (the state paths' 8 warps count twice)
+    python3 benchmarks/sass_stalls.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" \
+      > "$out/profile-$loop-stalls.log" 2>&1
+    python3 benchmarks/sass_opcodes.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" --per 65536 \
+      > "$out/profile-$loop-opcodes.log" 2>&1
+    python3 benchmarks/sass_wavefronts.py "$out/profile-$loop-sass.csv.xz" --top 12 > "$out/profile-$loop-wavefronts.md" 2>&1
+    head -40 "$out/profile-$loop-stalls.log"
+  done
 elif [ "$part" = fused-state-p-ab ]; then
   # the op with it against the fused loop, and against the default (rso with stage 1 apart)
   fwd=flashgdn.kernels.hopper.forward
