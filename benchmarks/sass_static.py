@@ -559,7 +559,10 @@ def report(steps, warps: Dict[str, int], chunk_cycles: Optional[float] = None) -
             lines.append(f"{name}: no loop")
             continue
         start = graph.blocks[loop.header][0].address
-        lines.append(f"{name}: step loop at {start:#x}, {warps.get(name, SUBPARTITIONS)} warps")
+        inside = {i.address for b in loop.blocks for i in graph.blocks[b]}
+        spills = [i.address in inside for b in graph.blocks for i in b if i.base in ("STL", "LDL")]
+        lines.append(f"{name}: step loop at {start:#x}, {warps.get(name, SUBPARTITIONS)} warps; local-memory "
+                     f"(spill) instructions: {sum(spills)} in the step, {len(spills) - sum(spills)} outside it")
         for text in s.inner:
             lines.append(f"  {text}")
         if s.unknown_trips:

@@ -66,7 +66,8 @@ EXPLAINED_SPILLS = {
         "wgmma); without registers8 40/60. Measured before any register work on it (notes v0.39a)",
     "chunk_forward_fused_state_p[":
         "4 bytes in the \"fused\" loop's A/B with P made by the state paths (forward.FUSED_STATE_P, off) at 192/96/32: "
-        "the state paths at their 192 registers with P's half beside S^T and the accumulators, or the gate at its 96; "
+        "one value of the gate warpgroup's prologue (at 32/32 its one store and one load are before its chunk loop, "
+        "read in the SASS by benchmarks/sass_static.py), at its 96 registers beside the state paths' 192; "
         "every other split tried spills more (200/88/24 44/44, 192/104/24 16/16, 192/88/40 36/56; 184/112/32 "
         "serialises the state paths' wgmma), and keeping Vn^T diag(d) out of O^T's GEMM leaves the 4 bytes (notes "
         "v0.41a)",

@@ -130,6 +130,9 @@ def test_bounds_and_report():
     text = ss.report(steps, {}, chunk_cycles=570)
     assert "consumer: step loop at 0xd0" in text and "loop at 0x150: 5 instructions a trip, 8 trips (read)" in text
     assert "issue 10%" in text
+    assert "consumer: step loop at 0xd0, 4 warps; local-memory (spill) instructions: 0 in the step, 0 outside" in text
+    spilled = ss.role_steps(ss.parse_sass(SASS.replace("LDS.U16 R9, [R5+0x2]", "STL [R1], R9")), ROLES, {})
+    assert "1 in the step, 0 outside" in ss.report(spilled, {})
 
 
 def test_shared_wavefronts_by_width():
