@@ -316,7 +316,7 @@ class RoleGraph:
         cmp, reg, limit = sm.group(1), sm.group(2), int(sm.group(3), 0)
         step = None
         for i in code:
-            am = re.match(rf"(?:U?IADD3|VIADD|UIADD3) {reg}, (?:U?P?T?, )?{reg}, (0x[0-9a-f]+|-?\d+)", i.text)
+            am = re.match(rf"(?:U?IADD3|VIADD) {reg}, (?:U?P?T?, )?{reg}, (0x[0-9a-f]+|-?\d+)", i.text)
             if am:
                 step = int(am.group(1), 0)
         if not step:
@@ -333,8 +333,8 @@ class RoleGraph:
                 if mm:
                     init = 0 if mm.group(1).endswith("RZ") else int(mm.group(1), 0)
                     break
-                if re.match(rf"\S+ {reg},", i.text.lstrip("@!P0123456 ")):
-                    return None, "unknown"
+                if re.match(rf"\S+ {reg},", re.sub(r"^@!?U?P\w+\s+", "", i.text)):
+                    return None, "unknown"  # set otherwise first
             if init is not None:
                 break
         if init is None:
@@ -342,7 +342,7 @@ class RoleGraph:
         # the branch back is taken while the test holds (or fails, with '!'); the counter was stepped before the test
         # when the add precedes it in the latch
         count, value = 0, init
-        stepped_first = any(i.address < setp.address and re.match(rf"(?:U?IADD3|VIADD|UIADD3) {reg},", i.text)
+        stepped_first = any(i.address < setp.address and re.match(rf"(?:U?IADD3|VIADD) {reg},", i.text)
                             for i in latch)
         for _ in range(4096):
             count += 1
@@ -357,9 +357,6 @@ class RoleGraph:
             if holds == negate:
                 return count, "read"
         return None, "unknown"
-
-    def instructions(self, blocks) -> List[Instruction]:
-        return [i for b in sorted(blocks) for i in self.blocks[b]]
 
 
 def whole_role(graph: RoleGraph) -> Loop:
@@ -426,23 +423,30 @@ def skipped_blocks(graph: RoleGraph, loop: Loop) -> Set[int]:
     return skipped
 
 
+def block_weight(graph: RoleGraph, loop: Loop, b: int, trips: Dict[int, int]) -> Tuple[float, List[int]]:
+    """How many times block ``b`` runs a step of ``loop``: the product of the trips of the loops between them
+    (``trips`` by a loop's first address, else read), and the first addresses of those whose trips are unknown
+    (counted once)."""
+    w, unknown = 1.0, []
+    l = next((x for x in graph.loops if b in x.blocks and not x.wait), None)
+    while l is not None and l is not loop:
+        addr = graph.blocks[l.header][0].address
+        n = trips.get(addr, l.trips)
+        if n is None:
+            unknown.append(addr)
+        w *= n or 1
+        l = l.parent
+    return w, unknown
+
+
 def count_step(graph: RoleGraph, loop: Loop, trips: Dict[int, int]) -> StepCount:
     out = StepCount()
     latch_doms = set.intersection(*(graph.dom[l] for l in loop.latches))
     skipped = skipped_blocks(graph, loop)
 
     def weight(b: int) -> float:
-        w = 1.0
-        l = next((x for x in graph.loops if b in x.blocks and not x.wait), None)
-        while l is not None and l is not loop:
-            addr = graph.blocks[l.header][0].address
-            n = trips.get(addr, l.trips)
-            if n is None:
-                if f"{addr:#x}" not in out.unknown_trips:
-                    out.unknown_trips.append(f"{addr:#x}")
-                n = 1
-            w *= n
-            l = l.parent
+        w, unknown = block_weight(graph, loop, b, trips)
+        out.unknown_trips += [f"{a:#x}" for a in unknown if f"{a:#x}" not in out.unknown_trips]
         return w
 
     for inner in sorted((l for l in graph.loops if not l.wait and l.parent is loop), key=lambda l: l.header):
@@ -596,13 +600,13 @@ def instructions_from_rows(rows: List[Dict[str, str]]) -> List[Instruction]:
     return [Instruction(int(r["Address"], 16), r.get("Source", "").strip()) for r in rows]
 
 
-def check_executed(steps, executed: Dict[int, float]) -> List[str]:
+def check_executed(steps, executed: Dict[int, float], trips: Optional[Dict[int, int]] = None) -> List[str]:
     """Each role's static step against Nsight Compute's executed counts of the same SASS (``executed``: warp
     instructions by address): the warp-steps (the executions of the step's first instruction), what a warp-step
     executed on average beside the static count every step and with the conditional code, and the instructions of the
     code that runs every step whose executions are not the warp-steps times their weight (none where the static
     count is right)."""
-    out = []
+    out, trips = [], trips or {}
     for name, graph, loop, count in steps:
         head = graph.blocks[loop.header][0]
         n = executed.get(head.address, 0.0)
@@ -612,14 +616,7 @@ def check_executed(steps, executed: Dict[int, float]) -> List[str]:
         latch_doms = set.intersection(*(graph.dom[l] for l in loop.latches))
         skipped = skipped_blocks(graph, loop)
         total, off = 0.0, []
-        weights = {}
-        for b in loop.blocks:
-            w = 1.0
-            l = next((x for x in graph.loops if b in x.blocks and not x.wait), None)
-            while l is not None and l is not loop:
-                w *= l.trips or 1
-                l = l.parent
-            weights[b] = w
+        weights = {b: block_weight(graph, loop, b, trips)[0] for b in loop.blocks}
         for b in sorted(loop.blocks - skipped):
             for ins in graph.blocks[b]:
                 e = executed.get(ins.address, 0.0)
@@ -714,7 +711,7 @@ def main(argv=None):
         print(report(steps, warps, args.chunk_cycles))
         print("\nexecuted (Nsight Compute) against the static counts:")
         print("\n".join(check_executed(steps, {int(r["Address"], 16): number(r, "Instructions Executed")
-                                                for r in rows})))
+                                                for r in rows}, trips)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         if args.sass:
