@@ -594,6 +594,30 @@ def report(steps, warps: Dict[str, int], chunk_cycles: Optional[float] = None) -
     return "\n".join(lines)
 
 
+def ncu_kernels(path: str) -> List[Tuple[str, List[Dict[str, str]]]]:
+    """Each kernel's rows of an Nsight Compute source page CSV (plain or .xz) that may hold several kernels, each
+    after its ``"Kernel Name","..."`` line, in the file's order."""
+    import csv
+    import io
+    import lzma
+
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt", newline="") as fh:
+        lines = list(csv.reader(io.StringIO(fh.read())))
+    out, name, header = [], None, None
+    for r in lines:
+        if r and r[0] == "Kernel Name":
+            name, header = (r[1] if len(r) > 1 else "?"), None
+            out.append((name, []))
+        elif r and r[0] == "Address":
+            header = r
+            if not out:
+                out.append(("?", []))
+        elif header is not None and len(r) == len(header):
+            out[-1][1].append(dict(zip(header, r)))
+    return [(n, rows) for n, rows in out if rows]
+
+
 def instructions_from_rows(rows: List[Dict[str, str]]) -> List[Instruction]:
     """Nsight Compute's source page (``sass_wavefronts.read_rows``) as instructions: its SASS is the kernel's, with
     absolute addresses."""
@@ -697,6 +721,8 @@ def main(argv=None):
     ap.add_argument("--warps", default="", help="warps of a role where not 4 (for the shared-memory bound): producer=1")
     ap.add_argument("--trips", default="", help="trip counts of inner loops by their first address: 0x6210=16,...")
     ap.add_argument("--chunk-cycles", type=float, default=None, help="a measured step, for the ratio")
+    ap.add_argument("--ncu-kernel", default=None, help="with --ncu: a regex of the kernel's name (default: the kernel "
+                                                           "of the file that executed the most instructions)")
     ap.add_argument("--nvdisasm", default=None)
     ap.add_argument("--save-sass", default=None, help="write the SASS here")
     args = ap.parse_args(argv)
@@ -704,9 +730,17 @@ def main(argv=None):
     warps = {k.strip(): int(v) for k, v in (x.split("=") for x in args.warps.split(",") if x)}
     trips = {int(k, 16): int(v) for k, v in (x.split("=") for x in args.trips.split(",") if x)}
     if args.ncu:
-        from sass_wavefronts import number, read_rows
+        from sass_wavefronts import number
 
-        rows = read_rows(args.ncu)
+        kernels = ncu_kernels(args.ncu)
+        if args.ncu_kernel:
+            kernels = [(n, r) for n, r in kernels if re.search(args.ncu_kernel, n)]
+        if not kernels:
+            raise SystemExit(f"--ncu: no kernel{' matching ' + args.ncu_kernel if args.ncu_kernel else ''} in "
+                             f"{args.ncu}")
+        # the kernel that executed the most instructions, where several were profiled
+        name, rows = max(kernels, key=lambda k: sum(number(r, "Instructions Executed") for r in k[1]))
+        print(f"kernel: {name}")
         steps = role_steps(instructions_from_rows(rows), roles, trips)
         print(report(steps, warps, args.chunk_cycles))
         print("\nexecuted (Nsight Compute) against the static counts:")

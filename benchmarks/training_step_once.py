@@ -25,6 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="calls before them (compiles and first launches)")
     ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--nvtx", action="store_true",
+                    help="put each call after the warm-up in an NVTX range named \"call\" (for ncu --nvtx "
+                         "--nvtx-include call/, where an implementation's launches per call are not known)")
     args = ap.parse_args(argv)
     if args.calls < 1 or args.warmup < 0:
         ap.error("--calls must be at least 1 and --warmup at least 0")
@@ -46,7 +49,12 @@ def main(argv=None) -> int:
     call = shape_call(impl, shape, device, args.mode)
     for i in range(args.warmup + args.calls):
         t = time.perf_counter()
+        ranged = args.nvtx and i >= args.warmup and device.type == "cuda"
+        if ranged:
+            torch.cuda.nvtx.range_push("call")
         call()
+        if ranged:
+            torch.cuda.nvtx.range_pop()
         if device.type == "cuda":
             torch.cuda.synchronize()
         what = "warm-up" if i < args.warmup else "call"

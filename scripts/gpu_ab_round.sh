@@ -224,6 +224,8 @@ set -uo pipefail
 #   fused-state-p-options-*.json).
 # profile-fused-state-p: Nsight Compute on the state_p build of the fused loop and on the rso loop at 32/32 4096x8, each
 #   role's stalls and executed opcodes (profile-{fused_state_p,rso}-*), against benchmarks/sass_static.py's counts.
+# profile-flashinfer-fwd: Nsight Compute on FlashInfer's forward at 32/32 4096x8, its main kernel's roles read by
+#   benchmarks/sass_static.py --ncu (fi-fwd-static.txt); FlashInfer on the PYTHONPATH as for scripts/bench_h200.sh.
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
 # gates-24: the gate options between 16 and 32 value heads (notes v0.32c: without them ptxas serialises the build there):
 #   its GPU test (gpu-gates-24.log), the kernel alone at 8/24 (a group of three) and 12/24 (pair sums) with the
@@ -231,7 +233,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests|fused-state-p-options|profile-fused-state-p OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests|fused-state-p-options|profile-fused-state-p|profile-flashinfer-fwd OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -552,6 +554,25 @@ elif [ "$part" = profile-fused-state-p ]; then
     python3 benchmarks/sass_wavefronts.py "$out/profile-$loop-sass.csv.xz" --top 12 > "$out/profile-$loop-wavefronts.md" 2>&1
     head -40 "$out/profile-$loop-stalls.log"
   done
+elif [ "$part" = profile-flashinfer-fwd ]; then
+  # Nsight Compute on FlashInfer's forward (PROFILE_SHAPE, 32/32 4096x8): every kernel of its call after the warm-up
+  # (an NVTX range: how many it launches is not known here); the one that executes the most read by
+  # benchmarks/sass_static.py --ncu, its roles by the registers FlashInfer's source gives them (two state warpgroups
+  # at 192, the aux one at 104, load/store at 24). Needs FlashInfer and the TileLang stack on the PYTHONPATH, as
+  # scripts/bench_h200.sh's FlashInfer runs have them (a shell that could not bring .device/ along)
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  logged fi-fwd-run 300 "$ncu" --clock-control none --nvtx --nvtx-include "call/" --set full --import-source yes \
+    -f -o /tmp/fi-fwd python3 benchmarks/training_step_once.py --impl flashinfer --shape "${PROFILE_SHAPE:-32/32:4096x8}" \
+    --mode fwd --warmup 1 --calls 1 --nvtx
+  tail -3 "$out/fi-fwd-run.log"
+  "$ncu" -i /tmp/fi-fwd.ncu-rep --print-summary per-kernel > "$out/fi-fwd-summary.txt" 2>&1
+  "$ncu" -i /tmp/fi-fwd.ncu-rep --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section InstructionStats --section LaunchStats > "$out/fi-fwd.txt" 2>&1
+  "$ncu" -i /tmp/fi-fwd.ncu-rep --page source --csv --print-source sass 2>&1 | xz -9 > "$out/fi-fwd-sass.csv.xz"
+  python3 benchmarks/sass_static.py --ncu "$out/fi-fwd-sass.csv.xz" --roles "192=state 1|state 2,104=aux,24=load" \
+    > "$out/fi-fwd-static.txt" 2>&1
+  grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Block Size|Grid Size" "$out/fi-fwd.txt" | head -12
+  head -50 "$out/fi-fwd-static.txt"
 elif [ "$part" = fused-state-p-ab ]; then
   # the op with it against the fused loop, and against the default (rso with stage 1 apart)
   fwd=flashgdn.kernels.hopper.forward

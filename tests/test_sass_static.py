@@ -187,3 +187,17 @@ def test_static_counts_agree_with_a_profile_of_the_same_sass():
         assert count.issued <= per_step <= count.issued + sum(count.conditional.values()), line
         off = int(line.split("; ")[-1].split(" ")[0])
         assert off <= 1, line  # the gate side's one: a BSYNC its convergence passes twice
+
+
+def test_an_ncu_file_of_several_kernels_is_split_by_kernel(tmp_path):
+    head = '"Address","Source","Instructions Executed"'
+    path = tmp_path / "two.csv"
+    path.write_text("\n".join([
+        '"Kernel Name","prep_kernel",', head, '"0x10","      EXIT","4"',
+        '"Kernel Name","main_kernel",', head, '"0x20","      FFMA R1, R2, R3, R4","80"', '"0x30","      EXIT","8"',
+    ]) + "\n")
+    kernels = ss.ncu_kernels(str(path))
+    assert [n for n, _ in kernels] == ["prep_kernel", "main_kernel"]
+    assert [r["Address"] for r in kernels[1][1]] == ["0x20", "0x30"]
+    code = ss.instructions_from_rows(kernels[1][1])
+    assert code[0].address == 0x20 and code[0].opcode == "FFMA"
