@@ -546,11 +546,14 @@ elif [ "$part" = profile-fused-state-p ]; then
       "$out/profile-$loop.txt" | head -10
     "$ncu" -i "/tmp/profile-$loop.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 \
       > "$out/profile-$loop-sass.csv.xz"
-    # per 65536: 256 CTAs x 64 chunks x 4 warps, a warp's instructions a chunk (the state paths' 8 warps count twice)
     python3 benchmarks/sass_stalls.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" \
       > "$out/profile-$loop-stalls.log" 2>&1
+    # per 65536: 256 CTAs x 64 chunks x 4 warps, a warp's instructions a chunk (the state paths' 8 warps count twice)
     python3 benchmarks/sass_opcodes.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" --per 65536 \
       > "$out/profile-$loop-opcodes.log" 2>&1
+    # the static counts of each role's step (its own roles, the two state paths apart) beside the executed ones
+    python3 benchmarks/sass_static.py --ncu "$out/profile-$loop-sass.csv.xz" > "$out/profile-$loop-static.txt" 2>&1
+    tail -6 "$out/profile-$loop-static.txt"
     python3 benchmarks/sass_wavefronts.py "$out/profile-$loop-sass.csv.xz" --top 12 > "$out/profile-$loop-wavefronts.md" 2>&1
     head -40 "$out/profile-$loop-stalls.log"
   done
