@@ -48,12 +48,18 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_stalls import parse_roles  # noqa: E402
+from sass_stalls import FUSED_BACKWARD_ROLES, parse_roles  # noqa: E402
 
-#: the roles of ``chunk_forward_rs`` (its two state paths run code of their own: named in code order) and of
+#: the roles of ``chunk_forward_rs`` (its two state paths run code of their own: named in code order, as ptxas lays
+#: out the builds read so far: state path 1's code first) at 192/96/32 (the fused loop) or 192/72/56, and of
 #: ``chunk_forward_rso`` (its output path first, then its state paths, all at 160 registers)
-FORWARD_ROLES = {192: "state path 1|state path 0", 96: "gate", 32: "producer",
+FORWARD_ROLES = {192: "state path 1|state path 0", 96: "gate", 72: "gate", 56: "producer", 32: "producer",
                  160: "output|state path 1|state path 0"}
+
+
+def default_roles(kernel: str) -> Dict[int, str]:
+    """The role names of a kernel by its name: the fused backward's (``sass_stalls``), else the forward loops'."""
+    return dict(FUSED_BACKWARD_ROLES) if "fused_backward" in kernel else dict(FORWARD_ROLES)
 
 #: instruction classes by opcode (without modifiers); the rest is "other"
 CLASSES = {
@@ -440,6 +446,7 @@ def block_weight(graph: RoleGraph, loop: Loop, b: int, trips: Dict[int, int]) ->
 
 
 def count_step(graph: RoleGraph, loop: Loop, trips: Dict[int, int]) -> StepCount:
+    """A warp's instructions in one step of ``loop`` (the module's docstring), inner loops at their trips."""
     out = StepCount()
     latch_doms = set.intersection(*(graph.dom[l] for l in loop.latches))
     skipped = skipped_blocks(graph, loop)
@@ -726,7 +733,7 @@ def main(argv=None):
     ap.add_argument("--nvdisasm", default=None)
     ap.add_argument("--save-sass", default=None, help="write the SASS here")
     args = ap.parse_args(argv)
-    roles = parse_roles(args.roles) if args.roles else FORWARD_ROLES
+    given = parse_roles(args.roles) if args.roles else None
     warps = {k.strip(): int(v) for k, v in (x.split("=") for x in args.warps.split(",") if x)}
     trips = {int(k, 16): int(v) for k, v in (x.split("=") for x in args.trips.split(",") if x)}
     if args.ncu:
@@ -741,7 +748,7 @@ def main(argv=None):
         # the kernel that executed the most instructions, where several were profiled
         name, rows = max(kernels, key=lambda k: sum(number(r, "Instructions Executed") for r in k[1]))
         print(f"kernel: {name}")
-        steps = role_steps(instructions_from_rows(rows), roles, trips)
+        steps = role_steps(instructions_from_rows(rows), given or default_roles(name), trips)
         print(report(steps, warps, args.chunk_cycles))
         print("\nexecuted (Nsight Compute) against the static counts:")
         print("\n".join(check_executed(steps, {int(r["Address"], 16): number(r, "Instructions Executed")
@@ -760,7 +767,10 @@ def main(argv=None):
         if args.save_sass:
             with open(args.save_sass, "w") as f:
                 f.write(text)
-    steps = role_steps(parse_sass(text), roles, trips)
+    name = re.search(r"\.section\s+\.text\.([^,\s]+)", text)
+    name = name.group(1) if name else ""
+    print(f"kernel: {name}")
+    steps = role_steps(parse_sass(text), given or default_roles(name), trips)
     print(report(steps, warps, args.chunk_cycles))
 
 
