@@ -27,8 +27,10 @@ and these lower bounds of a step from the code every step runs, for one CTA an S
   multiply-adds a cycle and sub-partition: H100 SXM's 989 TFLOPS over 132 SMs at 1.83 GHz), an ``HMMA.16816`` 4;
 - **MUFU**: 16 results a cycle an SM, so a warp's ``MUFU`` holds its sub-partition's unit 8 cycles;
 - **shared memory**: one 128-byte wavefront a cycle for the SM: the wavefronts of all warps' loads and stores
-  (``shared_wavefronts``: without bank conflicts), and apart the bytes of the ``HGMMA`` operands read from shared
-  memory over 128, in case they take the same wavefronts.
+  (``shared_wavefronts``: without bank conflicts) and those of the ``HGMMA`` operands read from shared memory, their
+  bytes over 128 once a warpgroup. Nsight Compute counts both in its shared wavefronts: on the rso loop's profile
+  of v0.20 (``results/h200/profiles/forward-v0.20-rso-1wave-*``, the same SASS as today's build but for addresses)
+  the HGMMAs hold 56% of them, and its 2527 wavefronts a chunk are the 1112 + 1408 counted here.
 
 Why: the fused loop's trace (notes, "v0.41a measured") was read as a chunk bound by what the SM does for all roles
 together rather than by one role's latency. Nsight Compute's counts need a GPU; the SASS says what each role issues,
@@ -591,13 +593,12 @@ def report(steps, warps: Dict[str, int], chunk_cycles: Optional[float] = None) -
                  f"({b['issue_with_conditional']:.0f} with the conditional code)")
     lines.append(f"  tensor (a sub-partition's, all roles): {b['tensor']:.0f}")
     lines.append(f"  MUFU (a sub-partition's): {b['mufu']:.0f}")
-    lines.append(f"  shared memory (the SM's wavefronts): {b['shared']:.0f} by loads and stores without bank "
-                 f"conflicts, {b['operands']:.0f} more if the HGMMA operands take the same 128 bytes a cycle")
+    lines.append(f"  shared memory (the SM's wavefronts): {b['shared'] + b['operands']:.0f}, {b['shared']:.0f} by "
+                 f"loads and stores (without bank conflicts) and {b['operands']:.0f} by the HGMMA operands")
     if chunk_cycles:
         lines.append(f"  against the measured step of {chunk_cycles:.0f} cycles: issue "
                      f"{b['issue'] / chunk_cycles:.0%}, tensor {b['tensor'] / chunk_cycles:.0%}, MUFU "
-                     f"{b['mufu'] / chunk_cycles:.0%}, shared "
-                     f"{b['shared'] / chunk_cycles:.0%} ({(b['shared'] + b['operands']) / chunk_cycles:.0%})")
+                     f"{b['mufu'] / chunk_cycles:.0%}, shared {(b['shared'] + b['operands']) / chunk_cycles:.0%}")
     return "\n".join(lines)
 
 

@@ -201,3 +201,29 @@ def test_an_ncu_file_of_several_kernels_is_split_by_kernel(tmp_path):
     assert [r["Address"] for r in kernels[1][1]] == ["0x20", "0x30"]
     code = ss.instructions_from_rows(kernels[1][1])
     assert code[0].address == 0x20 and code[0].opcode == "FFMA"
+
+
+def test_shared_wavefronts_with_the_wgmma_operands_are_what_a_profile_counts():
+    """The rso loop's profile of v0.20 (``results/h200/profiles/forward-v0.20-rso-1wave-*``, an H200): Nsight
+    Compute's shared wavefronts a chunk (loads, stores and the HGMMAs' operand reads, no bank conflicts there) are the
+    static count of the loads and stores plus the operands' bytes over 128, and each role's executed instructions a
+    warp-step lie between its static counts."""
+    from sass_wavefronts import number
+
+    path = os.path.join(_DIR, "results", "h200", "profiles", "forward-v0.20-rso-1wave-sass.csv.xz")
+    (name, rows), = ss.ncu_kernels(path)
+    assert "chunk_forward_rso" in name
+    steps = ss.role_steps(ss.instructions_from_rows(rows), ss.default_roles(name), {})
+    assert [n for n, *_ in steps] == ["producer", "output", "state path 1", "state path 0"]
+    executed = {int(r["Address"], 16): number(r, "Instructions Executed") for r in rows}
+    graph, loop, _ = next((g, l, c) for n, g, l, c in steps if n == "state path 0")
+    chunks = executed[graph.blocks[loop.header][0].address] / 4  # CTAs x chunks: the step's warp-steps over 4 warps
+    measured = sum(number(r, "L1 Wavefronts Shared") for r in rows) / chunks
+    b = ss.bounds(steps, {})
+    assert abs(b["shared"] + b["operands"] - measured) < 0.01 * measured, (b, measured)
+    for line in ss.check_executed(steps, executed):
+        if line.startswith(("output", "state path")):
+            per_step = float(line.split("executed ")[1].split(" ")[0])
+            role = line.split(":")[0]
+            count = next(c for n, _, _, c in steps if n == role)
+            assert count.issued <= per_step <= count.issued + sum(count.conditional.values()), line
