@@ -752,8 +752,16 @@ def main(argv=None):
         steps = role_steps(instructions_from_rows(rows), given or default_roles(name), trips)
         print(report(steps, warps, args.chunk_cycles))
         print("\nexecuted (Nsight Compute) against the static counts:")
-        print("\n".join(check_executed(steps, {int(r["Address"], 16): number(r, "Instructions Executed")
-                                                for r in rows}, trips)))
+        executed = {int(r["Address"], 16): number(r, "Instructions Executed") for r in rows}
+        print("\n".join(check_executed(steps, executed, trips)))
+        # CTA steps: the most warp-steps of a role, over its warps
+        cta_steps = max(executed.get(g.blocks[l.header][0].address, 0.0) / warps.get(n, SUBPARTITIONS)
+                        for n, g, l, _ in steps)
+        if cta_steps and any("L1 Wavefronts Shared" in r for r in rows[:1]):
+            b = bounds(steps, warps)
+            measured = sum(number(r, "L1 Wavefronts Shared") for r in rows) / cta_steps
+            print(f"shared wavefronts a CTA step: {measured:.0f} measured (the whole kernel's, over {cta_steps:.0f} "
+                  f"CTA steps), {b['shared'] + b['operands']:.0f} counted every step")
         return
     with tempfile.TemporaryDirectory() as tmp:
         if args.sass:
