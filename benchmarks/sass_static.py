@@ -51,6 +51,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_stalls import FUSED_BACKWARD_ROLES, parse_roles  # noqa: E402
+from sass_wavefronts import ncu_kernels, opcode  # noqa: E402
 
 #: the roles of ``chunk_forward_rs`` (its two state paths run code of their own: named in code order, as ptxas lays
 #: out the builds read so far: state path 1's code first) at 192/96/32 (the fused loop) or 192/72/56, and of
@@ -93,8 +94,7 @@ class Instruction:
 
     @property
     def opcode(self) -> str:
-        words = self.text.split()
-        return (words[1] if words[0].startswith("@") else words[0]) if words else ""
+        return opcode(self.text)
 
     @property
     def base(self) -> str:
@@ -600,30 +600,6 @@ def report(steps, warps: Dict[str, int], chunk_cycles: Optional[float] = None) -
                      f"{b['issue'] / chunk_cycles:.0%}, tensor {b['tensor'] / chunk_cycles:.0%}, MUFU "
                      f"{b['mufu'] / chunk_cycles:.0%}, shared {(b['shared'] + b['operands']) / chunk_cycles:.0%}")
     return "\n".join(lines)
-
-
-def ncu_kernels(path: str) -> List[Tuple[str, List[Dict[str, str]]]]:
-    """Each kernel's rows of an Nsight Compute source page CSV (plain or .xz) that may hold several kernels, each
-    after its ``"Kernel Name","..."`` line, in the file's order."""
-    import csv
-    import io
-    import lzma
-
-    opener = lzma.open if path.endswith(".xz") else open
-    with opener(path, "rt", newline="") as fh:
-        lines = list(csv.reader(io.StringIO(fh.read())))
-    out, name, header = [], None, None
-    for r in lines:
-        if r and r[0] == "Kernel Name":
-            name, header = (r[1] if len(r) > 1 else "?"), None
-            out.append((name, []))
-        elif r and r[0] == "Address":
-            header = r
-            if not out:
-                out.append(("?", []))
-        elif header is not None and len(r) == len(header):
-            out[-1][1].append(dict(zip(header, r)))
-    return [(n, rows) for n, rows in out if rows]
 
 
 def instructions_from_rows(rows: List[Dict[str, str]]) -> List[Instruction]:

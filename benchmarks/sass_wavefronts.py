@@ -20,17 +20,37 @@ import io
 import lzma
 import sys
 from collections import Counter
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 
-def read_rows(path: str) -> List[Dict[str, str]]:
-    """The instruction rows of the CSV (the lines before its header row, e.g. the kernel's name, are skipped)."""
+def ncu_kernels(path: str) -> List[Tuple[str, List[Dict[str, str]]]]:
+    """Each kernel's instruction rows of the CSV, which may hold several kernels, each after its ``"Kernel
+    Name","..."`` line, in the file's order (a kernel without that line is named ``?``)."""
     opener = lzma.open if path.endswith(".xz") else open
     with opener(path, "rt", newline="") as fh:
         lines = list(csv.reader(io.StringIO(fh.read())))
-    start = next(i for i, r in enumerate(lines) if r and r[0] == "Address")
-    header = lines[start]
-    return [dict(zip(header, r)) for r in lines[start + 1:] if len(r) == len(header)]
+    out: List[Tuple[str, List[Dict[str, str]]]] = []
+    header = None
+    for r in lines:
+        if r and r[0] == "Kernel Name":
+            header = None
+            out.append((r[1] if len(r) > 1 else "?", []))
+        elif r and r[0] == "Address":
+            header = r
+            if not out:
+                out.append(("?", []))
+        elif header is not None and len(r) == len(header):
+            out[-1][1].append(dict(zip(header, r)))
+    return [(n, rows) for n, rows in out if rows]
+
+
+def read_rows(path: str) -> List[Dict[str, str]]:
+    """The instruction rows of the CSV's first kernel (the lines before its header row, e.g. the kernel's name, are
+    skipped)."""
+    kernels = ncu_kernels(path)
+    if not kernels:
+        raise ValueError(f"{path}: no instruction rows after an \"Address\" header")
+    return kernels[0][1]
 
 
 def number(row: Dict[str, str], key: str) -> float:
