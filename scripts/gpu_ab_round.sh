@@ -266,6 +266,21 @@ fused_traces() {
     grep "^##" "$out/$name-${heads/\//x}.log"
   done
 }
+# Nsight Compute (the full set, sources imported) on the launches SELECTION picks (ncu's options, split at spaces) of
+# a command: the run's log (NAME-run.log), the report's sections (NAME.txt) and its source page (NAME-sass.csv.xz):
+# ncu_profile NAME SECONDS SELECTION COMMAND...
+ncu_profile() {
+  local name=$1 limit=$2 select=$3 ncu
+  shift 3
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  # shellcheck disable=SC2086
+  logged "$name-run" "$limit" "$ncu" --clock-control none $select --set full --import-source yes -f -o "/tmp/$name" "$@"
+  tail -3 "$out/$name-run.log"
+  "$ncu" -i "/tmp/$name.ncu-rep" --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section LaunchStats > "$out/$name.txt" 2>&1
+  "$ncu" -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 > "$out/$name-sass.csv.xz"
+}
 # backend.CP_NEGLIGIBLE_M_IN_KERNEL both ways side by side: the cp set's forward, and fwd+bwd at 2/4, 4/8 and 8/16
 # (PREFIX-cp-fwd.json, PREFIX-cp-fwdbwd.json): negligible_m_in_kernel_ab PREFIX
 negligible_m_in_kernel_ab() {
@@ -531,21 +546,13 @@ elif [ "$part" = profile-fused-state-p ]; then
   # Nsight Compute on the fused loop with P on its state paths and on the default rso loop (32/32 4096x8): each role's
   # stall reasons and its executed instructions by opcode, for the static counts of benchmarks/sass_static.py
   # (results/cpu/sass-static-v0.41.txt) to be read against
-  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for loop in fused_state_p rso; do
     if [ $loop = rso ]; then kernel=chunk_forward_rso_; roles="160=state paths and output,32=producer"
     else kernel=chunk_forward_rs_; roles="192=state paths,96=gate,32=producer"; fi
-    logged profile-$loop-run 200 "$ncu" --clock-control none -k regex:$kernel --launch-skip 1 --launch-count 1 \
-      --set full --import-source yes -f -o "/tmp/profile-$loop" \
+    ncu_profile profile-$loop 200 "-k regex:$kernel --launch-skip 1 --launch-count 1" \
       python3 benchmarks/profile_stages.py --heads 32/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --loops $loop
-    tail -3 "$out/profile-$loop-run.log"
-    "$ncu" -i "/tmp/profile-$loop.ncu-rep" --section SpeedOfLight --section Occupancy --section WarpStateStats \
-      --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --section LaunchStats > "$out/profile-$loop.txt" 2>&1
     grep -E "Duration|Executed Ipc A|Issue Slots Busy|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|Compute \(SM\)" \
       "$out/profile-$loop.txt" | head -10
-    "$ncu" -i "/tmp/profile-$loop.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 \
-      > "$out/profile-$loop-sass.csv.xz"
     python3 benchmarks/sass_stalls.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" \
       > "$out/profile-$loop-stalls.log" 2>&1
     # per 65536: 256 CTAs x 64 chunks x 4 warps, a warp's instructions a chunk (the state paths' 8 warps count twice)
@@ -563,15 +570,11 @@ elif [ "$part" = profile-flashinfer-fwd ]; then
   # benchmarks/sass_static.py --ncu, its roles by the registers FlashInfer's source gives them (two state warpgroups
   # at 192, the aux one at 104, load/store at 24). Needs FlashInfer and the TileLang stack on the PYTHONPATH, as
   # scripts/bench_h200.sh's FlashInfer runs have them (a shell that could not bring .device/ along)
-  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  logged fi-fwd-run 300 "$ncu" --clock-control none --nvtx --nvtx-include "call/" --set full --import-source yes \
-    -f -o /tmp/fi-fwd python3 benchmarks/training_step_once.py --impl flashinfer --shape "${PROFILE_SHAPE:-32/32:4096x8}" \
-    --mode fwd --warmup 1 --calls 1 --nvtx
-  tail -3 "$out/fi-fwd-run.log"
-  "$ncu" -i /tmp/fi-fwd.ncu-rep --print-summary per-kernel > "$out/fi-fwd-summary.txt" 2>&1
-  "$ncu" -i /tmp/fi-fwd.ncu-rep --section SpeedOfLight --section Occupancy --section WarpStateStats \
-    --section InstructionStats --section LaunchStats > "$out/fi-fwd.txt" 2>&1
-  "$ncu" -i /tmp/fi-fwd.ncu-rep --page source --csv --print-source sass 2>&1 | xz -9 > "$out/fi-fwd-sass.csv.xz"
+  ncu_profile fi-fwd 300 "--nvtx --nvtx-include call/" \
+    python3 benchmarks/training_step_once.py --impl flashinfer --shape "${PROFILE_SHAPE:-32/32:4096x8}" --mode fwd \
+    --warmup 1 --calls 1 --nvtx
+  "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" -i /tmp/fi-fwd.ncu-rep --print-summary per-kernel \
+    > "$out/fi-fwd-summary.txt" 2>&1
   python3 benchmarks/sass_static.py --ncu "$out/fi-fwd-sass.csv.xz" --roles "192=state 1|state 2,104=aux,24=load" \
     > "$out/fi-fwd-static.txt" 2>&1
   grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Block Size|Grid Size" "$out/fi-fwd.txt" | head -12
@@ -601,20 +604,12 @@ elif [ "$part" = stage1-trace ]; then
 elif [ "$part" = profile-stage1 ]; then
   # stage 1 (the forward's default build) under Nsight Compute on whole-wave shapes of a group of one and of two; its
   # phases split at its barriers (benchmarks/sass_phases.py)
-  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for heads in ${PROFILE_HEADS:-32/32 16/32}; do
     tag=${heads/\//x}
-    logged stage1-$tag-run 200 "$ncu" --clock-control none -k regex:kkt_inverse --launch-skip 1 --launch-count 1 \
-      --set full --import-source yes -f -o "/tmp/stage1-$tag" \
+    ncu_profile stage1-$tag 200 "-k regex:kkt_inverse --launch-skip 1 --launch-count 1" \
       python3 benchmarks/profile_stages.py --heads "$heads" --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --loops rso
-    tail -3 "$out/stage1-$tag-run.log"
-    "$ncu" -i "/tmp/stage1-$tag.ncu-rep" --section SpeedOfLight --section Occupancy --section WarpStateStats \
-      --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --section LaunchStats > "$out/stage1-$tag.txt" 2>&1
     grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Achieved Occupancy|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|Compute \(SM\)" \
       "$out/stage1-$tag.txt" | head -14
-    "$ncu" -i "/tmp/stage1-$tag.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -9 \
-      > "$out/stage1-$tag-sass.csv.xz"
     python3 benchmarks/sass_phases.py "$out/stage1-$tag-sass.csv.xz" > "$out/stage1-$tag-phases.md" 2>&1
     python3 benchmarks/sass_wavefronts.py "$out/stage1-$tag-sass.csv.xz" --top 12 > "$out/stage1-$tag-wavefronts.md" 2>&1
     cat "$out/stage1-$tag-phases.md"
