@@ -10,6 +10,12 @@ kernel's end), and prints per phase: the stall samples and their share, the warp
 the leading stall reasons and opcodes. ``--names`` labels the phases in order (the barrier count of a build is fixed,
 so the labels can be read off its source once).
 
+A warp-specialised kernel's role runs the same way inside its own step, between the named barriers of its warpgroup
+(``BAR.SYNC 0x5, 0x80``): ``--role REGS`` keeps the code of the role whose ``USETMAXREG`` asks for REGS registers
+(``sass_stalls.regions``, with the out-of-line retry loops of its waits) and splits that, e.g. ``--role 96`` for the
+fused loop's gate warpgroup, whose samples then say which phase of its chain holds the chunk (its stalls at the
+barrier after a phase that only some of its warps run are the others' wait for it).
+
 Why: stage 1 is a third of the op where the forward is behind FlashInfer (32/32 and 16/16 on whole waves), and its
 last profile (v0.20) predates the 16x16 diagonal blocks and the warp-mma merges. Which phase holds its samples says
 whether a cheaper inverse (fp16 merges, ``inverse_numerics.py``) or the phases around it are worth building.
@@ -19,7 +25,7 @@ import sys
 from collections import Counter
 from typing import Dict, List, Tuple
 
-from sass_stalls import SAMPLES, reasons
+from sass_stalls import SAMPLES, reasons, regions
 from sass_wavefronts import number, opcode, read_rows
 
 WAVEFRONTS = "L1 Wavefronts Shared"
@@ -61,8 +67,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu source-page CSV (plain or .xz)")
     ap.add_argument("--names", default="", help="comma-separated labels of the phases, in order")
+    ap.add_argument("--role", type=int, default=None,
+                    help="only the code of the role that asks for this many registers (USETMAXREG)")
     args = ap.parse_args(argv)
     rows = read_rows(args.csv)
+    if args.role is not None:
+        rows = dict(regions(rows, {args.role: "role"})).get("role", [])
+        if not rows:
+            ap.error(f"no role asks for {args.role} registers in {args.csv}")
     table, stats = phase_table(rows, [n for n in args.names.split(",") if n])
     total = sum(number(r, SAMPLES) for r in rows)
     print(f"{len(rows)} instructions, {len(stats)} phases, {total:.0f} stall samples, "

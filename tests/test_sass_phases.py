@@ -31,3 +31,27 @@ def test_cuts_after_each_barrier_and_sums_each_phase(tmp_path):
     assert [s["wavefronts"] for s in stats] == [20, 40, 0]
     assert abs(stats[0]["share"] - 0.5) < 1e-12
     assert "| loads | 2 | 10 | 50.0% | 20 | 20 | long_sb 60%, barrier 40% | LDS 10, BAR 10 |" in table
+
+
+def test_role_keeps_one_warpgroups_code_and_its_out_of_line_waits(tmp_path, capsys):
+    # two roles (96 and 192 registers); the 96 role's wait retries out of line after the last role's code, and its
+    # phases are cut at its own warpgroup barrier
+    path = tmp_path / "k.csv"
+    path.write_text("\n".join(['"Kernel Name","chunk_forward_rs_kernel_kernel",', HEADER,
+                               '"0x00","      USETMAXREG.DEALLOC.CTAPOOL 0x60","0","10","0","0","0"',
+                               '"0x10","      SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2","1","10","0","0","0"',
+                               '"0x20","@!P0  BRA 0x90","2","10","0","2","0"',
+                               '"0x30","      BAR.SYNC.DEFER_BLOCKING 0x5, 0x80","3","10","0","0","3"',
+                               '"0x40","      LDS R5, [R2]","5","10","10","5","0"',
+                               '"0x50","      USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0","0","10","0","0","0"',
+                               '"0x60","      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ","7","10","20","0","0"',
+                               '"0x70","      EXIT","0","10","0","0","0"',
+                               '"0x80","      BRA 0x80","0","0","0","0","0"',
+                               '"0x90","      SYNCS.PHASECHK.TRANS64 P0, [R1], R2","11","10","0","11","0"',
+                               '"0xa0","@!P0  BRA 0x90","0","10","0","0","0"']) + "\n")
+    assert sp.main([str(path), "--role", "96", "--names", "wait,loads"]) == 0
+    out = capsys.readouterr().out
+    # the 96 role: its own 5 rows and the 2 of its retry loop; 22 samples, none of the 192 role's HGMMA
+    assert out.startswith("7 instructions, 2 phases, 22 stall samples, 10 shared wavefronts")
+    assert "| wait | 4 | 6 |" in out
+    assert "| loads | 3 | 16 |" in out
