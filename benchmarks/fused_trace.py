@@ -24,9 +24,10 @@ BUILDS = {
     "substitution": dict(decayed_k=True, inverse_in_loop=True),
     "registers": dict(decayed_k=True, inverse_in_loop=True, register_inverse=True),
     "state_p": dict(inverse_in_loop=True, state_p=True),
-    # its A/Bs: v's tile swizzled (the state paths' V^T reads free of bank conflicts), the register inverse
+    # its A/Bs: v's tile swizzled (the state paths' V^T reads free of bank conflicts), the register inverse, both
     "state_p_swizzled": dict(inverse_in_loop=True, state_p=True, swizzled_v=True),
     "state_p_registers": dict(inverse_in_loop=True, state_p=True, register_inverse=True),
+    "state_p_registers_swizzled": dict(inverse_in_loop=True, state_p=True, register_inverse=True, swizzled_v=True),
 }
 
 

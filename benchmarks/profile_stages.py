@@ -60,6 +60,10 @@ def main(argv=None):
         # the same with P made by its state paths (forward.FUSED_STATE_P)
         "fused_state_p": lambda: build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
                                                         inverse_in_loop=True, state_p=True),
+        # and with its two options (forward.FUSED_REGISTER_INVERSE, FUSED_SWIZZLED_V)
+        "fused_state_p_both": lambda: build_chunk_forward_rs(Hqk, Hv, 128, 128, "bfloat16", True, True, False,
+                                                             inverse_in_loop=True, state_p=True, register_inverse=True,
+                                                             swizzled_v=True),
     }
     loops = {name: builders[name]() for name in args.loops.split(",")}
     bounds, first_slot = fw.chunk_plan(cu, T, N)

@@ -224,6 +224,11 @@ set -uo pipefail
 #   fused-state-p-options-*.json).
 # profile-fused-state-p: Nsight Compute on the state_p build of the fused loop and on the rso loop at 32/32 4096x8, each
 #   role's stalls and executed opcodes (profile-{fused_state_p,rso}-*), against benchmarks/sass_static.py's counts.
+# fused-state-p-both: state_p with the register inverse and v's tile swizzled (forward.FUSED_REGISTER_INVERSE and
+#   FUSED_SWIZZLED_V, notes v0.41c): its trace beside each option alone (fused-state-p-both-*.json), its trace build's
+#   GPU test (gpu-fused-state-p-both.log), the op against the default (fused-state-p-both-vs-default.json) and against
+#   state_p alone (fused-state-p-both-ab.json), and
+#   profile-fused-state-p's Nsight Compute files for it (profile-fused_state_p_both-*).
 # profile-flashinfer-fwd: Nsight Compute on FlashInfer's forward at 32/32 4096x8, its main kernel's roles read by
 #   benchmarks/sass_static.py --ncu (fi-fwd-static.txt); FlashInfer on the PYTHONPATH as for scripts/bench_h200.sh.
 # gk-tile, gk-tile-ab: the rso loop's gk_tile (notes v0.33d; the option is removed, 2f029b7 has it and these rounds).
@@ -233,7 +238,7 @@ set -uo pipefail
 # p-given-low: P given below 32 value heads now that the gate side folds beside it (notes v0.30c): the kernel alone
 #   at 8/16, 4/16 and 4/8 (p-given-low-options.json), fwd+bwd both ways on the bwd and cp sets' 8/16 and 4/8 shapes
 #   (p-given-low-ab.json).
-usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests|fused-state-p-options|profile-fused-state-p|profile-flashinfer-fwd OUTDIR"
+usage="usage: scripts/gpu_ab_round.sh splice|bwd-set|starts|gates|rows|chains|canonical|auto-gain|cp-set|canon-sbs|forward-gain|segments|overlap|cluster|cluster-cp|pairs|pairs-set|pairs-suite|pairs-check|zeros|profile-fused|p-given|p-given-memory|reuse-transitions|reuse-transitions-cp|reuse-transitions-memory|lengths-after-reuse|forward-on-backward|fold-mma|fold-mma-sets|fold-gates|fold-gates-sets|fold-gates-fq|p-given-low|gates-24|lean-given|odd-blocks|odd-blocks-ab|profile-anchor-bwd|step-anchor|negligible-m|longest-first|walk-starts|walk-starts-bwd|pending-tests|pending-ab|pending-singles|late-b|walk-stop|suite-rest|cp-set-fq|negligible-m-in-kernel|m-zero-splice|cp-default|cp-set-fq-fwd|cp-choices-m-zero|shorter-ties|suite-forward|cp-choices-regimes|shorter-wide|late-b-in-kernel|late-b-gate|walk-stop-kernel|walk-covers|walks-beside|errors-cp|errors-forward|ag-from-a|ag-from-a-time|ag-from-a-peaks|pairs-quarter|pairs-default|pairs-given|pairs-every-four|profile-stage1|preload|fused-state-p-trace|fused-state-p-ab|fused-state-p-tests|fused-state-p-options|profile-fused-state-p|fused-state-p-both|profile-flashinfer-fwd OUTDIR"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -265,6 +270,31 @@ fused_traces() {
       --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --builds "$builds" --out "$out/$name-${heads/\//x}.json"
     grep "^##" "$out/$name-${heads/\//x}.log"
   done
+}
+# Nsight Compute on one chunk loop of benchmarks/profile_stages.py at 32/32 4096x8 (profile_loop LOOP): each role's
+# stall reasons and its executed instructions by opcode (profile-LOOP-{stalls,opcodes}.log), the static counts of each
+# role's step beside the executed ones (profile-LOOP-static.txt, benchmarks/sass_static.py), the shared wavefronts, and
+# the fused loops' gate warpgroup phase by phase (profile-LOOP-gate-phases.md, benchmarks/sass_phases.py --role 96)
+profile_loop() {
+  local loop=$1 kernel roles
+  if [ "$loop" = rso ]; then kernel=chunk_forward_rso_; roles="160=state paths and output,32=producer"
+  else kernel=chunk_forward_rs_; roles="192=state paths,96=gate,32=producer"; fi
+  ncu_profile "profile-$loop" 200 "-k regex:$kernel --launch-skip 1 --launch-count 1" \
+    python3 benchmarks/profile_stages.py --heads 32/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --loops "$loop"
+  grep -E "Duration|Executed Ipc A|Issue Slots Busy|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|Compute \(SM\)" \
+    "$out/profile-$loop.txt" | head -10
+  python3 benchmarks/sass_stalls.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" > "$out/profile-$loop-stalls.log" 2>&1
+  # per 65536: 256 CTAs x 64 chunks x 4 warps, a warp's instructions a chunk (the state paths' 8 warps count twice)
+  python3 benchmarks/sass_opcodes.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" --per 65536 \
+    > "$out/profile-$loop-opcodes.log" 2>&1
+  python3 benchmarks/sass_static.py --ncu "$out/profile-$loop-sass.csv.xz" > "$out/profile-$loop-static.txt" 2>&1
+  tail -6 "$out/profile-$loop-static.txt"
+  python3 benchmarks/sass_wavefronts.py "$out/profile-$loop-sass.csv.xz" --top 12 > "$out/profile-$loop-wavefronts.md" 2>&1
+  if [ "$loop" != rso ]; then  # the gate warpgroup's chain, phase by phase (between its warpgroup's barriers)
+    python3 benchmarks/sass_phases.py "$out/profile-$loop-sass.csv.xz" --role 96 > "$out/profile-$loop-gate-phases.md" 2>&1
+    cat "$out/profile-$loop-gate-phases.md"
+  fi
+  head -40 "$out/profile-$loop-stalls.log"
 }
 # Nsight Compute (the full set, sources imported) on the launches SELECTION picks (ncu's options, split at spaces) of
 # a command: the run's log (NAME-run.log), the report's sections (NAME.txt) and its source page (NAME-sass.csv.xz):
@@ -543,27 +573,28 @@ elif [ "$part" = fused-state-p-options ]; then
   # two options of it by the same trace (notes v0.41b): v's tile swizzled, the gate's inverse by the register pieces
   fused_traces fused-state-p-options 150 state_p,state_p_swizzled,state_p_registers
 elif [ "$part" = profile-fused-state-p ]; then
-  # Nsight Compute on the fused loop with P on its state paths and on the default rso loop (32/32 4096x8): each role's
-  # stall reasons and its executed instructions by opcode, for the static counts of benchmarks/sass_static.py
-  # (results/cpu/sass-static-v0.41.txt) to be read against
-  for loop in fused_state_p rso; do
-    if [ $loop = rso ]; then kernel=chunk_forward_rso_; roles="160=state paths and output,32=producer"
-    else kernel=chunk_forward_rs_; roles="192=state paths,96=gate,32=producer"; fi
-    ncu_profile profile-$loop 200 "-k regex:$kernel --launch-skip 1 --launch-count 1" \
-      python3 benchmarks/profile_stages.py --heads 32/32 --seqlens 4096,4096,4096,4096,4096,4096,4096,4096 --loops $loop
-    grep -E "Duration|Executed Ipc A|Issue Slots Busy|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|Compute \(SM\)" \
-      "$out/profile-$loop.txt" | head -10
-    python3 benchmarks/sass_stalls.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" \
-      > "$out/profile-$loop-stalls.log" 2>&1
-    # per 65536: 256 CTAs x 64 chunks x 4 warps, a warp's instructions a chunk (the state paths' 8 warps count twice)
-    python3 benchmarks/sass_opcodes.py "$out/profile-$loop-sass.csv.xz" --roles "$roles" --per 65536 \
-      > "$out/profile-$loop-opcodes.log" 2>&1
-    # the static counts of each role's step (its own roles, the two state paths apart) beside the executed ones
-    python3 benchmarks/sass_static.py --ncu "$out/profile-$loop-sass.csv.xz" > "$out/profile-$loop-static.txt" 2>&1
-    tail -6 "$out/profile-$loop-static.txt"
-    python3 benchmarks/sass_wavefronts.py "$out/profile-$loop-sass.csv.xz" --top 12 > "$out/profile-$loop-wavefronts.md" 2>&1
-    head -40 "$out/profile-$loop-stalls.log"
-  done
+  # Nsight Compute on the fused loop with P on its state paths and on the default rso loop (32/32 4096x8)
+  profile_loop fused_state_p
+  profile_loop rso
+elif [ "$part" = fused-state-p-both ]; then
+  # state_p with both of v0.41b's options (notes v0.41c): traced beside each alone, its trace build's GPU test, the op
+  # against the default on whole waves, and Nsight Compute on its loop
+  fused_traces fused-state-p-both 150 state_p_registers_swizzled,state_p_registers,state_p_swizzled,state_p
+  FLASHGDN_TEST_CHUNK_LOOPS=fused_state_p_both gpu_tests gpu-fused-state-p-both 150 2 tests/test_gpu_hopper_forward.py \
+    -k trace_build
+  fwd=flashgdn.kernels.hopper.forward
+  logged fused-state-p-both-vs-default 150 python3 benchmarks/switch_ab.py \
+    --switch "$fwd:DEFAULT_CHUNK_LOOP=rso/fused,$fwd:FUSED_STATE_P,$fwd:FUSED_REGISTER_INVERSE,$fwd:FUSED_SWIZZLED_V" \
+    --heads 32/32,16/16,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --max-diff 1e-2 \
+    --out "$out/fused-state-p-both-vs-default.json"
+  tail -8 "$out/fused-state-p-both-vs-default.log"
+  # the two options against state_p alone, the op in one process (the trace script's loop times, five calls after
+  # one, favour the builds it runs later)
+  FLASHGDN_HOPPER_CHUNK_LOOP=fused FLASHGDN_HOPPER_FUSED_STATE_P=1 logged fused-state-p-both-ab 120 \
+    python3 benchmarks/switch_ab.py --switch "$fwd:FUSED_REGISTER_INVERSE,$fwd:FUSED_SWIZZLED_V" \
+    --heads 32/32,16/32 --seqlens 4096x8 --modes fwd --rounds 2 --max-diff 1e-2 --out "$out/fused-state-p-both-ab.json"
+  tail -4 "$out/fused-state-p-both-ab.log"
+  profile_loop fused_state_p_both
 elif [ "$part" = profile-flashinfer-fwd ]; then
   # Nsight Compute on FlashInfer's forward (PROFILE_SHAPE, 32/32 4096x8): every kernel of its call after the warm-up
   # (an NVTX range: how many it launches is not known here); the one that executes the most read by

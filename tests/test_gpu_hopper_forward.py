@@ -22,8 +22,10 @@ STATE_BAR = 5e-3
 
 #: every chunk loop, or those listed in FLASHGDN_TEST_CHUNK_LOOPS (comma separated) for a quicker run;
 #: "fused_registers" is the fused loop with its inverse by stage 1's register pieces (forward.FUSED_REGISTER_INVERSE),
-#: "fused_state_p" the fused loop with P made by its state paths (forward.FUSED_STATE_P)
-FUSED_OPTIONS = {"fused_registers": "FUSED_REGISTER_INVERSE", "fused_state_p": "FUSED_STATE_P"}
+#: "fused_state_p" the fused loop with P made by its state paths (forward.FUSED_STATE_P), "fused_state_p_both" that with
+#: the register inverse and v's tile swizzled (forward.FUSED_SWIZZLED_V)
+FUSED_OPTIONS = {"fused_registers": ("FUSED_REGISTER_INVERSE",), "fused_state_p": ("FUSED_STATE_P",),
+                 "fused_state_p_both": ("FUSED_STATE_P", "FUSED_REGISTER_INVERSE", "FUSED_SWIZZLED_V")}
 CHUNK_LOOPS = [loop for loop in ("rs", "rsd", "fused", *FUSED_OPTIONS, "uw", "ws", "simple", "rso")
                if loop in os.environ.get("FLASHGDN_TEST_CHUNK_LOOPS", loop).split(",")]
 
@@ -34,8 +36,8 @@ def chunk_loop(request, monkeypatch, cuda):
     from flashgdn.kernels.hopper import forward
 
     monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
-    if request.param in FUSED_OPTIONS:
-        monkeypatch.setattr(forward, FUSED_OPTIONS[request.param], True)
+    for switch in FUSED_OPTIONS.get(request.param, ()):
+        monkeypatch.setattr(forward, switch, True)
     monkeypatch.setattr(forward, "DEFAULT_CHUNK_LOOP", "fused" if request.param in FUSED_OPTIONS else request.param)
     return request.param
 
@@ -296,8 +298,9 @@ def test_fused_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
 
     if chunk_loop not in ("fused", *FUSED_OPTIONS):
         pytest.skip("a build of the fused loop; covered by its parametrisation")
-    registers = chunk_loop == "fused_registers"
-    state_p = chunk_loop == "fused_state_p"
+    registers = chunk_loop in ("fused_registers", "fused_state_p_both")
+    state_p = chunk_loop in ("fused_state_p", "fused_state_p_both")
+    swizzled_v = True if chunk_loop == "fused_state_p_both" else None
     inp = inputs([700, 64, 9], Hqk=2, Hv=8, gate="mixed")
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     cu = inp["cu_seqlens"].to(torch.int32)
@@ -310,7 +313,7 @@ def test_fused_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
         tr = torch.zeros((3, TRACE_CHUNKS, TRACE_POINTS), dtype=torch.int64, device=q.device)
         kernel = build_chunk_forward_rs(2, 8, 128, 128, "bfloat16", True, True, False, True, decayed_k=not state_p,
                                         inverse_in_loop=True, register_inverse=registers, state_p=state_p,
-                                        trace=trace)
+                                        swizzled_v=swizzled_v, trace=trace)
         kernel(q, k, v, g, beta, cu, h0, 0.1, o, ht, *([tr] if trace else []))
         return (o, ht), tr.cpu()
 

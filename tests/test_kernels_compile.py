@@ -83,6 +83,13 @@ EXPLAINED_SPILLS = {
         "the register pieces in the gate warpgroup at its 96 registers, as in the fused loop's own A/B of them (68/84)",
     "chunk_forward_fused_trace_state_p_registers[":
         "100 bytes in its trace build (a diagnostic): the same, and the stamps",
+    "chunk_forward_fused_state_p_registers_swizzled[":
+        "80 bytes in state_p with both options (forward.FUSED_REGISTER_INVERSE and FUSED_SWIZZLED_V, off): the register "
+        "inverse's in the gate warpgroup, as without the swizzle; the state paths' 20 of the swizzled build alone are "
+        "gone at the same 192 registers (read in the SASS by benchmarks/sass_static.py: 26 spill instructions in the "
+        "gate's step, none in the state paths)",
+    "chunk_forward_fused_trace_state_p_registers_swizzled[":
+        "100 bytes in its trace build (a diagnostic): the same, and the stamps",
     "chunk_forward_uw[":
         "4 bytes in the uw chunk loop (forward.CHUNK_LOOP=uw, an A/B loop, not the default) with fast math, the build "
         "that runs (none in PTX made without it, which the report read before notes v0.32c); not read in the SASS",

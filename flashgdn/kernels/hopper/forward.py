@@ -132,6 +132,12 @@ FUSED_REGISTER_INVERSE = os.environ.get("FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE"
 #: FLASHGDN_HOPPER_FUSED_STATE_P=1 turns it on.
 FUSED_STATE_P = os.environ.get("FLASHGDN_HOPPER_FUSED_STATE_P", "0") == "1"
 
+#: The "fused" loop with v's ring tiles in the 128-byte swizzle (``chunk_forward_rs``'s ``swizzled_v``, which every
+#: other rs build has): the state paths' element-wise reads of V^T free of their 4-way bank conflicts. With
+#: FUSED_STATE_P measured 0.91x its loop's time (H100, notes "v0.41b measured"). An A/B of the loop that is not the
+#: default; FLASHGDN_HOPPER_FUSED_SWIZZLED_V=1 turns it on.
+FUSED_SWIZZLED_V = os.environ.get("FLASHGDN_HOPPER_FUSED_SWIZZLED_V", "0") == "1"
+
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
 #: column factors in registers, O staged by stmatrix): the same bits; the op 0.93x-0.96x on one-wave shapes
 #: (``stages-hopper-v0.13b*.json``, ``-v0.13c*.json``). FLASHGDN_HOPPER_RSO_LEAN_OUTPUT=0 for the build before.
@@ -405,7 +411,7 @@ def hopper_forward(
         main = build_chunk_forward_rs(
             Hqk, Hv, K, V, cfg.io_dtype, cfg.has_initial_state, cfg.store_final_state, cfg.state_v_first, True,
             decayed_k=not FUSED_STATE_P, inverse_in_loop=True, register_inverse=FUSED_REGISTER_INVERSE,
-            state_p=FUSED_STATE_P,
+            state_p=FUSED_STATE_P, swizzled_v=FUSED_SWIZZLED_V,
         )
     elif not with_output or chunk_loop in ("rs", "rsd", "rso"):
         main = build_chunk_forward_rs(

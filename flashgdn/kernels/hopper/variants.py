@@ -190,10 +190,11 @@ def forward_variants(Hqk: int, Hv: int, K: int = 128, V: int = 128, dtype: str =
         state_p = {**base, "state_p": True, "decayed_k": False}
         builds = [("", base), ("_registers", {**base, "register_inverse": True}), ("_state_p", state_p)]
         if has_h0 and store_ht and not v_first and dtype == "bfloat16":
-            # state_p's two A/Bs, traced by benchmarks/fused_trace.py only (notes v0.41b): v's tile swizzled, the
-            # gate's inverse by the register pieces
+            # state_p's two A/Bs (notes v0.41b), alone and together: v's tile swizzled, the gate's inverse by the
+            # register pieces
             builds += [("_state_p_swizzled", {**state_p, "swizzled_v": True}),
-                       ("_state_p_registers", {**state_p, "register_inverse": True})]
+                       ("_state_p_registers", {**state_p, "register_inverse": True}),
+                       ("_state_p_registers_swizzled", {**state_p, "register_inverse": True, "swizzled_v": True})]
         for tag, fused in builds:
             yield name.replace("chunk_forward", "chunk_forward_fused" + tag), "chunk_forward_rs", fused
             if has_h0 and store_ht and not v_first:  # its trace build (benchmarks/fused_trace.py), a diagnostic
