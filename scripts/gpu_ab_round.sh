@@ -588,8 +588,8 @@ elif [ "$part" = fused-state-p-both ]; then
     --heads 32/32,16/16,16/32 --seqlens 4096x8,8192x4 --modes fwd --rounds 2 --max-diff 1e-2 \
     --out "$out/fused-state-p-both-vs-default.json"
   tail -8 "$out/fused-state-p-both-vs-default.log"
-  # the two options against state_p alone, the op in one process (the trace script's loop times, five calls after
-  # one, favour the builds it runs later)
+  # the two options against state_p alone, the op side by side (the trace script times each build once, in order,
+  # five calls after one: an order effect there would not show)
   FLASHGDN_HOPPER_CHUNK_LOOP=fused FLASHGDN_HOPPER_FUSED_STATE_P=1 logged fused-state-p-both-ab 120 \
     python3 benchmarks/switch_ab.py --switch "$fwd:FUSED_REGISTER_INVERSE,$fwd:FUSED_SWIZZLED_V" \
     --heads 32/32,16/32 --seqlens 4096x8 --modes fwd --rounds 2 --max-diff 1e-2 --out "$out/fused-state-p-both-ab.json"
