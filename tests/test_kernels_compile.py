@@ -57,13 +57,14 @@ EXPLAINED_SPILLS = {
         "benchmarks/rso_trace.py)",
     "chunk_forward_fused_trace_registers[":
         "the fused loop's trace build with the register-level inverse (a diagnostic, benchmarks/fused_trace.py): its "
-        "build's spill, 76/76 bytes with the stamps",
+        "build's spill, 68/68 bytes with the stamps (76/76 before K K^T by halves)",
     "chunk_forward_fused_registers[":
-        "68/84 bytes (32/32, 2/8, either dtype) in the \"fused\" loop's A/B with the register-level inverse "
+        "60-68/80-88 bytes (32/32, 2/8, either dtype) in the \"fused\" loop's A/B with the register-level inverse "
         "(forward.FUSED_REGISTER_INVERSE, off): the gate warpgroup at its 96 registers, which every other split of the "
         "512 pays for elsewhere (192/88/40 "
         "92/108, 192/80/48 136/136, 192/104/24 76/92 with the producer's; 184/112/32 serialises the state paths' "
-        "wgmma); without registers8 40/60. Measured before any register work on it (notes v0.39a)",
+        "wgmma); without registers8 40/60 (before K K^T by halves of its columns, 68/84 here). Measured before any "
+        "register work on it (notes v0.39a)",
     "chunk_forward_fused_state_p[":
         "4 bytes in the \"fused\" loop's A/B with P made by the state paths (forward.FUSED_STATE_P, off) at 192/96/32: "
         "one value of the gate warpgroup's prologue (at 32/32 its one store and one load are before its chunk loop, "
@@ -79,17 +80,18 @@ EXPLAINED_SPILLS = {
     "chunk_forward_fused_trace_state_p_swizzled[":
         "the same 20 bytes in its trace build (a diagnostic)",
     "chunk_forward_fused_state_p_registers[":
-        "80 bytes in state_p's A/B with the register inverse (notes v0.41b, traced by benchmarks/fused_trace.py only): "
-        "the register pieces in the gate warpgroup at its 96 registers, as in the fused loop's own A/B of them (68/84)",
+        "36 bytes in state_p's A/B with the register inverse (notes v0.41b): the register pieces in the gate warpgroup "
+        "at its 96 registers (80 before K K^T was made by halves of its columns, a 16-register accumulator; notes "
+        "v0.41c)",
     "chunk_forward_fused_trace_state_p_registers[":
-        "100 bytes in its trace build (a diagnostic): the same, and the stamps",
+        "the same 36 bytes in its trace build (a diagnostic)",
     "chunk_forward_fused_state_p_registers_swizzled[":
-        "80 bytes in state_p with both options (forward.FUSED_REGISTER_INVERSE and FUSED_SWIZZLED_V, off): the register "
-        "inverse's in the gate warpgroup, as without the swizzle; the state paths' 20 of the swizzled build alone are "
-        "gone at the same 192 registers (read in the SASS by benchmarks/sass_static.py: 26 spill instructions in the "
-        "gate's step, none in the state paths)",
+        "40 bytes in state_p with both options (forward.FUSED_REGISTER_INVERSE and FUSED_SWIZZLED_V, off): the register "
+        "inverse's in the gate warpgroup; the state paths' 20 of the swizzled build alone are gone at the same 192 "
+        "registers (read in the SASS by benchmarks/sass_static.py at 32/32: 12 spill instructions in the gate's step, "
+        "none before it, none in the state paths; 80 bytes and 26 in the step before K K^T by halves)",
     "chunk_forward_fused_trace_state_p_registers_swizzled[":
-        "100 bytes in its trace build (a diagnostic): the same, and the stamps",
+        "the same 40 bytes in its trace build (a diagnostic)",
     "chunk_forward_uw[":
         "4 bytes in the uw chunk loop (forward.CHUNK_LOOP=uw, an A/B loop, not the default) with fast math, the build "
         "that runs (none in PTX made without it, which the report read before notes v0.32c); not read in the SASS",

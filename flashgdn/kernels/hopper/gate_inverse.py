@@ -31,7 +31,9 @@ build does (``kkt_inverse`` with ``registers16``, ``registers8``, ``merge16_regi
 ~1770 cycles a chunk alone on an H100 against ~3440 for stage 1's default, notes "v0.38e measured"): each of the
 four warps eliminates its 16x16 diagonal block in registers, and the 16 -> 32 and 32 -> 64 merges are fp16
 ``mma.m16n8k16`` from registers and swizzled tiles (``inverse_registers.py``, the same macros as stage 1's). K K^T
-goes from the wgmma's accumulator to a swizzled float32 tile as stage 1 stores it. The barriers between the phases
+goes from the wgmma's accumulator to a swizzled float32 tile as stage 1 stores it, in two 64x32 halves of columns:
+a 16-register accumulator instead of 32 at the gate's 96 registers, where the whole tile's kept values live across the
+wgmma spilled and were reloaded inside the 16x16 elimination (80 bytes of spills in ``state_p``'s build, 36 so). The barriers between the phases
 are TileLang's own over the role's 128 threads (none of the macros branches on the warp around a shared-memory write).
 
 PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_inverse``, ``gated_inverse``.
@@ -146,9 +148,13 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, register
     def gated_inverse_registers(tx, k_s, b_s, gc_s, a_s, st, rb, mark=None):
         # (mark(point): a trace build's stamp after each phase, points 3-6 of chunk_forward_rs.TRACE_POINTS_OF)
         u = tx - first_thread  # the thread's index in the role: its warp and lane, as in stage 1's CTA
-        T.gemm(k_s[st, :, :], k_s[st, :, :], rb.kk_f, transpose_B=True, clear_accum=True)
-        for i, j in T.Parallel(C, C):
+        # K K^T by halves of its columns (k's rows 0..31, then 32..63): half the accumulator's registers
+        T.gemm(k_s[st, :, :], k_s[st, 0:B, :], rb.kk_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, B):
             rb.kk_s[i, ri.kk_col(i, j)] = rb.kk_f[i, j]
+        T.gemm(k_s[st, :, :], k_s[st, B:C, :], rb.kk_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, B):
+            rb.kk_s[i, ri.kk_col(i, B + j)] = rb.kk_f[i, j]
         if mark is not None:
             mark(3)
         ri.eliminate16(rb.kk_s, b_s, rb.d_s, st, u, rb.kr, rb.xr, rb.br, rb.xj, rb.kj)
@@ -174,7 +180,7 @@ def make_gate_inverse(C: int, K: int, io_dtype: str, first_thread: int, register
         T.annotate_layout({d_s: tilelang.layout.make_swizzled_layout(d_s),
                            x32_s: tilelang.layout.make_swizzled_layout(x32_s)})
         return SimpleNamespace(
-            kk_f=T.alloc_fragment((C, C), acc),
+            kk_f=T.alloc_fragment((C, B), acc),  # a half of K K^T's columns
             kk_s=T.alloc_shared((C, C), acc),
             d_s=d_s,
             x32_s=x32_s,
