@@ -32,9 +32,10 @@ build does (``kkt_inverse`` with ``registers16``, ``registers8``, ``merge16_regi
 four warps eliminates its 16x16 diagonal block in registers, and the 16 -> 32 and 32 -> 64 merges are fp16
 ``mma.m16n8k16`` from registers and swizzled tiles (``inverse_registers.py``, the same macros as stage 1's). K K^T
 goes from the wgmma's accumulator to a swizzled float32 tile as stage 1 stores it, in two 64x32 halves of columns:
-a 16-register accumulator instead of 32 at the gate's 96 registers, where the whole tile's kept values live across the
-wgmma spilled and were reloaded inside the 16x16 elimination (80 bytes of spills in ``state_p``'s build, 36 so). The barriers between the phases
-are TileLang's own over the role's 128 threads (none of the macros branches on the warp around a shared-memory write).
+a 16-register accumulator instead of 32 at the gate's 96 registers, where with the whole tile the values kept across
+the wgmma spilled and were reloaded inside the 16x16 elimination (80 bytes of spills in ``state_p``'s build, 36 so).
+The barriers between the phases are TileLang's own over the role's 128 threads (none of the macros branches on the
+warp around a shared-memory write).
 
 PyTorch counterparts: ``flashgdn.reference.chunked.chunk_local_cumsum``, ``kkt_inverse``, ``gated_inverse``.
 """
