@@ -577,9 +577,9 @@ elif [ "$part" = profile-fused-state-p ]; then
   profile_loop fused_state_p
   profile_loop rso
 elif [ "$part" = fused-state-p-both ]; then
-  # state_p with both of v0.41b's options (notes v0.41c): traced beside each alone, its trace build's GPU test, the op
-  # against the default on whole waves, and Nsight Compute on its loop
-  fused_traces fused-state-p-both 150 state_p_registers_swizzled,state_p_registers,state_p_swizzled,state_p
+  # state_p with both of v0.41b's options (notes v0.41c), most telling first: its trace build's GPU test, the op
+  # against the default on whole waves and against state_p alone, Nsight Compute on its loop, then its trace beside
+  # each option alone
   FLASHGDN_TEST_CHUNK_LOOPS=fused_state_p_both gpu_tests gpu-fused-state-p-both 150 2 tests/test_gpu_hopper_forward.py \
     -k trace_build
   fwd=flashgdn.kernels.hopper.forward
@@ -595,6 +595,7 @@ elif [ "$part" = fused-state-p-both ]; then
     --heads 32/32,16/32 --seqlens 4096x8 --modes fwd --rounds 2 --max-diff 1e-2 --out "$out/fused-state-p-both-ab.json"
   tail -4 "$out/fused-state-p-both-ab.log"
   profile_loop fused_state_p_both
+  fused_traces fused-state-p-both 150 state_p_registers_swizzled,state_p_registers,state_p_swizzled,state_p
 elif [ "$part" = profile-flashinfer-fwd ]; then
   # Nsight Compute on FlashInfer's forward (PROFILE_SHAPE, 32/32 4096x8): every kernel of its call after the warm-up
   # (an NVTX range: how many it launches is not known here); the one that executes the most read by
