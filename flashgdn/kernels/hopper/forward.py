@@ -121,8 +121,9 @@ KKT_MERGE32_QUADRANTS = os.environ.get("FLASHGDN_HOPPER_KKT_MERGE32_QUADRANTS", 
 #: The "fused" loop's inverse by stage 1's register-level pieces (``chunk_forward_rs``'s ``register_inverse``: v0.38a,
 #: b, d and e in the gate warpgroup, ~1770 cycles a chunk alone against ~3440 for stage 1's default) instead of its
 #: 16-row substitution. An A/B of the loop that is not the default; measured 1.09x-1.14x the substitution's time and
-#: 1.42x-1.85x the default's on whole waves (notes "v0.39a measured"). FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE=1 turns
-#: it on.
+#: 1.42x-1.85x the default's on whole waves (notes "v0.39a measured"); with FUSED_STATE_P 0.85x-0.86x its loop, and
+#: with FUSED_SWIZZLED_V too the op 0.95x the default's at 32/32 and 16/16 on whole waves (H100, notes "v0.41c
+#: measured"). FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE=1 turns it on.
 FUSED_REGISTER_INVERSE = os.environ.get("FLASHGDN_HOPPER_FUSED_REGISTER_INVERSE", "0") == "1"
 
 #: The "fused" loop with P made by its state paths, a half each, and the update's decay on Vn^T (``chunk_forward_rs``'s
@@ -134,8 +135,8 @@ FUSED_STATE_P = os.environ.get("FLASHGDN_HOPPER_FUSED_STATE_P", "0") == "1"
 
 #: The "fused" loop with v's ring tiles in the 128-byte swizzle (``chunk_forward_rs``'s ``swizzled_v``, which every
 #: other rs build has): the state paths' element-wise reads of V^T free of their 4-way bank conflicts. With
-#: FUSED_STATE_P measured 0.91x its loop's time (H100, notes "v0.41b measured"). An A/B of the loop that is not the
-#: default; FLASHGDN_HOPPER_FUSED_SWIZZLED_V=1 turns it on.
+#: FUSED_STATE_P measured 0.84x-0.91x its loop's time (H100, notes "v0.41b measured"); with FUSED_REGISTER_INVERSE
+#: too, above. An A/B of the loop that is not the default; FLASHGDN_HOPPER_FUSED_SWIZZLED_V=1 turns it on.
 FUSED_SWIZZLED_V = os.environ.get("FLASHGDN_HOPPER_FUSED_SWIZZLED_V", "0") == "1"
 
 #: The rso loop's output path with its element-wise work trimmed (``chunk_forward_rso.py``'s ``lean_output``: row and
