@@ -298,9 +298,10 @@ def test_fused_trace_build_gives_the_same_bits_and_ordered_stamps(chunk_loop):
 
     if chunk_loop not in ("fused", *FUSED_OPTIONS):
         pytest.skip("a build of the fused loop; covered by its parametrisation")
-    registers = chunk_loop in ("fused_registers", "fused_state_p_both")
-    state_p = chunk_loop in ("fused_state_p", "fused_state_p_both")
-    swizzled_v = True if chunk_loop == "fused_state_p_both" else None
+    switches = FUSED_OPTIONS.get(chunk_loop, ())  # the build the operator makes with them
+    registers = "FUSED_REGISTER_INVERSE" in switches
+    state_p = "FUSED_STATE_P" in switches
+    swizzled_v = True if "FUSED_SWIZZLED_V" in switches else None
     inp = inputs([700, 64, 9], Hqk=2, Hv=8, gate="mixed")
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     cu = inp["cu_seqlens"].to(torch.int32)
